@@ -1,0 +1,138 @@
+//! Element types of KV blocks and their conversion to f32.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+/// Storage type of K and V elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvDType {
+    /// IEEE single precision.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl KvDType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            KvDType::F32 => 4,
+            KvDType::F16 | KvDType::Bf16 => 2,
+        }
+    }
+
+    /// Lower-case name used on the command line and in logs.
+    pub const fn name(self) -> &'static str {
+        match self {
+            KvDType::F32 => "f32",
+            KvDType::F16 => "f16",
+            KvDType::Bf16 => "bf16",
+        }
+    }
+
+    /// Parses `f32`, `f16` or `bf16`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Some(KvDType::F32),
+            "f16" | "float16" | "half" => Some(KvDType::F16),
+            "bf16" | "bfloat16" => Some(KvDType::Bf16),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Decodes little-endian elements of `dtype` from `src` into `dst` (`dst.len()` elements).
+///
+/// `src` may be unaligned (it usually comes straight off the wire).
+pub fn decode_to_f32(dtype: KvDType, src: &[u8], dst: &mut [f32]) {
+    debug_assert_eq!(src.len(), dst.len() * dtype.size());
+    match dtype {
+        KvDType::F32 => {
+            for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        KvDType::F16 => match bytemuck::try_cast_slice::<u8, f16>(src) {
+            Ok(h) => h.convert_to_f32_slice(dst),
+            Err(_) => {
+                for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *d = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+        },
+        KvDType::Bf16 => match bytemuck::try_cast_slice::<u8, bf16>(src) {
+            Ok(h) => h.convert_to_f32_slice(dst),
+            Err(_) => {
+                for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *d = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+        },
+    }
+}
+
+/// Encodes `src` as little-endian elements of `dtype` into `dst` (`src.len() * size` bytes).
+pub fn encode_from_f32(dtype: KvDType, src: &[f32], dst: &mut [u8]) {
+    debug_assert_eq!(dst.len(), src.len() * dtype.size());
+    match dtype {
+        KvDType::F32 => {
+            for (s, c) in src.iter().zip(dst.chunks_exact_mut(4)) {
+                c.copy_from_slice(&s.to_le_bytes());
+            }
+        }
+        KvDType::F16 => {
+            for (s, c) in src.iter().zip(dst.chunks_exact_mut(2)) {
+                c.copy_from_slice(&f16::from_f32(*s).to_le_bytes());
+            }
+        }
+        KvDType::Bf16 => {
+            for (s, c) in src.iter().zip(dst.chunks_exact_mut(2)) {
+                c.copy_from_slice(&bf16::from_f32(*s).to_le_bytes());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips() {
+        let v = [0.0f32, 1.5, -2.25, 65504.0, 1e-3];
+        for dt in [KvDType::F32, KvDType::F16, KvDType::Bf16] {
+            let mut bytes = vec![0u8; v.len() * dt.size()];
+            encode_from_f32(dt, &v, &mut bytes);
+            let mut back = vec![0f32; v.len()];
+            decode_to_f32(dt, &bytes, &mut back);
+            for (a, b) in v.iter().zip(&back) {
+                let tol = match dt {
+                    KvDType::F32 => 0.0,
+                    KvDType::F16 => 1e-3,
+                    KvDType::Bf16 => 1e-2,
+                };
+                assert!((a - b).abs() <= tol * a.abs().max(1.0), "{dt} {a} {b}");
+            }
+            // Unaligned input decodes the same.
+            let mut shifted = vec![0u8; bytes.len() + 1];
+            shifted[1..].copy_from_slice(&bytes);
+            let mut back2 = vec![0f32; v.len()];
+            decode_to_f32(dt, &shifted[1..], &mut back2);
+            assert_eq!(back, back2);
+        }
+    }
+
+    #[test]
+    fn parses_names() {
+        assert_eq!(KvDType::parse("BF16"), Some(KvDType::Bf16));
+        assert_eq!(KvDType::parse("f8"), None);
+    }
+}

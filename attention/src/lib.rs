@@ -1,0 +1,51 @@
+//! ScoutAttention: GPU–CPU collaborative block-sparse decode attention.
+//!
+//! The pieces, bottom up:
+//! - [`KvDType`] and [`BlockGeometry`]: how a KV block is laid out (per head, K transposed
+//!   then V), shared with the host pool in `kv-transfer`.
+//! - [`Digest`]: Quest's channel-wise min/max of post-RoPE K per block and head, and its score.
+//! - [`select_top_k`]: the budgeted block selection (sink and newest block always in).
+//! - [`attend_blocks`]: the CPU kernel (one KV head, its whole GQA group, online softmax in
+//!   base 2), producing a [`Partial`]; [`Partial::merge_from`] merges partials exactly.
+//! - [`SeqAttention`]: per-request digests and device residency; plans each layer into a
+//!   device part and a CPU part according to [`AttentionConfig`] ([`Mode`]), and schedules
+//!   periodic recall.
+//!
+//! ```
+//! use attention::{AttentionConfig, BlockGeometry, KvDType, Partial};
+//! let geom = BlockGeometry { block_size: 32, num_kv_heads: 8, head_dim: 128, dtype: KvDType::Bf16 };
+//! assert_eq!(geom.block_bytes(), 8 * 2 * 32 * 128 * 2);
+//! let cfg = AttentionConfig::scout(32);
+//! assert_eq!(cfg.budget_blocks(32), 64);
+//! let mut a = Partial::empty(4, 128);
+//! a.merge_from(&Partial::empty(4, 128));
+//! assert!(a.is_empty());
+//! ```
+//!
+//! Architecture invariant: this crate never touches the network or a model's weights; it
+//! is told queries and KV blocks and answers which blocks to attend where, and the result.
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod block;
+mod digest;
+mod dtype;
+mod kernel;
+mod merge;
+mod policy;
+mod select;
+mod sequence;
+
+pub use block::{BlockGeometry, HeadBlock};
+pub use digest::Digest;
+pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
+pub use kernel::{Scratch, attend_blocks};
+pub use merge::Partial;
+pub use policy::{AttentionConfig, Mode, RecallPolicy};
+pub use select::select_top_k;
+pub use sequence::{HeadPlan, HeadQuery, KvSource, SeqAttention, SeqStats, attend_head};

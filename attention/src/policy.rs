@@ -1,0 +1,91 @@
+//! What the attention engine is asked to do: mode, budget, ablations and recall policy.
+
+/// How attention is split between the device and the CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// All KV on the device, dense attention: the reference.
+    Full,
+    /// HGCA-like: a dense recent window (and the sink) on the device, top-k sparse attention
+    /// over the rest on the CPU, in parallel, no layer-ahead.
+    Hgca,
+    /// InfiniGen-like: selected blocks that are not resident are fetched to the device before
+    /// attention; the CPU never attends.
+    Recall,
+    /// ScoutAttention: selected ∩ resident on the device, the rest of the top-k on the CPU
+    /// (layer-ahead with the predicted query), periodic recall.
+    Scout,
+}
+
+impl Mode {
+    /// Parses `full`, `hgca`, `recall` or `scout`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "full" => Some(Mode::Full),
+            "hgca" => Some(Mode::Hgca),
+            "recall" => Some(Mode::Recall),
+            "scout" => Some(Mode::Scout),
+            _ => None,
+        }
+    }
+
+    /// The name `parse` accepts.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Mode::Full => "full",
+            Mode::Hgca => "hgca",
+            Mode::Recall => "recall",
+            Mode::Scout => "scout",
+        }
+    }
+}
+
+/// When the blocks the CPU has been attending are copied to the device.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RecallPolicy {
+    /// Never.
+    Off,
+    /// Every `n` steps for layer `i` (`intervals[i]`, 0 = never), from an offline profile.
+    Intervals(Vec<u32>),
+    /// Whenever a layer's CPU share of selected tokens passes `threshold` (0..1).
+    Adaptive {
+        /// CPU share above which the layer recalls.
+        threshold: f32,
+    },
+}
+
+/// Configuration of the attention engine, shared by every sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionConfig {
+    /// Split policy.
+    pub mode: Mode,
+    /// Tokens attended per (layer, KV head) in sparse modes.
+    pub budget_tokens: usize,
+    /// Start the CPU part of layer i+1 during layer i from a predicted query (`scout`).
+    pub precompute: bool,
+    /// Periodic recall (`scout`).
+    pub recall: RecallPolicy,
+    /// Rerun the CPU part with the real query, so a full budget equals `full` exactly.
+    pub exact: bool,
+    /// Device-resident blocks allowed per (sequence, layer, KV head) in sparse modes.
+    pub device_blocks_per_head: usize,
+}
+
+impl AttentionConfig {
+    /// The defaults of the paper: budget 2048 tokens, layer-ahead on, adaptive recall at 12%.
+    pub fn scout(block_size: usize) -> Self {
+        let budget_tokens = 2048;
+        Self {
+            mode: Mode::Scout,
+            budget_tokens,
+            precompute: true,
+            recall: RecallPolicy::Adaptive { threshold: 0.12 },
+            exact: false,
+            device_blocks_per_head: budget_tokens.div_ceil(block_size),
+        }
+    }
+
+    /// Budget in blocks (at least the sink and the newest block).
+    pub fn budget_blocks(&self, block_size: usize) -> usize {
+        self.budget_tokens.div_ceil(block_size).max(2)
+    }
+}

@@ -1,0 +1,598 @@
+//! Per-sequence attention state: digests, device residency, planning and recall.
+//!
+//! A [`SeqAttention`] owns, for every (layer, KV head) of one request, the Quest digests of its
+//! blocks and which blocks are resident on the device. Each decode step, for each layer, the
+//! engine asks for a [`HeadPlan`] (which blocks the device attends and which the CPU attends),
+//! runs both parts with [`attend_head`], merges them and calls [`SeqAttention::finish_layer`],
+//! which updates the statistics and schedules recalls.
+
+use crate::block::{BlockGeometry, HeadBlock};
+use crate::digest::Digest;
+use crate::kernel::{Scratch, attend_blocks};
+use crate::merge::Partial;
+use crate::policy::{AttentionConfig, Mode, RecallPolicy};
+use crate::select::select_top_k;
+
+/// Read access to one sequence's KV blocks (the host pool implements it).
+pub trait KvSource: Sync {
+    /// Whole block `block` of `layer` (every KV head, [`BlockGeometry::block_bytes`] bytes).
+    fn block(&self, layer: usize, block: usize) -> &[u8];
+    /// Tokens stored.
+    fn num_tokens(&self) -> usize;
+}
+
+/// Which blocks of one (layer, KV head) each side attends.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HeadPlan {
+    /// Blocks attended on the device (sorted).
+    pub device: Vec<usize>,
+    /// Blocks attended on the CPU (sorted).
+    pub cpu: Vec<usize>,
+}
+
+impl HeadPlan {
+    /// All selected blocks, sorted.
+    pub fn selected(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.device.iter().chain(&self.cpu).copied().collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+/// Counters of one sequence, read by the engine for metrics and `Finish` stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SeqStats {
+    /// Selected tokens over all steps and layers.
+    pub selected_tokens: u64,
+    /// Of those, tokens attended on the CPU.
+    pub cpu_tokens: u64,
+    /// Blocks copied host → device by recall (periodic or on demand).
+    pub recall_blocks: u64,
+    /// Bytes of those copies.
+    pub recall_bytes: u64,
+    /// Blocks selected by the real query that the predicted query also selected.
+    pub prediction_hits: u64,
+    /// Blocks selected by the real query, where a prediction was made.
+    pub prediction_total: u64,
+    /// Sum of cosine(predicted query, real query) over layers with a prediction.
+    pub query_cosine_sum: f64,
+    /// Number of cosines summed.
+    pub query_cosine_count: u64,
+}
+
+impl SeqStats {
+    /// Share of selected tokens attended on the CPU.
+    pub fn cpu_ratio(&self) -> f64 {
+        ratio(self.cpu_tokens, self.selected_tokens)
+    }
+    /// Share of the real selection that the predicted query found.
+    pub fn hit_ratio(&self) -> f64 {
+        ratio(self.prediction_hits, self.prediction_total)
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 { 0.0 } else { a as f64 / b as f64 }
+}
+
+#[derive(Debug, Clone)]
+struct HeadState {
+    digests: Vec<Digest>,
+    resident: Vec<bool>,
+    last_used: Vec<u64>,
+    n_resident: usize,
+    /// Blocks recalled after the last step, resident from the next plan of this layer.
+    pending: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct LayerState {
+    initialised: bool,
+    steps_since_recall: u32,
+    cpu_tokens: u64,
+    selected_tokens: u64,
+}
+
+/// Attention state of one sequence.
+#[derive(Debug)]
+pub struct SeqAttention {
+    geom: BlockGeometry,
+    num_layers: usize,
+    heads: Vec<HeadState>,
+    layers: Vec<LayerState>,
+    num_tokens: usize,
+    step: u64,
+    stats: SeqStats,
+}
+
+impl SeqAttention {
+    /// State for a sequence of `num_tokens` tokens whose digests are
+    /// `digests[layer * num_kv_heads + head][block]`.
+    pub fn new(
+        geom: BlockGeometry,
+        num_layers: usize,
+        num_tokens: usize,
+        digests: Vec<Vec<Digest>>,
+    ) -> Self {
+        debug_assert_eq!(digests.len(), num_layers * geom.num_kv_heads);
+        let heads = digests
+            .into_iter()
+            .map(|d| {
+                let n = d.len();
+                HeadState {
+                    digests: d,
+                    resident: vec![false; n],
+                    last_used: vec![0; n],
+                    n_resident: 0,
+                    pending: Vec::new(),
+                }
+            })
+            .collect();
+        Self {
+            geom,
+            num_layers,
+            heads,
+            layers: vec![LayerState::default(); num_layers],
+            num_tokens,
+            step: 0,
+            stats: SeqStats::default(),
+        }
+    }
+
+    /// Tokens in the sequence.
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> &SeqStats {
+        &self.stats
+    }
+
+    /// Blocks resident on the device, over all layers and heads.
+    pub fn resident_blocks(&self) -> usize {
+        self.heads.iter().map(|h| h.n_resident).sum()
+    }
+
+    /// Bytes of device KV this sequence holds (resident blocks only).
+    pub fn device_bytes(&self) -> usize {
+        self.resident_blocks() * self.geom.head_bytes()
+    }
+
+    /// Adds one token's keys for `layer` (`[num_kv_heads][head_dim]`): extends digests and
+    /// keeps the newest block device-resident (decode writes new KV to the device).
+    /// Call for every layer, then [`SeqAttention::advance`].
+    pub fn append_token(&mut self, cfg: &AttentionConfig, layer: usize, keys: &[f32]) {
+        let d = self.geom.head_dim;
+        let blk = self.num_tokens / self.geom.block_size;
+        for h in 0..self.geom.num_kv_heads {
+            let st = &mut self.heads[layer * self.geom.num_kv_heads + h];
+            if st.digests.len() <= blk {
+                st.digests.push(Digest::new(d));
+                st.resident.push(false);
+                st.last_used.push(self.step);
+            }
+            st.digests[blk].update(&keys[h * d..(h + 1) * d]);
+            if !st.resident[blk] {
+                make_resident(st, blk, self.step, capacity(cfg));
+            }
+        }
+    }
+
+    /// Ends a decode step after [`SeqAttention::append_token`] ran for every layer.
+    pub fn advance(&mut self) {
+        self.num_tokens += 1;
+        self.step += 1;
+    }
+
+    /// Number of blocks (the last may be partly filled).
+    pub fn num_blocks(&self) -> usize {
+        self.geom.blocks_for(self.num_tokens)
+    }
+
+    /// Digest-scored top-k selection for one head (no residency change).
+    pub fn select(
+        &self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        head: usize,
+        q_group: &[f32],
+    ) -> Vec<usize> {
+        let st = &self.heads[layer * self.geom.num_kv_heads + head];
+        let n = self.num_blocks();
+        let scores: Vec<f32> = (0..n)
+            .map(|b| {
+                if b + 1 == n {
+                    0.0
+                } else {
+                    st.digests[b].score(q_group)
+                }
+            })
+            .collect();
+        select_top_k(&scores, cfg.budget_blocks(self.geom.block_size))
+    }
+
+    /// Plans `layer`: for each KV head, the blocks the device and the CPU attend, given
+    /// the query (`[num_kv_heads][G][head_dim]`) used for selection.
+    pub fn plan_layer(&mut self, cfg: &AttentionConfig, layer: usize, q: &[f32]) -> Vec<HeadPlan> {
+        let hk = self.geom.num_kv_heads;
+        let per_head = q.len() / hk;
+        let n = self.num_blocks();
+        let bs = self.geom.block_size;
+        let cap = capacity(cfg);
+        let step = self.step;
+        let first = !self.layers[layer].initialised;
+        self.layers[layer].initialised = true;
+        let mut plans = Vec::with_capacity(hk);
+        for h in 0..hk {
+            let qg = &q[h * per_head..(h + 1) * per_head];
+            let plan = match cfg.mode {
+                Mode::Full => HeadPlan {
+                    device: (0..n).collect(),
+                    cpu: Vec::new(),
+                },
+                Mode::Hgca => {
+                    // Sink and a recent window of half the budget dense on the device; top-k of
+                    // the rest, with the other half of the budget, on the CPU.
+                    let budget = cfg.budget_blocks(bs);
+                    let window = (budget / 2).max(1);
+                    let start = n.saturating_sub(window).max(1).min(n);
+                    let mut device: Vec<usize> = (0..n.min(1)).chain(start..n).collect();
+                    device.dedup();
+                    let st = &self.heads[layer * hk + h];
+                    let mut rest: Vec<(usize, f32)> =
+                        (1..start).map(|b| (b, st.digests[b].score(qg))).collect();
+                    let k = budget.saturating_sub(device.len());
+                    if k < rest.len() {
+                        rest.select_nth_unstable_by(k, |a, b| b.1.total_cmp(&a.1));
+                        rest.truncate(k);
+                    }
+                    let mut cpu: Vec<usize> = rest.into_iter().map(|x| x.0).collect();
+                    cpu.sort_unstable();
+                    HeadPlan { device, cpu }
+                }
+                Mode::Recall | Mode::Scout => {
+                    let sel = self.select(cfg, layer, h, qg);
+                    let st = &mut self.heads[layer * hk + h];
+                    for b in std::mem::take(&mut st.pending) {
+                        if b < st.resident.len() && !st.resident[b] {
+                            make_resident(st, b, step, cap);
+                        }
+                    }
+                    if first || cfg.mode == Mode::Recall {
+                        // First step: fill the device with the prompt's top-k (with sink and
+                        // recent block). Recall mode fetches whatever is missing, every step.
+                        let mut fetched = 0u64;
+                        for &b in &sel {
+                            if !st.resident[b] {
+                                make_resident(st, b, step, cap);
+                                fetched += 1;
+                            }
+                        }
+                        if !first {
+                            self.stats.recall_blocks += fetched;
+                            self.stats.recall_bytes += fetched * self.geom.head_bytes() as u64;
+                        }
+                    }
+                    let (device, cpu): (Vec<usize>, Vec<usize>) =
+                        sel.iter().partition(|b| st.resident[**b]);
+                    for &b in &sel {
+                        st.last_used[b] = step;
+                    }
+                    HeadPlan { device, cpu }
+                }
+            };
+            plans.push(plan);
+        }
+        plans
+    }
+
+    /// Records a layer's plans after its attention ran; schedules recalls (`scout`).
+    pub fn finish_layer(&mut self, cfg: &AttentionConfig, layer: usize, plans: &[HeadPlan]) {
+        let n = self.num_tokens;
+        let bs = self.geom.block_size;
+        let tokens = |b: &usize| (n - b * bs).min(bs) as u64;
+        let sel: u64 = plans
+            .iter()
+            .flat_map(|p| p.device.iter().chain(&p.cpu))
+            .map(tokens)
+            .sum();
+        let cpu: u64 = plans.iter().flat_map(|p| p.cpu.iter()).map(tokens).sum();
+        self.stats.selected_tokens += sel;
+        self.stats.cpu_tokens += cpu;
+        let ls = &mut self.layers[layer];
+        ls.selected_tokens += sel;
+        ls.cpu_tokens += cpu;
+        ls.steps_since_recall += 1;
+        if cfg.mode != Mode::Scout {
+            return;
+        }
+        let due = match &cfg.recall {
+            RecallPolicy::Off => false,
+            RecallPolicy::Intervals(iv) => {
+                let i = iv.get(layer).copied().unwrap_or(0);
+                i > 0 && ls.steps_since_recall >= i
+            }
+            RecallPolicy::Adaptive { threshold } => {
+                sel > 0 && (cpu as f32 / sel as f32) > *threshold
+            }
+        };
+        if !due || cpu == 0 {
+            return;
+        }
+        ls.steps_since_recall = 0;
+        let hk = self.geom.num_kv_heads;
+        for (h, p) in plans.iter().enumerate() {
+            let st = &mut self.heads[layer * hk + h];
+            st.pending.extend(p.cpu.iter().copied());
+            self.stats.recall_blocks += p.cpu.len() as u64;
+            self.stats.recall_bytes += (p.cpu.len() * self.geom.head_bytes()) as u64;
+        }
+    }
+
+    /// Records how well the predicted selection matched the real one, and the query cosine.
+    pub fn record_prediction(
+        &mut self,
+        predicted: &[usize],
+        real: &[usize],
+        q_pred: &[f32],
+        q_real: &[f32],
+    ) {
+        self.stats.prediction_total += real.len() as u64;
+        self.stats.prediction_hits += real
+            .iter()
+            .filter(|b| predicted.binary_search(b).is_ok())
+            .count() as u64;
+        let dot: f64 = q_pred
+            .iter()
+            .zip(q_real)
+            .map(|(a, b)| *a as f64 * *b as f64)
+            .sum();
+        let na: f64 = q_pred
+            .iter()
+            .map(|a| (*a as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let nb: f64 = q_real
+            .iter()
+            .map(|a| (*a as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        if na > 0.0 && nb > 0.0 {
+            self.stats.query_cosine_sum += dot / (na * nb);
+            self.stats.query_cosine_count += 1;
+        }
+    }
+
+    /// Per-layer CPU share so far (for the offline recall profile).
+    pub fn layer_cpu_ratio(&self, layer: usize) -> f64 {
+        let l = &self.layers[layer];
+        ratio(l.cpu_tokens, l.selected_tokens)
+    }
+
+    /// Layers.
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+}
+
+fn capacity(cfg: &AttentionConfig) -> usize {
+    match cfg.mode {
+        Mode::Full => usize::MAX,
+        _ => cfg.device_blocks_per_head.max(2),
+    }
+}
+
+/// Marks `b` resident, evicting the least recently used block (never the sink or the
+/// newest) when the head is at capacity.
+fn make_resident(st: &mut HeadState, b: usize, step: u64, cap: usize) {
+    if st.n_resident >= cap {
+        let newest = st.resident.len() - 1;
+        let victim = (1..st.resident.len())
+            .filter(|&i| st.resident[i] && i != newest && i != b)
+            .min_by_key(|&i| st.last_used[i]);
+        match victim {
+            Some(v) => {
+                st.resident[v] = false;
+                st.n_resident -= 1;
+            }
+            None => return,
+        }
+    }
+    st.resident[b] = true;
+    st.last_used[b] = step;
+    st.n_resident += 1;
+}
+
+/// Which head a query belongs to, the query itself and its softmax scale.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadQuery<'a> {
+    /// Layer.
+    pub layer: usize,
+    /// KV head.
+    pub head: usize,
+    /// `[G][head_dim]`: the GQA group's query heads.
+    pub q: &'a [f32],
+    /// Softmax scale.
+    pub scale: f32,
+}
+
+/// Attends `blocks` of the query's (layer, KV head) from `src`.
+pub fn attend_head(
+    geom: &BlockGeometry,
+    src: &dyn KvSource,
+    query: HeadQuery<'_>,
+    blocks: &[usize],
+    scratch: &mut Scratch,
+) -> Partial {
+    let n = src.num_tokens();
+    let bs = geom.block_size;
+    let range = geom.head_range(query.head);
+    let iter = blocks.iter().filter(|b| **b * bs < n).map(|&b| HeadBlock {
+        bytes: &src.block(query.layer, b)[range.clone()],
+        len: (n - b * bs).min(bs),
+    });
+    attend_blocks(geom, query.q, query.scale, iter, scratch)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::KvDType;
+    use crate::kernel::tests::values;
+
+    /// A single-layer sequence kept in plain vectors.
+    struct Mem {
+        geom: BlockGeometry,
+        blocks: Vec<Vec<u8>>,
+        n: usize,
+    }
+    impl KvSource for Mem {
+        fn block(&self, _layer: usize, block: usize) -> &[u8] {
+            &self.blocks[block]
+        }
+        fn num_tokens(&self) -> usize {
+            self.n
+        }
+    }
+
+    fn setup(n: usize, hk: usize, d: usize, seed: u64) -> (Mem, Vec<Vec<Digest>>, Vec<f32>) {
+        let geom = BlockGeometry {
+            block_size: 16,
+            num_kv_heads: hk,
+            head_dim: d,
+            dtype: KvDType::F32,
+        };
+        let keys = values(seed, n * hk * d, 1.0);
+        let vals = values(seed + 1, n * hk * d, 1.0);
+        let nb = geom.blocks_for(n);
+        let mut blocks = vec![vec![0u8; geom.block_bytes()]; nb];
+        let mut digests = vec![vec![Digest::new(d); nb]; hk];
+        for t in 0..n {
+            for h in 0..hk {
+                let k = &keys[(t * hk + h) * d..(t * hk + h + 1) * d];
+                let v = &vals[(t * hk + h) * d..(t * hk + h + 1) * d];
+                geom.write_token(&mut blocks[t / 16], h, t % 16, k, v);
+                digests[h][t / 16].update(k);
+            }
+        }
+        (Mem { geom, blocks, n }, digests, keys)
+    }
+
+    fn run(cfg: &AttentionConfig, mem: &Mem, seq: &mut SeqAttention, q: &[f32]) -> Vec<Partial> {
+        let plans = seq.plan_layer(cfg, 0, q);
+        let hk = mem.geom.num_kv_heads;
+        let per = q.len() / hk;
+        let mut s = Scratch::default();
+        let out = plans
+            .iter()
+            .enumerate()
+            .map(|(h, p)| {
+                let qg = &q[h * per..(h + 1) * per];
+                let hq = HeadQuery {
+                    layer: 0,
+                    head: h,
+                    q: qg,
+                    scale: 0.125,
+                };
+                let mut a = attend_head(&mem.geom, mem, hq, &p.device, &mut s);
+                a.merge_from(&attend_head(&mem.geom, mem, hq, &p.cpu, &mut s));
+                a
+            })
+            .collect();
+        seq.finish_layer(cfg, 0, &plans);
+        out
+    }
+
+    #[test]
+    fn scout_with_full_budget_equals_full() {
+        let (mem, digests, _) = setup(200, 2, 16, 3);
+        let q = values(9, 2 * 4 * 16, 1.0);
+        let full = AttentionConfig {
+            mode: Mode::Full,
+            ..AttentionConfig::scout(16)
+        };
+        let mut scout = AttentionConfig::scout(16);
+        scout.budget_tokens = 200;
+        // A small device so that part of the selection lands on the CPU.
+        scout.device_blocks_per_head = 4;
+        let a = run(
+            &full,
+            &mem,
+            &mut SeqAttention::new(mem.geom, 1, 200, digests.clone()),
+            &q,
+        );
+        let mut seq = SeqAttention::new(mem.geom, 1, 200, digests);
+        let b = run(&scout, &mem, &mut seq, &q);
+        assert!(
+            seq.stats().cpu_tokens > 0,
+            "test must exercise the CPU side"
+        );
+        for (x, y) in a.iter().zip(&b) {
+            for (u, v) in x.out.iter().zip(&y.out) {
+                assert!((u - v).abs() <= 1e-5 * u.abs().max(1.0), "{u} {v}");
+            }
+        }
+    }
+
+    #[test]
+    fn planted_needle_block_is_selected() {
+        let (mut mem, mut digests, _) = setup(512, 1, 16, 5);
+        let q = values(77, 16, 1.0);
+        // Plant a key aligned with q in block 17.
+        let needle: Vec<f32> = q.iter().map(|x| x * 8.0).collect();
+        let geom = mem.geom;
+        geom.write_token(&mut mem.blocks[17], 0, 5, &needle, &[0.0; 16]);
+        digests[0][17].update(&needle);
+        let mut cfg = AttentionConfig::scout(16);
+        cfg.budget_tokens = 64;
+        let seq = SeqAttention::new(geom, 1, 512, digests);
+        let sel = seq.select(&cfg, 0, 0, &q);
+        assert!(sel.contains(&17), "{sel:?}");
+        assert!(sel.contains(&0) && sel.contains(&31));
+        assert_eq!(sel.len(), 4);
+    }
+
+    #[test]
+    fn adaptive_recall_moves_cpu_blocks_to_the_device() {
+        let (mem, digests, _) = setup(512, 1, 16, 8);
+        let mut cfg = AttentionConfig::scout(16);
+        cfg.budget_tokens = 128;
+        cfg.device_blocks_per_head = 8;
+        let mut seq = SeqAttention::new(mem.geom, 1, 512, digests);
+        // First step fills the device from query a; query b selects other blocks.
+        run(&cfg, &mem, &mut seq, &values(1, 16, 1.0));
+        seq.step += 1;
+        let qb = values(2, 16, 1.0);
+        run(&cfg, &mem, &mut seq, &qb);
+        seq.step += 1;
+        let cpu_before = seq.stats().cpu_tokens;
+        assert!(cpu_before > 0);
+        assert!(seq.stats().recall_blocks > 0);
+        // Same query again: recalled blocks are resident now, so the CPU does nothing.
+        run(&cfg, &mem, &mut seq, &qb);
+        assert_eq!(seq.stats().cpu_tokens, cpu_before);
+        assert!(seq.resident_blocks() <= 8);
+    }
+
+    #[test]
+    fn hgca_covers_window_on_device_and_rest_on_cpu() {
+        let (_mem, digests, _) = setup(320, 1, 8, 4);
+        let mut cfg = AttentionConfig {
+            mode: Mode::Hgca,
+            ..AttentionConfig::scout(16)
+        };
+        cfg.budget_tokens = 128;
+        let geom = BlockGeometry {
+            block_size: 16,
+            num_kv_heads: 1,
+            head_dim: 8,
+            dtype: KvDType::F32,
+        };
+        let mut seq = SeqAttention::new(geom, 1, 320, digests);
+        let p = &seq.plan_layer(&cfg, 0, &values(3, 8, 1.0))[0];
+        assert_eq!(p.device, vec![0, 16, 17, 18, 19]);
+        assert_eq!(p.cpu.len(), 3);
+        assert!(p.cpu.iter().all(|b| (1..16).contains(b)));
+    }
+}

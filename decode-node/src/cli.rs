@@ -1,0 +1,314 @@
+//! Command line of `decode-node`. Every flag also reads `DECODE_NODE_<FLAG>` from the environment.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Decode node for prefill–decode disaggregated LLM serving.
+///
+/// Prefill nodes push a prompt's KV cache over gRPC (KvTransfer.PushKv) into host DRAM;
+/// this node decodes with ScoutAttention (hot KV blocks on the device, the rest attended on
+/// the CPU, merged exactly) and streams tokens to the orchestrator (Decode.Generate).
+#[derive(Debug, Parser)]
+#[command(name = "decode-node", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, env = "DECODE_NODE_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"], global = true)]
+    pub log_format: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the decode node: KvTransfer and Decode over gRPC, metrics over HTTP.
+    Serve(ServeArgs),
+    /// Reference prefill node: run a prompt through the model and push its KV to a node.
+    Prefill(PrefillArgs),
+    /// Orchestrator client: start a generation on a node and print tokens as they stream.
+    Generate(GenerateArgs),
+    /// Serve, prefill and generate in one process on the embedded model; prints a summary.
+    Demo(DemoArgs),
+    /// Benchmarks that report ratios against a bound measured in the same run.
+    Bench(BenchArgs),
+    /// Write a random-weight model in Hugging Face format (config.json, model.safetensors).
+    MakeModel(MakeModelArgs),
+}
+
+/// Model and attention settings shared by every command that runs the model.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// Model: a Hugging Face model directory, or `tiny` (embedded deterministic model).
+    #[arg(long, env = "DECODE_NODE_MODEL", default_value = "tiny")]
+    pub model: String,
+    /// Compute device: `cpu`, or `cuda[:N]` (needs a build with `--features cuda`).
+    #[arg(long, env = "DECODE_NODE_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Attention split: `scout`, `full` (all KV on device), `hgca`, `recall`.
+    #[arg(long, env = "DECODE_NODE_ATTENTION", default_value = "scout", value_parser = ["scout", "full", "hgca", "recall"])]
+    pub attention: String,
+    /// Tokens per KV block.
+    #[arg(long, env = "DECODE_NODE_BLOCK_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub block_size: u32,
+    /// Tokens attended per layer and KV head in sparse modes.
+    #[arg(long, env = "DECODE_NODE_BUDGET_TOKENS", default_value_t = 2048)]
+    pub budget_tokens: u32,
+    /// Turn off layer-ahead CPU pre-computation (`scout` ablation).
+    #[arg(long, env = "DECODE_NODE_NO_PRECOMPUTE")]
+    pub no_precompute: bool,
+    /// Turn off periodic recall (`scout` ablation).
+    #[arg(long, env = "DECODE_NODE_NO_RECALL")]
+    pub no_recall: bool,
+    /// Recall a layer's CPU blocks when its CPU share of selected tokens passes this.
+    #[arg(long, env = "DECODE_NODE_RECALL_THRESHOLD", default_value_t = 0.12)]
+    pub recall_threshold: f32,
+    /// Rerun the CPU part with the real query (so a full budget equals `full` exactly).
+    #[arg(long, env = "DECODE_NODE_EXACT")]
+    pub exact: bool,
+    /// Host KV storage type: `auto` (the model's dtype), `f32`, `f16`, `bf16`.
+    #[arg(long, env = "DECODE_NODE_KV_DTYPE", default_value = "auto")]
+    pub kv_dtype: String,
+}
+
+/// `serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// gRPC listen address (KvTransfer, Decode, health, reflection).
+    #[arg(long, env = "DECODE_NODE_GRPC_ADDR", default_value = "127.0.0.1:50051")]
+    pub grpc_addr: SocketAddr,
+    /// HTTP listen address for `/metrics`, `/live` and `/health`.
+    #[arg(
+        long,
+        env = "DECODE_NODE_METRICS_ADDR",
+        default_value = "127.0.0.1:9091"
+    )]
+    pub metrics_addr: SocketAddr,
+    /// Host DRAM reserved for the KV pool (bytes; suffixes K, M, G, Ki, Mi, Gi).
+    #[arg(long, env = "DECODE_NODE_HOST_KV_BYTES", default_value = "1Gi", value_parser = parse_bytes)]
+    pub host_kv_bytes: u64,
+    /// Device memory for resident KV blocks (bytes; suffixes as above).
+    #[arg(long, env = "DECODE_NODE_DEVICE_KV_BYTES", default_value = "256Mi", value_parser = parse_bytes)]
+    pub device_kv_bytes: u64,
+    /// Seconds committed KV waits for its Generate before it is freed.
+    #[arg(long, env = "DECODE_NODE_KV_LEASE", default_value_t = 60.0)]
+    pub kv_lease: f64,
+    /// Requests decoded together at most.
+    #[arg(long, env = "DECODE_NODE_MAX_BATCH", default_value_t = 64)]
+    pub max_batch: u32,
+    /// Seconds to finish running requests after SIGTERM before exiting.
+    #[arg(long, env = "DECODE_NODE_DRAIN_TIMEOUT", default_value_t = 30.0)]
+    pub drain_timeout: f64,
+    /// File holding the bearer token every RPC but health must carry.
+    #[arg(long, env = "DECODE_NODE_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<PathBuf>,
+    /// TLS certificate chain (PEM).
+    #[arg(long, env = "DECODE_NODE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(long, env = "DECODE_NODE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// CA (PEM) whose client certificates are required (mTLS).
+    #[arg(long, env = "DECODE_NODE_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+}
+
+/// `prefill`.
+#[derive(Debug, Clone, Args)]
+pub struct PrefillArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Decode node to push to, e.g. `http://127.0.0.1:50051`.
+    #[arg(long, env = "DECODE_NODE_TARGET")]
+    pub target: String,
+    /// Prompt text.
+    #[arg(long, conflicts_with = "prompt_tokens")]
+    pub prompt: Option<String>,
+    /// Instead of text, a synthetic prompt of this many tokens.
+    #[arg(long)]
+    pub prompt_tokens: Option<u32>,
+    /// Request id (a random one is made when absent).
+    #[arg(long)]
+    pub request_id: Option<String>,
+    /// File holding the bearer token.
+    #[arg(long, env = "DECODE_NODE_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<PathBuf>,
+}
+
+/// `generate`.
+#[derive(Debug, Clone, Args)]
+pub struct GenerateArgs {
+    /// Decode node, e.g. `http://127.0.0.1:50051`.
+    #[arg(long, env = "DECODE_NODE_TARGET")]
+    pub target: String,
+    /// Request whose KV was (or will be) pushed.
+    #[arg(long)]
+    pub request_id: String,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: u32,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass (0 or 1 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub top_p: f32,
+    /// Top-k sampling (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep going past EOS.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Milliseconds to wait for the KV push (0 = server default).
+    #[arg(long, default_value_t = 0)]
+    pub kv_timeout_ms: u32,
+    /// Print token ids, not text.
+    #[arg(long)]
+    pub ids: bool,
+    /// File holding the bearer token.
+    #[arg(long, env = "DECODE_NODE_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<PathBuf>,
+}
+
+/// `demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt text.
+    #[arg(
+        long,
+        default_value = "The decode node streams tokens while the prefill node"
+    )]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 48)]
+    pub max_new_tokens: u32,
+}
+
+/// `bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// What to measure: `kernels`, `ingest`, `decode`, `recall-profile`.
+    #[arg(value_parser = ["kernels", "ingest", "decode", "recall-profile"])]
+    pub what: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Context lengths for `decode`, e.g. `8k,32k`.
+    #[arg(long, default_value = "2k")]
+    pub context: String,
+    /// Seconds to spend per measurement.
+    #[arg(long, default_value_t = 1.0)]
+    pub seconds: f64,
+    /// Threads for `kernels`.
+    #[arg(long, default_value = "1,2")]
+    pub threads: String,
+    /// GiB to push for `ingest`.
+    #[arg(long, default_value_t = 1.0)]
+    pub gib: f64,
+}
+
+/// `make-model`.
+#[derive(Debug, Clone, Args)]
+pub struct MakeModelArgs {
+    /// Output directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Architecture family.
+    #[arg(long, default_value = "llama", value_parser = ["llama", "qwen2", "qwen3", "mistral"])]
+    pub arch: String,
+    /// Named geometry: `tiny`, `small`, `qwen3-8b`, `qwen3-14b`, `llama3-8b`; flags override it.
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Hidden size.
+    #[arg(long)]
+    pub hidden_size: Option<usize>,
+    /// MLP intermediate size.
+    #[arg(long)]
+    pub intermediate_size: Option<usize>,
+    /// Layers.
+    #[arg(long)]
+    pub num_layers: Option<usize>,
+    /// Query heads.
+    #[arg(long)]
+    pub num_heads: Option<usize>,
+    /// KV heads (GQA when fewer than query heads).
+    #[arg(long)]
+    pub num_kv_heads: Option<usize>,
+    /// Head dimension (default hidden / heads).
+    #[arg(long)]
+    pub head_dim: Option<usize>,
+    /// Vocabulary size.
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
+    /// Tie the LM head to the embeddings.
+    #[arg(long)]
+    pub tie_word_embeddings: Option<bool>,
+    /// RoPE base.
+    #[arg(long)]
+    pub rope_theta: Option<f64>,
+    /// Weight dtype: f32, f16, bf16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Parses a byte count with an optional K/M/G (decimal) or Ki/Mi/Gi (binary) suffix.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("not a byte count: {s:?}"))?;
+    let mult: f64 = match unit.trim().trim_end_matches(['B', 'b']) {
+        "" => 1.0,
+        "K" | "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "Ki" => 1024.0,
+        "Mi" => 1024.0 * 1024.0,
+        "Gi" => 1024.0 * 1024.0 * 1024.0,
+        "Ti" => 1024.0f64.powi(4),
+        u => return Err(format!("unknown byte unit {u:?} in {s:?}")),
+    };
+    if n.is_nan() || n < 0.0 || !(n * mult).is_finite() {
+        return Err(format!("not a byte count: {s:?}"));
+    }
+    Ok((n * mult) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn byte_counts() {
+        assert_eq!(parse_bytes("1Gi"), Ok(1 << 30));
+        assert_eq!(parse_bytes("256Mi"), Ok(256 << 20));
+        assert_eq!(parse_bytes("2G"), Ok(2_000_000_000));
+        assert_eq!(parse_bytes("1024"), Ok(1024));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("-1").is_err());
+        assert!(parse_bytes("1Q").is_err());
+    }
+}
