@@ -1,0 +1,98 @@
+//! The one error type of this crate and its gRPC mapping.
+
+use tonic::{Code, Status};
+
+/// What can go wrong in the pool, an ingest or a claim.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum Error {
+    /// The pool could not be built as configured.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The host KV pool cannot hold the request.
+    #[error("host KV pool exhausted: need {needed} bytes, {free} free")]
+    Exhausted {
+        /// Bytes the request needs.
+        needed: u64,
+        /// Bytes not yet promised.
+        free: u64,
+    },
+    /// A malformed message: bad shape, range, CRC, order, duplicate chunk.
+    #[error("{0}")]
+    Invalid(String),
+    /// The push does not match this node's model or KV layout; names the field.
+    #[error("{field} mismatch: node has {expected}, push has {got}")]
+    Mismatch {
+        /// The header field that differs.
+        field: &'static str,
+        /// This node's value.
+        expected: String,
+        /// The pushed value.
+        got: String,
+    },
+    /// The request id already holds KV (or is being pushed) on this node.
+    #[error("request {0:?} already exists on this node")]
+    AlreadyExists(String),
+    /// No KV for this request id.
+    #[error("no KV for request {0:?}")]
+    NotFound(String),
+    /// Waiting for a request's KV took longer than allowed.
+    #[error("KV for request {0:?} did not arrive in time")]
+    Timeout(String),
+    /// The push or the request was cancelled (DropKv, Cancel, client gone).
+    #[error("request {0:?} was cancelled")]
+    Cancelled(String),
+    /// The node is draining and admits no new work.
+    #[error("node is draining")]
+    Draining,
+}
+
+impl Error {
+    /// The gRPC code a client can act on; also the `code` label of error metrics.
+    pub fn code(&self) -> Code {
+        match self {
+            Error::Config(_) => Code::Internal,
+            Error::Exhausted { .. } => Code::ResourceExhausted,
+            Error::Invalid(_) => Code::InvalidArgument,
+            Error::Mismatch { .. } => Code::FailedPrecondition,
+            Error::AlreadyExists(_) => Code::AlreadyExists,
+            Error::NotFound(_) => Code::NotFound,
+            Error::Timeout(_) => Code::DeadlineExceeded,
+            Error::Cancelled(_) => Code::Cancelled,
+            Error::Draining => Code::Unavailable,
+        }
+    }
+
+    /// Lower-case label of [`Error::code`] for metrics (`invalid_argument`, …).
+    pub fn code_label(&self) -> &'static str {
+        code_label(self.code())
+    }
+}
+
+/// Lower-case snake name of a gRPC code, for metric labels.
+pub fn code_label(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "ok",
+        Code::Cancelled => "cancelled",
+        Code::Unknown => "unknown",
+        Code::InvalidArgument => "invalid_argument",
+        Code::DeadlineExceeded => "deadline_exceeded",
+        Code::NotFound => "not_found",
+        Code::AlreadyExists => "already_exists",
+        Code::PermissionDenied => "permission_denied",
+        Code::ResourceExhausted => "resource_exhausted",
+        Code::FailedPrecondition => "failed_precondition",
+        Code::Aborted => "aborted",
+        Code::OutOfRange => "out_of_range",
+        Code::Unimplemented => "unimplemented",
+        Code::Internal => "internal",
+        Code::Unavailable => "unavailable",
+        Code::DataLoss => "data_loss",
+        Code::Unauthenticated => "unauthenticated",
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Self {
+        Status::new(e.code(), e.to_string())
+    }
+}

@@ -1,0 +1,529 @@
+//! The `PushKv` state machine: header, chunks, commit — strict and leak-free.
+//!
+//! [`Ingest`] is fed one message at a time by the service (or a test, or the fuzzer). It
+//! reserves the whole request's blocks at the header, writes each chunk into its blocks in
+//! the pool's layout and dtype while folding keys into the digests, and on commit hands a
+//! [`CommittedKv`] to the registry. Dropping an unfinished `Ingest` frees everything.
+
+use attention::{BlockGeometry, Digest, KvDType, KvSource, decode_to_f32};
+use decode_node_proto::v1::{DType, KvChunk, KvHeader};
+
+use crate::pool::{Block, HostPool, Reservation};
+use crate::{Error, KvLayout};
+
+/// Longest request id accepted.
+pub const MAX_REQUEST_ID_LEN: usize = 256;
+
+/// A validated header: what the pushed KV claims to be.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptInfo {
+    /// Request id.
+    pub request_id: String,
+    /// Prompt token ids (`num_tokens`).
+    pub prompt_token_ids: Vec<u32>,
+    /// The token decode feeds first.
+    pub next_token_id: u32,
+    /// Wire dtype of the chunks.
+    pub wire_dtype: KvDType,
+}
+
+/// One request's KV in the host pool: `blocks[layer][block]`, digests per (layer, KV head).
+#[derive(Debug)]
+pub struct CommittedKv {
+    /// What the header said.
+    pub info: PromptInfo,
+    geom: BlockGeometry,
+    num_layers: usize,
+    num_tokens: usize,
+    blocks: Vec<Vec<Block>>,
+    digests: Vec<Vec<Digest>>,
+    /// Blocks promised for decode growth (see [`CommittedKv::grow`]).
+    growth: Option<Reservation>,
+}
+
+impl CommittedKv {
+    /// Tokens held.
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+
+    /// Layers.
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    /// Block geometry.
+    pub fn geometry(&self) -> &BlockGeometry {
+        &self.geom
+    }
+
+    /// Takes the digests out (the attention engine owns them from here on).
+    pub fn take_digests(&mut self) -> Vec<Vec<Digest>> {
+        std::mem::take(&mut self.digests)
+    }
+
+    /// Bytes of pool blocks held (and promised for growth).
+    pub fn bytes(&self) -> u64 {
+        let held: usize = self.blocks.iter().map(Vec::len).sum();
+        let promised = self.growth.as_ref().map_or(0, Reservation::remaining);
+        ((held + promised) * self.geom.block_bytes()) as u64
+    }
+
+    /// Attaches a reservation that later [`CommittedKv::append`]s draw new blocks from.
+    pub fn grow(&mut self, r: Reservation) {
+        match &mut self.growth {
+            Some(g) => g.absorb(r),
+            None => self.growth = Some(r),
+        }
+    }
+
+    /// Blocks needed to hold `extra` more tokens in every layer.
+    pub fn blocks_to_grow(&self, extra: usize) -> usize {
+        let have = self.geom.blocks_for(self.num_tokens);
+        (self.geom.blocks_for(self.num_tokens + extra) - have) * self.num_layers
+    }
+
+    /// Appends one token's K and V (`[num_kv_heads][head_dim]` f32 each) to `layer`.
+    /// Call for every layer, then [`CommittedKv::advance`].
+    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), Error> {
+        let (b, d) = (self.geom.block_size, self.geom.head_dim);
+        let pos = self.num_tokens;
+        if pos / b >= self.blocks[layer].len() {
+            let blk = self
+                .growth
+                .as_mut()
+                .and_then(Reservation::take)
+                .ok_or_else(|| Error::Exhausted {
+                    needed: self.geom.block_bytes() as u64,
+                    free: 0,
+                })?;
+            self.blocks[layer].push(blk);
+        }
+        let block = self.blocks[layer][pos / b].bytes_mut();
+        for h in 0..self.geom.num_kv_heads {
+            self.geom.write_token(
+                block,
+                h,
+                pos % b,
+                &k[h * d..(h + 1) * d],
+                &v[h * d..(h + 1) * d],
+            );
+        }
+        Ok(())
+    }
+
+    /// Ends a token after [`CommittedKv::append`] ran for every layer.
+    pub fn advance(&mut self) {
+        self.num_tokens += 1;
+    }
+}
+
+impl KvSource for CommittedKv {
+    fn block(&self, layer: usize, block: usize) -> &[u8] {
+        self.blocks[layer][block].bytes()
+    }
+    fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+}
+
+/// Progress of one push.
+#[derive(Debug)]
+pub struct Ingest {
+    layout: KvLayout,
+    info: PromptInfo,
+    num_tokens: usize,
+    blocks: Vec<Vec<Block>>,
+    digests: Vec<Vec<Digest>>,
+    /// Per layer, one bit per token already written.
+    covered: Vec<Vec<u64>>,
+    remaining: usize,
+    /// Payload bytes accepted.
+    pub bytes_received: u64,
+    /// Chunks accepted.
+    pub chunks_received: u32,
+    scratch_k: Vec<f32>,
+    scratch_v: Vec<f32>,
+}
+
+fn wire_dtype(d: i32) -> Result<KvDType, Error> {
+    match DType::try_from(d) {
+        Ok(DType::DtypeF32) => Ok(KvDType::F32),
+        Ok(DType::DtypeF16) => Ok(KvDType::F16),
+        Ok(DType::DtypeBf16) => Ok(KvDType::Bf16),
+        _ => Err(Error::Invalid(format!(
+            "header dtype {d} is not DTYPE_F32, DTYPE_F16 or DTYPE_BF16"
+        ))),
+    }
+}
+
+fn check_field<E, G>(field: &'static str, expected: E, got: G) -> Result<(), Error>
+where
+    E: ToString + PartialEq<G>,
+    G: ToString,
+{
+    if expected == got {
+        Ok(())
+    } else {
+        Err(Error::Mismatch {
+            field,
+            expected: expected.to_string(),
+            got: got.to_string(),
+        })
+    }
+}
+
+/// Checks a header against the node's layout, without touching the pool.
+pub fn validate_header(layout: &KvLayout, h: &KvHeader) -> Result<PromptInfo, Error> {
+    if h.request_id.is_empty() {
+        return Err(Error::Invalid("header request_id is empty".into()));
+    }
+    if h.request_id.len() > MAX_REQUEST_ID_LEN {
+        return Err(Error::Invalid(format!(
+            "header request_id is longer than {MAX_REQUEST_ID_LEN} bytes"
+        )));
+    }
+    check_field("model_id", layout.model_id.as_str(), h.model_id.as_str())?;
+    check_field("num_layers", layout.num_layers as u32, h.num_layers)?;
+    check_field(
+        "num_kv_heads",
+        layout.geom.num_kv_heads as u32,
+        h.num_kv_heads,
+    )?;
+    check_field("head_dim", layout.geom.head_dim as u32, h.head_dim)?;
+    let wire = wire_dtype(h.dtype)?;
+    if h.num_tokens == 0 {
+        return Err(Error::Invalid("header num_tokens is 0".into()));
+    }
+    if h.num_tokens as usize >= layout.max_context {
+        return Err(Error::Invalid(format!(
+            "header num_tokens {} leaves no room to decode within the model's context of {}",
+            h.num_tokens, layout.max_context
+        )));
+    }
+    if h.prompt_token_ids.len() != h.num_tokens as usize {
+        return Err(Error::Invalid(format!(
+            "header has {} prompt_token_ids for num_tokens {}",
+            h.prompt_token_ids.len(),
+            h.num_tokens
+        )));
+    }
+    let vocab = layout.vocab_size as u32;
+    if let Some(bad) = h
+        .prompt_token_ids
+        .iter()
+        .chain([&h.next_token_id])
+        .find(|t| **t >= vocab)
+    {
+        return Err(Error::Invalid(format!(
+            "token id {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    Ok(PromptInfo {
+        request_id: h.request_id.clone(),
+        prompt_token_ids: h.prompt_token_ids.clone(),
+        next_token_id: h.next_token_id,
+        wire_dtype: wire,
+    })
+}
+
+impl Ingest {
+    /// Validates `header` and reserves and takes every block the prompt needs.
+    pub fn begin(layout: &KvLayout, pool: &HostPool, header: &KvHeader) -> Result<Self, Error> {
+        let info = validate_header(layout, header)?;
+        let geom = layout.geom;
+        let n = header.num_tokens as usize;
+        let per_layer = geom.blocks_for(n);
+        let mut r = pool.reserve(per_layer * layout.num_layers)?;
+        let blocks = (0..layout.num_layers)
+            .map(|_| {
+                (0..per_layer)
+                    .map(|_| {
+                        r.take()
+                            .ok_or_else(|| Error::Config("reservation short".into()))
+                    })
+                    .collect()
+            })
+            .collect::<Result<Vec<Vec<Block>>, Error>>()?;
+        let hk = geom.num_kv_heads;
+        Ok(Self {
+            layout: layout.clone(),
+            info,
+            num_tokens: n,
+            blocks,
+            digests: vec![vec![Digest::new(geom.head_dim); per_layer]; layout.num_layers * hk],
+            covered: vec![vec![0u64; n.div_ceil(64)]; layout.num_layers],
+            remaining: n * layout.num_layers,
+            bytes_received: 0,
+            chunks_received: 0,
+            scratch_k: Vec::new(),
+            scratch_v: Vec::new(),
+        })
+    }
+
+    /// The request id.
+    pub fn request_id(&self) -> &str {
+        &self.info.request_id
+    }
+
+    /// Bytes of pool blocks this push holds.
+    pub fn bytes_held(&self) -> u64 {
+        (self.blocks.iter().map(Vec::len).sum::<usize>() * self.layout.geom.block_bytes()) as u64
+    }
+
+    /// Validates and writes one chunk.
+    pub fn chunk(&mut self, c: &KvChunk) -> Result<(), Error> {
+        let geom = self.layout.geom;
+        let (hk, d) = (geom.num_kv_heads, geom.head_dim);
+        if c.layer as usize >= self.layout.num_layers {
+            return Err(Error::Invalid(format!(
+                "chunk layer {} >= num_layers {}",
+                c.layer, self.layout.num_layers
+            )));
+        }
+        let (start, count) = (c.token_start as usize, c.token_count as usize);
+        if count == 0
+            || start
+                .checked_add(count)
+                .is_none_or(|end| end > self.num_tokens)
+        {
+            return Err(Error::Invalid(format!(
+                "chunk tokens [{start}, {start}+{count}) outside the prompt's {} tokens",
+                self.num_tokens
+            )));
+        }
+        let es = self.info.wire_dtype.size();
+        let want = count * hk * d * es;
+        if c.key.len() != want || c.value.len() != want {
+            return Err(Error::Invalid(format!(
+                "chunk of {count} tokens needs {want} key and value bytes ({count}x{hk}x{d}x{es}), got {} and {}",
+                c.key.len(),
+                c.value.len()
+            )));
+        }
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&c.key), &c.value);
+        if crc != c.crc32c {
+            return Err(Error::Invalid(format!(
+                "chunk layer {} tokens [{start}, {}) CRC-32C mismatch: computed {crc:#010x}, sent {:#010x}",
+                c.layer,
+                start + count,
+                c.crc32c
+            )));
+        }
+        let layer = c.layer as usize;
+        let cov = &mut self.covered[layer];
+        if (start..start + count).any(|t| cov[t / 64] >> (t % 64) & 1 == 1) {
+            return Err(Error::Invalid(format!(
+                "chunk layer {layer} tokens [{start}, {}) overlaps tokens already sent",
+                start + count
+            )));
+        }
+        for t in start..start + count {
+            cov[t / 64] |= 1 << (t % 64);
+        }
+
+        self.scratch_k.resize(count * hk * d, 0.0);
+        self.scratch_v.resize(count * hk * d, 0.0);
+        decode_to_f32(self.info.wire_dtype, &c.key, &mut self.scratch_k);
+        decode_to_f32(self.info.wire_dtype, &c.value, &mut self.scratch_v);
+        let b = geom.block_size;
+        for t in 0..count {
+            let pos = start + t;
+            let block = self.blocks[layer][pos / b].bytes_mut();
+            for h in 0..hk {
+                let at = (t * hk + h) * d;
+                let k = &self.scratch_k[at..at + d];
+                geom.write_token(block, h, pos % b, k, &self.scratch_v[at..at + d]);
+                self.digests[layer * hk + h][pos / b].update(k);
+            }
+        }
+        self.remaining -= count;
+        self.bytes_received += (2 * want) as u64;
+        self.chunks_received += 1;
+        Ok(())
+    }
+
+    /// Finishes the push: every (layer, token) must have been sent.
+    pub fn commit(self) -> Result<CommittedKv, Error> {
+        if self.remaining != 0 {
+            return Err(Error::Invalid(format!(
+                "commit with {} of {} (layer, token) pairs not sent",
+                self.remaining,
+                self.num_tokens * self.layout.num_layers
+            )));
+        }
+        Ok(CommittedKv {
+            info: self.info,
+            geom: self.layout.geom,
+            num_layers: self.layout.num_layers,
+            num_tokens: self.num_tokens,
+            blocks: self.blocks,
+            digests: self.digests,
+            growth: None,
+        })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use attention::encode_from_f32;
+    use bytes::Bytes;
+
+    pub(crate) fn layout() -> KvLayout {
+        KvLayout {
+            model_id: "m1".into(),
+            num_layers: 2,
+            geom: BlockGeometry {
+                block_size: 4,
+                num_kv_heads: 2,
+                head_dim: 4,
+                dtype: KvDType::F32,
+            },
+            vocab_size: 100,
+            max_context: 1000,
+        }
+    }
+
+    pub(crate) fn header(id: &str, n: u32) -> KvHeader {
+        KvHeader {
+            request_id: id.into(),
+            model_id: "m1".into(),
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 4,
+            dtype: DType::DtypeF16 as i32,
+            num_tokens: n,
+            prompt_token_ids: (0..n).map(|i| i % 100).collect(),
+            next_token_id: 5,
+        }
+    }
+
+    /// Value of K (or V when `v`) at (layer, token, head, channel): distinct and exact in f16.
+    pub(crate) fn val(layer: usize, t: usize, h: usize, c: usize, v: bool) -> f32 {
+        ((layer * 1000 + t * 16 + h * 4 + c) % 2000) as f32 * if v { -0.25 } else { 0.5 }
+    }
+
+    pub(crate) fn chunk(layer: usize, start: usize, count: usize) -> KvChunk {
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        for t in start..start + count {
+            for h in 0..2 {
+                for c in 0..4 {
+                    k.push(val(layer, t, h, c, false));
+                    v.push(val(layer, t, h, c, true));
+                }
+            }
+        }
+        let mut kb = vec![0u8; k.len() * 2];
+        let mut vb = vec![0u8; v.len() * 2];
+        encode_from_f32(KvDType::F16, &k, &mut kb);
+        encode_from_f32(KvDType::F16, &v, &mut vb);
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&kb), &vb);
+        KvChunk {
+            layer: layer as u32,
+            token_start: start as u32,
+            token_count: count as u32,
+            key: Bytes::from(kb),
+            value: Bytes::from(vb),
+            crc32c: crc,
+        }
+    }
+
+    fn pool() -> HostPool {
+        HostPool::new(layout().geom, 64 * layout().geom.block_bytes() as u64).unwrap()
+    }
+
+    #[test]
+    fn chunks_land_in_blocks_and_digests() {
+        let pool = pool();
+        let mut ing = Ingest::begin(&layout(), &pool, &header("a", 6)).unwrap();
+        assert_eq!(pool.usage().used, 4 * layout().geom.block_bytes() as u64);
+        ing.chunk(&chunk(1, 2, 4)).unwrap();
+        ing.chunk(&chunk(0, 0, 6)).unwrap();
+        assert!(
+            matches!(ing.chunk(&chunk(1, 0, 3)), Err(Error::Invalid(m)) if m.contains("overlaps"))
+        );
+        ing.chunk(&chunk(1, 0, 2)).unwrap();
+        let mut kv = ing.commit().unwrap();
+        // Token 5 of layer 1, head 1 sits in block 1, slot 1: K^T[c][1], V[1][c].
+        let g = layout().geom;
+        let blk = kv.block(1, 1);
+        let head = &blk[g.head_range(1)];
+        let mut f = vec![0f32; head.len() / 4];
+        decode_to_f32(KvDType::F32, head, &mut f);
+        for c in 0..4 {
+            assert_eq!(f[c * 4 + 1], val(1, 5, 1, c, false));
+            assert_eq!(f[16 + 4 + c], val(1, 5, 1, c, true));
+        }
+        let dg = kv.take_digests();
+        assert_eq!(dg[2 + 1][1].max[0], val(1, 5, 1, 0, false));
+        assert_eq!(dg[2 + 1][1].min[0], val(1, 4, 1, 0, false));
+        drop(kv);
+        assert_eq!(pool.usage().used, 0);
+    }
+
+    #[test]
+    fn every_bad_message_is_refused_with_its_code() {
+        let pool = pool();
+        let l = layout();
+        let mut h = header("a", 6);
+        h.model_id = "other".into();
+        assert!(matches!(
+            Ingest::begin(&l, &pool, &h),
+            Err(Error::Mismatch {
+                field: "model_id",
+                ..
+            })
+        ));
+        let mut h = header("a", 6);
+        h.head_dim = 8;
+        assert!(matches!(
+            Ingest::begin(&l, &pool, &h),
+            Err(Error::Mismatch {
+                field: "head_dim",
+                ..
+            })
+        ));
+        let mut h = header("a", 6);
+        h.dtype = 0;
+        assert!(matches!(
+            Ingest::begin(&l, &pool, &h),
+            Err(Error::Invalid(_))
+        ));
+        let mut h = header("a", 6);
+        h.prompt_token_ids.pop();
+        assert!(matches!(
+            Ingest::begin(&l, &pool, &h),
+            Err(Error::Invalid(_))
+        ));
+        let mut h = header("a", 6);
+        h.next_token_id = 100;
+        assert!(matches!(
+            Ingest::begin(&l, &pool, &h),
+            Err(Error::Invalid(_))
+        ));
+        assert!(matches!(
+            Ingest::begin(&l, &pool, &header("a", 600)),
+            Err(Error::Exhausted { .. })
+        ));
+        assert_eq!(pool.usage().used + pool.usage().reserved, 0);
+
+        let mut ing = Ingest::begin(&l, &pool, &header("a", 6)).unwrap();
+        let mut c = chunk(0, 0, 2);
+        c.crc32c ^= 1;
+        assert!(matches!(ing.chunk(&c), Err(Error::Invalid(m)) if m.contains("CRC")));
+        assert!(matches!(ing.chunk(&chunk(2, 0, 2)), Err(Error::Invalid(_))));
+        assert!(matches!(ing.chunk(&chunk(0, 5, 2)), Err(Error::Invalid(_))));
+        let mut c = chunk(0, 0, 2);
+        c.value = c.value.slice(2..);
+        assert!(matches!(ing.chunk(&c), Err(Error::Invalid(_))));
+        ing.chunk(&chunk(0, 0, 6)).unwrap();
+        assert!(matches!(ing.commit(), Err(Error::Invalid(m)) if m.contains("not sent")));
+        assert_eq!(
+            pool.usage().used + pool.usage().reserved,
+            0,
+            "failed commit frees"
+        );
+    }
+}

@@ -1,0 +1,82 @@
+//! Ingest metrics; `decode-node` registers them under its `decode_node_` prefix.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// Label of `kv_ingest_errors_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabel {
+    /// gRPC code in snake case (`invalid_argument`, …).
+    pub code: String,
+}
+
+/// Handles to the ingest metrics (cheap clones of shared counters).
+#[derive(Debug, Clone)]
+pub struct IngestMetrics {
+    /// Payload bytes accepted.
+    pub bytes: Counter,
+    /// Chunks accepted.
+    pub chunks: Counter,
+    /// Pushes refused, by gRPC code.
+    pub errors: Family<CodeLabel, Counter>,
+    /// Seconds from header to commit of successful pushes.
+    pub push_duration: Histogram,
+    /// Committed KV freed because no Generate claimed it in time.
+    pub leases_expired: Counter,
+}
+
+impl Default for IngestMetrics {
+    fn default() -> Self {
+        Self {
+            bytes: Counter::default(),
+            chunks: Counter::default(),
+            errors: Family::default(),
+            push_duration: Histogram::new([
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0,
+            ]),
+            leases_expired: Counter::default(),
+        }
+    }
+}
+
+impl IngestMetrics {
+    /// Counts one refused push.
+    pub fn error(&self, code: &str) {
+        self.errors
+            .get_or_create(&CodeLabel { code: code.into() })
+            .inc();
+    }
+
+    /// Registers every metric (names without prefix; counters get `_total`).
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "kv_ingest_bytes",
+            "KV payload bytes accepted by PushKv",
+            self.bytes.clone(),
+        );
+        r.register(
+            "kv_ingest_chunks",
+            "KV chunks accepted by PushKv",
+            self.chunks.clone(),
+        );
+        r.register(
+            "kv_ingest_errors",
+            "PushKv streams refused, by gRPC code",
+            self.errors.clone(),
+        );
+        r.register(
+            "kv_push_duration_seconds",
+            "Seconds from a push's header to its commit",
+            self.push_duration.clone(),
+        );
+        r.register(
+            "kv_leases_expired",
+            "Committed KV freed because no Generate claimed it within the lease",
+            self.leases_expired.clone(),
+        );
+    }
+}

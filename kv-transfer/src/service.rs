@@ -1,0 +1,185 @@
+//! The `KvTransfer` gRPC service over the pool and the registry.
+
+use std::time::Instant;
+
+use decode_node_proto::v1::kv_transfer_server::KvTransfer;
+use decode_node_proto::v1::push_kv_request::Item;
+use decode_node_proto::v1::{DropKvRequest, DropKvResponse, PushKvRequest, PushKvResponse};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::ingest::Ingest;
+use crate::pool::HostPool;
+use crate::registry::{PushSlot, Registry};
+use crate::{Error, KvLayout};
+
+/// Acknowledge at least this often (payload bytes).
+pub const ACK_EVERY_BYTES: u64 = 8 << 20;
+
+/// `KvTransfer` implementation.
+#[derive(Debug, Clone)]
+pub struct KvTransferService {
+    layout: KvLayout,
+    pool: HostPool,
+    registry: Registry,
+}
+
+impl KvTransferService {
+    /// A service storing into `pool` and publishing to `registry`.
+    pub fn new(layout: KvLayout, pool: HostPool, registry: Registry) -> Self {
+        Self {
+            layout,
+            pool,
+            registry,
+        }
+    }
+}
+
+struct Push {
+    slot: PushSlot,
+    ingest: Ingest,
+    started: Instant,
+    acked_bytes: u64,
+}
+
+impl KvTransferService {
+    /// Feeds one message; returns an ack to send, if one is due.
+    fn step(
+        &self,
+        state: &mut Option<Push>,
+        msg: PushKvRequest,
+    ) -> Result<Option<PushKvResponse>, Error> {
+        let ack = |p: &Push, committed: bool| PushKvResponse {
+            request_id: p.ingest.request_id().to_string(),
+            bytes_received: p.ingest.bytes_received,
+            chunks_received: p.ingest.chunks_received,
+            committed,
+        };
+        match (msg.item, state.as_mut()) {
+            (None, _) => Err(Error::Invalid(
+                "empty PushKvRequest (no header, chunk or commit)".into(),
+            )),
+            (Some(Item::Header(h)), None) => {
+                let slot = self.registry.begin_push(&h.request_id)?;
+                let ingest = Ingest::begin(&self.layout, &self.pool, &h)?;
+                *state = Some(Push {
+                    slot,
+                    ingest,
+                    started: Instant::now(),
+                    acked_bytes: 0,
+                });
+                Ok(None)
+            }
+            (Some(Item::Header(_)), Some(_)) => {
+                Err(Error::Invalid("second KvHeader in one push".into()))
+            }
+            (Some(_), None) => Err(Error::Invalid(
+                "the first message of a push must be a KvHeader".into(),
+            )),
+            (Some(Item::Chunk(c)), Some(p)) => {
+                if p.slot.is_cancelled() {
+                    return Err(Error::Cancelled(p.ingest.request_id().into()));
+                }
+                p.ingest.chunk(&c)?;
+                let m = self.registry.metrics();
+                m.chunks.inc();
+                m.bytes.inc_by((c.key.len() + c.value.len()) as u64);
+                if p.ingest.bytes_received - p.acked_bytes >= ACK_EVERY_BYTES {
+                    p.acked_bytes = p.ingest.bytes_received;
+                    return Ok(Some(ack(p, false)));
+                }
+                Ok(None)
+            }
+            (Some(Item::Commit(_)), Some(_)) => {
+                let Some(p) = state.take() else {
+                    unreachable!("matched Some above")
+                };
+                let reply = ack(&p, true);
+                let kv = p.ingest.commit()?;
+                p.slot.commit(kv)?;
+                self.registry
+                    .metrics()
+                    .push_duration
+                    .observe(p.started.elapsed().as_secs_f64());
+                tracing::debug!(request_id = %reply.request_id, bytes = reply.bytes_received, "kv committed");
+                Ok(Some(reply))
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl KvTransfer for KvTransferService {
+    type PushKvStream = ReceiverStream<Result<PushKvResponse, Status>>;
+
+    async fn push_kv(
+        &self,
+        req: Request<Streaming<PushKvRequest>>,
+    ) -> Result<Response<Self::PushKvStream>, Status> {
+        if self.registry.is_draining() {
+            self.registry.metrics().error("unavailable");
+            return Err(Error::Draining.into());
+        }
+        let mut inbound = req.into_inner();
+        let (tx, rx) = mpsc::channel(8);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut state: Option<Push> = None;
+            let mut committed = false;
+            while let Some(msg) = inbound.next().await {
+                let msg = match msg {
+                    Ok(m) => m,
+                    Err(status) => {
+                        // The client broke the stream: drop everything it held.
+                        tracing::debug!(%status, "push stream broke");
+                        this.registry.metrics().error("cancelled");
+                        return;
+                    }
+                };
+                if committed {
+                    let e = Error::Invalid("message after KvCommit".into());
+                    this.registry.metrics().error(e.code_label());
+                    let _ = tx.send(Err(e.into())).await;
+                    return;
+                }
+                match this.step(&mut state, msg) {
+                    Ok(Some(ack)) => {
+                        committed = ack.committed;
+                        if tx.send(Ok(ack)).await.is_err() && !committed {
+                            this.registry.metrics().error("cancelled");
+                            return;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "push refused");
+                        this.registry.metrics().error(e.code_label());
+                        let _ = tx.send(Err(e.into())).await;
+                        return;
+                    }
+                }
+            }
+            if !committed {
+                // Half-closed without a commit: nothing was published, everything is freed.
+                let e = Error::Invalid("push stream ended before KvCommit".into());
+                this.registry.metrics().error(e.code_label());
+                let _ = tx.send(Err(e.into())).await;
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn drop_kv(
+        &self,
+        req: Request<DropKvRequest>,
+    ) -> Result<Response<DropKvResponse>, Status> {
+        let id = req.into_inner().request_id;
+        let freed = self.registry.drop_kv(&id)?;
+        Ok(Response::new(DropKvResponse {
+            dropped: true,
+            bytes_freed: freed,
+        }))
+    }
+}
