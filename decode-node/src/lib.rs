@@ -1,5 +1,10 @@
 //! The decode node: model executor, batch engine, gRPC service, metrics and CLI.
+//!
+//! - [`model`]: HF loader, embedded `tiny` model, Llama-family forward pass, sampling.
+//! - [`backend`]: the [`backend::Backend`] trait of dense ops and its CPU implementation.
 #![warn(missing_debug_implementations, rust_2018_idioms)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod backend;
 pub mod cli;
+pub mod model;

@@ -1,0 +1,127 @@
+//! The `Backend`: every dense op of the model executor, on one device.
+//!
+//! The CPU backend is complete and is what CI tests; a CUDA backend (cudarc, dynamic
+//! loading) implements the same trait behind the `cuda` feature. Attention over KV blocks is
+//! not here: it lives in the `attention` crate, which the engine drives per request.
+
+use rayon::prelude::*;
+
+use crate::model::weights::Tensor;
+
+/// Dense ops of the executor. Activations are f32, row-major `[batch][features]`.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// A short name for logs and metrics (`cpu`, `cuda:0`).
+    fn name(&self) -> String;
+
+    /// `y[b][o] = sum_i x[b][i] * w[o][i] + bias[o]` for `w` of shape `[out][in]`; reads each
+    /// weight once for the whole batch.
+    fn linear(&self, x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mut [f32]);
+
+    /// RMSNorm of each `w.len()`-sized row of `x` into `out`, as HF computes it in f32.
+    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+        let d = w.len();
+        for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for ((o, v), g) in or.iter_mut().zip(xr).zip(w) {
+                *o = g * (v * inv);
+            }
+        }
+    }
+
+    /// `gate[i] = silu(gate[i]) * up[i]`.
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
+        for (g, u) in gate.iter_mut().zip(up) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+    }
+}
+
+/// The CPU backend: rayon across output rows, f32 accumulation.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+/// Output rows per rayon task: large enough to amortise scheduling, small enough to balance.
+const ROWS_PER_TASK: usize = 16;
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent accumulators let the compiler vectorise without reassociation flags.
+    let mut acc = [0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = acc.iter().sum::<f32>();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn linear(&self, x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mut [f32]) {
+        let (out, inp) = (w.rows(), w.cols());
+        debug_assert_eq!(x.len(), batch * inp);
+        debug_assert_eq!(y.len(), batch * out);
+        // Computed transposed ([out][batch]) so each task owns a contiguous slice.
+        let mut yt = vec![0f32; out * batch];
+        yt.par_chunks_mut(ROWS_PER_TASK * batch)
+            .enumerate()
+            .for_each_init(
+                || vec![0f32; inp],
+                |row, (ci, chunk)| {
+                    let r0 = ci * ROWS_PER_TASK;
+                    for (ri, ys) in chunk.chunks_exact_mut(batch).enumerate() {
+                        let r = r0 + ri;
+                        w.row_f32(r, row);
+                        let b = bias.map_or(0.0, |b| b[r]);
+                        for (bi, yv) in ys.iter_mut().enumerate() {
+                            *yv = dot(row, &x[bi * inp..(bi + 1) * inp]) + b;
+                        }
+                    }
+                },
+            );
+        for o in 0..out {
+            for b in 0..batch {
+                y[b * out + o] = yt[o * batch + b];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_matches_naive() {
+        let (out, inp, batch) = (37, 19, 3);
+        let wv: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
+            .collect();
+        let x: Vec<f32> = (0..batch * inp)
+            .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2)
+            .collect();
+        let bias: Vec<f32> = (0..out).map(|i| i as f32 * 0.01).collect();
+        let w = Tensor::from_f32(vec![out, inp], &wv);
+        let mut y = vec![0f32; batch * out];
+        CpuBackend.linear(&x, batch, &w, Some(&bias), &mut y);
+        for b in 0..batch {
+            for o in 0..out {
+                let want: f32 = (0..inp)
+                    .map(|i| wv[o * inp + i] * x[b * inp + i])
+                    .sum::<f32>()
+                    + bias[o];
+                assert!((y[b * out + o] - want).abs() < 1e-5, "{b} {o}");
+            }
+        }
+    }
+}

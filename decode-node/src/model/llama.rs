@@ -1,0 +1,452 @@
+//! The Llama-family forward pass (Llama, Qwen2, Qwen3, Mistral), top to bottom like the
+//! model card: embed → for each layer: norm, attention, residual, norm, MLP, residual →
+//! norm → LM head.
+
+use std::sync::Arc;
+
+use super::ModelError;
+use super::config::ModelConfig;
+use super::rope;
+use super::weights::{Tensor, WeightMap};
+use crate::backend::Backend;
+
+/// A projection: weight `[out][in]` and optional bias.
+#[derive(Debug)]
+pub struct Linear {
+    /// Weight.
+    pub w: Tensor,
+    /// Bias.
+    pub b: Option<Vec<f32>>,
+}
+
+#[derive(Debug)]
+struct Layer {
+    input_norm: Vec<f32>,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    post_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// Attention for a decode step, provided by the engine (sparse or dense, per request).
+pub trait DecodeAttention {
+    /// True when the engine wants each layer's predicted query of the next layer.
+    fn wants_prediction(&self) -> bool {
+        false
+    }
+    /// Called at the start of layer `layer - 1` with layer `layer`'s predicted query
+    /// (`[batch][num_heads * head_dim]`, after q-norm and RoPE).
+    fn predicted(&mut self, _layer: usize, _q_pred: &[f32]) {}
+    /// Attention of layer `layer` for the batch: `q` is `[batch][num_heads*head_dim]`,
+    /// `k`/`v` the new token's `[batch][num_kv_heads*head_dim]`; writes `out` like `q`.
+    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]);
+}
+
+/// A prompt's KV (HF `past_key_values` layout per layer: `[token][kv_head][head_dim]`, K after
+/// RoPE) and the logits of its last token.
+#[derive(Debug, Clone)]
+pub struct PrefillOutput {
+    /// Per layer K.
+    pub keys: Vec<Vec<f32>>,
+    /// Per layer V.
+    pub values: Vec<Vec<f32>>,
+    /// Logits of the last prompt token.
+    pub logits: Vec<f32>,
+}
+
+/// A loaded model on a backend.
+#[derive(Debug)]
+pub struct Model {
+    /// Configuration.
+    pub cfg: ModelConfig,
+    /// Fingerprint a push must carry.
+    pub model_id: String,
+    backend: Arc<dyn Backend>,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    lm_head: Option<Tensor>,
+    inv_freq: Vec<f32>,
+}
+
+impl Model {
+    /// Builds the model from `weights` (HF tensor names).
+    pub fn from_weights(
+        cfg: ModelConfig,
+        name: &str,
+        mut wm: WeightMap,
+        backend: Arc<dyn Backend>,
+    ) -> Result<Self, ModelError> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let (qd, kvd) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let vec = |wm: &mut WeightMap, n: &str, len: usize| wm.take(n, &[len]).map(|t| t.to_f32());
+        let lin = |wm: &mut WeightMap,
+                   n: &str,
+                   out: usize,
+                   inp: usize,
+                   bias: bool|
+         -> Result<Linear, ModelError> {
+            let w = wm.take(&format!("{n}.weight"), &[out, inp])?;
+            let b = if bias {
+                Some(wm.take(&format!("{n}.bias"), &[out])?.to_f32())
+            } else {
+                None
+            };
+            Ok(Linear { w, b })
+        };
+        let embed = wm.take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let a = format!("{p}.self_attn");
+            layers.push(Layer {
+                input_norm: vec(&mut wm, &format!("{p}.input_layernorm.weight"), h)?,
+                q: lin(&mut wm, &format!("{a}.q_proj"), qd, h, cfg.qkv_bias)?,
+                k: lin(&mut wm, &format!("{a}.k_proj"), kvd, h, cfg.qkv_bias)?,
+                v: lin(&mut wm, &format!("{a}.v_proj"), kvd, h, cfg.qkv_bias)?,
+                o: lin(&mut wm, &format!("{a}.o_proj"), h, qd, false)?,
+                q_norm: if cfg.qk_norm {
+                    Some(vec(&mut wm, &format!("{a}.q_norm.weight"), hd)?)
+                } else {
+                    None
+                },
+                k_norm: if cfg.qk_norm {
+                    Some(vec(&mut wm, &format!("{a}.k_norm.weight"), hd)?)
+                } else {
+                    None
+                },
+                post_norm: vec(&mut wm, &format!("{p}.post_attention_layernorm.weight"), h)?,
+                gate: lin(
+                    &mut wm,
+                    &format!("{p}.mlp.gate_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    false,
+                )?,
+                up: lin(
+                    &mut wm,
+                    &format!("{p}.mlp.up_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    false,
+                )?,
+                down: lin(
+                    &mut wm,
+                    &format!("{p}.mlp.down_proj"),
+                    h,
+                    cfg.intermediate_size,
+                    false,
+                )?,
+            });
+        }
+        let norm = vec(&mut wm, "model.norm.weight", h)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            let _ = wm.take_opt("lm_head.weight", &[cfg.vocab_size, h])?;
+            None
+        } else {
+            Some(wm.take("lm_head.weight", &[cfg.vocab_size, h])?)
+        };
+        for left in wm.remaining() {
+            tracing::warn!(tensor = left, "unused tensor in checkpoint");
+        }
+        Ok(Self {
+            model_id: cfg.model_id(name),
+            inv_freq: rope::inv_freq(&cfg),
+            cfg,
+            backend,
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// The backend it runs on.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The softmax scale of attention.
+    pub fn attn_scale(&self) -> f32 {
+        1.0 / (self.cfg.head_dim as f32).sqrt()
+    }
+
+    fn eps(&self) -> f32 {
+        self.cfg.rms_norm_eps as f32
+    }
+
+    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        let h = self.cfg.hidden_size;
+        let mut x = vec![0f32; tokens.len() * h];
+        for (t, row) in tokens.iter().zip(x.chunks_exact_mut(h)) {
+            self.embed.row_f32(*t as usize, row);
+        }
+        x
+    }
+
+    /// q (or k) projection of normed rows `xn`, with per-head norm and RoPE at `positions`.
+    fn project_rope(
+        &self,
+        lin: &Linear,
+        head_norm: Option<&[f32]>,
+        xn: &[f32],
+        positions: &[usize],
+    ) -> Vec<f32> {
+        let n = positions.len();
+        let width = lin.w.rows();
+        let mut y = vec![0f32; n * width];
+        self.backend.linear(xn, n, &lin.w, lin.b.as_deref(), &mut y);
+        if let Some(w) = head_norm {
+            let tmp = y.clone();
+            self.backend.rms_norm(&tmp, w, self.eps(), &mut y);
+        }
+        for (row, p) in y.chunks_exact_mut(width).zip(positions) {
+            rope::apply(row, &self.inv_freq, *p);
+        }
+        y
+    }
+
+    fn lm_head(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let h = self.cfg.hidden_size;
+        let mut xn = vec![0f32; n * h];
+        self.backend.rms_norm(x, &self.norm, self.eps(), &mut xn);
+        let w = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; n * self.cfg.vocab_size];
+        self.backend.linear(&xn, n, w, None, &mut logits);
+        logits
+    }
+
+    /// Second half of a layer: output projection, residual, MLP, residual.
+    fn finish_layer(&self, layer: &Layer, x: &mut [f32], attn: &[f32], n: usize) {
+        let h = self.cfg.hidden_size;
+        let mut o = vec![0f32; n * h];
+        self.backend.linear(attn, n, &layer.o.w, None, &mut o);
+        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        let mut xn = vec![0f32; n * h];
+        self.backend
+            .rms_norm(x, &layer.post_norm, self.eps(), &mut xn);
+        let inter = self.cfg.intermediate_size;
+        let mut gate = vec![0f32; n * inter];
+        let mut up = vec![0f32; n * inter];
+        self.backend.linear(&xn, n, &layer.gate.w, None, &mut gate);
+        self.backend.linear(&xn, n, &layer.up.w, None, &mut up);
+        self.backend.silu_mul(&mut gate, &up);
+        self.backend.linear(&gate, n, &layer.down.w, None, &mut o);
+        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+    }
+
+    /// Runs a whole prompt (causal, dense attention) and returns its KV and last logits.
+    pub fn prefill(&self, tokens: &[u32]) -> Result<PrefillOutput, ModelError> {
+        self.check_tokens(tokens)?;
+        let n = tokens.len();
+        if n == 0 {
+            return Err(ModelError::Input("empty prompt".into()));
+        }
+        if n >= self.cfg.max_position_embeddings {
+            return Err(ModelError::Input(format!(
+                "prompt of {n} tokens does not fit the context of {}",
+                self.cfg.max_position_embeddings
+            )));
+        }
+        let cfg = &self.cfg;
+        let (h, hd, nh, nkv) = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+        );
+        let group = nh / nkv;
+        let positions: Vec<usize> = (0..n).collect();
+        let mut x = self.embed(tokens);
+        let mut keys = Vec::with_capacity(cfg.num_layers);
+        let mut values = Vec::with_capacity(cfg.num_layers);
+        let scale = self.attn_scale();
+        for layer in &self.layers {
+            let mut xn = vec![0f32; n * h];
+            self.backend
+                .rms_norm(&x, &layer.input_norm, self.eps(), &mut xn);
+            let q = self.project_rope(&layer.q, layer.q_norm.as_deref(), &xn, &positions);
+            let k = self.project_rope(&layer.k, layer.k_norm.as_deref(), &xn, &positions);
+            let mut v = vec![0f32; n * nkv * hd];
+            self.backend
+                .linear(&xn, n, &layer.v.w, layer.v.b.as_deref(), &mut v);
+            let mut attn = vec![0f32; n * nh * hd];
+            let mut s = vec![0f32; n];
+            for t in 0..n {
+                for head in 0..nh {
+                    let kvh = head / group;
+                    let qv = &q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
+                    let mut m = f32::NEG_INFINITY;
+                    for (j, sj) in s.iter_mut().enumerate().take(t + 1) {
+                        let kv = &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+                        *sj = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+                        m = m.max(*sj);
+                    }
+                    let mut sum = 0f32;
+                    for sj in &mut s[..=t] {
+                        *sj = (*sj - m).exp();
+                        sum += *sj;
+                    }
+                    let out = &mut attn[(t * nh + head) * hd..(t * nh + head + 1) * hd];
+                    for (j, sj) in s[..=t].iter().enumerate() {
+                        let vv = &v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+                        let w = sj / sum;
+                        out.iter_mut().zip(vv).for_each(|(o, b)| *o += w * b);
+                    }
+                }
+            }
+            self.finish_layer(layer, &mut x, &attn, n);
+            keys.push(k);
+            values.push(v);
+        }
+        let last = &x[(n - 1) * h..];
+        let logits = self.lm_head(last, 1);
+        Ok(PrefillOutput {
+            keys,
+            values,
+            logits,
+        })
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<(), ModelError> {
+        match tokens.iter().find(|t| **t as usize >= self.cfg.vocab_size) {
+            Some(t) => Err(ModelError::Input(format!(
+                "token id {t} is outside the vocabulary of {}",
+                self.cfg.vocab_size
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// One decode step for a batch: `tokens[b]` at `positions[b]`; attention through `attn`.
+    /// Returns logits `[batch][vocab]`.
+    pub fn decode_step(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        attn: &mut dyn DecodeAttention,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.check_tokens(tokens)?;
+        let n = tokens.len();
+        let cfg = &self.cfg;
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let predict = attn.wants_prediction();
+        let mut x = self.embed(tokens);
+        let mut xn = vec![0f32; n * h];
+        for (i, layer) in self.layers.iter().enumerate() {
+            // Layer-ahead: layer i+1's query from layer i's input (residuals change it little).
+            if predict && let Some(next) = self.layers.get(i + 1) {
+                self.backend
+                    .rms_norm(&x, &next.input_norm, self.eps(), &mut xn);
+                let qp = self.project_rope(&next.q, next.q_norm.as_deref(), &xn, positions);
+                attn.predicted(i + 1, &qp);
+            }
+            self.backend
+                .rms_norm(&x, &layer.input_norm, self.eps(), &mut xn);
+            let q = self.project_rope(&layer.q, layer.q_norm.as_deref(), &xn, positions);
+            let k = self.project_rope(&layer.k, layer.k_norm.as_deref(), &xn, positions);
+            let mut v = vec![0f32; n * cfg.num_kv_heads * hd];
+            self.backend
+                .linear(&xn, n, &layer.v.w, layer.v.b.as_deref(), &mut v);
+            let mut out = vec![0f32; n * cfg.num_heads * hd];
+            attn.attend(i, &q, &k, &v, &mut out);
+            self.finish_layer(layer, &mut x, &out, n);
+        }
+        Ok(self.lm_head(&x, n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CpuBackend;
+    use crate::model::Arch;
+    use crate::model::random::{preset, random_weights};
+    use attention::KvDType;
+
+    /// Dense attention over KV kept in vectors: the plainest possible reference.
+    struct Dense {
+        keys: Vec<Vec<f32>>,
+        values: Vec<Vec<f32>>,
+        cfg: ModelConfig,
+    }
+
+    impl DecodeAttention for Dense {
+        fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+            let c = &self.cfg;
+            let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
+            self.keys[layer].extend_from_slice(k);
+            self.values[layer].extend_from_slice(v);
+            let n = self.keys[layer].len() / (nkv * hd);
+            for head in 0..nh {
+                let kvh = head / (nh / nkv);
+                let qv = &q[head * hd..(head + 1) * hd];
+                let s: Vec<f32> = (0..n)
+                    .map(|j| {
+                        let kk = &self.keys[layer][(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+                        qv.iter().zip(kk).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let w: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+                let sum: f32 = w.iter().sum();
+                for (j, wj) in w.iter().enumerate() {
+                    let vv = &self.values[layer][(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+                    for (o, x) in out[head * hd..(head + 1) * hd].iter_mut().zip(vv) {
+                        *o += wj / sum * x;
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_after_prefill_equals_longer_prefill() {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+            let mut cfg = preset("tiny", arch).unwrap();
+            cfg.vocab_size = 300;
+            let wm = random_weights(&cfg, 3, KvDType::F32);
+            let m = Model::from_weights(cfg.clone(), "t", wm, Arc::new(CpuBackend)).unwrap();
+            let toks: Vec<u32> = (0..12).map(|i| (i * 37 % 300) as u32).collect();
+            let pre = m.prefill(&toks[..11]).unwrap();
+            let full = m.prefill(&toks).unwrap();
+            let mut dense = Dense {
+                keys: pre.keys.clone(),
+                values: pre.values.clone(),
+                cfg: cfg.clone(),
+            };
+            let logits = m.decode_step(&toks[11..], &[11], &mut dense).unwrap();
+            for (a, b) in logits.iter().zip(&full.logits) {
+                assert!(
+                    (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+                    "{arch:?}: {a} vs {b}"
+                );
+            }
+            // The new token's KV equals the longer prefill's last row.
+            assert_eq!(dense.keys[1].len(), full.keys[1].len());
+            for (a, b) in dense.keys[1].iter().zip(&full.keys[1]) {
+                assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0));
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_out_of_vocab_tokens() {
+        let cfg = preset("tiny", Arch::Llama).unwrap();
+        let m = Model::from_weights(
+            cfg.clone(),
+            "t",
+            random_weights(&cfg, 1, KvDType::F32),
+            Arc::new(CpuBackend),
+        )
+        .unwrap();
+        assert!(matches!(m.prefill(&[1, 999]), Err(ModelError::Input(_))));
+        assert!(matches!(m.prefill(&[]), Err(ModelError::Input(_))));
+    }
+}
