@@ -7,4 +7,6 @@
 
 pub mod backend;
 pub mod cli;
+pub mod engine;
+pub mod metrics;
 pub mod model;

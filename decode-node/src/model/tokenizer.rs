@@ -47,11 +47,10 @@ impl Tokenizer {
         }
     }
 
-    /// A streaming decoder whose context starts with `context` (the prompt's tail).
-    pub fn stream(&self, context: &[u32]) -> TextStream<'_> {
+    /// Streaming-decoder state whose context starts with `context` (the prompt's tail).
+    pub fn text_state(&self, context: &[u32]) -> TextState {
         let start = context.len().saturating_sub(SEED_TOKENS);
-        TextStream {
-            tok: self,
+        TextState {
             ids: context[start..].to_vec(),
             prefix: String::new(),
             prefix_index: 0,
@@ -60,20 +59,19 @@ impl Tokenizer {
     }
 }
 
-/// Incremental detokenizer of one request.
-#[derive(Debug)]
-pub struct TextStream<'a> {
-    tok: &'a Tokenizer,
+/// Incremental detokenizer state of one request (used with the tokenizer that made it).
+#[derive(Debug, Clone)]
+pub struct TextState {
     ids: Vec<u32>,
     prefix: String,
     prefix_index: usize,
     pending: Vec<u8>,
 }
 
-impl TextStream<'_> {
+impl TextState {
     /// Text that `id` completes (possibly empty while a character is still partial).
-    pub fn step(&mut self, id: u32) -> String {
-        match self.tok {
+    pub fn step(&mut self, tok: &Tokenizer, id: u32) -> String {
+        match tok {
             Tokenizer::Bytes => {
                 if id < 256 {
                     self.pending.push(id as u8);
@@ -119,10 +117,10 @@ mod tests {
         let t = Tokenizer::Bytes;
         let ids = t.encode("hé").unwrap();
         assert_eq!(ids[0], TINY_BOS);
-        let mut s = t.stream(&[TINY_BOS]);
-        let out: Vec<String> = ids[1..].iter().map(|i| s.step(*i)).collect();
+        let mut s = t.text_state(&[TINY_BOS]);
+        let out: Vec<String> = ids[1..].iter().map(|i| s.step(&t, *i)).collect();
         assert_eq!(out, vec!["h".to_string(), String::new(), "é".to_string()]);
-        assert_eq!(s.step(TINY_EOS), "");
-        assert_eq!(s.step(0xff), "\u{fffd}");
+        assert_eq!(s.step(&t, TINY_EOS), "");
+        assert_eq!(s.step(&t, 0xff), "\u{fffd}");
     }
 }

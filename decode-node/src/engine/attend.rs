@@ -1,0 +1,260 @@
+//! The attention of one decode step for a whole batch: plans each request's layer with its
+//! `SeqAttention`, runs the device part on the step thread and the CPU part on the CPU pool
+//! (one layer ahead in `scout`), and merges the two exactly.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use attention::{
+    AttentionConfig, HeadPlan, HeadQuery, Mode, Partial, Scratch, SeqAttention, attend_head,
+};
+use kv_transfer::CommittedKv;
+
+use crate::model::DecodeAttention;
+
+/// What one request brings to a step's attention.
+#[derive(Debug)]
+pub(crate) struct SeqSlot<'a> {
+    pub(crate) kv: &'a Arc<CommittedKv>,
+    pub(crate) seq: &'a mut SeqAttention,
+    /// New K and V of this step, per layer (`[num_kv_heads * head_dim]`), appended after it.
+    pub(crate) new_k: Vec<Vec<f32>>,
+    pub(crate) new_v: Vec<Vec<f32>>,
+}
+
+/// A CPU part started ahead: its plans and where its result arrives.
+#[derive(Debug)]
+struct Ahead {
+    plans: Vec<HeadPlan>,
+    q_pred: Vec<f32>,
+    rx: mpsc::Receiver<Vec<Partial>>,
+}
+
+/// Counters of one step.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct StepStats {
+    pub(crate) device_wait: f64,
+}
+
+/// Shapes the attention needs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    pub(crate) num_heads: usize,
+    pub(crate) num_kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) scale: f32,
+}
+
+/// [`DecodeAttention`] over a batch of sequences.
+#[derive(Debug)]
+pub(crate) struct BatchAttention<'a> {
+    pub(crate) cfg: &'a AttentionConfig,
+    pub(crate) shape: Shape,
+    pub(crate) cpu_pool: &'a rayon::ThreadPool,
+    pub(crate) slots: Vec<SeqSlot<'a>>,
+    ahead: Vec<Option<Ahead>>,
+    pub(crate) stats: StepStats,
+    scratch: Scratch,
+}
+
+/// Runs the CPU part: every head's `plan.cpu` blocks with `q`.
+fn cpu_part(
+    kv: &CommittedKv,
+    shape: Shape,
+    layer: usize,
+    plans: &[HeadPlan],
+    q: &[f32],
+) -> Vec<Partial> {
+    let mut scratch = Scratch::default();
+    let per = q.len() / shape.num_kv_heads;
+    plans
+        .iter()
+        .enumerate()
+        .map(|(h, p)| {
+            let hq = HeadQuery {
+                layer,
+                head: h,
+                q: &q[h * per..(h + 1) * per],
+                scale: shape.scale,
+            };
+            attend_head(kv.geometry(), kv, hq, &p.cpu, &mut scratch)
+        })
+        .collect()
+}
+
+impl<'a> BatchAttention<'a> {
+    pub(crate) fn new(
+        cfg: &'a AttentionConfig,
+        shape: Shape,
+        cpu_pool: &'a rayon::ThreadPool,
+        slots: Vec<SeqSlot<'a>>,
+    ) -> Self {
+        let n = slots.len();
+        Self {
+            cfg,
+            shape,
+            cpu_pool,
+            slots,
+            ahead: (0..n).map(|_| None).collect(),
+            stats: StepStats::default(),
+            scratch: Scratch::default(),
+        }
+    }
+
+    fn spawn_cpu(
+        &self,
+        b: usize,
+        layer: usize,
+        plans: &[HeadPlan],
+        q: &[f32],
+    ) -> mpsc::Receiver<Vec<Partial>> {
+        let (tx, rx) = mpsc::channel();
+        let kv = Arc::clone(self.slots[b].kv);
+        let plans = plans.to_vec();
+        let q = q.to_vec();
+        let shape = self.shape;
+        self.cpu_pool.spawn(move || {
+            // The receiver is gone only if the step was abandoned; nothing to do then.
+            let _ = tx.send(cpu_part(&kv, shape, layer, &plans, &q));
+        });
+        rx
+    }
+
+    fn wait(&mut self, rx: &mpsc::Receiver<Vec<Partial>>, kv: usize) -> Vec<Partial> {
+        let t = Instant::now();
+        let r = rx.recv().unwrap_or_else(|_| vec![Partial::empty(0, 0); kv]);
+        self.stats.device_wait += t.elapsed().as_secs_f64();
+        r
+    }
+}
+
+impl DecodeAttention for BatchAttention<'_> {
+    fn wants_prediction(&self) -> bool {
+        self.cfg.mode == Mode::Scout && self.cfg.precompute
+    }
+
+    fn predicted(&mut self, layer: usize, q_pred: &[f32]) {
+        let width = self.shape.num_heads * self.shape.head_dim;
+        for b in 0..self.slots.len() {
+            let q = &q_pred[b * width..(b + 1) * width];
+            let plans = self.slots[b].seq.plan_layer(self.cfg, layer, q);
+            let rx = self.spawn_cpu(b, layer, &plans, q);
+            self.ahead[b] = Some(Ahead {
+                plans,
+                q_pred: q.to_vec(),
+                rx,
+            });
+        }
+    }
+
+    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+        let Shape {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        } = self.shape;
+        let width = num_heads * head_dim;
+        let kvw = num_kv_heads * head_dim;
+        let group = num_heads / num_kv_heads;
+        for b in 0..self.slots.len() {
+            let qb = &q[b * width..(b + 1) * width];
+            let (kb, vb) = (&k[b * kvw..(b + 1) * kvw], &v[b * kvw..(b + 1) * kvw]);
+            // Plans and the CPU part: started a layer ahead, or now, in parallel with the device.
+            let (plans, pending) = match self.ahead[b].take() {
+                Some(a) => {
+                    for h in 0..num_kv_heads {
+                        let real = self.slots[b].seq.select(
+                            self.cfg,
+                            layer,
+                            h,
+                            &qb[h * group * head_dim..(h + 1) * group * head_dim],
+                        );
+                        let predicted = a.plans[h].selected();
+                        let qh = &qb[h * group * head_dim..(h + 1) * group * head_dim];
+                        let qp = &a.q_pred[h * group * head_dim..(h + 1) * group * head_dim];
+                        self.slots[b]
+                            .seq
+                            .record_prediction(&predicted, &real, qp, qh);
+                    }
+                    (a.plans, Some(a.rx))
+                }
+                None => {
+                    let plans = self.slots[b].seq.plan_layer(self.cfg, layer, qb);
+                    let has_cpu = plans.iter().any(|p| !p.cpu.is_empty());
+                    let rx =
+                        (has_cpu && !self.cfg.exact).then(|| self.spawn_cpu(b, layer, &plans, qb));
+                    (plans, rx)
+                }
+            };
+            // Device part with the real query, plus the new token itself.
+            let kv = self.slots[b].kv;
+            let mut parts: Vec<Partial> = plans
+                .iter()
+                .enumerate()
+                .map(|(h, p)| {
+                    let qh = &qb[h * group * head_dim..(h + 1) * group * head_dim];
+                    let hq = HeadQuery {
+                        layer,
+                        head: h,
+                        q: qh,
+                        scale,
+                    };
+                    let mut part =
+                        attend_head(kv.geometry(), kv.as_ref(), hq, &p.device, &mut self.scratch);
+                    part.merge_from(&self_partial(
+                        qh,
+                        &kb[h * head_dim..(h + 1) * head_dim],
+                        &vb[h * head_dim..(h + 1) * head_dim],
+                        scale,
+                    ));
+                    part
+                })
+                .collect();
+            let cpu = if self.cfg.exact {
+                // Exact mode: the CPU part reruns with the real query.
+                if let Some(rx) = &pending {
+                    let _ = self.wait(rx, num_kv_heads);
+                }
+                cpu_part(kv, self.shape, layer, &plans, qb)
+            } else {
+                match &pending {
+                    Some(rx) => self.wait(rx, num_kv_heads),
+                    None => Vec::new(),
+                }
+            };
+            for (h, c) in cpu.iter().enumerate() {
+                if c.num_heads == group {
+                    parts[h].merge_from(c);
+                }
+            }
+            for (h, p) in parts.iter().enumerate() {
+                out[b * width + h * group * head_dim..b * width + (h + 1) * group * head_dim]
+                    .copy_from_slice(&p.out);
+            }
+            self.slots[b].seq.finish_layer(self.cfg, layer, &plans);
+            self.slots[b].new_k[layer].copy_from_slice(kb);
+            self.slots[b].new_v[layer].copy_from_slice(vb);
+        }
+    }
+}
+
+/// Attention of each query head of a group over one key: the token being decoded attends
+/// to itself; this partial is merged like any other.
+fn self_partial(q_group: &[f32], k: &[f32], v: &[f32], scale: f32) -> Partial {
+    let d = k.len();
+    let g = q_group.len() / d;
+    let mut p = Partial::empty(g, d);
+    for h in 0..g {
+        let s: f32 = q_group[h * d..(h + 1) * d]
+            .iter()
+            .zip(k)
+            .map(|(a, b)| a * b)
+            .sum::<f32>()
+            * scale;
+        p.out[h * d..(h + 1) * d].copy_from_slice(v);
+        p.lse2[h] = s * std::f32::consts::LOG2_E;
+    }
+    p
+}

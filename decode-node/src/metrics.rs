@@ -1,0 +1,395 @@
+//! Prometheus metrics: every `decode_node_*` name of the design card, plus process metrics.
+//!
+//! Handles are cheap clones of shared atomics; the engine and the services update them, and
+//! [`Metrics::render`] refreshes the gauges that are read from state (pool bytes, process)
+//! before encoding the text format.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use kv_transfer::IngestMetrics;
+
+/// `outcome` label.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// `stop`, `length`, `eos`, `cancelled`, `error`, …
+    pub outcome: String,
+}
+
+/// `reason` label.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// `client`, `disconnect`, `drain`, …
+    pub reason: String,
+}
+
+/// `state` label.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    /// `used`, `reserved`, `capacity`.
+    pub state: &'static str,
+}
+
+type FloatCounter = Counter<f64, AtomicU64>;
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// vLLM's TTFT buckets (seconds).
+const TTFT_BUCKETS: [f64; 17] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0,
+];
+/// vLLM's inter-token latency buckets (seconds).
+const ITL_BUCKETS: [f64; 15] = [
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0,
+];
+/// Request-level latency buckets (seconds).
+const E2E_BUCKETS: [f64; 14] = [
+    0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
+];
+
+/// All metric handles.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    /// Finished requests by outcome.
+    pub requests: Family<OutcomeLabel, Counter>,
+    /// Generate arrival → first token.
+    pub ttft: Histogram,
+    /// Between consecutive tokens of a request.
+    pub itl: Histogram,
+    /// Generate arrival → finish.
+    pub e2e: Histogram,
+    /// Waiting in the engine queue before admission.
+    pub queue_time: Histogram,
+    /// Tokens generated.
+    pub generation_tokens: Counter,
+    /// Requests decoding.
+    pub running: Gauge,
+    /// Requests admitted to the engine queue but not yet decoding.
+    pub waiting: Gauge,
+    /// Requests in the last step's batch.
+    pub batch_size: Gauge,
+    /// Cancellations by reason.
+    pub cancellations: Family<ReasonLabel, Counter>,
+    /// Host pool bytes by state.
+    pub host_kv_bytes: Family<StateLabel, Gauge>,
+    /// Device KV bytes by state.
+    pub device_kv_bytes: Family<StateLabel, Gauge>,
+    /// Share of selected tokens attended on the CPU (cumulative).
+    pub attention_cpu_ratio: FloatGauge,
+    /// Blocks recalled host → device.
+    pub recall_blocks: Counter,
+    /// Bytes recalled.
+    pub recall_bytes: Counter,
+    /// Seconds the device side waited on CPU attention results.
+    pub device_wait_seconds: FloatCounter,
+    /// Seconds per decode step.
+    pub step_duration: Histogram,
+    /// Share of the real selection found by the predicted query (cumulative).
+    pub query_prediction_hit_ratio: FloatGauge,
+    /// Ingest metrics (kv-transfer).
+    pub ingest: IngestMetrics,
+    selected_tokens: Arc<AtomicU64>,
+    cpu_tokens: Arc<AtomicU64>,
+    pred_hits: Arc<AtomicU64>,
+    pred_total: Arc<AtomicU64>,
+    process_rss: Gauge,
+    process_cpu: FloatCounter,
+    process_fds: Gauge,
+    process_start: FloatGauge,
+    registry: Arc<Registry>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn hist(b: &[f64]) -> Histogram {
+    Histogram::new(b.iter().copied())
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let mut root = Registry::default();
+        let m = Self {
+            requests: Family::default(),
+            ttft: hist(&TTFT_BUCKETS),
+            itl: hist(&ITL_BUCKETS),
+            e2e: hist(&E2E_BUCKETS),
+            queue_time: hist(&E2E_BUCKETS),
+            generation_tokens: Counter::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            batch_size: Gauge::default(),
+            cancellations: Family::default(),
+            host_kv_bytes: Family::default(),
+            device_kv_bytes: Family::default(),
+            attention_cpu_ratio: FloatGauge::default(),
+            recall_blocks: Counter::default(),
+            recall_bytes: Counter::default(),
+            device_wait_seconds: FloatCounter::default(),
+            step_duration: hist(&ITL_BUCKETS),
+            query_prediction_hit_ratio: FloatGauge::default(),
+            ingest: IngestMetrics::default(),
+            selected_tokens: Arc::default(),
+            cpu_tokens: Arc::default(),
+            pred_hits: Arc::default(),
+            pred_total: Arc::default(),
+            process_rss: Gauge::default(),
+            process_cpu: FloatCounter::default(),
+            process_fds: Gauge::default(),
+            process_start: FloatGauge::default(),
+            registry: Arc::new(Registry::default()),
+        };
+        {
+            let r = root.sub_registry_with_prefix("decode_node");
+            r.register(
+                "requests",
+                "Finished requests by outcome",
+                m.requests.clone(),
+            );
+            r.register(
+                "time_to_first_token_seconds",
+                "Generate arrival to first token",
+                m.ttft.clone(),
+            );
+            r.register(
+                "inter_token_latency_seconds",
+                "Time between consecutive tokens",
+                m.itl.clone(),
+            );
+            r.register(
+                "e2e_request_latency_seconds",
+                "Generate arrival to finish",
+                m.e2e.clone(),
+            );
+            r.register(
+                "request_queue_time_seconds",
+                "Time waiting for admission",
+                m.queue_time.clone(),
+            );
+            r.register(
+                "generation_tokens",
+                "Tokens generated",
+                m.generation_tokens.clone(),
+            );
+            r.register(
+                "num_requests_running",
+                "Requests decoding",
+                m.running.clone(),
+            );
+            r.register(
+                "num_requests_waiting",
+                "Requests waiting for admission",
+                m.waiting.clone(),
+            );
+            r.register(
+                "batch_size",
+                "Requests in the last decode step",
+                m.batch_size.clone(),
+            );
+            r.register(
+                "cancellations",
+                "Cancelled requests by reason",
+                m.cancellations.clone(),
+            );
+            r.register(
+                "host_kv_bytes",
+                "Host KV pool bytes by state",
+                m.host_kv_bytes.clone(),
+            );
+            r.register(
+                "device_kv_bytes",
+                "Device KV bytes by state",
+                m.device_kv_bytes.clone(),
+            );
+            r.register(
+                "attention_cpu_ratio",
+                "Share of selected KV tokens attended on the CPU",
+                m.attention_cpu_ratio.clone(),
+            );
+            r.register(
+                "recall_blocks",
+                "KV blocks recalled to the device",
+                m.recall_blocks.clone(),
+            );
+            r.register(
+                "recall_bytes",
+                "KV bytes recalled to the device",
+                m.recall_bytes.clone(),
+            );
+            r.register(
+                "device_wait_seconds",
+                "Seconds the device side waited on CPU attention",
+                m.device_wait_seconds.clone(),
+            );
+            r.register(
+                "step_duration_seconds",
+                "Seconds per decode step",
+                m.step_duration.clone(),
+            );
+            r.register(
+                "query_prediction_hit_ratio",
+                "Share of the real top-k selection found by the predicted query",
+                m.query_prediction_hit_ratio.clone(),
+            );
+            m.ingest.register(r);
+        }
+        root.register(
+            "process_resident_memory_bytes",
+            "Resident memory",
+            m.process_rss.clone(),
+        );
+        root.register(
+            "process_cpu_seconds",
+            "User and system CPU seconds",
+            m.process_cpu.clone(),
+        );
+        root.register(
+            "process_open_fds",
+            "Open file descriptors",
+            m.process_fds.clone(),
+        );
+        root.register(
+            "process_start_time_seconds",
+            "Start time since the epoch",
+            m.process_start.clone(),
+        );
+        let start = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        m.process_start.set(start);
+        Self {
+            registry: Arc::new(root),
+            ..m
+        }
+    }
+
+    /// Adds a finished layer's token counts and prediction hits to the cumulative ratios.
+    pub fn add_attention(&self, selected: u64, cpu: u64, pred_hits: u64, pred_total: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = self.selected_tokens.fetch_add(selected, Relaxed) + selected;
+        let c = self.cpu_tokens.fetch_add(cpu, Relaxed) + cpu;
+        if s > 0 {
+            self.attention_cpu_ratio.set(c as f64 / s as f64);
+        }
+        let h = self.pred_hits.fetch_add(pred_hits, Relaxed) + pred_hits;
+        let t = self.pred_total.fetch_add(pred_total, Relaxed) + pred_total;
+        if t > 0 {
+            self.query_prediction_hit_ratio.set(h as f64 / t as f64);
+        }
+    }
+
+    /// Sets a `{state}` gauge family.
+    pub fn set_bytes(fam: &Family<StateLabel, Gauge>, state: &'static str, v: u64) {
+        fam.get_or_create(&StateLabel { state })
+            .set(v.min(i64::MAX as u64) as i64);
+    }
+
+    /// Prometheus text of every metric.
+    pub fn render(&self) -> String {
+        self.refresh_process();
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+
+    fn refresh_process(&self) {
+        // Linux /proc; elsewhere these stay at 0.
+        if let Ok(statm) = std::fs::read_to_string("/proc/self/statm")
+            && let Some(rss_pages) = statm
+                .split_whitespace()
+                .nth(1)
+                .and_then(|x| x.parse::<i64>().ok())
+        {
+            self.process_rss.set(rss_pages * 4096);
+        }
+        if let Ok(stat) = std::fs::read_to_string("/proc/self/stat")
+            && let Some(rest) = stat.rsplit_once(')').map(|x| x.1)
+        {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            // Fields 14 and 15 (utime, stime) are the 12th and 13th after the command name.
+            if let (Some(u), Some(s)) = (f.get(11), f.get(12))
+                && let (Ok(u), Ok(s)) = (u.parse::<f64>(), s.parse::<f64>())
+            {
+                // A counter only goes up: add what the kernel counted since the last scrape.
+                let total = (u + s) / 100.0;
+                let seen = self.process_cpu.get();
+                if total > seen {
+                    self.process_cpu.inc_by(total - seen);
+                }
+            }
+        }
+        if let Ok(d) = std::fs::read_dir("/proc/self/fd") {
+            self.process_fds.set(d.count() as i64);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_every_required_name() {
+        let m = Metrics::new();
+        m.requests
+            .get_or_create(&OutcomeLabel {
+                outcome: "stop".into(),
+            })
+            .inc();
+        m.cancellations
+            .get_or_create(&ReasonLabel {
+                reason: "client".into(),
+            })
+            .inc();
+        Metrics::set_bytes(&m.host_kv_bytes, "used", 1);
+        Metrics::set_bytes(&m.device_kv_bytes, "used", 1);
+        m.ingest.error("invalid_argument");
+        let text = m.render();
+        for name in crate::metrics::REQUIRED {
+            assert!(text.contains(name), "missing {name}\n{text}");
+        }
+    }
+}
+
+/// Every metric name the design card requires (as exposed).
+pub const REQUIRED: &[&str] = &[
+    "decode_node_requests_total",
+    "decode_node_time_to_first_token_seconds",
+    "decode_node_inter_token_latency_seconds",
+    "decode_node_e2e_request_latency_seconds",
+    "decode_node_request_queue_time_seconds",
+    "decode_node_generation_tokens_total",
+    "decode_node_num_requests_running",
+    "decode_node_num_requests_waiting",
+    "decode_node_batch_size",
+    "decode_node_cancellations_total",
+    "decode_node_kv_ingest_bytes_total",
+    "decode_node_kv_ingest_chunks_total",
+    "decode_node_kv_ingest_errors_total",
+    "decode_node_kv_push_duration_seconds",
+    "decode_node_kv_leases_expired_total",
+    "decode_node_host_kv_bytes",
+    "decode_node_device_kv_bytes",
+    "decode_node_attention_cpu_ratio",
+    "decode_node_recall_blocks_total",
+    "decode_node_recall_bytes_total",
+    "decode_node_device_wait_seconds_total",
+    "decode_node_step_duration_seconds",
+    "decode_node_query_prediction_hit_ratio",
+    "process_resident_memory_bytes",
+    "process_cpu_seconds_total",
+    "process_open_fds",
+];
