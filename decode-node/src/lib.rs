@@ -7,6 +7,10 @@
 
 pub mod backend;
 pub mod cli;
+pub mod client;
+pub mod commands;
 pub mod engine;
 pub mod metrics;
 pub mod model;
+pub mod node;
+pub mod service;

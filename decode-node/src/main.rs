@@ -4,17 +4,46 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use decode_node::cli::{Cli, Command};
+use decode_node::commands;
+
+fn init_tracing(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if format == "json" {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Serve(_) => not_built("serve"),
-        Command::Prefill(_) => not_built("prefill"),
-        Command::Generate(_) => not_built("generate"),
-        Command::Demo(_) => not_built("demo"),
-        Command::Bench(_) => not_built("bench"),
-        Command::MakeModel(_) => not_built("make-model"),
+    init_tracing(&cli.log_format);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("decode-node: error: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
     };
+    let result = rt.block_on(async move {
+        match cli.command {
+            Command::Serve(a) => commands::run_serve(a).await,
+            Command::Prefill(a) => commands::run_prefill(a).await,
+            Command::Generate(a) => commands::run_generate(a).await,
+            Command::Demo(a) => commands::run_demo(a).await,
+            Command::Bench(_) => Err(anyhow::anyhow!(
+                "`bench` is not built yet in this version (see the open issues)"
+            )),
+            Command::MakeModel(a) => commands::run_make_model(a),
+        }
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -22,8 +51,4 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn not_built(what: &str) -> anyhow::Result<()> {
-    anyhow::bail!("`{what}` is not built yet in this version (see the open issues)")
 }

@@ -337,33 +337,6 @@ impl Metrics {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn renders_every_required_name() {
-        let m = Metrics::new();
-        m.requests
-            .get_or_create(&OutcomeLabel {
-                outcome: "stop".into(),
-            })
-            .inc();
-        m.cancellations
-            .get_or_create(&ReasonLabel {
-                reason: "client".into(),
-            })
-            .inc();
-        Metrics::set_bytes(&m.host_kv_bytes, "used", 1);
-        Metrics::set_bytes(&m.device_kv_bytes, "used", 1);
-        m.ingest.error("invalid_argument");
-        let text = m.render();
-        for name in crate::metrics::REQUIRED {
-            assert!(text.contains(name), "missing {name}\n{text}");
-        }
-    }
-}
-
 /// Every metric name the design card requires (as exposed).
 pub const REQUIRED: &[&str] = &[
     "decode_node_requests_total",
@@ -393,3 +366,30 @@ pub const REQUIRED: &[&str] = &[
     "process_cpu_seconds_total",
     "process_open_fds",
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_every_required_name() {
+        let m = Metrics::new();
+        m.requests
+            .get_or_create(&OutcomeLabel {
+                outcome: "stop".into(),
+            })
+            .inc();
+        m.cancellations
+            .get_or_create(&ReasonLabel {
+                reason: "client".into(),
+            })
+            .inc();
+        Metrics::set_bytes(&m.host_kv_bytes, "used", 1);
+        Metrics::set_bytes(&m.device_kv_bytes, "used", 1);
+        m.ingest.error("invalid_argument");
+        let text = m.render();
+        for name in crate::metrics::REQUIRED {
+            assert!(text.contains(name), "missing {name}\n{text}");
+        }
+    }
+}

@@ -176,6 +176,10 @@ impl Registry {
                         },
                     );
                 }
+                // A Generate that went away left its waiter behind: take its place.
+                Some(Entry::Waiting(old)) if old.is_closed() => {
+                    map.insert(id.into(), Entry::Waiting(tx));
+                }
                 Some(e @ (Entry::Waiting(_) | Entry::Ingesting { .. })) => {
                     map.insert(id.into(), e);
                     return Err(Error::AlreadyExists(format!(
@@ -196,7 +200,8 @@ impl Registry {
                 match map.remove(id) {
                     // The commit raced the timeout: take it after all.
                     Some(Entry::Committed { kv, .. }) => Ok(kv),
-                    Some(Entry::Waiting(_)) | None => Err(Error::Timeout(id.into())),
+                    // Nothing arrived at all: the id is unknown here.
+                    Some(Entry::Waiting(_)) | None => Err(Error::NotFound(id.into())),
                     Some(Entry::Ingesting { cancelled, .. }) => {
                         map.insert(
                             id.into(),

@@ -227,6 +227,9 @@ impl Engine {
     }
 }
 
+/// One f32 row per layer (a token's K or V).
+type LayerRows = Vec<Vec<f32>>;
+
 struct Running {
     job: JobSpec,
     kv: Arc<CommittedKv>,
@@ -497,7 +500,7 @@ impl StepLoop {
             .model
             .decode_step(&tokens, &positions, &mut batch);
         let device_wait = batch.stats.device_wait;
-        let new_kv: Vec<(Vec<Vec<f32>>, Vec<Vec<f32>>)> = batch
+        let new_kv: Vec<(LayerRows, LayerRows)> = batch
             .slots
             .into_iter()
             .map(|s| (s.new_k, s.new_v))

@@ -161,7 +161,7 @@ impl ModelConfig {
             ));
         }
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        if num_kv_heads == 0 || raw.num_attention_heads % num_kv_heads != 0 {
+        if num_kv_heads == 0 || !raw.num_attention_heads.is_multiple_of(num_kv_heads) {
             return Err(ModelError::Config(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {num_kv_heads}",
                 raw.num_attention_heads
@@ -170,7 +170,7 @@ impl ModelConfig {
         let head_dim = raw
             .head_dim
             .unwrap_or(raw.hidden_size / raw.num_attention_heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(ModelError::Config(format!(
                 "head_dim {head_dim} must be even and > 0"
             )));

@@ -18,7 +18,9 @@ pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
             } else {
                 *x
             };
-            let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+            // HF: neither a high- nor a low-frequency band (written so NaN counts as medium, like HF).
+            let medium = (wavelen >= high_wavelen || wavelen.is_nan())
+                && (wavelen <= low_wavelen || wavelen.is_nan());
             *x = if medium {
                 let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
                     / (s.high_freq_factor - s.low_freq_factor);

@@ -1,0 +1,147 @@
+//! Client side of the reference tools: a prefill node that pushes KV, an orchestrator that
+//! generates. Used by `prefill`, `generate`, `demo` and the benches.
+
+use anyhow::Context;
+use attention::{KvDType, encode_from_f32};
+use bytes::Bytes;
+use decode_node_proto::v1 as pb;
+use kv_transfer::client::{BearerAuth, PromptKv, PushOptions, push_kv};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::model::{LoadedModel, sampling};
+
+/// Connects to `target` (`http://host:port`).
+pub async fn connect(target: &str) -> anyhow::Result<Channel> {
+    let ep = Endpoint::from_shared(target.to_string())
+        .with_context(|| format!("bad target URL {target:?}"))?;
+    ep.tcp_nodelay(true)
+        .initial_stream_window_size(Some(16 << 20))
+        .initial_connection_window_size(Some(64 << 20))
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {target}"))
+}
+
+/// Reads a bearer token file.
+pub fn read_token(path: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    match path {
+        None => Ok(None),
+        Some(p) => Ok(Some(
+            std::fs::read_to_string(p)
+                .with_context(|| format!("reading {}", p.display()))?
+                .trim()
+                .to_string(),
+        )),
+    }
+}
+
+/// Runs `prompt` through the model and returns the push: KV in the model's dtype (`dtype`),
+/// the greedy next token, and a header for `request_id`.
+pub fn prefill_kv(
+    model: &LoadedModel,
+    prompt: &[u32],
+    request_id: &str,
+    dtype: KvDType,
+) -> anyhow::Result<PromptKv> {
+    let m = &model.model;
+    let out = m.prefill(prompt)?;
+    let next = sampling::argmax(&out.logits) as u32;
+    let enc = |v: &[f32]| {
+        let mut b = vec![0u8; v.len() * dtype.size()];
+        encode_from_f32(dtype, v, &mut b);
+        Bytes::from(b)
+    };
+    let layers = out
+        .keys
+        .iter()
+        .zip(&out.values)
+        .map(|(k, v)| (enc(k), enc(v)))
+        .collect();
+    let header = pb::KvHeader {
+        request_id: request_id.into(),
+        model_id: m.model_id.clone(),
+        num_layers: m.cfg.num_layers as u32,
+        num_kv_heads: m.cfg.num_kv_heads as u32,
+        head_dim: m.cfg.head_dim as u32,
+        dtype: match dtype {
+            KvDType::F32 => pb::DType::DtypeF32,
+            KvDType::F16 => pb::DType::DtypeF16,
+            KvDType::Bf16 => pb::DType::DtypeBf16,
+        } as i32,
+        num_tokens: prompt.len() as u32,
+        prompt_token_ids: prompt.to_vec(),
+        next_token_id: next,
+    };
+    Ok(PromptKv { header, layers })
+}
+
+/// Pushes a prompt's KV, reporting acked bytes.
+pub async fn push(
+    channel: Channel,
+    kv: &PromptKv,
+    token: Option<String>,
+    progress: impl FnMut(u64),
+) -> anyhow::Result<pb::PushKvResponse> {
+    let opts = PushOptions {
+        auth_token: token,
+        ..PushOptions::default()
+    };
+    push_kv(channel, kv, &opts, progress)
+        .await
+        .map_err(|s| anyhow::anyhow!("PushKv failed: {}: {}", s.code(), s.message()))
+}
+
+/// A Decode client with the bearer token attached.
+pub fn decode_client(
+    channel: Channel,
+    token: Option<String>,
+) -> pb::decode_client::DecodeClient<
+    tonic::service::interceptor::InterceptedService<Channel, BearerAuth>,
+> {
+    pb::decode_client::DecodeClient::with_interceptor(channel, BearerAuth(token))
+}
+
+/// What a finished generation produced.
+#[derive(Debug, Default, Clone)]
+pub struct Generated {
+    /// Token ids.
+    pub ids: Vec<u32>,
+    /// Concatenated text.
+    pub text: String,
+    /// The finish event.
+    pub finish: Option<pb::Finish>,
+}
+
+/// Runs `Generate` and collects the stream; `on_token` sees each token as it arrives.
+pub async fn generate(
+    channel: Channel,
+    token: Option<String>,
+    req: pb::GenerateRequest,
+    mut on_token: impl FnMut(&pb::Token),
+) -> anyhow::Result<Generated> {
+    let mut client = decode_client(channel, token);
+    let mut stream = client
+        .generate(req)
+        .await
+        .map_err(|s| anyhow::anyhow!("Generate failed: {}: {}", s.code(), s.message()))?
+        .into_inner();
+    let mut out = Generated::default();
+    loop {
+        match stream.message().await {
+            Ok(Some(msg)) => match msg.event {
+                Some(pb::generate_response::Event::Token(t)) => {
+                    on_token(&t);
+                    out.ids.push(t.id);
+                    out.text.push_str(&t.text);
+                }
+                Some(pb::generate_response::Event::Finish(f)) => {
+                    out.finish = Some(f);
+                    return Ok(out);
+                }
+                None => {}
+            },
+            Ok(None) => anyhow::bail!("Generate stream ended without a Finish"),
+            Err(s) => anyhow::bail!("Generate failed: {}: {}", s.code(), s.message()),
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! The subcommands' bodies; `main` maps their errors to exit codes.
+
+use std::io::{IsTerminal, Write};
+use std::time::Instant;
+
+use anyhow::Context;
+use attention::KvDType;
+use decode_node_proto::v1 as pb;
+use tokio::sync::oneshot;
+
+use crate::cli::{DemoArgs, GenerateArgs, MakeModelArgs, PrefillArgs, ServeArgs};
+use crate::client;
+use crate::model::random::{SplitMix, preset, random_weights};
+use crate::model::{Arch, ModelConfig};
+use crate::node::Node;
+use crate::service::{Bound, serve};
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// `serve`.
+pub async fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    serve(args, shutdown_signal(), None).await
+}
+
+/// A prompt's token ids from text or a synthetic length.
+fn prompt_ids(
+    node: &Node,
+    text: Option<&str>,
+    tokens: Option<u32>,
+    seed: u64,
+) -> anyhow::Result<Vec<u32>> {
+    match (text, tokens) {
+        (Some(t), _) => Ok(node.model.tokenizer.encode(t)?),
+        (None, Some(n)) => {
+            anyhow::ensure!(n > 0, "--prompt-tokens must be > 0");
+            let vocab = node.model.model.cfg.vocab_size as u64;
+            let mut rng = SplitMix(seed);
+            Ok((0..n)
+                .map(|_| (rng.next_u64() % vocab.clamp(1, 256)) as u32)
+                .collect())
+        }
+        (None, None) => anyhow::bail!("give --prompt TEXT or --prompt-tokens N"),
+    }
+}
+
+fn new_request_id() -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "req-{:016x}",
+        SplitMix(t as u64 ^ std::process::id() as u64).next_u64()
+    )
+}
+
+/// `prefill`: a reference prefill node.
+pub async fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
+    let node = Node::build(&args.model)?;
+    let ids = prompt_ids(&node, args.prompt.as_deref(), args.prompt_tokens, 1)?;
+    let id = args.request_id.clone().unwrap_or_else(new_request_id);
+    let model = node.model.clone();
+    let dtype = node.layout.geom.dtype;
+    let idc = id.clone();
+    let kv = tokio::task::spawn_blocking(move || client::prefill_kv(&model, &ids, &idc, dtype))
+        .await??;
+    let total: u64 = kv
+        .layers
+        .iter()
+        .map(|(k, v)| (k.len() + v.len()) as u64)
+        .sum();
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new(total);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {bytes_per_sec}",
+        ) {
+            b.set_style(style);
+        }
+        b
+    });
+    let channel = client::connect(&args.target).await?;
+    let token = client::read_token(args.auth_token_file.as_deref())?;
+    let ack = client::push(channel, &kv, token, |n| {
+        if let Some(b) = &bar {
+            b.set_position(n);
+        }
+    })
+    .await?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    tracing::info!(
+        bytes = ack.bytes_received,
+        chunks = ack.chunks_received,
+        "pushed"
+    );
+    println!("{id}");
+    Ok(())
+}
+
+/// `generate`: streams a generation to stdout.
+pub async fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
+    let channel = client::connect(&args.target).await?;
+    let token = client::read_token(args.auth_token_file.as_deref())?;
+    let req = pb::GenerateRequest {
+        request_id: args.request_id.clone(),
+        sampling: Some(pb::SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            seed: args.seed,
+        }),
+        max_new_tokens: args.max_new_tokens,
+        stop_token_ids: Vec::new(),
+        ignore_eos: args.ignore_eos,
+        kv_timeout_ms: args.kv_timeout_ms,
+    };
+    let mut stdout = std::io::stdout();
+    let ids = args.ids;
+    let out = client::generate(channel, token, req, |t| {
+        if ids {
+            let _ = writeln!(stdout, "{}", t.id);
+        } else {
+            let _ = write!(stdout, "{}", t.text);
+        }
+        let _ = stdout.flush();
+    })
+    .await?;
+    if !ids {
+        println!();
+    }
+    if let Some(f) = out.finish {
+        eprintln!(
+            "finish: {:?}, {} tokens",
+            pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Unspecified),
+            f.generated_tokens
+        );
+    }
+    Ok(())
+}
+
+/// `demo`: serve, prefill and generate in one process on the embedded model.
+pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    let serve_args = ServeArgs {
+        model: args.model.clone(),
+        grpc_addr: "127.0.0.1:0".parse()?,
+        metrics_addr: "127.0.0.1:0".parse()?,
+        host_kv_bytes: 256 << 20,
+        device_kv_bytes: 64 << 20,
+        kv_lease: 60.0,
+        max_batch: 8,
+        drain_timeout: 5.0,
+        auth_token_file: None,
+        tls_cert: None,
+        tls_key: None,
+        tls_client_ca: None,
+    };
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(serve(
+        serve_args,
+        async move {
+            let _ = stop_rx.await;
+        },
+        Some(ready_tx),
+    ));
+    let Bound { grpc, .. } = match ready_rx.await {
+        Ok(b) => b,
+        Err(_) => {
+            return server
+                .await?
+                .and_then(|()| anyhow::bail!("the node stopped before it listened"));
+        }
+    };
+    let target = format!("http://{grpc}");
+    let node = Node::build(&args.model)?;
+    let ids = node.model.tokenizer.encode(&args.prompt)?;
+    let dtype = node.layout.geom.dtype;
+    let model = node.model.clone();
+    let t0 = Instant::now();
+    let kv = tokio::task::spawn_blocking(move || client::prefill_kv(&model, &ids, "demo-1", dtype))
+        .await??;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let first = node
+        .model
+        .tokenizer
+        .text_state(&[])
+        .step(&node.model.tokenizer, kv.header.next_token_id);
+    let channel = client::connect(&target).await?;
+    let ack = client::push(channel.clone(), &kv, None, |_| {}).await?;
+    println!("prompt: {}", args.prompt);
+    print!("output: {first}");
+    let _ = std::io::stdout().flush();
+    let t1 = Instant::now();
+    let req = pb::GenerateRequest {
+        request_id: "demo-1".into(),
+        sampling: Some(pb::SamplingParams::default()),
+        max_new_tokens: args.max_new_tokens,
+        ..Default::default()
+    };
+    let out = client::generate(channel, None, req, |t| {
+        print!("{}", t.text);
+        let _ = std::io::stdout().flush();
+    })
+    .await?;
+    let gen_s = t1.elapsed().as_secs_f64();
+    println!();
+    let f = out.finish.unwrap_or_default();
+    let s = f.stats.unwrap_or_default();
+    println!("---");
+    println!(
+        "prefill: {} tokens in {:.3}s, pushed {} KB ({} chunks)",
+        kv.header.num_tokens,
+        prefill_s,
+        ack.bytes_received / 1024,
+        ack.chunks_received
+    );
+    println!(
+        "decode:  {} tokens in {:.3}s = {:.1} tokens/s, finish {:?}, first token {:.1} ms",
+        f.generated_tokens,
+        gen_s,
+        f.generated_tokens as f64 / gen_s.max(1e-9),
+        pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Unspecified),
+        s.first_token_seconds * 1e3
+    );
+    println!(
+        "attention: mode {}, block {}, budget {} tokens; CPU share {:.1}%, recalled blocks {}, prediction hit ratio {:.1}%",
+        node.attention.mode.name(),
+        node.layout.geom.block_size,
+        node.attention.budget_tokens,
+        s.cpu_attention_ratio * 100.0,
+        s.recalled_blocks,
+        s.prediction_hit_ratio * 100.0
+    );
+    let _ = stop_tx.send(());
+    server.await??;
+    Ok(())
+}
+
+/// `make-model`: random weights in HF format.
+pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<()> {
+    let arch = Arch::parse(&a.arch).with_context(|| format!("--arch {:?}", a.arch))?;
+    let dtype = KvDType::parse(&a.dtype)
+        .with_context(|| format!("--dtype {:?}: expected f32, f16 or bf16", a.dtype))?;
+    let name = a.preset.as_deref().unwrap_or("tiny");
+    let mut cfg: ModelConfig = preset(name, arch).with_context(|| {
+        format!("--preset {name:?}: expected tiny, small, qwen3-8b, qwen3-14b or llama3-8b")
+    })?;
+    if let Some(v) = a.hidden_size {
+        cfg.hidden_size = v;
+    }
+    if let Some(v) = a.intermediate_size {
+        cfg.intermediate_size = v;
+    }
+    if let Some(v) = a.num_layers {
+        cfg.num_layers = v;
+    }
+    if let Some(v) = a.num_heads {
+        cfg.num_heads = v;
+        cfg.head_dim = a.head_dim.unwrap_or(cfg.hidden_size / v.max(1));
+    }
+    if let Some(v) = a.num_kv_heads {
+        cfg.num_kv_heads = v;
+    }
+    if let Some(v) = a.head_dim {
+        cfg.head_dim = v;
+    }
+    if let Some(v) = a.vocab_size {
+        cfg.vocab_size = v;
+    }
+    if let Some(v) = a.tie_word_embeddings {
+        cfg.tie_word_embeddings = v;
+    }
+    if let Some(v) = a.rope_theta {
+        cfg.rope_theta = v;
+    }
+    cfg.torch_dtype = match dtype {
+        KvDType::F32 => "float32",
+        KvDType::F16 => "float16",
+        KvDType::Bf16 => "bfloat16",
+    }
+    .into();
+    cfg.eos_token_ids.retain(|e| (*e as usize) < cfg.vocab_size);
+    cfg.bos_token_id = cfg.bos_token_id.filter(|b| (*b as usize) < cfg.vocab_size);
+    // Round-trip through JSON so the written config is validated like a loaded one.
+    let json = serde_json::to_string_pretty(&cfg.to_json())?;
+    ModelConfig::from_json(&json).context("the requested geometry is invalid")?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    std::fs::write(a.out.join("config.json"), json)?;
+    random_weights(&cfg, a.seed, dtype).save(&a.out.join("model.safetensors"))?;
+    println!("{}", a.out.display());
+    Ok(())
+}

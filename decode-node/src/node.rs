@@ -1,0 +1,123 @@
+//! Builds what every model-running command shares: backend, model, layout, attention config.
+
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use attention::{AttentionConfig, BlockGeometry, KvDType, Mode, RecallPolicy};
+use decode_node_proto::v1 as pb;
+use kv_transfer::KvLayout;
+
+use crate::backend::{Backend, CpuBackend};
+use crate::cli::ModelArgs;
+use crate::model::{self, LoadedModel};
+
+/// The backend named by `--device`.
+pub fn backend(device: &str) -> anyhow::Result<Arc<dyn Backend>> {
+    match device {
+        "cpu" => Ok(Arc::new(CpuBackend)),
+        d if d == "cuda" || d.starts_with("cuda:") => {
+            if cfg!(feature = "cuda") {
+                bail!(
+                    "--device {d}: the CUDA backend is not implemented in this version yet; use --device cpu"
+                )
+            } else {
+                bail!(
+                    "--device {d}: this binary was built without CUDA support; rebuild with `--features cuda`"
+                )
+            }
+        }
+        d => bail!("--device {d:?}: expected cpu, cuda or cuda:N"),
+    }
+}
+
+/// A model with everything derived from the flags.
+#[derive(Debug)]
+pub struct Node {
+    /// The model and tokenizer.
+    pub model: Arc<LoadedModel>,
+    /// What pushes must match.
+    pub layout: KvLayout,
+    /// Attention policy.
+    pub attention: AttentionConfig,
+}
+
+/// Dtype of the host pool: `--kv-dtype`, or the model's.
+fn kv_dtype(flag: &str, torch_dtype: &str) -> anyhow::Result<KvDType> {
+    if flag == "auto" {
+        return Ok(KvDType::parse(torch_dtype).unwrap_or(KvDType::F32));
+    }
+    KvDType::parse(flag)
+        .with_context(|| format!("--kv-dtype {flag:?}: expected auto, f32, f16 or bf16"))
+}
+
+impl Node {
+    /// Loads the model and derives the layout and attention settings.
+    pub fn build(args: &ModelArgs) -> anyhow::Result<Self> {
+        let backend = backend(&args.device)?;
+        let model = model::load(&args.model, backend)
+            .with_context(|| format!("loading model {:?}", args.model))?;
+        let cfg = &model.model.cfg;
+        let dtype = kv_dtype(&args.kv_dtype, &cfg.torch_dtype)?;
+        let block_size = args.block_size as usize;
+        let geom = BlockGeometry {
+            block_size,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            dtype,
+        };
+        let layout = KvLayout {
+            model_id: model.model.model_id.clone(),
+            num_layers: cfg.num_layers,
+            geom,
+            vocab_size: cfg.vocab_size,
+            max_context: cfg.max_position_embeddings,
+        };
+        let mode = Mode::parse(&args.attention)
+            .with_context(|| format!("--attention {:?}", args.attention))?;
+        if !(0.0..=1.0).contains(&args.recall_threshold) {
+            bail!("--recall-threshold must be within [0, 1]");
+        }
+        let budget_tokens = (args.budget_tokens as usize).max(2 * block_size);
+        let attention = AttentionConfig {
+            mode,
+            budget_tokens,
+            precompute: !args.no_precompute,
+            recall: if args.no_recall {
+                RecallPolicy::Off
+            } else {
+                RecallPolicy::Adaptive {
+                    threshold: args.recall_threshold,
+                }
+            },
+            exact: args.exact,
+            device_blocks_per_head: budget_tokens.div_ceil(block_size),
+        };
+        Ok(Self {
+            model: Arc::new(model),
+            layout,
+            attention,
+        })
+    }
+
+    /// `GetModelInfo`'s answer.
+    pub fn info(&self) -> pb::ModelInfo {
+        let c = &self.model.model.cfg;
+        pb::ModelInfo {
+            model_id: self.layout.model_id.clone(),
+            num_layers: c.num_layers as u32,
+            num_kv_heads: c.num_kv_heads as u32,
+            head_dim: c.head_dim as u32,
+            kv_dtype: match self.layout.geom.dtype {
+                KvDType::F32 => pb::DType::DtypeF32,
+                KvDType::F16 => pb::DType::DtypeF16,
+                KvDType::Bf16 => pb::DType::DtypeBf16,
+            } as i32,
+            block_size: self.layout.geom.block_size as u32,
+            vocab_size: c.vocab_size as u32,
+            eos_token_ids: c.eos_token_ids.clone(),
+            max_context: c.max_position_embeddings as u32,
+            architecture: c.arch.model_type().into(),
+            num_attention_heads: c.num_heads as u32,
+        }
+    }
+}

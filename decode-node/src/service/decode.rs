@@ -1,0 +1,280 @@
+//! The `Decode` gRPC service: the gRPC layer only sees the engine's event stream.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use decode_node_proto::v1 as pb;
+use decode_node_proto::v1::decode_server::Decode;
+use kv_transfer::{HostPool, KvLayout, Registry};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::engine::{Control, Engine, EngineError, Event, FinishReason, Job, JobSpec};
+use crate::model::Sampling;
+
+/// Default wait for a request's KV when `kv_timeout_ms` is 0.
+pub const DEFAULT_KV_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Shared state of the node's services.
+#[derive(Debug, Clone)]
+pub struct NodeState {
+    /// Pushed KV, awaiting claims.
+    pub registry: Registry,
+    /// The host pool.
+    pub pool: HostPool,
+    /// The engine.
+    pub engine: Engine,
+    /// What pushes must match.
+    pub layout: KvLayout,
+    /// `GetModelInfo`'s answer.
+    pub info: pb::ModelInfo,
+    /// Device KV capacity.
+    pub device_kv_bytes: u64,
+    /// Requests with a live Generate stream.
+    pub active: Arc<Mutex<HashSet<String>>>,
+}
+
+impl NodeState {
+    fn active(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.active.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// `Decode` implementation.
+#[derive(Debug, Clone)]
+pub struct DecodeService {
+    state: NodeState,
+}
+
+impl DecodeService {
+    /// Over `state`.
+    pub fn new(state: NodeState) -> Self {
+        Self { state }
+    }
+}
+
+fn engine_status(e: &EngineError) -> Status {
+    match e {
+        EngineError::Exhausted(m) => Status::resource_exhausted(m.clone()),
+        EngineError::ShuttingDown => Status::unavailable("the node is shutting down"),
+        EngineError::Model(m) => Status::invalid_argument(m.clone()),
+    }
+}
+
+fn finish_reason(r: FinishReason) -> pb::FinishReason {
+    match r {
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Eos => pb::FinishReason::Eos,
+        FinishReason::Cancelled => pb::FinishReason::Cancelled,
+        FinishReason::ContextFull => pb::FinishReason::ContextFull,
+    }
+}
+
+fn to_response(ev: Event) -> Result<pb::GenerateResponse, Status> {
+    use pb::generate_response::Event as E;
+    Ok(pb::GenerateResponse {
+        event: Some(match ev {
+            Event::Token {
+                index,
+                id,
+                text,
+                logprob,
+            } => E::Token(pb::Token {
+                index,
+                id,
+                text,
+                logprob,
+            }),
+            Event::Finish {
+                reason,
+                generated,
+                stats,
+            } => E::Finish(pb::Finish {
+                reason: finish_reason(reason) as i32,
+                generated_tokens: generated,
+                stats: Some(pb::RequestStats {
+                    queue_seconds: stats.queue_seconds,
+                    first_token_seconds: stats.first_token_seconds,
+                    total_seconds: stats.total_seconds,
+                    cpu_attention_ratio: stats.cpu_attention_ratio,
+                    recalled_blocks: stats.recalled_blocks,
+                    prediction_hit_ratio: stats.prediction_hit_ratio,
+                    prompt_tokens: stats.prompt_tokens,
+                }),
+            }),
+            Event::Error(e) => return Err(engine_status(&e)),
+        }),
+    })
+}
+
+/// Checks a request before anything is waited for.
+fn validate(r: &pb::GenerateRequest, vocab: u32) -> Result<Sampling, Status> {
+    if r.request_id.is_empty() || r.request_id.len() > kv_transfer::MAX_REQUEST_ID_LEN {
+        return Err(Status::invalid_argument("request_id must be 1..=256 bytes"));
+    }
+    if r.max_new_tokens == 0 {
+        return Err(Status::invalid_argument("max_new_tokens must be > 0"));
+    }
+    if let Some(bad) = r.stop_token_ids.iter().find(|t| **t >= vocab) {
+        return Err(Status::invalid_argument(format!(
+            "stop token id {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    let s = r.sampling.unwrap_or_default();
+    if !s.temperature.is_finite() || s.temperature < 0.0 {
+        return Err(Status::invalid_argument(
+            "sampling.temperature must be finite and >= 0",
+        ));
+    }
+    if !(0.0..=1.0).contains(&s.top_p) {
+        return Err(Status::invalid_argument(
+            "sampling.top_p must be within [0, 1]",
+        ));
+    }
+    Ok(Sampling {
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        top_p: s.top_p,
+        seed: s.seed,
+    })
+}
+
+#[tonic::async_trait]
+impl Decode for DecodeService {
+    type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
+
+    async fn generate(
+        &self,
+        req: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let arrived = Instant::now();
+        let st = self.state.clone();
+        if st.registry.is_draining() {
+            return Err(Status::unavailable("node is draining"));
+        }
+        let r = req.into_inner();
+        let sampling = validate(&r, st.info.vocab_size)?;
+        let id = r.request_id.clone();
+        if !st.active().insert(id.clone()) {
+            return Err(Status::already_exists(format!(
+                "request {id:?} is already generating"
+            )));
+        }
+        let timeout = match r.kv_timeout_ms {
+            0 => DEFAULT_KV_TIMEOUT,
+            ms => Duration::from_millis(ms as u64),
+        };
+        let (out_tx, out_rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            run_generate(&st, r, sampling, timeout, arrived, out_tx).await;
+            st.active().remove(&id);
+        });
+        Ok(Response::new(ReceiverStream::new(out_rx)))
+    }
+
+    async fn cancel(
+        &self,
+        req: Request<pb::CancelRequest>,
+    ) -> Result<Response<pb::CancelResponse>, Status> {
+        let id = req.into_inner().request_id;
+        let running = self.state.active().contains(&id);
+        if running {
+            self.state
+                .engine
+                .send(Control::Cancel(id.clone(), "client"));
+        }
+        let held = self.state.registry.drop_kv(&id).is_ok();
+        Ok(Response::new(pb::CancelResponse {
+            cancelled: running || held,
+        }))
+    }
+
+    async fn get_load(
+        &self,
+        _req: Request<pb::GetLoadRequest>,
+    ) -> Result<Response<pb::LoadReport>, Status> {
+        let st = &self.state;
+        let load = st.engine.load();
+        let pool = st.pool.usage();
+        Ok(Response::new(pb::LoadReport {
+            running: load.running,
+            waiting: load.waiting,
+            host_kv_bytes_used: pool.used + pool.reserved,
+            host_kv_bytes_capacity: pool.capacity,
+            device_kv_bytes_used: load.device_bytes,
+            device_kv_bytes_capacity: st.device_kv_bytes,
+            tokens_per_second: load.tokens_per_second,
+            draining: st.registry.is_draining(),
+            committed_unclaimed: st.registry.committed_unclaimed() as u32,
+        }))
+    }
+
+    async fn get_model_info(
+        &self,
+        _req: Request<pb::GetModelInfoRequest>,
+    ) -> Result<Response<pb::ModelInfo>, Status> {
+        Ok(Response::new(self.state.info.clone()))
+    }
+}
+
+/// Waits for the KV, hands the job to the engine and forwards its events; cancels the job
+/// when the client goes away.
+async fn run_generate(
+    st: &NodeState,
+    r: pb::GenerateRequest,
+    sampling: Sampling,
+    timeout: Duration,
+    arrived: Instant,
+    out: mpsc::Sender<Result<pb::GenerateResponse, Status>>,
+) {
+    let id = r.request_id.clone();
+    let kv = tokio::select! {
+        kv = st.registry.claim(&id, timeout) => kv,
+        () = out.closed() => return,
+    };
+    let kv = match kv {
+        Ok(kv) => kv,
+        Err(e) => {
+            let _ = out.send(Err(e.into())).await;
+            return;
+        }
+    };
+    let (ev_tx, mut ev_rx) = mpsc::unbounded_channel();
+    let spec = JobSpec {
+        request_id: id.clone(),
+        sampling,
+        max_new_tokens: r.max_new_tokens,
+        stop_ids: r.stop_token_ids,
+        ignore_eos: r.ignore_eos,
+        arrived,
+        events: ev_tx,
+    };
+    if !st.engine.send(Control::Submit(Job { kv, spec })) {
+        let _ = out
+            .send(Err(Status::unavailable("the engine has stopped")))
+            .await;
+        return;
+    }
+    loop {
+        tokio::select! {
+            ev = ev_rx.recv() => {
+                let Some(ev) = ev else { return };
+                let last = matches!(ev, Event::Finish { .. } | Event::Error(_));
+                if out.send(to_response(ev)).await.is_err() {
+                    st.engine.send(Control::Cancel(id.clone(), "disconnect"));
+                    return;
+                }
+                if last {
+                    return;
+                }
+            }
+            () = out.closed() => {
+                st.engine.send(Control::Cancel(id.clone(), "disconnect"));
+                return;
+            }
+        }
+    }
+}

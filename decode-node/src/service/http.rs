@@ -1,0 +1,58 @@
+//! `/metrics`, `/live` and `/health` on the metrics port.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use kv_transfer::HostPool;
+
+use crate::engine::Engine;
+use crate::metrics::Metrics;
+
+#[derive(Clone)]
+pub(crate) struct HttpState {
+    pub(crate) metrics: Metrics,
+    pub(crate) serving: Arc<AtomicBool>,
+    pub(crate) pool: HostPool,
+    pub(crate) engine: Engine,
+    pub(crate) device_kv_bytes: u64,
+}
+
+async fn metrics(axum::extract::State(s): axum::extract::State<HttpState>) -> impl IntoResponse {
+    let u = s.pool.usage();
+    Metrics::set_bytes(&s.metrics.host_kv_bytes, "used", u.used);
+    Metrics::set_bytes(&s.metrics.host_kv_bytes, "reserved", u.reserved);
+    Metrics::set_bytes(&s.metrics.host_kv_bytes, "capacity", u.capacity);
+    Metrics::set_bytes(
+        &s.metrics.device_kv_bytes,
+        "used",
+        s.engine.load().device_bytes,
+    );
+    Metrics::set_bytes(&s.metrics.device_kv_bytes, "capacity", s.device_kv_bytes);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        s.metrics.render(),
+    )
+}
+
+async fn health(axum::extract::State(s): axum::extract::State<HttpState>) -> impl IntoResponse {
+    if s.serving.load(Ordering::Acquire) {
+        (StatusCode::OK, "serving\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not serving\n")
+    }
+}
+
+pub(crate) fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/live", get(|| async { "live\n" }))
+        .route("/health", get(health))
+        .with_state(state)
+}

@@ -1,0 +1,217 @@
+//! `serve`: wires pool, registry, engine and services, and drains on shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use decode_node_proto::v1::decode_server::DecodeServer;
+use decode_node_proto::v1::kv_transfer_server::KvTransferServer;
+use kv_transfer::{HostPool, KvTransferService, Registry};
+use tokio::sync::oneshot;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tonic_health::ServingStatus;
+
+use super::auth::BearerCheck;
+use super::decode::{DecodeService, NodeState};
+use super::http::{HttpState, router};
+use crate::cli::ServeArgs;
+use crate::engine::{Control, Engine, EngineConfig};
+use crate::metrics::Metrics;
+use crate::node::Node;
+
+/// Largest gRPC message accepted by KvTransfer (a chunk).
+pub const MAX_PUSH_MESSAGE: usize = 64 << 20;
+/// Largest gRPC message accepted by Decode.
+pub const MAX_DECODE_MESSAGE: usize = 1 << 20;
+
+/// Where the node listens, once it does.
+#[derive(Debug, Clone, Copy)]
+pub struct Bound {
+    /// gRPC.
+    pub grpc: SocketAddr,
+    /// Metrics and probes.
+    pub metrics: SocketAddr,
+}
+
+fn read(path: &std::path::Path, what: &str) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("reading {what} {}", path.display()))
+}
+
+/// Runs the node until `shutdown` resolves, then drains: refuses new work, lets running
+/// requests finish up to `--drain-timeout`, cancels the rest and returns.
+pub async fn serve(
+    args: ServeArgs,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    ready: Option<oneshot::Sender<Bound>>,
+) -> anyhow::Result<()> {
+    let node = Node::build(&args.model)?;
+    let token = match &args.auth_token_file {
+        Some(p) => {
+            let t = String::from_utf8(read(p, "auth token file")?)
+                .context("auth token file is not UTF-8")?;
+            let t = t.trim().to_string();
+            anyhow::ensure!(!t.is_empty(), "auth token file {} is empty", p.display());
+            Some(t)
+        }
+        None => None,
+    };
+    let metrics = Metrics::new();
+    let pool = HostPool::new(node.layout.geom, args.host_kv_bytes).context("host KV pool")?;
+    anyhow::ensure!(
+        pool.num_blocks() > 0,
+        "--host-kv-bytes {} holds no KV block of {} bytes",
+        args.host_kv_bytes,
+        node.layout.geom.block_bytes()
+    );
+    let registry = Registry::new(
+        Duration::from_secs_f64(args.kv_lease.max(0.0)),
+        metrics.ingest.clone(),
+    );
+    let sweeper = registry.spawn_lease_sweeper(Duration::from_millis(250));
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (engine, engine_thread) = Engine::start(
+        node.model.clone(),
+        pool.clone(),
+        EngineConfig {
+            attention: node.attention.clone(),
+            max_batch: args.max_batch.max(1) as usize,
+            device_kv_bytes: args.device_kv_bytes,
+            queue_timeout: Duration::from_secs(60),
+            cpu_threads: (cpus / 4).max(1),
+        },
+        metrics.clone(),
+    )
+    .context("starting the engine")?;
+    let state = NodeState {
+        registry: registry.clone(),
+        pool: pool.clone(),
+        engine: engine.clone(),
+        layout: node.layout.clone(),
+        info: node.info(),
+        device_kv_bytes: args.device_kv_bytes,
+        active: Arc::default(),
+    };
+
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    health.set_serving::<DecodeServer<DecodeService>>().await;
+    health
+        .set_serving::<KvTransferServer<KvTransferService>>()
+        .await;
+    health.set_service_status("", ServingStatus::Serving).await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(decode_node_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("gRPC reflection")?;
+
+    let auth = BearerCheck::new(token);
+    let kv_svc = tonic::service::interceptor::InterceptedService::new(
+        KvTransferServer::new(KvTransferService::new(
+            node.layout.clone(),
+            pool.clone(),
+            registry.clone(),
+        ))
+        .max_decoding_message_size(MAX_PUSH_MESSAGE),
+        auth.clone(),
+    );
+    let decode_svc = tonic::service::interceptor::InterceptedService::new(
+        DecodeServer::new(DecodeService::new(state.clone()))
+            .max_decoding_message_size(MAX_DECODE_MESSAGE),
+        auth.clone(),
+    );
+    let reflection = tonic::service::interceptor::InterceptedService::new(reflection, auth);
+
+    let mut builder = Server::builder()
+        .initial_stream_window_size(Some(16 << 20))
+        .initial_connection_window_size(Some(64 << 20))
+        .http2_keepalive_interval(Some(Duration::from_secs(30)));
+    if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
+        let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
+            read(cert, "TLS certificate")?,
+            read(key, "TLS key")?,
+        ));
+        if let Some(ca) = &args.tls_client_ca {
+            tls = tls.client_ca_root(Certificate::from_pem(read(ca, "client CA")?));
+        }
+        builder = builder.tls_config(tls).context("TLS configuration")?;
+    }
+
+    // Nodelay must be set on the incoming stream: it is ignored on a pre-bound listener.
+    let incoming = TcpIncoming::bind(args.grpc_addr)
+        .map_err(|e| anyhow::anyhow!("binding gRPC address {}: {e}", args.grpc_addr))?
+        .with_nodelay(Some(true));
+    let grpc_addr = incoming.local_addr().context("gRPC local address")?;
+    let http_listener = tokio::net::TcpListener::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("binding metrics address {}", args.metrics_addr))?;
+    let metrics_addr = http_listener.local_addr()?;
+    let serving = Arc::new(AtomicBool::new(true));
+    let http_state = HttpState {
+        metrics: metrics.clone(),
+        serving: serving.clone(),
+        pool: pool.clone(),
+        engine: engine.clone(),
+        device_kv_bytes: args.device_kv_bytes,
+    };
+    let http = tokio::spawn(async move { axum::serve(http_listener, router(http_state)).await });
+    tracing::info!(%grpc_addr, %metrics_addr, model_id = %node.layout.model_id, attention = node.attention.mode.name(), "serving");
+    if let Some(tx) = ready {
+        let _ = tx.send(Bound {
+            grpc: grpc_addr,
+            metrics: metrics_addr,
+        });
+    }
+
+    let drain_timeout = Duration::from_secs_f64(args.drain_timeout.max(0.0));
+    let drain = {
+        let (registry, engine, state) = (registry.clone(), engine.clone(), state.clone());
+        async move {
+            shutdown.await;
+            tracing::info!("draining: refusing new work, finishing running requests");
+            registry.set_draining();
+            serving.store(false, Ordering::Release);
+            health
+                .set_service_status("", ServingStatus::NotServing)
+                .await;
+            health
+                .set_not_serving::<DecodeServer<DecodeService>>()
+                .await;
+            health
+                .set_not_serving::<KvTransferServer<KvTransferService>>()
+                .await;
+            let end = Instant::now() + drain_timeout;
+            loop {
+                let idle = state.active.lock().map(|a| a.is_empty()).unwrap_or(true);
+                if idle || Instant::now() >= end {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            engine.send(Control::Shutdown);
+            // Let the streams carry their last events out.
+            let end = Instant::now() + Duration::from_secs(2);
+            while !state.active.lock().map(|a| a.is_empty()).unwrap_or(true) && Instant::now() < end
+            {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let result = builder
+        .add_service(health_svc)
+        .add_service(reflection)
+        .add_service(kv_svc)
+        .add_service(decode_svc)
+        .serve_with_incoming_shutdown(incoming, drain)
+        .await;
+    engine.send(Control::Shutdown);
+    sweeper.abort();
+    http.abort();
+    let _ = tokio::task::spawn_blocking(move || engine_thread.join()).await;
+    result.context("gRPC server")?;
+    tracing::info!("drained, exiting");
+    Ok(())
+}
