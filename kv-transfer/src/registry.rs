@@ -317,8 +317,14 @@ mod tests {
         let (reg, pool) = setup(0);
         assert!(matches!(
             reg.claim("x", Duration::from_millis(5)).await,
+            Err(Error::NotFound(_))
+        ));
+        let slot = reg.begin_push("y").unwrap();
+        assert!(matches!(
+            reg.claim("y", Duration::from_millis(5)).await,
             Err(Error::Timeout(_))
         ));
+        drop(slot);
         reg.begin_push("a")
             .unwrap()
             .commit(committed(&pool, "a"))
