@@ -55,6 +55,9 @@ pub struct ModelArgs {
     /// Tokens attended per layer and KV head in sparse modes.
     #[arg(long, env = "DECODE_NODE_BUDGET_TOKENS", default_value_t = 2048)]
     pub budget_tokens: u32,
+    /// Device-resident blocks per layer and KV head in sparse modes (0 = as many as the budget).
+    #[arg(long, env = "DECODE_NODE_DEVICE_BLOCKS", default_value_t = 0)]
+    pub device_blocks: u32,
     /// Turn off layer-ahead CPU pre-computation (`scout` ablation).
     #[arg(long, env = "DECODE_NODE_NO_PRECOMPUTE")]
     pub no_precompute: bool,

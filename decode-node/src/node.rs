@@ -90,7 +90,10 @@ impl Node {
                 }
             },
             exact: args.exact,
-            device_blocks_per_head: budget_tokens.div_ceil(block_size),
+            device_blocks_per_head: match args.device_blocks {
+                0 => budget_tokens.div_ceil(block_size),
+                n => n as usize,
+            },
         };
         Ok(Self {
             model: Arc::new(model),
