@@ -268,6 +268,39 @@ impl Metrics {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         m.process_start.set(start);
+        // Every label value we emit exists from the start, so rate() works from the first
+        // scrape (an empty family is not exported at all).
+        for outcome in [
+            "length",
+            "stop",
+            "eos",
+            "cancelled",
+            "context_full",
+            "rejected",
+            "error",
+        ] {
+            let _ = m.requests.get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            });
+        }
+        for reason in ["client", "disconnect", "shutdown"] {
+            let _ = m.cancellations.get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            });
+        }
+        for code in [
+            "invalid_argument",
+            "failed_precondition",
+            "resource_exhausted",
+            "already_exists",
+            "cancelled",
+            "unavailable",
+        ] {
+            let _ = m
+                .ingest
+                .errors
+                .get_or_create(&kv_transfer::CodeLabel { code: code.into() });
+        }
         Self {
             registry: Arc::new(root),
             ..m

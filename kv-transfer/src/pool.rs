@@ -5,7 +5,6 @@
 //! promise into a [`Block`]. Both are RAII: dropping a reservation returns what it did not
 //! take, dropping a block returns it to the free list. No error path can leak.
 
-use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -26,24 +25,17 @@ pub struct PoolUsage {
     pub capacity: u64,
 }
 
+/// The pool's memory: one anonymous mapping, so pages cost RSS only once written.
 struct Region {
     ptr: NonNull<u8>,
-    layout: Layout,
+    /// Owns the mapping `ptr` points into; unmapped on drop.
+    _map: Option<memmap2::MmapMut>,
 }
 
 // SAFETY: the region is plain bytes; access is partitioned by block index (see `Block`).
 unsafe impl Send for Region {}
 // SAFETY: as above; no two live `Block`s share an index.
 unsafe impl Sync for Region {}
-
-impl Drop for Region {
-    fn drop(&mut self) {
-        if self.layout.size() > 0 {
-            // SAFETY: allocated in `HostPool::new` with this layout.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
-        }
-    }
-}
 
 struct Inner {
     geom: BlockGeometry,
@@ -85,21 +77,17 @@ impl HostPool {
             .map_err(|_| Error::Config("host KV capacity does not fit in memory".into()))?
             .min(u32::MAX as usize);
         let size = num_blocks * block_bytes;
-        let layout = Layout::from_size_align(size.max(1), 4096)
-            .map_err(|e| Error::Config(format!("host KV pool layout: {e}")))?;
-        let ptr = if size == 0 {
-            NonNull::dangling()
+        // An anonymous mapping rather than the allocator: aligned allocations are zeroed
+        // eagerly by glibc, which would make a 64 GiB pool resident at start-up.
+        let (ptr, map) = if size == 0 {
+            (NonNull::dangling(), None)
         } else {
-            // SAFETY: layout has non-zero size.
-            let p = unsafe { std::alloc::alloc_zeroed(layout) };
-            NonNull::new(p).ok_or_else(|| {
-                Error::Config(format!("cannot allocate {size} bytes of host KV pool"))
-            })?
-        };
-        let layout = if size == 0 {
-            Layout::from_size_align(0, 1).expect("zero layout is valid")
-        } else {
-            layout
+            let mut map = memmap2::MmapMut::map_anon(size).map_err(|e| {
+                Error::Config(format!("cannot map {size} bytes of host KV pool: {e}"))
+            })?;
+            let ptr = NonNull::new(map.as_mut_ptr())
+                .ok_or_else(|| Error::Config("host KV pool mapped at null".into()))?;
+            (ptr, Some(map))
         };
         let free = (0..num_blocks as u32).rev().collect();
         Ok(Self {
@@ -107,7 +95,7 @@ impl HostPool {
                 geom,
                 block_bytes,
                 num_blocks,
-                region: Region { ptr, layout },
+                region: Region { ptr, _map: map },
                 free: Mutex::new(free),
                 promised: AtomicUsize::new(0),
                 taken: AtomicUsize::new(0),

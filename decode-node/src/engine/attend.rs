@@ -115,8 +115,12 @@ impl<'a> BatchAttention<'a> {
         let q = q.to_vec();
         let shape = self.shape;
         self.cpu_pool.spawn(move || {
+            let out = cpu_part(&kv, shape, layer, &plans, &q);
+            // Let go of the KV before answering: the step appends to it right after the last
+            // answer, which needs it unshared.
+            drop(kv);
             // The receiver is gone only if the step was abandoned; nothing to do then.
-            let _ = tx.send(cpu_part(&kv, shape, layer, &plans, &q));
+            let _ = tx.send(out);
         });
         rx
     }

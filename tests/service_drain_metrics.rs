@@ -1,0 +1,65 @@
+//! SIGTERM drains (running requests finish, new work is refused, exit 0); `/metrics`
+//! exposes every required name; `/live` and `/health` answer probes.
+
+mod common;
+use common::*;
+use decode_node_proto::v1 as pb;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_running_requests_then_exits_zero() {
+    let mut s = Served::start(&["--drain-timeout", "30"]);
+    push(&s, &prompt_kv("d1", &prompt(20, 1))).await.unwrap();
+    let mut c = pb::decode_client::DecodeClient::new(s.channel().await);
+    let mut stream = c.generate(gen_req("d1", 400)).await.unwrap().into_inner();
+    stream.message().await.unwrap().unwrap();
+    s.sigterm();
+    // Draining: health says 503, new pushes are UNAVAILABLE.
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while http_get(s.metrics, "/health").0 != 503 && std::time::Instant::now() < end {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(http_get(s.metrics, "/health").0, 503);
+    assert_eq!(http_get(s.metrics, "/live").0, 200);
+    let e = push(&s, &prompt_kv("d2", &prompt(8, 2))).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    let mut n = 1;
+    let mut fin = None;
+    while let Some(m) = stream.message().await.unwrap() {
+        match m.event {
+            Some(pb::generate_response::Event::Token(_)) => n += 1,
+            Some(pb::generate_response::Event::Finish(f)) => fin = Some(f),
+            None => {}
+        }
+    }
+    let fin = fin.expect("the running request finishes");
+    assert_eq!(fin.reason, pb::FinishReason::Length as i32);
+    assert_eq!(n, 400);
+    let status = s
+        .wait(std::time::Duration::from_secs(20))
+        .expect("exits after draining");
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_expose_every_required_name() {
+    let s = Served::start(&[]);
+    assert_eq!(http_get(s.metrics, "/health").0, 200);
+    push(&s, &prompt_kv("m1", &prompt(20, 1))).await.unwrap();
+    generate(&s, gen_req("m1", 3)).await.unwrap();
+    // One refused push, so the error family has a sample.
+    let mut bad = prompt_kv("m2", &prompt(8, 2));
+    bad.header.model_id = "other".into();
+    assert_eq!(
+        push(&s, &bad).await.unwrap_err().code(),
+        tonic::Code::FailedPrecondition
+    );
+    let text = s.metrics_text();
+    for name in decode_node::metrics::REQUIRED {
+        assert!(text.contains(name), "/metrics lacks {name}");
+    }
+    assert!(
+        text.contains("decode_node_kv_ingest_errors_total{code=\"failed_precondition\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("decode_node_generation_tokens_total 3"));
+}
