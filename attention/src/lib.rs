@@ -36,6 +36,8 @@ mod block;
 mod digest;
 mod dtype;
 mod kernel;
+#[cfg(target_arch = "x86_64")]
+mod kernel_avx2;
 mod merge;
 mod policy;
 mod select;

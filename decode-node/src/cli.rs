@@ -215,6 +215,15 @@ pub struct BenchArgs {
     /// Threads for `kernels`.
     #[arg(long, default_value = "1,2")]
     pub threads: String,
+    /// Attention modes for `decode`, compared in one run.
+    #[arg(long, default_value = "full,hgca,recall,scout")]
+    pub modes: String,
+    /// Concurrent requests for `decode`.
+    #[arg(long, default_value_t = 1)]
+    pub batch: u32,
+    /// Tokens generated per request for `decode`.
+    #[arg(long, default_value_t = 32)]
+    pub tokens: u32,
     /// GiB to push for `ingest`.
     #[arg(long, default_value_t = 1.0)]
     pub gib: f64,

@@ -6,6 +6,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod backend;
+pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod commands;

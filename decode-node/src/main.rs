@@ -38,9 +38,7 @@ fn main() -> ExitCode {
             Command::Prefill(a) => commands::run_prefill(a).await,
             Command::Generate(a) => commands::run_generate(a).await,
             Command::Demo(a) => commands::run_demo(a).await,
-            Command::Bench(_) => Err(anyhow::anyhow!(
-                "`bench` is not built yet in this version (see the open issues)"
-            )),
+            Command::Bench(a) => decode_node::bench::run(a).await,
             Command::MakeModel(a) => commands::run_make_model(a),
         }
     });

@@ -1,0 +1,289 @@
+//! AVX2 + FMA + F16C path of the CPU kernel (x86-64), chosen at run time.
+//!
+//! Per block: K^T rows are converted to f32 once into an L1-resident scratch; each query head
+//! of the group scores all tokens with four 8-lane accumulators; the softmax uses a vector
+//! `exp2` (Taylor to degree 7 on [-0.5, 0.5], error ~1e-8 relative); V rows are converted as
+//! they stream and accumulated into up to eight heads held in registers.
+
+use std::arch::x86_64::*;
+
+use crate::block::BlockGeometry;
+use crate::dtype::KvDType;
+
+/// True when this CPU can run the path.
+pub(crate) fn available() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// Loads 8 elements at `p` as f32.
+///
+/// # Safety
+/// `p` must point at 8 readable elements of `dtype`; the CPU must have AVX2 and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8(dtype: KvDType, p: *const u8) -> __m256 {
+    // SAFETY: the caller guarantees 8 readable elements at `p`.
+    unsafe {
+        match dtype {
+            KvDType::F32 => _mm256_loadu_ps(p.cast()),
+            KvDType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+            KvDType::Bf16 => {
+                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+            }
+        }
+    }
+}
+
+/// `2^x` per lane; lanes below -126 give 0 (exact enough: the weight underflows anyway).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn exp2_ps(x: __m256) -> __m256 {
+    let lo = _mm256_set1_ps(-126.0);
+    let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, lo);
+    let x = _mm256_max_ps(x, lo);
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+    let y = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(std::f32::consts::LN_2));
+    // e^y for |y| <= 0.347 by Horner.
+    let c = |v: f32| _mm256_set1_ps(v);
+    let mut p = c(1.0 / 5040.0);
+    p = _mm256_fmadd_ps(p, y, c(1.0 / 720.0));
+    p = _mm256_fmadd_ps(p, y, c(1.0 / 120.0));
+    p = _mm256_fmadd_ps(p, y, c(1.0 / 24.0));
+    p = _mm256_fmadd_ps(p, y, c(1.0 / 6.0));
+    p = _mm256_fmadd_ps(p, y, c(0.5));
+    p = _mm256_fmadd_ps(p, y, c(1.0));
+    p = _mm256_fmadd_ps(p, y, c(1.0));
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    let r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    _mm256_andnot_ps(tiny, r)
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hmax(v: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
+    _mm_cvtss_f32(m)
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+/// Running softmax state of a group over the blocks seen so far.
+pub(crate) struct State<'a> {
+    /// `[G][D]` unnormalised output.
+    pub(crate) acc: &'a mut [f32],
+    /// `[G]` running max (base 2).
+    pub(crate) m: &'a mut [f32],
+    /// `[G]` running denominator.
+    pub(crate) l: &'a mut [f32],
+    /// `[D][B]` f32 keys of the current block.
+    pub(crate) kf: &'a mut [f32],
+    /// `[G][B]` scores, then weights.
+    pub(crate) s: &'a mut [f32],
+}
+
+/// Folds one block (`len` tokens) into `st`. `qs` is the pre-scaled `[G][D]` query.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`available`]); `bytes` must hold a whole head
+/// block of `geom`; `geom.block_size` and `geom.head_dim` must be multiples of 8.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn block(
+    geom: &BlockGeometry,
+    qs: &[f32],
+    bytes: &[u8],
+    len: usize,
+    st: &mut State<'_>,
+) {
+    let (b, d, es, dt) = (
+        geom.block_size,
+        geom.head_dim,
+        geom.dtype.size(),
+        geom.dtype,
+    );
+    let g = qs.len() / d;
+    debug_assert!(b % 8 == 0 && d % 8 == 0 && bytes.len() >= 2 * b * d * es);
+    let nv = len.div_ceil(8);
+    let (kt, vs) = bytes.split_at(b * d * es);
+    // K^T rows to f32, only the vectors that hold valid tokens.
+    for c in 0..d {
+        for j in 0..nv {
+            // SAFETY: (c*b + 8j + 8) <= d*b elements lie inside `kt`.
+            let v = unsafe { load8(dt, kt.as_ptr().add((c * b + 8 * j) * es)) };
+            // SAFETY: kf has d*b elements.
+            unsafe { _mm256_storeu_ps(st.kf.as_mut_ptr().add(c * b + 8 * j), v) };
+        }
+    }
+    let neg = _mm256_set1_ps(f32::NEG_INFINITY);
+    for h in 0..g {
+        let q = &qs[h * d..(h + 1) * d];
+        let sh = &mut st.s[h * b..h * b + nv * 8];
+        let mut t0 = 0;
+        // Full 32-token groups: eight independent FMA chains (two per vector, even and odd
+        // channels) keep both FMA ports busy despite the 4-cycle latency.
+        while nv - t0 >= 4 {
+            let mut e = [_mm256_setzero_ps(); 4];
+            let mut o = [_mm256_setzero_ps(); 4];
+            let base = st.kf.as_ptr();
+            let mut c = 0;
+            while c + 1 < d {
+                let qe = _mm256_set1_ps(q[c]);
+                let qo = _mm256_set1_ps(q[c + 1]);
+                for j in 0..4 {
+                    // SAFETY: (c+1)*b + 8*(t0+j) + 8 <= d*b.
+                    unsafe {
+                        e[j] = _mm256_fmadd_ps(
+                            qe,
+                            _mm256_loadu_ps(base.add(c * b + 8 * (t0 + j))),
+                            e[j],
+                        );
+                        o[j] = _mm256_fmadd_ps(
+                            qo,
+                            _mm256_loadu_ps(base.add((c + 1) * b + 8 * (t0 + j))),
+                            o[j],
+                        );
+                    }
+                }
+                c += 2;
+            }
+            for j in 0..4 {
+                // SAFETY: sh has nv*8 elements.
+                unsafe {
+                    _mm256_storeu_ps(sh.as_mut_ptr().add(8 * (t0 + j)), _mm256_add_ps(e[j], o[j]))
+                };
+            }
+            t0 += 4;
+        }
+        while t0 < nv {
+            let mut acc = _mm256_setzero_ps();
+            for (c, qc) in q.iter().enumerate() {
+                // SAFETY: c*b + 8*t0 + 8 <= d*b.
+                let k = unsafe { _mm256_loadu_ps(st.kf.as_ptr().add(c * b + 8 * t0)) };
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(*qc), k, acc);
+            }
+            // SAFETY: sh has nv*8 elements.
+            unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * t0), acc) };
+            t0 += 1;
+        }
+        // Mask the tail of a partly filled block (its slots may hold stale bytes).
+        let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
+        let mut vmax = neg;
+        for j in 0..nv {
+            // SAFETY: in bounds of sh.
+            let mut v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
+            let idx = _mm256_add_ps(lane, _mm256_set1_ps((8 * j) as f32));
+            let valid = _mm256_cmp_ps::<_CMP_LT_OQ>(idx, _mm256_set1_ps(len as f32));
+            v = _mm256_blendv_ps(neg, v, valid);
+            // SAFETY: in bounds of sh.
+            unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * j), v) };
+            vmax = _mm256_max_ps(vmax, v);
+        }
+        let m_new = st.m[h].max(hmax(vmax));
+        if m_new == f32::NEG_INFINITY {
+            sh.fill(0.0);
+            continue;
+        }
+        let alpha = (st.m[h] - m_new).exp2();
+        let mb = _mm256_set1_ps(m_new);
+        let mut vsum = _mm256_setzero_ps();
+        for j in 0..nv {
+            // SAFETY: in bounds of sh.
+            let v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
+            let p = exp2_ps(_mm256_sub_ps(v, mb));
+            vsum = _mm256_add_ps(vsum, p);
+            // SAFETY: in bounds of sh.
+            unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * j), p) };
+        }
+        st.l[h] = st.l[h] * alpha + hsum(vsum);
+        st.m[h] = m_new;
+        if alpha != 1.0 {
+            for a in &mut st.acc[h * d..(h + 1) * d] {
+                *a *= alpha;
+            }
+        }
+    }
+    // V: up to eight heads' accumulators live in registers per 8-wide slice of the head dim.
+    let mut h0 = 0;
+    while h0 < g {
+        let n = match g - h0 {
+            r if r >= 8 => 8,
+            r if r >= 4 => 4,
+            r if r >= 2 => 2,
+            _ => 1,
+        };
+        // SAFETY: forwarded from this function's contract; heads h0..h0+n exist.
+        unsafe {
+            match n {
+                8 => accumulate_v::<8, 1>(dt, vs, len, b, d, h0, st),
+                4 => accumulate_v::<4, 2>(dt, vs, len, b, d, h0, st),
+                2 => accumulate_v::<2, 4>(dt, vs, len, b, d, h0, st),
+                _ => accumulate_v::<1, 4>(dt, vs, len, b, d, h0, st),
+            }
+        }
+        h0 += n;
+    }
+}
+
+/// `acc[h0+i] += sum_t s[h0+i][t] * V[t]` for `N` heads, `W` vectors of the head dim at a
+/// time (N*W independent accumulator chains; the tail of the head dim goes 8 wide).
+///
+/// # Safety
+/// As [`block`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn accumulate_v<const N: usize, const W: usize>(
+    dt: KvDType,
+    vs: &[u8],
+    len: usize,
+    b: usize,
+    d: usize,
+    h0: usize,
+    st: &mut State<'_>,
+) {
+    let es = dt.size();
+    let mut c0 = 0;
+    while c0 < d {
+        let w = if d - c0 >= 8 * W { W } else { 1 };
+        let mut acc = [[_mm256_setzero_ps(); W]; N];
+        for (i, row) in acc.iter_mut().enumerate() {
+            for (j, a) in row.iter_mut().enumerate().take(w) {
+                // SAFETY: (h0+i)*d + c0 + 8j + 8 <= G*d.
+                *a = unsafe { _mm256_loadu_ps(st.acc.as_ptr().add((h0 + i) * d + c0 + 8 * j)) };
+            }
+        }
+        for t in 0..len {
+            let mut v = [_mm256_setzero_ps(); W];
+            for (j, x) in v.iter_mut().enumerate().take(w) {
+                // SAFETY: t < len <= b rows of d elements; c0 + 8j + 8 <= d.
+                *x = unsafe { load8(dt, vs.as_ptr().add((t * d + c0 + 8 * j) * es)) };
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                let p = _mm256_set1_ps(st.s[(h0 + i) * b + t]);
+                for (j, a) in row.iter_mut().enumerate().take(w) {
+                    *a = _mm256_fmadd_ps(p, v[j], *a);
+                }
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (j, a) in row.iter().enumerate().take(w) {
+                // SAFETY: as the load above.
+                unsafe { _mm256_storeu_ps(st.acc.as_mut_ptr().add((h0 + i) * d + c0 + 8 * j), *a) };
+            }
+        }
+        c0 += 8 * w;
+    }
+}

@@ -1,0 +1,394 @@
+//! `decode-node bench`: every figure is a ratio against a bound measured in the same run.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use attention::{BlockGeometry, HeadBlock, KvDType, Scratch, attend_blocks, encode_from_f32};
+use bytes::Bytes;
+use decode_node_proto::v1 as pb;
+use kv_transfer::client::{PromptKv, PushOptions, push_kv};
+use serde_json::json;
+use tokio::sync::oneshot;
+
+use crate::cli::{BenchArgs, ServeArgs};
+use crate::client;
+use crate::model::random::SplitMix;
+use crate::service::serve;
+
+/// Runs the bench named by `args.what`.
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let report = match args.what.as_str() {
+        "kernels" => tokio::task::spawn_blocking(move || kernels(&args)).await??,
+        "ingest" => ingest(&args).await?,
+        "decode" => decode(&args).await?,
+        other => anyhow::bail!("`bench {other}` is not built yet in this version"),
+    };
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+/// Bytes/s of reading `buf` with `threads` threads (best of a few passes).
+fn read_bandwidth(buf: &[f32], threads: usize, seconds: f64) -> f64 {
+    let chunk = buf.len().div_ceil(threads);
+    let mut best = 0f64;
+    let end = Instant::now() + Duration::from_secs_f64(seconds);
+    let mut sink = 0f32;
+    while Instant::now() < end || best == 0.0 {
+        let t = Instant::now();
+        let sums: Vec<f32> = std::thread::scope(|s| {
+            let hs: Vec<_> = buf.chunks(chunk).map(|c| s.spawn(move || sum(c))).collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0.0)).collect()
+        });
+        sink += sums.iter().sum::<f32>();
+        best = best.max((buf.len() * 4) as f64 / t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(sink);
+    best
+}
+
+fn sum(c: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for x in c.chunks_exact(16) {
+        for i in 0..16 {
+            acc[i] += x[i];
+        }
+    }
+    acc.iter().sum()
+}
+
+/// Bytes/s of single-thread memcpy (best of a few passes).
+fn memcpy_bandwidth(bytes: usize, seconds: f64) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut best = 0f64;
+    let end = Instant::now() + Duration::from_secs_f64(seconds);
+    while Instant::now() < end || best == 0.0 {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        best = best.max(bytes as f64 / t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    best
+}
+
+fn parse_list<T: std::str::FromStr>(s: &str, what: &str) -> anyhow::Result<Vec<T>> {
+    s.split(',')
+        .map(|x| {
+            x.trim()
+                .parse()
+                .map_err(|_| anyhow::anyhow!("bad {what} {x:?}"))
+        })
+        .collect()
+}
+
+/// CPU sparse attention: KV bytes scanned per second ÷ read bandwidth, per configuration.
+fn kernels(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
+    let threads: Vec<usize> = parse_list(&args.threads, "thread count")?;
+    let working_set = 256usize << 20;
+    let buf: Vec<f32> = (0..working_set / 4).map(|i| (i % 7) as f32).collect();
+    let mut rows = Vec::new();
+    for &t in &threads {
+        let bw = read_bandwidth(&buf, t, args.seconds.min(1.0));
+        for dtype in [KvDType::F16, KvDType::Bf16] {
+            for g in [1usize, 4, 8] {
+                for d in [64usize, 128] {
+                    let geom = BlockGeometry {
+                        block_size: 32,
+                        num_kv_heads: 1,
+                        head_dim: d,
+                        dtype,
+                    };
+                    let hb = geom.head_bytes();
+                    let nblocks = (working_set / hb).max(1);
+                    let mut data = vec![0u8; nblocks * hb];
+                    let vals: Vec<f32> = {
+                        let mut r = SplitMix(7);
+                        (0..hb / dtype.size())
+                            .map(|_| (r.next_f64() as f32) - 0.5)
+                            .collect()
+                    };
+                    for blk in data.chunks_exact_mut(hb) {
+                        encode_from_f32(dtype, &vals, blk);
+                    }
+                    let q: Vec<f32> = (0..g * d).map(|i| (i % 5) as f32 * 0.1).collect();
+                    let per = nblocks.div_ceil(t);
+                    let mut best = 0f64;
+                    let end = Instant::now() + Duration::from_secs_f64(args.seconds);
+                    while Instant::now() < end || best == 0.0 {
+                        let start = Instant::now();
+                        std::thread::scope(|s| {
+                            for part in data.chunks(per * hb) {
+                                let q = &q;
+                                s.spawn(move || {
+                                    let mut scratch = Scratch::default();
+                                    let blocks = part
+                                        .chunks_exact(hb)
+                                        .map(|b| HeadBlock { bytes: b, len: 32 });
+                                    std::hint::black_box(attend_blocks(
+                                        &geom,
+                                        q,
+                                        0.1,
+                                        blocks,
+                                        &mut scratch,
+                                    ));
+                                });
+                            }
+                        });
+                        best = best.max(data.len() as f64 / start.elapsed().as_secs_f64());
+                    }
+                    let row = json!({
+                        "dtype": dtype.name(), "group": g, "head_dim": d, "threads": t,
+                        "kv_gb_per_s": best / 1e9, "read_gb_per_s": bw / 1e9, "ratio": best / bw,
+                    });
+                    if !args.json {
+                        eprintln!(
+                            "kernels {:>4} G={g} D={d:>3} threads={t}: {:6.2} GB/s of KV / {:6.2} GB/s read = {:.2}",
+                            dtype.name(),
+                            best / 1e9,
+                            bw / 1e9,
+                            best / bw
+                        );
+                    }
+                    rows.push(row);
+                }
+            }
+        }
+    }
+    Ok(json!({ "bench": "kernels", "goal_ratio": 0.8, "results": rows }))
+}
+
+/// Starts an in-process node on loopback for `model` with `extra` serve settings.
+async fn start_node(
+    model: crate::cli::ModelArgs,
+    host_kv_bytes: u64,
+    device_kv_bytes: u64,
+    max_batch: u32,
+) -> anyhow::Result<(
+    String,
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+)> {
+    let sa = ServeArgs {
+        model,
+        grpc_addr: "127.0.0.1:0".parse()?,
+        metrics_addr: "127.0.0.1:0".parse()?,
+        host_kv_bytes,
+        device_kv_bytes,
+        kv_lease: 600.0,
+        max_batch,
+        drain_timeout: 1.0,
+        auth_token_file: None,
+        tls_cert: None,
+        tls_key: None,
+        tls_client_ca: None,
+    };
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let h = tokio::spawn(serve(
+        sa,
+        async move {
+            let _ = stop_rx.await;
+        },
+        Some(ready_tx),
+    ));
+    let bound = ready_rx.await.context("the bench node did not start")?;
+    Ok((format!("http://{}", bound.grpc), stop_tx, h))
+}
+
+/// Random KV for `info`'s layout, as a push for `id` of `tokens` tokens.
+fn synthetic_kv(info: &pb::ModelInfo, id: &str, tokens: usize, seed: u64) -> PromptKv {
+    let dtype = match pb::DType::try_from(info.kv_dtype) {
+        Ok(pb::DType::DtypeF16) => KvDType::F16,
+        Ok(pb::DType::DtypeBf16) => KvDType::Bf16,
+        _ => KvDType::F32,
+    };
+    let n = tokens * info.num_kv_heads as usize * info.head_dim as usize;
+    let mut r = SplitMix(seed);
+    let mut make = || {
+        let v: Vec<f32> = (0..n).map(|_| (r.next_f64() as f32 - 0.5) * 2.0).collect();
+        let mut b = vec![0u8; n * dtype.size()];
+        encode_from_f32(dtype, &v, &mut b);
+        Bytes::from(b)
+    };
+    let layers = (0..info.num_layers).map(|_| (make(), make())).collect();
+    let vocab = info.vocab_size.max(1) as u64;
+    PromptKv {
+        header: pb::KvHeader {
+            request_id: id.into(),
+            model_id: info.model_id.clone(),
+            num_layers: info.num_layers,
+            num_kv_heads: info.num_kv_heads,
+            head_dim: info.head_dim,
+            dtype: info.kv_dtype,
+            num_tokens: tokens as u32,
+            prompt_token_ids: (0..tokens).map(|_| (r.next_u64() % vocab) as u32).collect(),
+            next_token_id: (r.next_u64() % vocab) as u32,
+        },
+        layers,
+    }
+}
+
+async fn model_info(target: &str) -> anyhow::Result<pb::ModelInfo> {
+    let ch = client::connect(target).await?;
+    Ok(client::decode_client(ch, None)
+        .get_model_info(pb::GetModelInfoRequest {})
+        .await?
+        .into_inner())
+}
+
+/// Loopback ingest: bytes/s ÷ single-thread memcpy bytes/s in the same run.
+async fn ingest(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
+    let memcpy = memcpy_bandwidth(256 << 20, 1.0);
+    let (target, stop, h) = start_node(args.model.clone(), 2 << 30, 1 << 30, 8).await?;
+    let info = model_info(&target).await?;
+    let per_token =
+        2 * info.num_layers as u64 * info.num_kv_heads as u64 * info.head_dim as u64 * {
+            if info.kv_dtype == pb::DType::DtypeF32 as i32 {
+                4
+            } else {
+                2
+            }
+        };
+    let tokens = ((256u64 << 20) / per_token).clamp(1, info.max_context as u64 - 1) as usize;
+    let kv = synthetic_kv(&info, "ingest-0", tokens, 1);
+    let push_bytes: u64 = kv
+        .layers
+        .iter()
+        .map(|(k, v)| (k.len() + v.len()) as u64)
+        .sum();
+    let total = (args.gib * (1u64 << 30) as f64) as u64;
+    let rounds = total.div_ceil(push_bytes).max(1);
+    let ch = client::connect(&target).await?;
+    let mut dc = client::decode_client(ch.clone(), None);
+    let opts = PushOptions {
+        chunk_tokens: ((4u64 << 20) / per_token * info.num_layers as u64).max(1) as usize,
+        ..Default::default()
+    };
+    let t = Instant::now();
+    for i in 0..rounds {
+        let mut kv = kv.clone();
+        kv.header.request_id = format!("ingest-{i}");
+        push_kv(ch.clone(), &kv, &opts, |_| {})
+            .await
+            .map_err(|s| anyhow::anyhow!("push: {s}"))?;
+        dc.cancel(pb::CancelRequest {
+            request_id: kv.header.request_id.clone(),
+        })
+        .await?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let rate = (rounds * push_bytes) as f64 / secs;
+    let _ = stop.send(());
+    h.await??;
+    if !args.json {
+        eprintln!(
+            "ingest: {:.2} GB in {secs:.2}s = {:.2} GB/s; memcpy {:.2} GB/s; ratio {:.3} (goal 0.25)",
+            (rounds * push_bytes) as f64 / 1e9,
+            rate / 1e9,
+            memcpy / 1e9,
+            rate / memcpy
+        );
+    }
+    Ok(json!({
+        "bench": "ingest", "bytes": rounds * push_bytes, "seconds": secs, "gb_per_s": rate / 1e9,
+        "memcpy_gb_per_s": memcpy / 1e9, "ratio": rate / memcpy, "goal_ratio": 0.25,
+        "push_bytes": push_bytes, "tokens_per_push": tokens,
+    }))
+}
+
+fn parse_tokens(s: &str) -> anyhow::Result<usize> {
+    let s = s.trim().to_ascii_lowercase();
+    let (num, mult) = match s.strip_suffix('k') {
+        Some(n) => (n, 1024),
+        None => (s.as_str(), 1),
+    };
+    Ok(num
+        .parse::<usize>()
+        .with_context(|| format!("bad context length {s:?}"))?
+        * mult)
+}
+
+/// Decode throughput per attention mode and context length, ratio to `full` in the same run.
+async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
+    let contexts: Vec<usize> = args
+        .context
+        .split(',')
+        .map(parse_tokens)
+        .collect::<Result<_, _>>()?;
+    let modes: Vec<String> = args
+        .modes
+        .split(',')
+        .map(|m| m.trim().to_string())
+        .collect();
+    let mut rows = Vec::new();
+    for &ctx in &contexts {
+        let mut full_tps = None;
+        for mode in &modes {
+            let mut m = args.model.clone();
+            m.attention = mode.clone();
+            let (target, stop, h) = start_node(m, 8 << 30, 4 << 30, args.batch.max(1)).await?;
+            let info = model_info(&target).await?;
+            anyhow::ensure!(
+                (ctx as u32) < info.max_context,
+                "context {ctx} exceeds the model's {}",
+                info.max_context
+            );
+            let ch = client::connect(&target).await?;
+            for b in 0..args.batch.max(1) {
+                let kv = synthetic_kv(&info, &format!("d{b}"), ctx, b as u64 + 1);
+                client::push(ch.clone(), &kv, None, |_| {}).await?;
+            }
+            let t = Instant::now();
+            let mut gens = Vec::new();
+            for b in 0..args.batch.max(1) {
+                let req = pb::GenerateRequest {
+                    request_id: format!("d{b}"),
+                    sampling: Some(pb::SamplingParams::default()),
+                    max_new_tokens: args.tokens.max(1),
+                    ignore_eos: true,
+                    ..Default::default()
+                };
+                gens.push(tokio::spawn(client::generate(
+                    ch.clone(),
+                    None,
+                    req,
+                    |_| {},
+                )));
+            }
+            let mut tokens = 0u64;
+            let mut cpu = 0f64;
+            let mut hit = 0f64;
+            for g in gens {
+                let out = g.await??;
+                tokens += out.ids.len() as u64;
+                let s = out.finish.and_then(|f| f.stats).unwrap_or_default();
+                cpu += s.cpu_attention_ratio;
+                hit += s.prediction_hit_ratio;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            let tps = tokens as f64 / secs;
+            let metrics_wait = 0.0;
+            let _ = stop.send(());
+            h.await??;
+            if mode == "full" {
+                full_tps = Some(tps);
+            }
+            let nb = args.batch.max(1) as f64;
+            let row = json!({
+                "context": ctx, "mode": mode, "batch": args.batch, "tokens_per_s": tps,
+                "ratio_to_full": full_tps.map(|f| tps / f),
+                "cpu_share": cpu / nb, "prediction_hit_ratio": hit / nb, "device_wait_share": metrics_wait,
+            });
+            if !args.json {
+                eprintln!(
+                    "decode ctx={ctx} {mode:>6}: {tps:8.1} tok/s, x{:.2} of full, CPU share {:.1}%, hit {:.1}%",
+                    full_tps.map_or(f64::NAN, |f| tps / f),
+                    cpu / nb * 100.0,
+                    hit / nb * 100.0
+                );
+            }
+            rows.push(row);
+        }
+    }
+    Ok(json!({ "bench": "decode", "results": rows }))
+}
