@@ -112,6 +112,7 @@ struct RawScaling {
     low_freq_factor: Option<f64>,
     high_freq_factor: Option<f64>,
     original_max_position_embeddings: Option<f64>,
+    rope_theta: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -127,6 +128,8 @@ struct Raw {
     rms_norm_eps: Option<f64>,
     rope_theta: Option<f64>,
     rope_scaling: Option<RawScaling>,
+    /// transformers 5 keeps `rope_theta` and the scaling here.
+    rope_parameters: Option<RawScaling>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     max_position_embeddings: Option<usize>,
@@ -175,7 +178,10 @@ impl ModelConfig {
                 "head_dim {head_dim} must be even and > 0"
             )));
         }
-        let rope_scaling = match raw.rope_scaling {
+        let rope_theta = raw
+            .rope_theta
+            .or(raw.rope_parameters.as_ref().and_then(|p| p.rope_theta));
+        let rope_scaling = match raw.rope_scaling.or(raw.rope_parameters) {
             Some(s) if s.rope_type.as_deref().or(s.kind.as_deref()) == Some("llama3") => {
                 Some(Llama3Scaling {
                     factor: s.factor.unwrap_or(8.0),
@@ -217,7 +223,7 @@ impl ModelConfig {
             head_dim,
             vocab_size: raw.vocab_size,
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
-            rope_theta: raw.rope_theta.unwrap_or(10_000.0),
+            rope_theta: rope_theta.unwrap_or(10_000.0),
             rope_scaling,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
