@@ -154,3 +154,26 @@ async fn node_fed_transformers_kv_streams_transformers_greedy_tokens() {
         }
     }
 }
+
+#[test]
+fn hf_tokenizer_streams_whole_characters() {
+    let m = decode_node::model::load(dir("llama").to_str().unwrap(), Arc::new(CpuBackend)).unwrap();
+    let tok = &m.tokenizer;
+    assert!(matches!(tok, decode_node::model::Tokenizer::Hf(_)));
+    for text in [
+        "Grüße 東京 🚀 decode",
+        "The prefill node pushes KV. café — naïve",
+    ] {
+        let ids = tok.encode(text).unwrap();
+        // Seeded with the first token, as the node seeds with the prompt's tail.
+        let mut st = tok.text_state(&ids[..1]);
+        let pieces: Vec<String> = ids[1..].iter().map(|i| st.step(tok, *i)).collect();
+        let first = {
+            let mut s0 = tok.text_state(&[]);
+            s0.step(tok, ids[0])
+        };
+        let joined = first + &pieces.concat();
+        assert_eq!(joined, text);
+        assert!(pieces.iter().all(|p| !p.contains('\u{fffd}')), "{pieces:?}");
+    }
+}

@@ -55,6 +55,59 @@ impl BlockGeometry {
     }
 }
 
+/// Consecutive tokens of one KV head in wire layout (`[token][kv_head][head_dim]`), already
+/// in the pool's dtype: token `t`'s vector starts at byte `t * stride` of `k` and `v`.
+#[derive(Debug, Clone, Copy)]
+pub struct WireTokens<'a> {
+    /// Keys, starting at the first token's head vector.
+    pub k: &'a [u8],
+    /// Values, likewise.
+    pub v: &'a [u8],
+    /// Bytes from one token to the next.
+    pub stride: usize,
+    /// Tokens.
+    pub n: usize,
+}
+
+impl BlockGeometry {
+    /// Copies `src` into head `h` of `block`, slots `slot0..slot0 + src.n`.
+    pub fn copy_tokens(&self, block: &mut [u8], h: usize, slot0: usize, src: WireTokens<'_>) {
+        let WireTokens { k, v, stride, n } = src;
+        let es = self.dtype.size();
+        let (b, d) = (self.block_size, self.head_dim);
+        let head = &mut block[self.head_range(h)];
+        let (kt, vs) = head.split_at_mut(b * d * es);
+        for t in 0..n {
+            let src = &v[t * stride..t * stride + d * es];
+            vs[(slot0 + t) * d * es..(slot0 + t + 1) * d * es].copy_from_slice(src);
+        }
+        // K is transposed: each channel's row gets `n` consecutive slots. Element copies of a
+        // constant width, so they compile to moves rather than `memcpy` calls.
+        fn scatter<const E: usize>(
+            kt: &mut [u8],
+            k: &[u8],
+            b: usize,
+            d: usize,
+            slot0: usize,
+            n: usize,
+            stride: usize,
+        ) {
+            for c in 0..d {
+                let row = &mut kt[(c * b + slot0) * E..(c * b + slot0 + n) * E];
+                for (t, dst) in row.chunks_exact_mut(E).enumerate() {
+                    let at = t * stride + c * E;
+                    let src: [u8; E] = k[at..at + E].try_into().unwrap_or([0; E]);
+                    dst.copy_from_slice(&src);
+                }
+            }
+        }
+        match es {
+            2 => scatter::<2>(kt, k, b, d, slot0, n, stride),
+            _ => scatter::<4>(kt, k, b, d, slot0, n, stride),
+        }
+    }
+}
+
 /// One KV head's part of one block, as the kernels read it.
 #[derive(Debug, Clone, Copy)]
 pub struct HeadBlock<'a> {

@@ -17,6 +17,7 @@ pub async fn connect(target: &str) -> anyhow::Result<Channel> {
     ep.tcp_nodelay(true)
         .initial_stream_window_size(Some(16 << 20))
         .initial_connection_window_size(Some(64 << 20))
+        .max_frame_size(Some(1 << 20))
         .connect()
         .await
         .with_context(|| format!("connecting to {target}"))

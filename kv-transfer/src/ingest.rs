@@ -5,7 +5,7 @@
 //! the pool's layout and dtype while folding keys into the digests, and on commit hands a
 //! [`CommittedKv`] to the registry. Dropping an unfinished `Ingest` frees everything.
 
-use attention::{BlockGeometry, Digest, KvDType, KvSource, decode_to_f32};
+use attention::{BlockGeometry, Digest, KvDType, KvSource, WireTokens, decode_to_f32};
 use decode_node_proto::v1::{DType, KvChunk, KvHeader};
 
 use crate::pool::{Block, HostPool, Reservation};
@@ -323,19 +323,46 @@ impl Ingest {
         }
 
         self.scratch_k.resize(count * hk * d, 0.0);
-        self.scratch_v.resize(count * hk * d, 0.0);
         decode_to_f32(self.info.wire_dtype, &c.key, &mut self.scratch_k);
-        decode_to_f32(self.info.wire_dtype, &c.value, &mut self.scratch_v);
+        let same_dtype = self.info.wire_dtype == geom.dtype;
+        if !same_dtype {
+            self.scratch_v.resize(count * hk * d, 0.0);
+            decode_to_f32(self.info.wire_dtype, &c.value, &mut self.scratch_v);
+        }
         let b = geom.block_size;
-        for t in 0..count {
+        let row = hk * d * es;
+        // Runs of tokens that share a block.
+        let mut t = 0;
+        while t < count {
             let pos = start + t;
-            let block = self.blocks[layer][pos / b].bytes_mut();
+            let (bi, slot) = (pos / b, pos % b);
+            let n = (b - slot).min(count - t);
+            let block = self.blocks[layer][bi].bytes_mut();
             for h in 0..hk {
-                let at = (t * hk + h) * d;
-                let k = &self.scratch_k[at..at + d];
-                geom.write_token(block, h, pos % b, k, &self.scratch_v[at..at + d]);
-                self.digests[layer * hk + h][pos / b].update(k);
+                if same_dtype {
+                    // The common case: no conversion, straight copies into the block layout.
+                    let off = t * row + h * d * es;
+                    let src = WireTokens {
+                        k: &c.key[off..],
+                        v: &c.value[off..],
+                        stride: row,
+                        n,
+                    };
+                    geom.copy_tokens(block, h, slot, src);
+                } else {
+                    for i in 0..n {
+                        let at = ((t + i) * hk + h) * d;
+                        let (k, v) = (&self.scratch_k[at..at + d], &self.scratch_v[at..at + d]);
+                        geom.write_token(block, h, slot + i, k, v);
+                    }
+                }
+                let digest = &mut self.digests[layer * hk + h][bi];
+                for i in 0..n {
+                    let at = ((t + i) * hk + h) * d;
+                    digest.update(&self.scratch_k[at..at + d]);
+                }
             }
+            t += n;
         }
         self.remaining -= count;
         self.bytes_received += (2 * want) as u64;
@@ -461,6 +488,56 @@ pub(crate) mod tests {
         assert_eq!(dg[2 + 1][1].min[0], val(1, 4, 1, 0, false));
         drop(kv);
         assert_eq!(pool.usage().used, 0);
+    }
+
+    #[test]
+    fn same_dtype_copy_equals_converting_write() {
+        // An f16 pool fed f16 chunks (copy path) and f32 chunks (convert path).
+        let mut l = layout();
+        l.geom.dtype = KvDType::F16;
+        let pool = HostPool::new(l.geom, 64 * l.geom.block_bytes() as u64).unwrap();
+        let mut copy = Ingest::begin(&l, &pool, &header("c", 7)).unwrap();
+        copy.chunk(&chunk(0, 0, 3)).unwrap();
+        copy.chunk(&chunk(0, 3, 4)).unwrap();
+        copy.chunk(&chunk(1, 0, 7)).unwrap();
+        let mut h = header("f", 7);
+        h.dtype = DType::DtypeF32 as i32;
+        let mut conv = Ingest::begin(&l, &pool, &h).unwrap();
+        for (layer, s, n) in [(0, 0, 7), (1, 0, 7)] {
+            let c16 = chunk(layer, s, n);
+            let mut k = vec![0f32; c16.key.len() / 2];
+            let mut v = vec![0f32; c16.value.len() / 2];
+            decode_to_f32(KvDType::F16, &c16.key, &mut k);
+            decode_to_f32(KvDType::F16, &c16.value, &mut v);
+            let kb: Vec<u8> = k.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let vb: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let crc = crc32c::crc32c_append(crc32c::crc32c(&kb), &vb);
+            conv.chunk(&KvChunk {
+                key: Bytes::from(kb),
+                value: Bytes::from(vb),
+                crc32c: crc,
+                ..c16
+            })
+            .unwrap();
+        }
+        let (mut a, mut b) = (copy.commit().unwrap(), conv.commit().unwrap());
+        for layer in 0..2 {
+            for blk in 0..2 {
+                let g = l.geom;
+                for hd in 0..2 {
+                    let len = (7 - blk * 4).min(4);
+                    let (x, y) = (
+                        &a.block(layer, blk)[g.head_range(hd)],
+                        &b.block(layer, blk)[g.head_range(hd)],
+                    );
+                    for c in 0..4 {
+                        assert_eq!(&x[c * 8..c * 8 + len * 2], &y[c * 8..c * 8 + len * 2]);
+                    }
+                    assert_eq!(&x[32..32 + len * 8], &y[32..32 + len * 8]);
+                }
+            }
+        }
+        assert_eq!(a.take_digests(), b.take_digests());
     }
 
     #[test]

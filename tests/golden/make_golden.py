@@ -40,6 +40,20 @@ PROMPT_LEN = 23
 NEW_TOKENS = 16
 
 
+def make_tokenizer(path):
+    """A tiny byte-level BPE, so the streaming detokenizer is tested on multi-byte text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["The decode node streams tokens while the prefill node pushes KV. "
+            "Grüße, naïve café — 東京 🚀."] * 50
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text, trainer)
+    tok.save(path)
+
+
 def kv_of(cache, layer):
     if hasattr(cache, "layers"):
         return cache.layers[layer].keys, cache.layers[layer].values
@@ -85,6 +99,8 @@ def main():
               file=sys.stderr)
         with open(os.path.join(out_dir, "config.json")) as f:
             json.load(f)
+        if name == "llama":
+            make_tokenizer(os.path.join(out_dir, "tokenizer.json"))
 
 
 if __name__ == "__main__":

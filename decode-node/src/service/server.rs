@@ -128,6 +128,8 @@ pub async fn serve(
     let mut builder = Server::builder()
         .initial_stream_window_size(Some(16 << 20))
         .initial_connection_window_size(Some(64 << 20))
+        // Large frames: KV chunks are megabytes, and per-frame overhead dominated at 16 KiB.
+        .max_frame_size(Some(1 << 20))
         .http2_keepalive_interval(Some(Duration::from_secs(30)));
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
         let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
