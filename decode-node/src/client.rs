@@ -89,7 +89,7 @@ pub async fn push(
     };
     push_kv(channel, kv, &opts, progress)
         .await
-        .map_err(|s| anyhow::anyhow!("PushKv failed: {}: {}", s.code(), s.message()))
+        .map_err(|s| anyhow::anyhow!("PushKv failed: {:?}: {}", s.code(), s.message()))
 }
 
 /// A Decode client with the bearer token attached.
@@ -124,7 +124,7 @@ pub async fn generate(
     let mut stream = client
         .generate(req)
         .await
-        .map_err(|s| anyhow::anyhow!("Generate failed: {}: {}", s.code(), s.message()))?
+        .map_err(|s| anyhow::anyhow!("Generate failed: {:?}: {}", s.code(), s.message()))?
         .into_inner();
     let mut out = Generated::default();
     loop {
@@ -142,7 +142,7 @@ pub async fn generate(
                 None => {}
             },
             Ok(None) => anyhow::bail!("Generate stream ended without a Finish"),
-            Err(s) => anyhow::bail!("Generate failed: {}: {}", s.code(), s.message()),
+            Err(s) => anyhow::bail!("Generate failed: {:?}: {}", s.code(), s.message()),
         }
     }
 }
