@@ -9,44 +9,102 @@ use common::*;
 fn prefill_then_generate_with_the_binaries() {
     let s = Served::start(&[]);
     let out = bin()
-        .args(["prefill", "--target", &s.target(), "--prompt", "Hello, decode node", "--request-id", "cli-1"])
+        .args([
+            "prefill",
+            "--target",
+            &s.target(),
+            "--prompt",
+            "Hello, decode node",
+            "--request-id",
+            "cli-1",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "cli-1");
     let out = bin()
-        .args(["generate", "--target", &s.target(), "--request-id", "cli-1", "--max-new-tokens", "7", "--ids", "--ignore-eos"])
+        .args([
+            "generate",
+            "--target",
+            &s.target(),
+            "--request-id",
+            "cli-1",
+            "--max-new-tokens",
+            "7",
+            "--ids",
+            "--ignore-eos",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let ids: Vec<u32> = String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim().parse().unwrap()).collect();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.trim().parse().unwrap())
+        .collect();
     let prompt = tiny().tokenizer.encode("Hello, decode node").unwrap();
     assert_eq!(ids, reference_greedy(&prompt, 7));
     assert!(String::from_utf8_lossy(&out.stderr).contains("7 tokens"));
 
     // A request that does not exist fails with a clear message and a non-zero exit.
     let out = bin()
-        .args(["generate", "--target", &s.target(), "--request-id", "nope", "--kv-timeout-ms", "50"])
+        .args([
+            "generate",
+            "--target",
+            &s.target(),
+            "--request-id",
+            "nope",
+            "--kv-timeout-ms",
+            "50",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("NotFound"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("NotFound"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
 fn make_model_writes_a_model_serve_loads() {
     let dir = std::env::temp_dir().join(format!("decode-node-mm-{}", std::process::id()));
     let out = bin()
-        .args(["make-model", "--out", dir.to_str().unwrap(), "--arch", "qwen3", "--num-layers", "2", "--dtype", "bf16"])
+        .args([
+            "make-model",
+            "--out",
+            dir.to_str().unwrap(),
+            "--arch",
+            "qwen3",
+            "--num-layers",
+            "2",
+            "--dtype",
+            "bf16",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(dir.join("config.json").exists() && dir.join("model.safetensors").exists());
     let s = Served::start(&["--model", dir.to_str().unwrap()]);
     let (code, body) = http_get(s.metrics, "/health");
     assert_eq!((code, body.trim()), (200, "serving"));
     // Unknown presets and bad dtypes are usage errors, not panics.
-    let out = bin().args(["make-model", "--out", "/tmp/x", "--preset", "gpt5"]).output().unwrap();
+    let out = bin()
+        .args(["make-model", "--out", "/tmp/x", "--preset", "gpt5"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--preset"));
 }

@@ -21,6 +21,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "kernels" => tokio::task::spawn_blocking(move || kernels(&args)).await??,
         "ingest" => ingest(&args).await?,
         "decode" => decode(&args).await?,
+        "step" => tokio::task::spawn_blocking(move || step(&args)).await??,
         other => anyhow::bail!("`bench {other}` is not built yet in this version"),
     };
     println!("{}", serde_json::to_string_pretty(&report)?);
@@ -391,4 +392,76 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         }
     }
     Ok(json!({ "bench": "decode", "results": rows }))
+}
+
+/// Attention over the token itself only: the step's cost is then the weights it streams.
+#[derive(Debug)]
+struct SelfOnly {
+    group: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl crate::model::DecodeAttention for SelfOnly {
+    fn attend(&mut self, _layer: usize, q: &[f32], _k: &[f32], v: &[f32], out: &mut [f32]) {
+        let _ = q;
+        let d = self.head_dim;
+        let heads = self.group * self.num_kv_heads;
+        for (i, o) in out.chunks_exact_mut(d).enumerate() {
+            let (b, h) = (i / heads, i % heads);
+            let at = (b * self.num_kv_heads + h / self.group) * d;
+            o.copy_from_slice(&v[at..at + d]);
+        }
+    }
+}
+
+/// One decode step of the model: tokens/s and weight bytes streamed per second ÷ read
+/// bandwidth measured in the same run (all cores).
+fn step(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
+    let node = crate::node::Node::build(&args.model)?;
+    let m = &node.model.model;
+    let cfg = &m.cfg;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let buf: Vec<f32> = (0..(512usize << 20) / 4).map(|i| (i % 7) as f32).collect();
+    let bw = read_bandwidth(&buf, threads, 1.0);
+    drop(buf);
+    let mut rows = Vec::new();
+    for batch in [1usize, args.batch.max(1) as usize] {
+        let mut attn = SelfOnly {
+            group: cfg.num_heads / cfg.num_kv_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
+        let tokens = vec![1u32; batch];
+        let positions = vec![8usize; batch];
+        // Warm-up step maps the weights in.
+        m.decode_step(&tokens, &positions, &mut attn)?;
+        let mut steps = 0u32;
+        let t = Instant::now();
+        while steps == 0 || t.elapsed().as_secs_f64() < args.seconds {
+            m.decode_step(&tokens, &positions, &mut attn)?;
+            steps += 1;
+        }
+        let per_step = t.elapsed().as_secs_f64() / steps as f64;
+        let gbps = m.weight_bytes() as f64 / per_step;
+        if !args.json {
+            eprintln!(
+                "step batch={batch}: {:.3} s/step, {:.2} tokens/s, weights {:.2} GB/s / read {:.2} GB/s = {:.2}",
+                per_step,
+                batch as f64 / per_step,
+                gbps / 1e9,
+                bw / 1e9,
+                gbps / bw
+            );
+        }
+        rows.push(json!({
+            "batch": batch, "seconds_per_step": per_step, "tokens_per_s": batch as f64 / per_step,
+            "weight_bytes": m.weight_bytes(), "weights_gb_per_s": gbps / 1e9, "read_gb_per_s": bw / 1e9,
+            "ratio": gbps / bw, "threads": threads,
+        }));
+        if args.batch <= 1 {
+            break;
+        }
+    }
+    Ok(json!({ "bench": "step", "model_id": m.model_id, "results": rows }))
 }

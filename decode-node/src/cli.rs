@@ -198,8 +198,8 @@ pub struct DemoArgs {
 /// `bench`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// What to measure: `kernels`, `ingest`, `decode`, `recall-profile`.
-    #[arg(value_parser = ["kernels", "ingest", "decode", "recall-profile"])]
+    /// What to measure: `kernels`, `ingest`, `decode`, `step`, `recall-profile`.
+    #[arg(value_parser = ["kernels", "ingest", "decode", "step", "recall-profile"])]
     pub what: String,
     /// Print JSON instead of a table.
     #[arg(long)]

@@ -167,6 +167,25 @@ impl Model {
         })
     }
 
+    /// Bytes of weights one decode step streams (every projection and the LM head).
+    pub fn weight_bytes(&self) -> u64 {
+        let lin = |l: &Linear| l.w.bytes().len() as u64;
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|l| {
+                lin(&l.q)
+                    + lin(&l.k)
+                    + lin(&l.v)
+                    + lin(&l.o)
+                    + lin(&l.gate)
+                    + lin(&l.up)
+                    + lin(&l.down)
+            })
+            .sum();
+        layers + self.lm_head.as_ref().unwrap_or(&self.embed).bytes().len() as u64
+    }
+
     /// The backend it runs on.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
