@@ -33,6 +33,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod block;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod digest;
 mod dtype;
 mod kernel;

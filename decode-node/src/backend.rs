@@ -4,6 +4,9 @@
 //! loading) implements the same trait behind the `cuda` feature. Attention over KV blocks is
 //! not here: it lives in the `attention` crate, which the engine drives per request.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 use rayon::prelude::*;
 
 use crate::model::weights::Tensor;

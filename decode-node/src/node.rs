@@ -15,19 +15,30 @@ use crate::model::{self, LoadedModel};
 pub fn backend(device: &str) -> anyhow::Result<Arc<dyn Backend>> {
     match device {
         "cpu" => Ok(Arc::new(CpuBackend)),
-        d if d == "cuda" || d.starts_with("cuda:") => {
-            if cfg!(feature = "cuda") {
-                bail!(
-                    "--device {d}: the CUDA backend is not implemented in this version yet; use --device cpu"
-                )
-            } else {
-                bail!(
-                    "--device {d}: this binary was built without CUDA support; rebuild with `--features cuda`"
-                )
-            }
-        }
+        d if d == "cuda" || d.starts_with("cuda:") => cuda_backend(d),
         d => bail!("--device {d:?}: expected cpu, cuda or cuda:N"),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend(d: &str) -> anyhow::Result<Arc<dyn Backend>> {
+    let ordinal = match d.strip_prefix("cuda:") {
+        Some(n) => n
+            .parse()
+            .with_context(|| format!("--device {d}: bad device ordinal"))?,
+        None => 0,
+    };
+    let info = crate::backend::cuda::probe(ordinal).with_context(|| format!("--device {d}"))?;
+    bail!(
+        "--device {d}: found {info}, but the CUDA backend is not implemented in this version yet; use --device cpu"
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(d: &str) -> anyhow::Result<Arc<dyn Backend>> {
+    bail!(
+        "--device {d}: this binary was built without CUDA support; rebuild with `--features cuda`"
+    )
 }
 
 /// A model with everything derived from the flags.

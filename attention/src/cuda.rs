@@ -1,0 +1,16 @@
+//! Device kernels (CUDA C for NVRTC). The CUDA backend in `decode-node` compiles them at run
+//! time; the layouts and the base-2 log-sum-exp match the CPU side exactly.
+
+/// Source of every device kernel.
+pub const KERNELS_CU: &str = include_str!("cuda/kernels.cu");
+
+/// The `extern "C"` entry points [`KERNELS_CU`] defines.
+pub const ENTRY_POINTS: &[&str] = &[
+    "quest_scores",
+    "sparse_decode_attention",
+    "lse2_merge",
+    "rms_norm",
+    "rope",
+    "silu_mul",
+    "kv_append",
+];

@@ -1,0 +1,234 @@
+// Device kernels of ScoutAttention, compiled at run time with NVRTC.
+//
+// NVRTC ships no cuda_fp16.h / cuda_bf16.h, so halves are kept as `unsigned short` and
+// converted by hand. KV block layout (per KV head, as on the host): K transposed
+// [head_dim][block_size], then V [block_size][head_dim]. Log-sum-exp is base 2 everywhere
+// (`lse2`), like the CPU side, so partials merge without a base mix-up.
+
+typedef unsigned short u16;
+
+// NVRTC has no math.h: the constants we need, by bit pattern.
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    unsigned int sign = (h & 0x8000u) << 16;
+    unsigned int exp = (h >> 10) & 0x1fu;
+    unsigned int man = h & 0x3ffu;
+    unsigned int bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            // Subnormal: normalise.
+            int e = -1;
+            do { man <<= 1; e++; } while ((man & 0x400u) == 0);
+            bits = sign | ((unsigned int)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    return __uint_as_float(bits);
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    unsigned int x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x40u);  // NaN stays NaN
+    unsigned int rounding = 0x7fffu + ((x >> 16) & 1u);                     // nearest even
+    return (u16)((x + rounding) >> 16);
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    unsigned int x = __float_as_uint(f);
+    unsigned int sign = (x >> 16) & 0x8000u;
+    int exp = (int)((x >> 23) & 0xffu) - 127 + 15;
+    unsigned int man = x & 0x7fffffu;
+    if (((x >> 23) & 0xffu) == 0xffu) return (u16)(sign | 0x7c00u | (man ? 0x200u : 0u));
+    if (exp >= 31) return (u16)(sign | 0x7c00u);
+    if (exp <= 0) {
+        if (exp < -10) return (u16)sign;
+        man |= 0x800000u;
+        unsigned int shift = (unsigned int)(14 - exp);
+        unsigned int half = man >> shift;
+        unsigned int rem = man & ((1u << shift) - 1u);
+        unsigned int mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1u))) half++;
+        return (u16)(sign | half);
+    }
+    unsigned int half = sign | ((unsigned int)exp << 10) | (man >> 13);
+    unsigned int rem = man & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) half++;
+    return (u16)half;
+}
+
+// dtype: 0 = f32, 1 = f16, 2 = bf16.
+__device__ __forceinline__ float load_kv(const unsigned char* p, long long i, int dtype) {
+    if (dtype == 0) return ((const float*)p)[i];
+    u16 h = ((const u16*)p)[i];
+    return dtype == 1 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
+__device__ __forceinline__ void store_kv(unsigned char* p, long long i, int dtype, float v) {
+    if (dtype == 0) ((float*)p)[i] = v;
+    else ((u16*)p)[i] = dtype == 1 ? f32_to_f16(v) : f32_to_bf16(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Quest scores of one (sequence, layer, KV head): one thread per block.
+// scores[b] = sum_g sum_d max(q[g][d] * min[b][d], q[g][d] * max[b][d]); unscaled, f32.
+extern "C" __global__ void quest_scores(const float* q, const float* dmin, const float* dmax,
+                                        int num_blocks, int group, int head_dim, float* scores) {
+    int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= num_blocks) return;
+    const float* lo = dmin + (long long)b * head_dim;
+    const float* hi = dmax + (long long)b * head_dim;
+    float s = 0.f;
+    for (int g = 0; g < group; g++) {
+        const float* qg = q + g * head_dim;
+        for (int d = 0; d < head_dim; d++) s += fmaxf(qg[d] * lo[d], qg[d] * hi[d]);
+    }
+    scores[b] = s;
+}
+
+// Block-sparse decode attention over resident blocks for one KV head and its query group.
+// One CUDA block per query head, one warp; lane t owns tokens t, t+32, ... of each KV block
+// for the scores, and channels c, c+32, ... of the output. Online softmax in base 2.
+// blocks[i] is the byte offset of the i-th selected head block in `pool`; lens[i] its tokens.
+extern "C" __global__ void sparse_decode_attention(
+    const unsigned char* pool, const long long* blocks, const int* lens, int num_sel,
+    const float* q, int head_dim, int block_size, int dtype, float scale,
+    float* out, float* lse2) {
+    const int h = blockIdx.x;
+    const int lane = threadIdx.x;
+    const float* qh = q + (long long)h * head_dim;
+    const float qscale = scale * 1.4426950408889634f;  // log2(e): exp becomes exp2
+    const int es = dtype == 0 ? 4 : 2;
+    float m = NEG_INF, l = 0.f;
+    float acc[8];  // head_dim <= 256: channels lane, lane+32, ...
+    for (int i = 0; i < 8; i++) acc[i] = 0.f;
+    for (int bi = 0; bi < num_sel; bi++) {
+        const unsigned char* blk = pool + blocks[bi];
+        const unsigned char* vs = blk + (long long)block_size * head_dim * es;
+        const int len = lens[bi];
+        for (int t0 = 0; t0 < len; t0 += 32) {
+            int t = t0 + lane;
+            float s = NEG_INF;
+            if (t < len) {
+                s = 0.f;
+                for (int c = 0; c < head_dim; c++) s += qh[c] * load_kv(blk, (long long)c * block_size + t, dtype);
+                s *= qscale;
+            }
+            float m_new = fmaxf(m, warp_max(s));
+            float alpha = exp2f(m - m_new);
+            float p = t < len ? exp2f(s - m_new) : 0.f;
+            l = l * alpha + warp_sum(p);
+            for (int i = 0; i < 8; i++) acc[i] *= alpha;
+            for (int j = 0; j < 32 && t0 + j < len; j++) {
+                float pj = __shfl_sync(0xffffffffu, p, j);
+                for (int i = 0; i < 8; i++) {
+                    int c = lane + 32 * i;
+                    if (c < head_dim) acc[i] += pj * load_kv(vs, (long long)(t0 + j) * head_dim + c, dtype);
+                }
+            }
+            m = m_new;
+        }
+    }
+    for (int i = 0; i < 8; i++) {
+        int c = lane + 32 * i;
+        if (c < head_dim) out[(long long)h * head_dim + c] = l > 0.f ? acc[i] / l : 0.f;
+    }
+    if (lane == 0) lse2[h] = l > 0.f ? m + log2f(l) : NEG_INF;
+}
+
+// Merges partial (out_b, lse2_b) into (out_a, lse2_a), in place; empty partials are no-ops.
+extern "C" __global__ void lse2_merge(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
+                                      int heads, int head_dim) {
+    int h = blockIdx.x;
+    if (h >= heads) return;
+    float la = lse_a[h], lb = lse_b[h];
+    if (lb == NEG_INF) return;
+    float wa = 0.f, wb = 1.f, lse = lb;
+    if (la != NEG_INF) {
+        float mx = fmaxf(la, lb);
+        float ea = exp2f(la - mx), eb = exp2f(lb - mx);
+        wa = ea / (ea + eb);
+        wb = eb / (ea + eb);
+        lse = mx + log2f(ea + eb);
+    }
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        long long i = (long long)h * head_dim + c;
+        out_a[i] = out_a[i] * wa + out_b[i] * wb;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) lse_a[h] = lse;
+}
+
+// RMSNorm of each row (one CUDA block per row), as HF computes it in f32.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int dim, float eps) {
+    __shared__ float partial[32];
+    const float* xr = x + (long long)blockIdx.x * dim;
+    float* or_ = out + (long long)blockIdx.x * dim;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i] * xr[i];
+    s = warp_sum(s);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x + 31) / 32 ? partial[threadIdx.x] : 0.f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) partial[0] = v;
+    }
+    __syncthreads();
+    float inv = rsqrtf(partial[0] / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) or_[i] = w[i] * (xr[i] * inv);
+}
+
+// Rotate-half RoPE of `heads` heads of one token at `pos`; one thread per (head, i < dim/2).
+extern "C" __global__ void rope(float* x, const float* inv_freq, int pos, int heads, int head_dim) {
+    int half = head_dim / 2;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= heads * half) return;
+    int h = idx / half, i = idx % half;
+    float s, c;
+    sincosf((float)pos * inv_freq[i], &s, &c);
+    float* v = x + (long long)h * head_dim;
+    float a = v[i], b = v[i + half];
+    v[i] = a * c - b * s;
+    v[i + half] = b * c + a * s;
+}
+
+// gate[i] = silu(gate[i]) * up[i].
+extern "C" __global__ void silu_mul(float* gate, const float* up, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        gate[i] = g / (1.f + expf(-g)) * up[i];
+    }
+}
+
+// Appends one token's K and V (f32, [head_dim]) of one KV head at `slot` of its head block,
+// and folds K into the block's digest. One thread per channel.
+extern "C" __global__ void kv_append(unsigned char* head_block, const float* k, const float* v, int slot,
+                                     int head_dim, int block_size, int dtype, float* dmin, float* dmax) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= head_dim) return;
+    int es = dtype == 0 ? 4 : 2;
+    store_kv(head_block, (long long)c * block_size + slot, dtype, k[c]);
+    store_kv(head_block + (long long)block_size * head_dim * es, (long long)slot * head_dim + c, dtype, v[c]);
+    dmin[c] = fminf(dmin[c], k[c]);
+    dmax[c] = fmaxf(dmax[c], k[c]);
+}
