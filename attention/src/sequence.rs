@@ -259,6 +259,10 @@ impl SeqAttention {
                             make_resident(st, b, step, cap);
                         }
                     }
+                    // Selected now: never evicted to make room during this step.
+                    for &b in &sel {
+                        st.last_used[b] = step;
+                    }
                     if first || cfg.mode == Mode::Recall {
                         // First step: fill the device with the prompt's top-k (with sink and
                         // recent block). Recall mode fetches whatever is missing, every step.
@@ -276,9 +280,6 @@ impl SeqAttention {
                     }
                     let (device, cpu): (Vec<usize>, Vec<usize>) =
                         sel.iter().partition(|b| st.resident[**b]);
-                    for &b in &sel {
-                        st.last_used[b] = step;
-                    }
                     HeadPlan { device, cpu }
                 }
             };
@@ -389,7 +390,7 @@ fn make_resident(st: &mut HeadState, b: usize, step: u64, cap: usize) {
     if st.n_resident >= cap {
         let newest = st.resident.len() - 1;
         let victim = (1..st.resident.len())
-            .filter(|&i| st.resident[i] && i != newest && i != b)
+            .filter(|&i| st.resident[i] && i != newest && i != b && st.last_used[i] < step)
             .min_by_key(|&i| st.last_used[i]);
         match victim {
             Some(v) => {
@@ -594,5 +595,24 @@ mod tests {
         assert_eq!(p.device, vec![0, 16, 17, 18, 19]);
         assert_eq!(p.cpu.len(), 3);
         assert!(p.cpu.iter().all(|b| (1..16).contains(b)));
+    }
+
+    #[test]
+    fn recall_mode_attends_everything_on_the_device() {
+        let (mem, digests, _) = setup(512, 1, 16, 9);
+        let mut cfg = AttentionConfig {
+            mode: Mode::Recall,
+            ..AttentionConfig::scout(16)
+        };
+        cfg.budget_tokens = 128;
+        cfg.device_blocks_per_head = 8;
+        let mut seq = SeqAttention::new(mem.geom, 1, 512, digests);
+        for s in 0..6u64 {
+            run(&cfg, &mem, &mut seq, &values(100 + s, 16, 1.0));
+            seq.step += 1;
+        }
+        assert_eq!(seq.stats().cpu_tokens, 0);
+        assert!(seq.stats().recall_blocks > 0, "new selections were fetched");
+        assert!(seq.resident_blocks() <= 8);
     }
 }

@@ -21,6 +21,8 @@ pub(crate) struct SeqSlot<'a> {
     /// New K and V of this step, per layer (`[num_kv_heads * head_dim]`), appended after it.
     pub(crate) new_k: Vec<Vec<f32>>,
     pub(crate) new_v: Vec<Vec<f32>>,
+    /// Seconds the device side waited on this sequence's CPU part during the step.
+    pub(crate) device_wait: f64,
 }
 
 /// A CPU part started ahead: its plans and where its result arrives.
@@ -29,12 +31,6 @@ struct Ahead {
     plans: Vec<HeadPlan>,
     q_pred: Vec<f32>,
     rx: mpsc::Receiver<Vec<Partial>>,
-}
-
-/// Counters of one step.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct StepStats {
-    pub(crate) device_wait: f64,
 }
 
 /// Shapes the attention needs.
@@ -54,7 +50,6 @@ pub(crate) struct BatchAttention<'a> {
     pub(crate) cpu_pool: &'a rayon::ThreadPool,
     pub(crate) slots: Vec<SeqSlot<'a>>,
     ahead: Vec<Option<Ahead>>,
-    pub(crate) stats: StepStats,
     scratch: Scratch,
 }
 
@@ -97,7 +92,6 @@ impl<'a> BatchAttention<'a> {
             cpu_pool,
             slots,
             ahead: (0..n).map(|_| None).collect(),
-            stats: StepStats::default(),
             scratch: Scratch::default(),
         }
     }
@@ -125,10 +119,11 @@ impl<'a> BatchAttention<'a> {
         rx
     }
 
-    fn wait(&mut self, rx: &mpsc::Receiver<Vec<Partial>>, kv: usize) -> Vec<Partial> {
+    /// Waits for sequence `b`'s CPU part; the wait is device idle time.
+    fn wait(&mut self, b: usize, rx: &mpsc::Receiver<Vec<Partial>>, kv: usize) -> Vec<Partial> {
         let t = Instant::now();
         let r = rx.recv().unwrap_or_else(|_| vec![Partial::empty(0, 0); kv]);
-        self.stats.device_wait += t.elapsed().as_secs_f64();
+        self.slots[b].device_wait += t.elapsed().as_secs_f64();
         r
     }
 }
@@ -219,12 +214,12 @@ impl DecodeAttention for BatchAttention<'_> {
             let cpu = if self.cfg.exact {
                 // Exact mode: the CPU part reruns with the real query.
                 if let Some(rx) = &pending {
-                    let _ = self.wait(rx, num_kv_heads);
+                    let _ = self.wait(b, rx, num_kv_heads);
                 }
                 cpu_part(kv, self.shape, layer, &plans, qb)
             } else {
                 match &pending {
-                    Some(rx) => self.wait(rx, num_kv_heads),
+                    Some(rx) => self.wait(b, rx, num_kv_heads),
                     None => Vec::new(),
                 }
             };

@@ -67,6 +67,8 @@ pub struct RequestStats {
     pub prediction_hit_ratio: f64,
     /// Prompt tokens.
     pub prompt_tokens: u32,
+    /// Seconds the device side waited on this request's CPU attention.
+    pub device_wait_seconds: f64,
 }
 
 /// What a job's stream carries.
@@ -243,6 +245,7 @@ struct Running {
     device_need: u64,
     text: TextState,
     recalls_seen: u64,
+    device_wait: f64,
     seen: attention::SeqStats,
 }
 
@@ -468,6 +471,7 @@ impl StepLoop {
             device_need,
             text,
             recalls_seen: 0,
+            device_wait: 0.0,
             seen: attention::SeqStats::default(),
         });
     }
@@ -492,6 +496,7 @@ impl StepLoop {
                 seq: &mut r.seq,
                 new_k: vec![vec![0.0; nkv * hd]; nl],
                 new_v: vec![vec![0.0; nkv * hd]; nl],
+                device_wait: 0.0,
             })
             .collect();
         let mut batch = BatchAttention::new(&self.cfg.attention, shape, &self.cpu_pool, slots);
@@ -499,12 +504,12 @@ impl StepLoop {
             .model
             .model
             .decode_step(&tokens, &positions, &mut batch);
-        let device_wait = batch.stats.device_wait;
-        let new_kv: Vec<(LayerRows, LayerRows)> = batch
+        let new_kv: Vec<(LayerRows, LayerRows, f64)> = batch
             .slots
             .into_iter()
-            .map(|s| (s.new_k, s.new_v))
+            .map(|s| (s.new_k, s.new_v, s.device_wait))
             .collect();
+        let device_wait: f64 = new_kv.iter().map(|x| x.2).sum();
         self.metrics.device_wait_seconds.inc_by(device_wait);
         let logits = match result {
             Ok(l) => l,
@@ -521,7 +526,8 @@ impl StepLoop {
         let vocab = cfg.vocab_size;
         let now = Instant::now();
         let mut finished = Vec::new();
-        for (i, (r, (ks, vs))) in self.running.iter_mut().zip(new_kv).enumerate() {
+        for (i, (r, (ks, vs, wait))) in self.running.iter_mut().zip(new_kv).enumerate() {
+            r.device_wait += wait;
             // Append this step's KV (the token just fed) to the host pool and the digests.
             let append = match Arc::get_mut(&mut r.kv) {
                 Some(kv) => (0..nl)
@@ -635,6 +641,7 @@ impl StepLoop {
             recalled_blocks: s.recall_blocks,
             prediction_hit_ratio: s.hit_ratio(),
             prompt_tokens: r.kv.info.prompt_token_ids.len() as u32,
+            device_wait_seconds: r.device_wait,
         };
         self.metrics.e2e.observe(stats.total_seconds);
         self.metrics

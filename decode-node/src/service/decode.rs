@@ -103,6 +103,7 @@ fn to_response(ev: Event) -> Result<pb::GenerateResponse, Status> {
                     recalled_blocks: stats.recalled_blocks,
                     prediction_hit_ratio: stats.prediction_hit_ratio,
                     prompt_tokens: stats.prompt_tokens,
+                    device_wait_seconds: stats.device_wait_seconds,
                 }),
             }),
             Event::Error(e) => return Err(engine_status(&e)),
