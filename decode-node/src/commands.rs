@@ -255,6 +255,14 @@ pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         s.recalled_blocks,
         s.prediction_hit_ratio * 100.0
     );
+    let context = kv.header.num_tokens as usize + f.generated_tokens as usize;
+    if context <= node.attention.budget_tokens {
+        println!(
+            "(the whole {context}-token context fits the {}-token budget, so every block is selected and \
+             resident; try --budget-tokens 32 --block-size 8 to see the CPU share and recall at work)",
+            node.attention.budget_tokens
+        );
+    }
     let _ = stop_tx.send(());
     server.await??;
     Ok(())
