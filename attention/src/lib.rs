@@ -52,4 +52,6 @@ pub use kernel::{Scratch, attend_blocks};
 pub use merge::Partial;
 pub use policy::{AttentionConfig, Mode, RecallPolicy};
 pub use select::select_top_k;
-pub use sequence::{HeadPlan, HeadQuery, KvSource, SeqAttention, SeqStats, attend_head};
+pub use sequence::{
+    HeadPlan, HeadQuery, KvSource, SeqAttention, SeqStats, attend_head, recall_intervals,
+};

@@ -68,6 +68,8 @@ pub struct AttentionConfig {
     pub exact: bool,
     /// Device-resident blocks allowed per (sequence, layer, KV head) in sparse modes.
     pub device_blocks_per_head: usize,
+    /// Record each layer's CPU share at every step (for `bench recall-profile`).
+    pub profile: bool,
 }
 
 impl AttentionConfig {
@@ -80,6 +82,7 @@ impl AttentionConfig {
             precompute: true,
             recall: RecallPolicy::Adaptive { threshold: 0.12 },
             exact: false,
+            profile: false,
             device_blocks_per_head: budget_tokens.div_ceil(block_size),
         }
     }

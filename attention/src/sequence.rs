@@ -91,6 +91,8 @@ struct LayerState {
     steps_since_recall: u32,
     cpu_tokens: u64,
     selected_tokens: u64,
+    /// CPU share at each step, when profiling.
+    history: Vec<f32>,
 }
 
 /// Attention state of one sequence.
@@ -305,6 +307,13 @@ impl SeqAttention {
         ls.selected_tokens += sel;
         ls.cpu_tokens += cpu;
         ls.steps_since_recall += 1;
+        if cfg.profile {
+            ls.history.push(if sel == 0 {
+                0.0
+            } else {
+                cpu as f32 / sel as f32
+            });
+        }
         if cfg.mode != Mode::Scout {
             return;
         }
@@ -365,6 +374,11 @@ impl SeqAttention {
         }
     }
 
+    /// Each layer's CPU share at every step so far (recorded with `AttentionConfig::profile`).
+    pub fn layer_history(&self) -> Vec<Vec<f32>> {
+        self.layers.iter().map(|l| l.history.clone()).collect()
+    }
+
     /// Per-layer CPU share so far (for the offline recall profile).
     pub fn layer_cpu_ratio(&self, layer: usize) -> f64 {
         let l = &self.layers[layer];
@@ -375,6 +389,20 @@ impl SeqAttention {
     pub fn num_layers(&self) -> usize {
         self.num_layers
     }
+}
+
+/// Per-layer recall intervals from a profile taken with recall off: for each layer, the
+/// number of steps its CPU share stays at or under `threshold` after the device was filled
+/// (at least 1, so a layer that drifts at once recalls every step).
+pub fn recall_intervals(history: &[Vec<f32>], threshold: f32) -> Vec<u32> {
+    history
+        .iter()
+        .map(|h| {
+            // Step 0 is the fill itself; drift is measured from the step after.
+            let steps = h.iter().skip(1).take_while(|r| **r <= threshold).count();
+            steps.max(1) as u32
+        })
+        .collect()
 }
 
 fn capacity(cfg: &AttentionConfig) -> usize {
@@ -614,5 +642,15 @@ mod tests {
         assert_eq!(seq.stats().cpu_tokens, 0);
         assert!(seq.stats().recall_blocks > 0, "new selections were fetched");
         assert!(seq.resident_blocks() <= 8);
+    }
+
+    #[test]
+    fn intervals_from_a_profile() {
+        let h = vec![
+            vec![0.0, 0.05, 0.1, 0.2, 0.3],
+            vec![0.0, 0.5],
+            vec![0.0, 0.0, 0.0],
+        ];
+        assert_eq!(recall_intervals(&h, 0.12), vec![2, 1, 2]);
     }
 }

@@ -58,6 +58,10 @@ pub struct ModelArgs {
     /// Device-resident blocks per layer and KV head in sparse modes (0 = as many as the budget).
     #[arg(long, env = "DECODE_NODE_DEVICE_BLOCKS", default_value_t = 0)]
     pub device_blocks: u32,
+    /// Per-layer recall intervals from `bench recall-profile` (a JSON file); without it,
+    /// recall is adaptive (`--recall-threshold`).
+    #[arg(long, env = "DECODE_NODE_RECALL_PROFILE")]
+    pub recall_profile: Option<std::path::PathBuf>,
     /// Turn off layer-ahead CPU pre-computation (`scout` ablation).
     #[arg(long, env = "DECODE_NODE_NO_PRECOMPUTE")]
     pub no_precompute: bool,

@@ -52,6 +52,34 @@ pub struct Node {
     pub attention: AttentionConfig,
 }
 
+/// Reads `{"intervals": [..]}` (one per layer) as written by `bench recall-profile`.
+fn read_intervals(path: &std::path::Path, layers: usize) -> anyhow::Result<Vec<u32>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    let iv: Vec<u32> = v
+        .get("intervals")
+        .and_then(|x| x.as_array())
+        .with_context(|| format!("{}: no \"intervals\" array", path.display()))?
+        .iter()
+        .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect::<Option<_>>()
+        .with_context(|| {
+            format!(
+                "{}: intervals must be non-negative integers",
+                path.display()
+            )
+        })?;
+    anyhow::ensure!(
+        iv.len() == layers,
+        "{}: {} intervals for a model of {layers} layers",
+        path.display(),
+        iv.len()
+    );
+    Ok(iv)
+}
+
 /// Dtype of the host pool: `--kv-dtype`, or the model's.
 fn kv_dtype(flag: &str, torch_dtype: &str) -> anyhow::Result<KvDType> {
     if flag == "auto" {
@@ -93,14 +121,17 @@ impl Node {
             mode,
             budget_tokens,
             precompute: !args.no_precompute,
-            recall: if args.no_recall {
-                RecallPolicy::Off
-            } else {
-                RecallPolicy::Adaptive {
-                    threshold: args.recall_threshold,
+            recall: match (&args.recall_profile, args.no_recall) {
+                (_, true) => RecallPolicy::Off,
+                (Some(path), false) => {
+                    RecallPolicy::Intervals(read_intervals(path, cfg.num_layers)?)
                 }
+                (None, false) => RecallPolicy::Adaptive {
+                    threshold: args.recall_threshold,
+                },
             },
             exact: args.exact,
+            profile: false,
             device_blocks_per_head: match args.device_blocks {
                 0 => budget_tokens.div_ceil(block_size),
                 n => n as usize,

@@ -51,7 +51,7 @@ impl FinishReason {
 }
 
 /// Per-request figures sent with the finish.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestStats {
     /// Seconds waiting for admission.
     pub queue_seconds: f64,
@@ -69,6 +69,8 @@ pub struct RequestStats {
     pub prompt_tokens: u32,
     /// Seconds the device side waited on this request's CPU attention.
     pub device_wait_seconds: f64,
+    /// Each layer's CPU share at every step, when the attention config profiles.
+    pub layer_cpu_history: Vec<Vec<f32>>,
 }
 
 /// What a job's stream carries.
@@ -642,6 +644,7 @@ impl StepLoop {
             prediction_hit_ratio: s.hit_ratio(),
             prompt_tokens: r.kv.info.prompt_token_ids.len() as u32,
             device_wait_seconds: r.device_wait,
+            layer_cpu_history: r.seq.layer_history(),
         };
         self.metrics.e2e.observe(stats.total_seconds);
         self.metrics
