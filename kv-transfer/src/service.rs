@@ -183,3 +183,163 @@ impl KvTransfer for KvTransferService {
         }))
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    //! The ingest state machine fed arbitrary message sequences: it never panics, and once
+    //! every push has ended and every committed request is dropped, the pool is empty again.
+
+    use super::*;
+    use crate::IngestMetrics;
+    use crate::ingest::tests::{chunk, header, layout};
+    use decode_node_proto::v1::{KvCommit, KvHeader};
+    use proptest::prelude::*;
+    use std::time::Duration;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Header {
+            id: u8,
+            tokens: u8,
+            bad_model: bool,
+            bad_dtype: bool,
+        },
+        Chunk {
+            layer: u8,
+            start: u8,
+            count: u8,
+            corrupt_crc: bool,
+            short: bool,
+        },
+        Commit,
+        Empty,
+        /// The client goes away: the push's state is dropped mid-stream.
+        Break,
+        Drop {
+            id: u8,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (
+                0u8..4,
+                0u8..40,
+                proptest::bool::weighted(0.1),
+                proptest::bool::weighted(0.1)
+            )
+                .prop_map(|(id, tokens, bad_model, bad_dtype)| Op::Header {
+                    id,
+                    tokens,
+                    bad_model,
+                    bad_dtype
+                }),
+            (
+                0u8..3,
+                0u8..40,
+                0u8..20,
+                proptest::bool::weighted(0.05),
+                proptest::bool::weighted(0.05)
+            )
+                .prop_map(|(layer, start, count, corrupt_crc, short)| Op::Chunk {
+                    layer,
+                    start,
+                    count,
+                    corrupt_crc,
+                    short
+                }),
+            Just(Op::Commit),
+            Just(Op::Empty),
+            Just(Op::Break),
+            (0u8..4).prop_map(|id| Op::Drop { id }),
+        ]
+    }
+
+    fn message(op: &Op) -> Option<PushKvRequest> {
+        let item = match op {
+            Op::Header {
+                id,
+                tokens,
+                bad_model,
+                bad_dtype,
+            } => {
+                let mut h: KvHeader = header(&format!("r{id}"), *tokens as u32);
+                if *bad_model {
+                    h.model_id = "other".into();
+                }
+                if *bad_dtype {
+                    h.dtype = 7;
+                }
+                Some(Item::Header(h))
+            }
+            Op::Chunk {
+                layer,
+                start,
+                count,
+                corrupt_crc,
+                short,
+            } => {
+                // Build a well-formed chunk when the shape allows, then damage it as asked.
+                let (l, s, n) = (*layer as usize, *start as usize, (*count as usize).max(1));
+                let mut c = chunk(l.min(1), s, n);
+                c.layer = *layer as u32;
+                if *count == 0 {
+                    c.token_count = 0;
+                }
+                if *corrupt_crc {
+                    c.crc32c ^= 1;
+                }
+                if *short {
+                    c.key = c.key.slice(1..);
+                }
+                Some(Item::Chunk(c))
+            }
+            Op::Commit => Some(Item::Commit(KvCommit {})),
+            Op::Empty => None,
+            Op::Break | Op::Drop { .. } => return None,
+        };
+        Some(PushKvRequest { item })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: std::env::var("INGEST_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000),
+            rng_seed: proptest::test_runner::RngSeed::Fixed(0xF022),
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+        #[test]
+        fn arbitrary_message_sequences_never_panic_or_leak(ops in proptest::collection::vec(op(), 0..24)) {
+            let l = layout();
+            let pool = HostPool::new(l.geom, 24 * l.geom.block_bytes() as u64).unwrap();
+            let registry = Registry::new(Duration::from_secs(60), IngestMetrics::default());
+            let svc = KvTransferService::new(l, pool.clone(), registry.clone());
+            let mut state: Option<Push> = None;
+            for op in &ops {
+                match op {
+                    Op::Break => state = None,
+                    Op::Drop { id } => {
+                        let _ = registry.drop_kv(&format!("r{id}"));
+                    }
+                    _ => {
+                        if let Some(msg) = message(op) {
+                            // As the service does: an error ends the stream and drops its state.
+                            match svc.step(&mut state, msg) {
+                                Ok(_) => {}
+                                Err(_) => state = None,
+                            }
+                        }
+                    }
+                }
+                let u = pool.usage();
+                prop_assert!(u.used + u.reserved <= u.capacity);
+            }
+            drop(state);
+            for id in 0..4 {
+                let _ = registry.drop_kv(&format!("r{id}"));
+            }
+            let u = pool.usage();
+            prop_assert_eq!((u.used, u.reserved), (0, 0));
+        }
+    }
+}
