@@ -23,6 +23,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "decode" => decode(&args).await?,
         "step" => tokio::task::spawn_blocking(move || step(&args)).await??,
         "recall-profile" => tokio::task::spawn_blocking(move || recall_profile(&args)).await??,
+        "soak" => soak(&args).await?,
         other => anyhow::bail!("`bench {other}` is not built yet in this version"),
     };
     println!("{}", serde_json::to_string_pretty(&report)?);
@@ -159,12 +160,13 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     Ok(json!({ "bench": "kernels", "goal_ratio": 0.8, "results": rows }))
 }
 
-/// Starts an in-process node on loopback for `model` with `extra` serve settings.
+/// Starts an in-process node on loopback for `model` with these serve settings.
 async fn start_node(
     model: crate::cli::ModelArgs,
     host_kv_bytes: u64,
     device_kv_bytes: u64,
     max_batch: u32,
+    kv_lease: f64,
 ) -> anyhow::Result<(
     String,
     oneshot::Sender<()>,
@@ -176,7 +178,7 @@ async fn start_node(
         metrics_addr: "127.0.0.1:0".parse()?,
         host_kv_bytes,
         device_kv_bytes,
-        kv_lease: 600.0,
+        kv_lease,
         max_batch,
         drain_timeout: 1.0,
         auth_token_file: None,
@@ -241,7 +243,7 @@ async fn model_info(target: &str) -> anyhow::Result<pb::ModelInfo> {
 /// Loopback ingest: bytes/s ÷ single-thread memcpy bytes/s in the same run.
 async fn ingest(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let memcpy = memcpy_bandwidth(256 << 20, 1.0);
-    let (target, stop, h) = start_node(args.model.clone(), 2 << 30, 1 << 30, 8).await?;
+    let (target, stop, h) = start_node(args.model.clone(), 2 << 30, 1 << 30, 8, 600.0).await?;
     let info = model_info(&target).await?;
     let per_token =
         2 * info.num_layers as u64 * info.num_kv_heads as u64 * info.head_dim as u64 * {
@@ -328,7 +330,8 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         for mode in &modes {
             let mut m = args.model.clone();
             m.attention = mode.clone();
-            let (target, stop, h) = start_node(m, 8 << 30, 4 << 30, args.batch.max(1)).await?;
+            let (target, stop, h) =
+                start_node(m, 8 << 30, 4 << 30, args.batch.max(1), 600.0).await?;
             let info = model_info(&target).await?;
             anyhow::ensure!(
                 (ctx as u32) < info.max_context,
@@ -563,4 +566,241 @@ fn recall_profile(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         "threshold": (threshold as f64 * 1e6).round() / 1e6,
         "intervals": intervals, "mean_cpu_ratio_without_recall": means,
     }))
+}
+
+fn parse_duration(s: &str) -> anyhow::Result<Duration> {
+    let s = s.trim();
+    let (num, mult) = if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num
+        .parse()
+        .with_context(|| format!("bad duration {s:?} (use e.g. 90s or 10m)"))?;
+    anyhow::ensure!(v > 0.0 && v.is_finite(), "bad duration {s:?}");
+    Ok(Duration::from_secs_f64(v * mult))
+}
+
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|x| x.parse::<u64>().ok())
+        })
+        .map_or(0, |p| p * 4096)
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Lease of the soak's node: short, so KV of pushes killed after their commit expires.
+const SOAK_LEASE_S: f64 = 2.0;
+
+/// What one soak request ended as.
+#[derive(Debug, Default)]
+struct SoakOutcome {
+    code: &'static str,
+    ttft: Option<f64>,
+    itl: Vec<f64>,
+}
+
+/// One soak request: push, then generate; some are cancelled, some streams are killed.
+async fn soak_one(target: String, info: pb::ModelInfo, i: u64) -> SoakOutcome {
+    let mut r = SplitMix(i ^ 0xABCD);
+    let ctx = 16 + (r.next_u64() % 240) as usize;
+    let id = format!("soak-{i}");
+    let kv = synthetic_kv(&info, &id, ctx, i);
+    let fate = r.next_u64() % 10;
+    let Ok(ch) = client::connect(&target).await else {
+        return SoakOutcome {
+            code: "unavailable",
+            ..Default::default()
+        };
+    };
+    if fate == 0 {
+        // A prefill node that dies mid-push: the push task is killed after it started.
+        let ch2 = ch.clone();
+        let kv2 = kv.clone();
+        let t = tokio::spawn(async move { client::push(ch2, &kv2, None, |_| {}).await });
+        tokio::time::sleep(Duration::from_micros(200)).await;
+        t.abort();
+        return SoakOutcome {
+            code: "killed_push",
+            ..Default::default()
+        };
+    }
+    if let Err(e) = push_kv(
+        ch.clone(),
+        &kv,
+        &PushOptions {
+            retries: 0,
+            ..Default::default()
+        },
+        |_| {},
+    )
+    .await
+    {
+        return SoakOutcome {
+            code: kv_transfer::code_label(e.code()),
+            ..Default::default()
+        };
+    }
+    let req = pb::GenerateRequest {
+        request_id: id.clone(),
+        sampling: Some(pb::SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            seed: i,
+        }),
+        max_new_tokens: 8 + (r.next_u64() % 56) as u32,
+        ignore_eos: true,
+        kv_timeout_ms: 5_000,
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let mut dc = client::decode_client(ch.clone(), None);
+    let mut stream = match dc.generate(req).await {
+        Ok(s) => s.into_inner(),
+        Err(e) => {
+            return SoakOutcome {
+                code: kv_transfer::code_label(e.code()),
+                ..Default::default()
+            };
+        }
+    };
+    let mut out = SoakOutcome {
+        code: "ok",
+        ..Default::default()
+    };
+    let mut last = start;
+    let mut n = 0;
+    loop {
+        match stream.message().await {
+            Ok(Some(m)) => match m.event {
+                Some(pb::generate_response::Event::Token(_)) => {
+                    let now = Instant::now();
+                    if out.ttft.is_none() {
+                        out.ttft = Some(now.duration_since(start).as_secs_f64());
+                    } else {
+                        out.itl.push(now.duration_since(last).as_secs_f64());
+                    }
+                    last = now;
+                    n += 1;
+                    if fate == 1 && n == 3 {
+                        let _ = dc
+                            .cancel(pb::CancelRequest {
+                                request_id: id.clone(),
+                            })
+                            .await;
+                        out.code = "cancelled";
+                    }
+                    if fate == 2 && n == 2 {
+                        // An orchestrator that goes away mid-stream.
+                        out.code = "disconnected";
+                        return out;
+                    }
+                }
+                Some(pb::generate_response::Event::Finish(_)) => return out,
+                None => {}
+            },
+            Ok(None) => return out,
+            Err(e) => {
+                out.code = kv_transfer::code_label(e.code());
+                return out;
+            }
+        }
+    }
+}
+
+/// Pushers and generators at a fixed rate for `--duration`, with random cancels and killed
+/// streams; RSS and pool bytes must return to where they started.
+async fn soak(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
+    let duration = parse_duration(&args.duration)?;
+    let (target, stop, h) =
+        start_node(args.model.clone(), 512 << 20, 256 << 20, 32, SOAK_LEASE_S).await?;
+    let info = model_info(&target).await?;
+    let ch = client::connect(&target).await?;
+    let mut dc = client::decode_client(ch, None);
+    let load0 = dc.get_load(pb::GetLoadRequest {}).await?.into_inner();
+    // Warm up allocator pools before taking the baseline RSS.
+    let _ = soak_one(target.clone(), info.clone(), u64::MAX).await;
+    let rss0 = rss_bytes();
+    let period = Duration::from_secs_f64(1.0 / args.rate.max(0.1));
+    let started = Instant::now();
+    let mut tick = tokio::time::interval(period);
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut i = 0u64;
+    let mut outcomes = Vec::new();
+    while started.elapsed() < duration {
+        tick.tick().await;
+        tasks.spawn(soak_one(target.clone(), info.clone(), i));
+        i += 1;
+        while let Some(r) = tasks.try_join_next() {
+            outcomes.push(r?);
+        }
+    }
+    while let Some(r) = tasks.join_next().await {
+        outcomes.push(r?);
+    }
+    // Killed pushes and abandoned streams are cleaned up asynchronously, and a push killed
+    // after its commit leaves KV under lease, as it should: wait out the lease.
+    let mut load1 = dc.get_load(pb::GetLoadRequest {}).await?.into_inner();
+    let settle = Instant::now();
+    while (load1.host_kv_bytes_used != load0.host_kv_bytes_used
+        || load1.running + load1.waiting > 0)
+        && settle.elapsed() < Duration::from_secs_f64(SOAK_LEASE_S + 10.0)
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        load1 = dc.get_load(pb::GetLoadRequest {}).await?.into_inner();
+    }
+    let rss1 = rss_bytes();
+    let _ = stop.send(());
+    h.await??;
+    let mut by_code = std::collections::BTreeMap::<&str, u64>::new();
+    let mut ttft = Vec::new();
+    let mut itl = Vec::new();
+    for o in &outcomes {
+        *by_code.entry(o.code).or_default() += 1;
+        ttft.extend(o.ttft);
+        itl.extend(o.itl.iter().copied());
+    }
+    let report = json!({
+        "bench": "soak", "seconds": started.elapsed().as_secs_f64(), "requests": outcomes.len(),
+        "outcomes": by_code,
+        "ttft_p50_s": percentile(&mut ttft, 0.5), "ttft_p99_s": percentile(&mut ttft, 0.99),
+        "itl_p50_s": percentile(&mut itl, 0.5), "itl_p99_s": percentile(&mut itl, 0.99),
+        "rss_start_bytes": rss0, "rss_end_bytes": rss1,
+        "pool_used_start_bytes": load0.host_kv_bytes_used, "pool_used_end_bytes": load1.host_kv_bytes_used,
+        "pool_returned": load1.host_kv_bytes_used == load0.host_kv_bytes_used,
+    });
+    if !args.json {
+        eprintln!(
+            "soak: {} requests in {:.0}s, outcomes {by_code:?}",
+            outcomes.len(),
+            started.elapsed().as_secs_f64()
+        );
+        eprintln!(
+            "soak: pool used {} -> {} bytes; RSS {:.1} -> {:.1} MiB",
+            load0.host_kv_bytes_used,
+            load1.host_kv_bytes_used,
+            rss0 as f64 / 1048576.0,
+            rss1 as f64 / 1048576.0
+        );
+    }
+    anyhow::ensure!(
+        load1.host_kv_bytes_used == load0.host_kv_bytes_used,
+        "the pool did not return to its start: {report}"
+    );
+    Ok(report)
 }

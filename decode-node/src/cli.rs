@@ -202,8 +202,8 @@ pub struct DemoArgs {
 /// `bench`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// What to measure: `kernels`, `ingest`, `decode`, `step`, `recall-profile`.
-    #[arg(value_parser = ["kernels", "ingest", "decode", "step", "recall-profile"])]
+    /// What to measure: `kernels`, `ingest`, `decode`, `step`, `recall-profile`, `soak`.
+    #[arg(value_parser = ["kernels", "ingest", "decode", "step", "recall-profile", "soak"])]
     pub what: String,
     /// Print JSON instead of a table.
     #[arg(long)]
@@ -216,6 +216,12 @@ pub struct BenchArgs {
     /// Seconds to spend per measurement.
     #[arg(long, default_value_t = 1.0)]
     pub seconds: f64,
+    /// How long `soak` runs (e.g. `10m`, `90s`).
+    #[arg(long, default_value = "60s")]
+    pub duration: String,
+    /// Requests started per second by `soak`.
+    #[arg(long, default_value_t = 20.0)]
+    pub rate: f64,
     /// Threads for `kernels`.
     #[arg(long, default_value = "1,2")]
     pub threads: String,
