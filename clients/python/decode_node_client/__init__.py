@@ -1,0 +1,168 @@
+"""Python client of decode-node: push a prefill's KV cache, then stream the generation.
+
+    from decode_node_client import push_kv, generate
+    push_kv("127.0.0.1:50051", "req-1", outputs.past_key_values, prompt_ids, next_token_id)
+    for tok in generate("127.0.0.1:50051", "req-1", max_new_tokens=32):
+        print(tok.text, end="", flush=True)
+
+`past_key_values` may be HF transformers' cache (a `DynamicCache`, or per-layer `(k, v)` with
+shape [1, kv_heads, tokens, head_dim]) or vLLM-style per-layer `(k, v)` of shape
+[tokens, kv_heads, head_dim]; numpy arrays or torch tensors. Every chunk carries a CRC-32C of
+its key bytes followed by its value bytes, as the protocol requires.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional, Sequence, Tuple
+
+import crc32c
+import grpc
+import numpy as np
+
+from decode_node.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
+
+__all__ = ["push_kv", "generate", "generate_all", "model_info", "to_layers", "DecodeNodeError"]
+
+_MAX_MESSAGE = 64 << 20
+
+
+class DecodeNodeError(RuntimeError):
+    """A call failed; `code` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+def _channel(target) -> grpc.Channel:
+    if isinstance(target, grpc.Channel):
+        return target
+    return grpc.insecure_channel(target, options=[("grpc.max_send_message_length", _MAX_MESSAGE),
+                                                  ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+
+
+def _metadata(token: Optional[str]):
+    return [("authorization", f"Bearer {token}")] if token else None
+
+
+def model_info(target, token: Optional[str] = None) -> decode_pb2.ModelInfo:
+    """The node's model id and the KV layout a push must match."""
+    try:
+        return decode_pb2_grpc.DecodeStub(_channel(target)).GetModelInfo(
+            decode_pb2.GetModelInfoRequest(), metadata=_metadata(token))
+    except grpc.RpcError as e:
+        raise DecodeNodeError(e.code(), e.details()) from None
+
+
+def _numpy(t) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
+    # torch tensors (bf16 has no numpy dtype: go through f32).
+    return t.detach().to("cpu").float().numpy()
+
+
+def to_layers(past_key_values) -> list:
+    """Per-layer (K, V) numpy arrays of shape [tokens, kv_heads, head_dim]."""
+    if hasattr(past_key_values, "layers"):  # transformers >= 4.56 DynamicCache
+        pairs = [(l.keys, l.values) for l in past_key_values.layers]
+    elif hasattr(past_key_values, "key_cache"):
+        pairs = list(zip(past_key_values.key_cache, past_key_values.value_cache))
+    else:
+        pairs = [(k, v) for k, v in past_key_values]
+    out = []
+    for k, v in pairs:
+        k, v = _numpy(k), _numpy(v)
+        if k.ndim == 4:  # HF: [batch=1, kv_heads, tokens, head_dim]
+            if k.shape[0] != 1:
+                raise ValueError("push one sequence at a time (batch dimension must be 1)")
+            k, v = k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)
+        if k.ndim != 3 or k.shape != v.shape:
+            raise ValueError(f"K/V must be [tokens, kv_heads, head_dim]; got {k.shape} and {v.shape}")
+        out.append((k, v))
+    return out
+
+
+def _encode(a: np.ndarray, dtype: int) -> bytes:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == common_pb2.DTYPE_F32:
+        return a.astype("<f4").tobytes()
+    if dtype == common_pb2.DTYPE_F16:
+        return a.astype("<f2").tobytes()
+    bits = a.view(np.uint32).astype(np.uint64)  # bf16: round to nearest even
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    return bits.tobytes()
+
+
+def push_kv(target, request_id: str, past_key_values, prompt_token_ids: Sequence[int], next_token_id: int, *,
+            model_id: Optional[str] = None, dtype: Optional[int] = None, chunk_tokens: int = 256,
+            token: Optional[str] = None, timeout: Optional[float] = None) -> kv_transfer_pb2.PushKvResponse:
+    """Streams one prompt's KV to the node and returns the commit acknowledgement.
+
+    `dtype` is a `common_pb2.DTYPE_*`; by default the node's own KV dtype (no conversion there).
+    """
+    layers = to_layers(past_key_values)
+    if not layers:
+        raise ValueError("no layers in past_key_values")
+    tokens, heads, head_dim = layers[0][0].shape
+    if len(prompt_token_ids) != tokens:
+        raise ValueError(f"{len(prompt_token_ids)} prompt ids for {tokens} tokens of KV")
+    if model_id is None or dtype is None:
+        info = model_info(target, token)
+        model_id = model_id or info.model_id
+        dtype = info.kv_dtype if dtype is None else dtype
+    header = kv_transfer_pb2.KvHeader(
+        request_id=request_id, model_id=model_id, num_layers=len(layers), num_kv_heads=heads, head_dim=head_dim,
+        dtype=dtype, num_tokens=tokens, prompt_token_ids=list(map(int, prompt_token_ids)),
+        next_token_id=int(next_token_id))
+
+    def messages() -> Iterator[kv_transfer_pb2.PushKvRequest]:
+        yield kv_transfer_pb2.PushKvRequest(header=header)
+        for layer, (k, v) in enumerate(layers):
+            for start in range(0, tokens, chunk_tokens):
+                end = min(tokens, start + chunk_tokens)
+                kb, vb = _encode(k[start:end], dtype), _encode(v[start:end], dtype)
+                yield kv_transfer_pb2.PushKvRequest(chunk=kv_transfer_pb2.KvChunk(
+                    layer=layer, token_start=start, token_count=end - start, key=kb, value=vb,
+                    crc32c=crc32c.crc32c(vb, crc32c.crc32c(kb))))
+        yield kv_transfer_pb2.PushKvRequest(commit=kv_transfer_pb2.KvCommit())
+
+    stub = kv_transfer_pb2_grpc.KvTransferStub(_channel(target))
+    last = None
+    try:
+        for ack in stub.PushKv(messages(), metadata=_metadata(token), timeout=timeout):
+            last = ack
+    except grpc.RpcError as e:
+        raise DecodeNodeError(e.code(), e.details()) from None
+    if last is None or not last.committed:
+        raise DecodeNodeError(grpc.StatusCode.UNKNOWN, "push ended without a commit acknowledgement")
+    return last
+
+
+def generate(target, request_id: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 0.0,
+             top_k: int = 0, seed: int = 0, stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
+             kv_timeout_ms: int = 0, token: Optional[str] = None) -> Iterator[decode_pb2.Token]:
+    """Yields tokens as they stream; the generator's return value is the `Finish` event."""
+    req = decode_pb2.GenerateRequest(
+        request_id=request_id, max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos, kv_timeout_ms=kv_timeout_ms,
+        sampling=decode_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
+    stub = decode_pb2_grpc.DecodeStub(_channel(target))
+    try:
+        for ev in stub.Generate(req, metadata=_metadata(token)):
+            if ev.HasField("token"):
+                yield ev.token
+            elif ev.HasField("finish"):
+                return ev.finish
+    except grpc.RpcError as e:
+        raise DecodeNodeError(e.code(), e.details()) from None
+    raise DecodeNodeError(grpc.StatusCode.UNKNOWN, "stream ended without a Finish event")
+
+
+def generate_all(target, request_id: str, **kw) -> Tuple[list, decode_pb2.Finish]:
+    """Runs `generate` to its end: (tokens, finish)."""
+    tokens = []
+    gen = generate(target, request_id, **kw)
+    while True:
+        try:
+            tokens.append(next(gen))
+        except StopIteration as stop:
+            return tokens, stop.value

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Regenerates the gRPC stubs from ../../proto (pinned grpcio-tools in requirements-dev.txt).
+set -euo pipefail
+cd "$(dirname "$0")"
+out="${1:-.}"
+python -m grpc_tools.protoc -I../../proto --python_out="$out" --grpc_python_out="$out" ../../proto/decode_node/v1/*.proto

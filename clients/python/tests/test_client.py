@@ -1,0 +1,105 @@
+"""The Python client against a real `decode-node serve` (numpy tensors; torch only if present)."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+from decode_node.v1 import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
+from decode_node_client import DecodeNodeError, generate, generate_all, push_kv  # noqa: E402
+
+BIN = os.environ.get("DECODE_NODE_BIN", os.path.join(ROOT, "target", "debug", "decode-node"))
+GOLDEN = os.path.join(ROOT, "tests", "golden", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def node():
+    proc = subprocess.Popen(
+        [BIN, "--log-format", "json", "serve", "--model", GOLDEN, "--attention", "full",
+         "--grpc-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"],
+        stderr=subprocess.PIPE, text=True)
+    found = {}
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            try:
+                fields = json.loads(line).get("fields", {})
+            except ValueError:
+                continue
+            if fields.get("message") == "serving":
+                found["grpc"] = fields["grpc_addr"]
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert ready.wait(60), "decode-node serve did not start"
+    yield found["grpc"]
+    proc.terminate()
+    proc.wait(30)
+
+
+def golden():
+    g = load_file(os.path.join(GOLDEN, "golden.safetensors"))
+    layers = sorted({int(k.split(".")[1]) for k in g if k.startswith("k.")})
+    return g, [(g[f"k.{i}"], g[f"v.{i}"]) for i in layers]
+
+
+def load(target):
+    return decode_pb2_grpc.DecodeStub(__import__("grpc").insecure_channel(target)).GetLoad(decode_pb2.GetLoadRequest())
+
+
+def test_vllm_layout_push_streams_transformers_greedy(node):
+    g, layers = golden()  # [tokens, kv_heads, head_dim] per layer
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    ack = push_kv(node, "py-thd", layers, prompt, greedy[0], chunk_tokens=7)
+    assert ack.committed and ack.bytes_received == sum(k.nbytes + v.nbytes for k, v in layers)
+    tokens, finish = generate_all(node, "py-thd", max_new_tokens=len(greedy) - 1, ignore_eos=True)
+    assert [t.id for t in tokens] == greedy[1:]
+    assert finish.generated_tokens == len(greedy) - 1
+
+
+def test_hf_layout_push_and_pool_returns_to_zero(node):
+    g, layers = golden()
+    hf = tuple((k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]) for k, v in layers)  # [1, H, T, D]
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    push_kv(node, "py-hf", hf, prompt, greedy[0])
+    got = [t.id for t in generate(node, "py-hf", max_new_tokens=5, ignore_eos=True)]
+    assert got == greedy[1:6]
+    deadline = time.time() + 10
+    while load(node).host_kv_bytes_used != 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert load(node).host_kv_bytes_used == 0
+
+
+def test_f16_push_is_converted_and_errors_carry_codes(node):
+    import grpc
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    push_kv(node, "py-f16", layers, prompt, greedy[0], dtype=common_pb2.DTYPE_F16)
+    tokens, _ = generate_all(node, "py-f16", max_new_tokens=3, ignore_eos=True)
+    assert len(tokens) == 3
+    with pytest.raises(DecodeNodeError) as e:
+        push_kv(node, "py-bad", layers, prompt, greedy[0], model_id="not-this-model")
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "model_id" in str(e.value)
+    with pytest.raises(DecodeNodeError) as e:
+        generate_all(node, "never-pushed", max_new_tokens=2, kv_timeout_ms=50)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_torch_tensors_when_torch_is_installed(node):
+    torch = pytest.importorskip("torch")
+    g, layers = golden()
+    tl = [(torch.from_numpy(k.transpose(1, 0, 2)[None].copy()), torch.from_numpy(v.transpose(1, 0, 2)[None].copy()))
+          for k, v in layers]
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    push_kv(node, "py-torch", tl, prompt, greedy[0])
+    assert [t.id for t in generate(node, "py-torch", max_new_tokens=4, ignore_eos=True)] == greedy[1:5]
