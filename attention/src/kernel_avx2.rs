@@ -119,20 +119,27 @@ pub(crate) unsafe fn block(
     debug_assert!(b % 8 == 0 && d % 8 == 0 && bytes.len() >= 2 * b * d * es);
     let nv = len.div_ceil(8);
     let (kt, vs) = bytes.split_at(b * d * es);
-    // K^T rows to f32, only the vectors that hold valid tokens.
-    for c in 0..d {
-        for j in 0..nv {
-            // SAFETY: (c*b + 8j + 8) <= d*b elements lie inside `kt`.
-            let v = unsafe { load8(dt, kt.as_ptr().add((c * b + 8 * j) * es)) };
-            // SAFETY: kf has d*b elements.
-            unsafe { _mm256_storeu_ps(st.kf.as_mut_ptr().add(c * b + 8 * j), v) };
+    // Full 32-token blocks score straight from the stored keys (no f32 copy to spill L1);
+    // other shapes convert K^T rows to f32 once, only the vectors that hold valid tokens.
+    let direct = b == 32 && len == 32;
+    if direct {
+        // SAFETY: forwarded from this function's contract; `s` holds G x 32 scores.
+        unsafe { scores_direct(dt, kt, qs, d, g, st.s) };
+    } else {
+        for c in 0..d {
+            for j in 0..nv {
+                // SAFETY: (c*b + 8j + 8) <= d*b elements lie inside `kt`.
+                let v = unsafe { load8(dt, kt.as_ptr().add((c * b + 8 * j) * es)) };
+                // SAFETY: kf has d*b elements.
+                unsafe { _mm256_storeu_ps(st.kf.as_mut_ptr().add(c * b + 8 * j), v) };
+            }
         }
     }
     let neg = _mm256_set1_ps(f32::NEG_INFINITY);
     for h in 0..g {
         let q = &qs[h * d..(h + 1) * d];
         let sh = &mut st.s[h * b..h * b + nv * 8];
-        let mut t0 = 0;
+        let mut t0 = if direct { nv } else { 0 };
         // Full 32-token groups: eight independent FMA chains (two per vector, even and odd
         // channels) keep both FMA ports busy despite the 4-cycle latency.
         while nv - t0 >= 4 {
@@ -235,6 +242,69 @@ pub(crate) unsafe fn block(
             }
         }
         h0 += n;
+    }
+}
+
+/// Scores of a full 32-token block for every query head: two heads at a time share each
+/// converted K row (eight FMA chains); a lone head splits its channels even/odd instead.
+///
+/// # Safety
+/// As [`block`], with `block_size == 32`; `s` holds at least `g * 32` elements.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_direct(dt: KvDType, kt: &[u8], qs: &[f32], d: usize, g: usize, s: &mut [f32]) {
+    let es = dt.size();
+    let row = |c: usize| -> [__m256; 4] {
+        // SAFETY: c < d rows of 32 elements lie inside `kt` (the caller's contract).
+        unsafe {
+            let p = kt.as_ptr().add(c * 32 * es);
+            [
+                load8(dt, p),
+                load8(dt, p.add(8 * es)),
+                load8(dt, p.add(16 * es)),
+                load8(dt, p.add(24 * es)),
+            ]
+        }
+    };
+    let mut h = 0;
+    while h < g {
+        let mut a = [_mm256_setzero_ps(); 4];
+        let mut b = [_mm256_setzero_ps(); 4];
+        let pair = h + 1 < g;
+        if pair {
+            let (qa, qb) = (&qs[h * d..(h + 1) * d], &qs[(h + 1) * d..(h + 2) * d]);
+            for c in 0..d {
+                let k = row(c);
+                let (x, y) = (_mm256_set1_ps(qa[c]), _mm256_set1_ps(qb[c]));
+                for j in 0..4 {
+                    a[j] = _mm256_fmadd_ps(x, k[j], a[j]);
+                    b[j] = _mm256_fmadd_ps(y, k[j], b[j]);
+                }
+            }
+        } else {
+            let q = &qs[h * d..(h + 1) * d];
+            let mut c = 0;
+            while c + 1 < d {
+                let (ke, ko) = (row(c), row(c + 1));
+                let (x, y) = (_mm256_set1_ps(q[c]), _mm256_set1_ps(q[c + 1]));
+                for j in 0..4 {
+                    a[j] = _mm256_fmadd_ps(x, ke[j], a[j]);
+                    b[j] = _mm256_fmadd_ps(y, ko[j], b[j]);
+                }
+                c += 2;
+            }
+            for j in 0..4 {
+                a[j] = _mm256_add_ps(a[j], b[j]);
+            }
+        }
+        for j in 0..4 {
+            // SAFETY: s holds g*32 elements.
+            unsafe { _mm256_storeu_ps(s.as_mut_ptr().add(h * 32 + 8 * j), a[j]) };
+            if pair {
+                // SAFETY: as above, head h+1 < g.
+                unsafe { _mm256_storeu_ps(s.as_mut_ptr().add((h + 1) * 32 + 8 * j), b[j]) };
+            }
+        }
+        h += if pair { 2 } else { 1 };
     }
 }
 

@@ -167,6 +167,7 @@ async fn start_node(
     device_kv_bytes: u64,
     max_batch: u32,
     kv_lease: f64,
+    prefault: bool,
 ) -> anyhow::Result<(
     String,
     oneshot::Sender<()>,
@@ -177,6 +178,7 @@ async fn start_node(
         grpc_addr: "127.0.0.1:0".parse()?,
         metrics_addr: "127.0.0.1:0".parse()?,
         host_kv_bytes,
+        host_kv_prefault: prefault,
         device_kv_bytes,
         kv_lease,
         max_batch,
@@ -243,7 +245,8 @@ async fn model_info(target: &str) -> anyhow::Result<pb::ModelInfo> {
 /// Loopback ingest: bytes/s ÷ single-thread memcpy bytes/s in the same run.
 async fn ingest(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let memcpy = memcpy_bandwidth(256 << 20, 1.0);
-    let (target, stop, h) = start_node(args.model.clone(), 2 << 30, 1 << 30, 8, 600.0).await?;
+    let (target, stop, h) =
+        start_node(args.model.clone(), 2 << 30, 1 << 30, 8, 600.0, false).await?;
     let info = model_info(&target).await?;
     let per_token =
         2 * info.num_layers as u64 * info.num_kv_heads as u64 * info.head_dim as u64 * {
@@ -331,7 +334,7 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             let mut m = args.model.clone();
             m.attention = mode.clone();
             let (target, stop, h) =
-                start_node(m, 8 << 30, 4 << 30, args.batch.max(1), 600.0).await?;
+                start_node(m, 8 << 30, 4 << 30, args.batch.max(1), 600.0, false).await?;
             let info = model_info(&target).await?;
             anyhow::ensure!(
                 (ctx as u32) < info.max_context,
@@ -727,16 +730,33 @@ async fn soak_one(target: String, info: pb::ModelInfo, i: u64) -> SoakOutcome {
 /// streams; RSS and pool bytes must return to where they started.
 async fn soak(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let duration = parse_duration(&args.duration)?;
-    let (target, stop, h) =
-        start_node(args.model.clone(), 512 << 20, 256 << 20, 32, SOAK_LEASE_S).await?;
+    let (target, stop, h) = start_node(
+        args.model.clone(),
+        512 << 20,
+        256 << 20,
+        32,
+        SOAK_LEASE_S,
+        true,
+    )
+    .await?;
     let info = model_info(&target).await?;
     let ch = client::connect(&target).await?;
     let mut dc = client::decode_client(ch, None);
     let load0 = dc.get_load(pb::GetLoadRequest {}).await?.into_inner();
-    // Warm up allocator pools before taking the baseline RSS.
-    let _ = soak_one(target.clone(), info.clone(), u64::MAX).await;
-    let rss0 = rss_bytes();
     let period = Duration::from_secs_f64(1.0 / args.rate.max(0.1));
+    // Warm up at the same rate (connections, allocator arenas, buffers reach their working
+    // size), then take the baseline RSS.
+    let warmup = (duration / 10).min(Duration::from_secs(30));
+    let mut warm = tokio::task::JoinSet::new();
+    let w0 = Instant::now();
+    let mut w = 0u64;
+    while w0.elapsed() < warmup {
+        warm.spawn(soak_one(target.clone(), info.clone(), u64::MAX - w));
+        w += 1;
+        tokio::time::sleep(period).await;
+    }
+    while warm.join_next().await.is_some() {}
+    let rss0 = rss_bytes();
     let started = Instant::now();
     let mut tick = tokio::time::interval(period);
     let mut tasks = tokio::task::JoinSet::new();
@@ -780,7 +800,7 @@ async fn soak(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         "outcomes": by_code,
         "ttft_p50_s": percentile(&mut ttft, 0.5), "ttft_p99_s": percentile(&mut ttft, 0.99),
         "itl_p50_s": percentile(&mut itl, 0.5), "itl_p99_s": percentile(&mut itl, 0.99),
-        "rss_start_bytes": rss0, "rss_end_bytes": rss1,
+        "warmup_s": warmup.as_secs_f64(), "rss_start_bytes": rss0, "rss_end_bytes": rss1,
         "pool_used_start_bytes": load0.host_kv_bytes_used, "pool_used_end_bytes": load1.host_kv_bytes_used,
         "pool_returned": load1.host_kv_bytes_used == load0.host_kv_bytes_used,
     });

@@ -97,6 +97,9 @@ pub struct ServeArgs {
     /// Host DRAM reserved for the KV pool (bytes; suffixes K, M, G, Ki, Mi, Gi).
     #[arg(long, env = "DECODE_NODE_HOST_KV_BYTES", default_value = "1Gi", value_parser = parse_bytes)]
     pub host_kv_bytes: u64,
+    /// Make the whole host pool resident at start-up (no page faults during ingest).
+    #[arg(long, env = "DECODE_NODE_HOST_KV_PREFAULT")]
+    pub host_kv_prefault: bool,
     /// Device memory for resident KV blocks (bytes; suffixes as above).
     #[arg(long, env = "DECODE_NODE_DEVICE_KV_BYTES", default_value = "256Mi", value_parser = parse_bytes)]
     pub device_kv_bytes: u64,

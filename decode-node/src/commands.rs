@@ -169,6 +169,7 @@ pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         grpc_addr: "127.0.0.1:0".parse()?,
         metrics_addr: "127.0.0.1:0".parse()?,
         host_kv_bytes: 256 << 20,
+        host_kv_prefault: false,
         device_kv_bytes: 64 << 20,
         kv_lease: 60.0,
         max_batch: 8,

@@ -69,6 +69,17 @@ impl HostPool {
     /// Allocates `capacity_bytes / block_bytes` blocks up front (zeroed, page-aligned; the OS
     /// maps pages lazily, so resident memory grows as blocks are written).
     pub fn new(geom: BlockGeometry, capacity_bytes: u64) -> Result<Self, Error> {
+        Self::with_prefault(geom, capacity_bytes, false)
+    }
+
+    /// As [`HostPool::new`]; with `prefault`, every page is made resident up front
+    /// (MAP_POPULATE), trading start-up time for no page faults while KV arrives and a
+    /// resident size that no longer moves with use.
+    pub fn with_prefault(
+        geom: BlockGeometry,
+        capacity_bytes: u64,
+        prefault: bool,
+    ) -> Result<Self, Error> {
         let block_bytes = geom.block_bytes();
         if block_bytes == 0 {
             return Err(Error::Config("KV block size is zero bytes".into()));
@@ -82,7 +93,12 @@ impl HostPool {
         let (ptr, map) = if size == 0 {
             (NonNull::dangling(), None)
         } else {
-            let mut map = memmap2::MmapMut::map_anon(size).map_err(|e| {
+            let mut opts = memmap2::MmapOptions::new();
+            opts.len(size);
+            if prefault {
+                opts.populate();
+            }
+            let mut map = opts.map_anon().map_err(|e| {
                 Error::Config(format!("cannot map {size} bytes of host KV pool: {e}"))
             })?;
             let ptr = NonNull::new(map.as_mut_ptr())

@@ -60,7 +60,8 @@ pub async fn serve(
         None => None,
     };
     let metrics = Metrics::new();
-    let pool = HostPool::new(node.layout.geom, args.host_kv_bytes).context("host KV pool")?;
+    let pool = HostPool::with_prefault(node.layout.geom, args.host_kv_bytes, args.host_kv_prefault)
+        .context("host KV pool")?;
     anyhow::ensure!(
         pool.num_blocks() > 0,
         "--host-kv-bytes {} holds no KV block of {} bytes",
