@@ -250,6 +250,7 @@ pub(crate) unsafe fn block(
 ///
 /// # Safety
 /// As [`block`], with `block_size == 32`; `s` holds at least `g * 32` elements.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_direct(dt: KvDType, kt: &[u8], qs: &[f32], d: usize, g: usize, s: &mut [f32]) {
     let es = dt.size();
@@ -313,6 +314,8 @@ unsafe fn scores_direct(dt: KvDType, kt: &[u8], qs: &[f32], d: usize, g: usize, 
 ///
 /// # Safety
 /// As [`block`].
+// Indexed loops over constant bounds keep the accumulator arrays in registers.
+#[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn accumulate_v<const N: usize, const W: usize>(
@@ -324,36 +327,39 @@ unsafe fn accumulate_v<const N: usize, const W: usize>(
     h0: usize,
     st: &mut State<'_>,
 ) {
+    // Constant trip counts only, so every accumulator stays in a register.
+    if !d.is_multiple_of(8 * W) {
+        // SAFETY: forwarded; W = 1 divides any head dim that is a multiple of 8.
+        return unsafe { accumulate_v::<N, 1>(dt, vs, len, b, d, h0, st) };
+    }
     let es = dt.size();
-    let mut c0 = 0;
-    while c0 < d {
-        let w = if d - c0 >= 8 * W { W } else { 1 };
+    let (acc_ptr, s) = (st.acc.as_mut_ptr(), &st.s[h0 * b..(h0 + N) * b]);
+    for c0 in (0..d).step_by(8 * W) {
         let mut acc = [[_mm256_setzero_ps(); W]; N];
-        for (i, row) in acc.iter_mut().enumerate() {
-            for (j, a) in row.iter_mut().enumerate().take(w) {
+        for i in 0..N {
+            for j in 0..W {
                 // SAFETY: (h0+i)*d + c0 + 8j + 8 <= G*d.
-                *a = unsafe { _mm256_loadu_ps(st.acc.as_ptr().add((h0 + i) * d + c0 + 8 * j)) };
+                acc[i][j] = unsafe { _mm256_loadu_ps(acc_ptr.add((h0 + i) * d + c0 + 8 * j)) };
             }
         }
         for t in 0..len {
             let mut v = [_mm256_setzero_ps(); W];
-            for (j, x) in v.iter_mut().enumerate().take(w) {
+            for j in 0..W {
                 // SAFETY: t < len <= b rows of d elements; c0 + 8j + 8 <= d.
-                *x = unsafe { load8(dt, vs.as_ptr().add((t * d + c0 + 8 * j) * es)) };
+                v[j] = unsafe { load8(dt, vs.as_ptr().add((t * d + c0 + 8 * j) * es)) };
             }
-            for (i, row) in acc.iter_mut().enumerate() {
-                let p = _mm256_set1_ps(st.s[(h0 + i) * b + t]);
-                for (j, a) in row.iter_mut().enumerate().take(w) {
-                    *a = _mm256_fmadd_ps(p, v[j], *a);
+            for i in 0..N {
+                let p = _mm256_set1_ps(s[i * b + t]);
+                for j in 0..W {
+                    acc[i][j] = _mm256_fmadd_ps(p, v[j], acc[i][j]);
                 }
             }
         }
-        for (i, row) in acc.iter().enumerate() {
-            for (j, a) in row.iter().enumerate().take(w) {
+        for i in 0..N {
+            for j in 0..W {
                 // SAFETY: as the load above.
-                unsafe { _mm256_storeu_ps(st.acc.as_mut_ptr().add((h0 + i) * d + c0 + 8 * j), *a) };
+                unsafe { _mm256_storeu_ps(acc_ptr.add((h0 + i) * d + c0 + 8 * j), acc[i][j]) };
             }
         }
-        c0 += 8 * w;
     }
 }
