@@ -223,11 +223,10 @@ pub(crate) unsafe fn block(
             }
         }
     }
-    // V: up to eight heads' accumulators live in registers per 8-wide slice of the head dim.
+    // V: up to four heads' accumulators (two 8-wide slices each) live in registers.
     let mut h0 = 0;
     while h0 < g {
         let n = match g - h0 {
-            r if r >= 8 => 8,
             r if r >= 4 => 4,
             r if r >= 2 => 2,
             _ => 1,
@@ -235,7 +234,6 @@ pub(crate) unsafe fn block(
         // SAFETY: forwarded from this function's contract; heads h0..h0+n exist.
         unsafe {
             match n {
-                8 => accumulate_v::<8, 1>(dt, vs, len, b, d, h0, st),
                 4 => accumulate_v::<4, 2>(dt, vs, len, b, d, h0, st),
                 2 => accumulate_v::<2, 4>(dt, vs, len, b, d, h0, st),
                 _ => accumulate_v::<1, 4>(dt, vs, len, b, d, h0, st),
