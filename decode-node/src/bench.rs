@@ -587,7 +587,14 @@ fn parse_duration(s: &str) -> anyhow::Result<Duration> {
     Ok(Duration::from_secs_f64(v * mult))
 }
 
+/// Resident bytes after handing the allocator's free memory back to the OS, so that what is
+/// compared is memory still in use, not glibc's cached free lists.
 fn rss_bytes() -> u64 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim has no preconditions; it only releases free heap pages.
+    unsafe {
+        libc::malloc_trim(0);
+    }
     std::fs::read_to_string("/proc/self/statm")
         .ok()
         .and_then(|s| {
@@ -598,12 +605,65 @@ fn rss_bytes() -> u64 {
         .map_or(0, |p| p * 4096)
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
+/// Latencies in log-spaced buckets (10 us .. 100 s, ~2% wide): fixed memory, ~2% quantiles.
+#[derive(Debug, Clone)]
+struct LogHistogram {
+    counts: Vec<u64>,
+}
+
+impl Default for LogHistogram {
+    fn default() -> Self {
+        Self {
+            counts: vec![0; Self::BUCKETS],
+        }
     }
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+impl LogHistogram {
+    const BUCKETS: usize = 800;
+    const LO: f64 = 1e-5;
+    const PER_DECADE: f64 = 114.0;
+
+    fn add(&mut self, s: f64) {
+        let i = ((s.max(Self::LO) / Self::LO).log10() * Self::PER_DECADE) as usize;
+        self.counts[i.min(Self::BUCKETS - 1)] += 1;
+    }
+
+    fn quantile(&self, q: f64) -> f64 {
+        let n: u64 = self.counts.iter().sum();
+        if n == 0 {
+            return 0.0;
+        }
+        let want = ((n - 1) as f64 * q).round() as u64;
+        let mut seen = 0;
+        for (i, c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen > want {
+                return Self::LO * 10f64.powf((i as f64 + 0.5) / Self::PER_DECADE);
+            }
+        }
+        Self::LO * 10f64.powf(Self::BUCKETS as f64 / Self::PER_DECADE)
+    }
+}
+
+/// Running totals of a soak.
+#[derive(Debug, Default)]
+struct SoakTally {
+    requests: u64,
+    by_code: std::collections::BTreeMap<&'static str, u64>,
+    ttft: LogHistogram,
+    itl: LogHistogram,
+}
+
+impl SoakTally {
+    fn add(&mut self, o: SoakOutcome) {
+        self.requests += 1;
+        *self.by_code.entry(o.code).or_default() += 1;
+        if let Some(t) = o.ttft {
+            self.ttft.add(t);
+        }
+        o.itl.iter().for_each(|t| self.itl.add(*t));
+    }
 }
 
 /// Lease of the soak's node: short, so KV of pushes killed after their commit expires.
@@ -761,17 +821,19 @@ async fn soak(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let mut tick = tokio::time::interval(period);
     let mut tasks = tokio::task::JoinSet::new();
     let mut i = 0u64;
-    let mut outcomes = Vec::new();
+    // Results are folded into fixed-size tallies as they arrive, so the bench's own memory
+    // does not grow with the run and the RSS comparison sees only the node.
+    let mut tally = SoakTally::default();
     while started.elapsed() < duration {
         tick.tick().await;
         tasks.spawn(soak_one(target.clone(), info.clone(), i));
         i += 1;
         while let Some(r) = tasks.try_join_next() {
-            outcomes.push(r?);
+            tally.add(r?);
         }
     }
     while let Some(r) = tasks.join_next().await {
-        outcomes.push(r?);
+        tally.add(r?);
     }
     // Killed pushes and abandoned streams are cleaned up asynchronously, and a push killed
     // after its commit leaves KV under lease, as it should: wait out the lease.
@@ -787,27 +849,24 @@ async fn soak(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let rss1 = rss_bytes();
     let _ = stop.send(());
     h.await??;
-    let mut by_code = std::collections::BTreeMap::<&str, u64>::new();
-    let mut ttft = Vec::new();
-    let mut itl = Vec::new();
-    for o in &outcomes {
-        *by_code.entry(o.code).or_default() += 1;
-        ttft.extend(o.ttft);
-        itl.extend(o.itl.iter().copied());
-    }
+    let SoakTally {
+        requests,
+        by_code,
+        ttft,
+        itl,
+    } = tally;
     let report = json!({
-        "bench": "soak", "seconds": started.elapsed().as_secs_f64(), "requests": outcomes.len(),
+        "bench": "soak", "seconds": started.elapsed().as_secs_f64(), "requests": requests,
         "outcomes": by_code,
-        "ttft_p50_s": percentile(&mut ttft, 0.5), "ttft_p99_s": percentile(&mut ttft, 0.99),
-        "itl_p50_s": percentile(&mut itl, 0.5), "itl_p99_s": percentile(&mut itl, 0.99),
+        "ttft_p50_s": ttft.quantile(0.5), "ttft_p99_s": ttft.quantile(0.99),
+        "itl_p50_s": itl.quantile(0.5), "itl_p99_s": itl.quantile(0.99),
         "warmup_s": warmup.as_secs_f64(), "rss_start_bytes": rss0, "rss_end_bytes": rss1,
         "pool_used_start_bytes": load0.host_kv_bytes_used, "pool_used_end_bytes": load1.host_kv_bytes_used,
         "pool_returned": load1.host_kv_bytes_used == load0.host_kv_bytes_used,
     });
     if !args.json {
         eprintln!(
-            "soak: {} requests in {:.0}s, outcomes {by_code:?}",
-            outcomes.len(),
+            "soak: {requests} requests in {:.0}s, outcomes {by_code:?}",
             started.elapsed().as_secs_f64()
         );
         eprintln!(
@@ -823,4 +882,32 @@ async fn soak(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         "the pool did not return to its start: {report}"
     );
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_histogram_quantiles_within_two_percent() {
+        let mut h = LogHistogram::default();
+        for i in 1..=1000 {
+            h.add(i as f64 * 1e-3);
+        }
+        for (q, want) in [(0.5, 0.5005), (0.99, 0.99), (0.0, 0.001)] {
+            let got = h.quantile(q);
+            assert!((got - want).abs() <= 0.025 * want, "q{q}: {got} vs {want}");
+        }
+        assert_eq!(LogHistogram::default().quantile(0.5), 0.0);
+        h.add(1e9);
+        h.add(0.0);
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("10m").unwrap(), Duration::from_secs(600));
+        assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("-1s").is_err());
+    }
 }
