@@ -8,12 +8,11 @@ use bytes::Bytes;
 use decode_node_proto::v1 as pb;
 use kv_transfer::client::{PromptKv, PushOptions, push_kv};
 use serde_json::json;
-use tokio::sync::oneshot;
 
-use crate::cli::{BenchArgs, ServeArgs};
+use crate::cli::BenchArgs;
 use crate::client;
 use crate::model::random::SplitMix;
-use crate::service::serve;
+use crate::service::InProcess;
 
 /// Runs the bench named by `args.what`.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -168,37 +167,14 @@ async fn start_node(
     max_batch: u32,
     kv_lease: f64,
     prefault: bool,
-) -> anyhow::Result<(
-    String,
-    oneshot::Sender<()>,
-    tokio::task::JoinHandle<anyhow::Result<()>>,
-)> {
-    let sa = ServeArgs {
-        model,
-        grpc_addr: "127.0.0.1:0".parse()?,
-        metrics_addr: "127.0.0.1:0".parse()?,
-        host_kv_bytes,
-        host_kv_prefault: prefault,
-        device_kv_bytes,
-        kv_lease,
-        max_batch,
-        drain_timeout: 1.0,
-        auth_token_file: None,
-        tls_cert: None,
-        tls_key: None,
-        tls_client_ca: None,
-    };
-    let (ready_tx, ready_rx) = oneshot::channel();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let h = tokio::spawn(serve(
-        sa,
-        async move {
-            let _ = stop_rx.await;
-        },
-        Some(ready_tx),
-    ));
-    let bound = ready_rx.await.context("the bench node did not start")?;
-    Ok((format!("http://{}", bound.grpc), stop_tx, h))
+) -> anyhow::Result<InProcess> {
+    let mut sa = InProcess::loopback_args(model, host_kv_bytes, device_kv_bytes);
+    sa.max_batch = max_batch;
+    sa.kv_lease = kv_lease;
+    sa.host_kv_prefault = prefault;
+    InProcess::start(sa)
+        .await
+        .context("the bench node did not start")
 }
 
 /// Random KV for `info`'s layout, as a push for `id` of `tokens` tokens.
@@ -245,8 +221,8 @@ async fn model_info(target: &str) -> anyhow::Result<pb::ModelInfo> {
 /// Loopback ingest: bytes/s ÷ single-thread memcpy bytes/s in the same run.
 async fn ingest(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let memcpy = memcpy_bandwidth(256 << 20, 1.0);
-    let (target, stop, h) =
-        start_node(args.model.clone(), 2 << 30, 1 << 30, 8, 600.0, false).await?;
+    let node = start_node(args.model.clone(), 2 << 30, 1 << 30, 8, 600.0, false).await?;
+    let target = node.target();
     let info = model_info(&target).await?;
     let per_token =
         2 * info.num_layers as u64 * info.num_kv_heads as u64 * info.head_dim as u64 * {
@@ -285,8 +261,7 @@ async fn ingest(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     }
     let secs = t.elapsed().as_secs_f64();
     let rate = (rounds * push_bytes) as f64 / secs;
-    let _ = stop.send(());
-    h.await??;
+    node.stop().await?;
     if !args.json {
         eprintln!(
             "ingest: {:.2} GB in {secs:.2}s = {:.2} GB/s; memcpy {:.2} GB/s; ratio {:.3} (goal 0.25)",
@@ -333,8 +308,8 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         for mode in &modes {
             let mut m = args.model.clone();
             m.attention = mode.clone();
-            let (target, stop, h) =
-                start_node(m, 8 << 30, 4 << 30, args.batch.max(1), 600.0, false).await?;
+            let node = start_node(m, 8 << 30, 4 << 30, args.batch.max(1), 600.0, false).await?;
+            let target = node.target();
             let info = model_info(&target).await?;
             anyhow::ensure!(
                 (ctx as u32) < info.max_context,
@@ -379,8 +354,7 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             let tps = tokens as f64 / secs;
             // The step thread serves the whole batch: its waits add up against wall time.
             let device_wait_share = wait / secs;
-            let _ = stop.send(());
-            h.await??;
+            node.stop().await?;
             if mode == "full" {
                 full_tps = Some(tps);
             }
@@ -790,7 +764,7 @@ async fn soak_one(target: String, info: pb::ModelInfo, i: u64) -> SoakOutcome {
 /// streams; RSS and pool bytes must return to where they started.
 async fn soak(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let duration = parse_duration(&args.duration)?;
-    let (target, stop, h) = start_node(
+    let node = start_node(
         args.model.clone(),
         512 << 20,
         256 << 20,
@@ -799,6 +773,7 @@ async fn soak(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         true,
     )
     .await?;
+    let target = node.target();
     let info = model_info(&target).await?;
     let ch = client::connect(&target).await?;
     let mut dc = client::decode_client(ch, None);
@@ -847,8 +822,7 @@ async fn soak(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         load1 = dc.get_load(pb::GetLoadRequest {}).await?.into_inner();
     }
     let rss1 = rss_bytes();
-    let _ = stop.send(());
-    h.await??;
+    node.stop().await?;
     let SoakTally {
         requests,
         by_code,

@@ -6,14 +6,13 @@ use std::time::Instant;
 use anyhow::Context;
 use attention::KvDType;
 use decode_node_proto::v1 as pb;
-use tokio::sync::oneshot;
 
 use crate::cli::{DemoArgs, GenerateArgs, MakeModelArgs, PrefillArgs, ServeArgs};
 use crate::client;
 use crate::model::random::{SplitMix, preset, random_weights};
 use crate::model::{Arch, ModelConfig};
 use crate::node::Node;
-use crate::service::{Bound, serve};
+use crate::service::{InProcess, serve};
 
 /// Resolves on SIGTERM or SIGINT.
 pub async fn shutdown_signal() {
@@ -164,39 +163,10 @@ pub async fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
 
 /// `demo`: serve, prefill and generate in one process on the embedded model.
 pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
-    let serve_args = ServeArgs {
-        model: args.model.clone(),
-        grpc_addr: "127.0.0.1:0".parse()?,
-        metrics_addr: "127.0.0.1:0".parse()?,
-        host_kv_bytes: 256 << 20,
-        host_kv_prefault: false,
-        device_kv_bytes: 64 << 20,
-        kv_lease: 60.0,
-        max_batch: 8,
-        drain_timeout: 5.0,
-        auth_token_file: None,
-        tls_cert: None,
-        tls_key: None,
-        tls_client_ca: None,
-    };
-    let (ready_tx, ready_rx) = oneshot::channel();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let server = tokio::spawn(serve(
-        serve_args,
-        async move {
-            let _ = stop_rx.await;
-        },
-        Some(ready_tx),
-    ));
-    let Bound { grpc, .. } = match ready_rx.await {
-        Ok(b) => b,
-        Err(_) => {
-            return server
-                .await?
-                .and_then(|()| anyhow::bail!("the node stopped before it listened"));
-        }
-    };
-    let target = format!("http://{grpc}");
+    let mut serve_args = InProcess::loopback_args(args.model.clone(), 256 << 20, 64 << 20);
+    serve_args.drain_timeout = 5.0;
+    let server = InProcess::start(serve_args).await?;
+    let target = server.target();
     let node = Node::build(&args.model)?;
     let ids = node.model.tokenizer.encode(&args.prompt)?;
     let dtype = node.layout.geom.dtype;
@@ -264,9 +234,7 @@ pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
             node.attention.budget_tokens
         );
     }
-    let _ = stop_tx.send(());
-    server.await??;
-    Ok(())
+    server.stop().await
 }
 
 /// `make-model`: random weights in HF format.

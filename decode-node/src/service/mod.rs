@@ -6,4 +6,4 @@ pub mod decode;
 mod http;
 mod server;
 
-pub use server::{Bound, serve};
+pub use server::{Bound, InProcess, serve};

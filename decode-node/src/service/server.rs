@@ -218,3 +218,65 @@ pub async fn serve(
     tracing::info!("drained, exiting");
     Ok(())
 }
+
+/// A node served inside this process (the demo and the benches): where it listens and how to
+/// stop it.
+#[derive(Debug)]
+pub struct InProcess {
+    /// Its addresses.
+    pub bound: Bound,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl InProcess {
+    /// Serve settings on ephemeral loopback ports, without auth or TLS.
+    pub fn loopback_args(
+        model: crate::cli::ModelArgs,
+        host_kv_bytes: u64,
+        device_kv_bytes: u64,
+    ) -> ServeArgs {
+        ServeArgs {
+            model,
+            grpc_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            metrics_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            host_kv_bytes,
+            host_kv_prefault: false,
+            device_kv_bytes,
+            kv_lease: 60.0,
+            max_batch: 8,
+            drain_timeout: 1.0,
+            auth_token_file: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
+        }
+    }
+
+    /// Starts `serve` on a task and waits until it listens.
+    pub async fn start(args: ServeArgs) -> anyhow::Result<Self> {
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let (stop, stop_rx) = oneshot::channel::<()>();
+        let shutdown = async move {
+            let _ = stop_rx.await;
+        };
+        let task = tokio::spawn(serve(args, shutdown, Some(ready_tx)));
+        match ready_rx.await {
+            Ok(bound) => Ok(Self { bound, stop, task }),
+            Err(_) => task
+                .await?
+                .and_then(|()| anyhow::bail!("the node stopped before it listened")),
+        }
+    }
+
+    /// `http://` URL of its gRPC port.
+    pub fn target(&self) -> String {
+        format!("http://{}", self.bound.grpc)
+    }
+
+    /// Drains it and waits for it to end.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(());
+        self.task.await?
+    }
+}
