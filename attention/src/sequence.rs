@@ -99,7 +99,6 @@ struct LayerState {
 #[derive(Debug)]
 pub struct SeqAttention {
     geom: BlockGeometry,
-    num_layers: usize,
     heads: Vec<HeadState>,
     layers: Vec<LayerState>,
     num_tokens: usize,
@@ -132,7 +131,6 @@ impl SeqAttention {
             .collect();
         Self {
             geom,
-            num_layers,
             heads,
             layers: vec![LayerState::default(); num_layers],
             num_tokens,
@@ -377,17 +375,6 @@ impl SeqAttention {
     /// Each layer's CPU share at every step so far (recorded with `AttentionConfig::profile`).
     pub fn layer_history(&self) -> Vec<Vec<f32>> {
         self.layers.iter().map(|l| l.history.clone()).collect()
-    }
-
-    /// Per-layer CPU share so far (for the offline recall profile).
-    pub fn layer_cpu_ratio(&self, layer: usize) -> f64 {
-        let l = &self.layers[layer];
-        ratio(l.cpu_tokens, l.selected_tokens)
-    }
-
-    /// Layers.
-    pub fn num_layers(&self) -> usize {
-        self.num_layers
     }
 }
 

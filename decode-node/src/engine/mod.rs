@@ -112,6 +112,9 @@ pub enum EngineError {
     /// The model refused the input.
     #[error("{0}")]
     Model(String),
+    /// A bug in the node; the request cannot go on.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 /// A generation to run: its committed KV (taken from the registry) and what to do.
@@ -246,7 +249,6 @@ struct Running {
     last_token: Instant,
     device_need: u64,
     text: TextState,
-    recalls_seen: u64,
     device_wait: f64,
     seen: attention::SeqStats,
 }
@@ -472,7 +474,6 @@ impl StepLoop {
             last_token: now,
             device_need,
             text,
-            recalls_seen: 0,
             device_wait: 0.0,
             seen: attention::SeqStats::default(),
         });
@@ -539,8 +540,10 @@ impl StepLoop {
                     "KV still shared after the step".into(),
                 )),
             };
-            if append.is_err() {
-                finished.push((i, FinishReason::ContextFull));
+            if let Err(e) = append {
+                // Growth was reserved at admission, so this is a bug, not a full context: say so.
+                tracing::error!(request_id = %r.job.request_id, error = %e, "appending KV failed");
+                finished.push((i, Err(e.to_string())));
                 continue;
             }
             for (l, k) in ks.iter().enumerate() {
@@ -561,7 +564,6 @@ impl StepLoop {
                 .recall_bytes
                 .inc_by(s.recall_bytes - r.seen.recall_bytes);
             r.seen = s;
-            r.recalls_seen = s.recall_blocks;
 
             let (tok, logprob) = r.sampler.sample(&logits[i * vocab..(i + 1) * vocab]);
             let text = r.text.step(&self.model.tokenizer, tok);
@@ -591,7 +593,7 @@ impl StepLoop {
                 })
                 .is_err()
             {
-                finished.push((i, FinishReason::Cancelled));
+                finished.push((i, Ok(FinishReason::Cancelled)));
                 continue;
             }
             r.next_token = tok;
@@ -608,7 +610,7 @@ impl StepLoop {
                 None
             };
             if let Some(reason) = reason {
-                finished.push((i, reason));
+                finished.push((i, Ok(reason)));
             }
         }
         self.metrics
@@ -623,10 +625,23 @@ impl StepLoop {
         {
             self.recent.pop_front();
         }
-        for (i, reason) in finished.into_iter().rev() {
+        for (i, outcome) in finished.into_iter().rev() {
             let r = self.running.swap_remove(i);
-            let why = (reason == FinishReason::Cancelled).then_some("disconnect");
-            self.retire(r, reason, why);
+            match outcome {
+                Ok(reason) => {
+                    let why = (reason == FinishReason::Cancelled).then_some("disconnect");
+                    self.retire(r, reason, why);
+                }
+                Err(msg) => {
+                    self.metrics
+                        .requests
+                        .get_or_create(&OutcomeLabel {
+                            outcome: "error".into(),
+                        })
+                        .inc();
+                    let _ = r.job.events.send(Event::Error(EngineError::Internal(msg)));
+                }
+            }
         }
     }
 

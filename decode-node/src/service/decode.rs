@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use decode_node_proto::v1 as pb;
 use decode_node_proto::v1::decode_server::Decode;
-use kv_transfer::{HostPool, KvLayout, Registry};
+use kv_transfer::{HostPool, Registry};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -26,8 +26,6 @@ pub struct NodeState {
     pub pool: HostPool,
     /// The engine.
     pub engine: Engine,
-    /// What pushes must match.
-    pub layout: KvLayout,
     /// `GetModelInfo`'s answer.
     pub info: pb::ModelInfo,
     /// Device KV capacity.
@@ -60,6 +58,7 @@ fn engine_status(e: &EngineError) -> Status {
         EngineError::Exhausted(m) => Status::resource_exhausted(m.clone()),
         EngineError::ShuttingDown => Status::unavailable("the node is shutting down"),
         EngineError::Model(m) => Status::invalid_argument(m.clone()),
+        EngineError::Internal(m) => Status::internal(m.clone()),
     }
 }
 

@@ -91,7 +91,6 @@ pub async fn serve(
         registry: registry.clone(),
         pool: pool.clone(),
         engine: engine.clone(),
-        layout: node.layout.clone(),
         info: node.info(),
         device_kv_bytes: args.device_kv_bytes,
         active: Arc::default(),
