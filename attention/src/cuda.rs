@@ -13,4 +13,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "rope",
     "silu_mul",
     "kv_append",
+    "f32_to_half",
+    "sparse_attention_split",
+    "combine_splits",
 ];

@@ -338,6 +338,12 @@ impl SeqAttention {
         }
     }
 
+    /// Blocks of (`layer`, `head`) scheduled for recall by [`SeqAttention::finish_layer`],
+    /// resident from the next plan of `layer`: a device copies them now.
+    pub fn pending(&self, layer: usize, head: usize) -> &[usize] {
+        &self.heads[layer * self.geom.num_kv_heads + head].pending
+    }
+
     /// Records how well the predicted selection matched the real one, and the query cosine.
     pub fn record_prediction(
         &mut self,

@@ -1,15 +1,80 @@
-//! The `Backend`: every dense op of the model executor, on one device.
+//! The `Backend`: every dense op of the model executor, on one device, and (for a real
+//! device) the device side of attention: hot KV blocks in device memory.
 //!
-//! The CPU backend is complete and is what CI tests; a CUDA backend (cudarc, dynamic
-//! loading) implements the same trait behind the `cuda` feature. Attention over KV blocks is
-//! not here: it lives in the `attention` crate, which the engine drives per request.
+//! The CPU backend is what CI tests; its "device" part of attention reads the host pool
+//! directly. The CUDA backend (cudarc, dynamic loading, behind the `cuda` feature) runs the
+//! projections with cuBLAS and keeps resident blocks in GPU memory ([`DeviceKv`]). Planning
+//! (which blocks, which side) lives in the `attention` crate, driven by the engine.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use std::sync::Arc;
+
+use attention::{BlockGeometry, KvSource, Partial};
+use kv_transfer::HostPool;
 use rayon::prelude::*;
 
 use crate::model::weights::Tensor;
+
+/// Why a backend op failed (only device backends fail).
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The device or one of its libraries returned an error.
+    #[error("device error: {0}")]
+    Device(String),
+    /// Device memory for resident KV blocks is exhausted.
+    #[error("device KV memory is full: {0}")]
+    DeviceFull(String),
+    /// A shape the device kernels do not support.
+    #[error("unsupported on this device: {0}")]
+    Unsupported(String),
+}
+
+/// One projection of [`Backend::linear_many`]: `y = x · wᵀ + bias`.
+#[derive(Debug)]
+pub struct LinearOut<'a> {
+    /// Weight `[out][in]`.
+    pub w: &'a Tensor,
+    /// Optional bias `[out]`.
+    pub bias: Option<&'a [f32]>,
+    /// Output `[batch][out]`.
+    pub y: &'a mut [f32],
+}
+
+/// Device memory for hot KV blocks, shared by every sequence of the engine.
+pub trait DeviceKv: Send + Sync + std::fmt::Debug {
+    /// Per-sequence device state holding at most `blocks_per_head` blocks per (layer, KV
+    /// head); dropping it frees the sequence's device blocks.
+    fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq>;
+    /// Bytes of device KV in use, over all sequences.
+    fn used_bytes(&self) -> u64;
+}
+
+/// The device side of one sequence's attention.
+pub trait DeviceSeq: Send + std::fmt::Debug {
+    /// The device part of `layer`: for each KV head `h`, attends `blocks[h]` of `kv` with the
+    /// query group `q[h]` (`q` is `[num_kv_heads][G][head_dim]`). Blocks not on the device,
+    /// or with tokens added since they were copied, are copied from `kv` first.
+    fn attend(
+        &mut self,
+        kv: &dyn KvSource,
+        layer: usize,
+        blocks: &[&[usize]],
+        q: &[f32],
+        scale: f32,
+    ) -> Result<Vec<Partial>, BackendError>;
+    /// Starts copying `blocks` of (`layer`, `head`) to the device on the recall stream; they
+    /// are ready for the next [`DeviceSeq::attend`] of `layer`, which orders after the copy
+    /// on the device without waiting on the host.
+    fn recall(
+        &mut self,
+        kv: &dyn KvSource,
+        layer: usize,
+        head: usize,
+        blocks: &[usize],
+    ) -> Result<(), BackendError>;
+}
 
 /// Dense ops of the executor. Activations are f32, row-major `[batch][features]`.
 pub trait Backend: Send + Sync + std::fmt::Debug {
@@ -18,7 +83,46 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// `y[b][o] = sum_i x[b][i] * w[o][i] + bias[o]` for `w` of shape `[out][in]`; reads each
     /// weight once for the whole batch.
-    fn linear(&self, x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mut [f32]);
+    fn linear(
+        &self,
+        x: &[f32],
+        batch: usize,
+        w: &Tensor,
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+    ) -> Result<(), BackendError>;
+
+    /// Makes `w` ready for [`Backend::linear`] ahead of the first step (a device backend
+    /// uploads it now rather than inside a request's first token).
+    fn prepare(&self, _w: &Tensor) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Several projections of the same input (q/k/v, gate/up): a device backend uploads `x`
+    /// once and waits once.
+    fn linear_many(
+        &self,
+        x: &[f32],
+        batch: usize,
+        outs: &mut [LinearOut<'_>],
+    ) -> Result<(), BackendError> {
+        for o in outs.iter_mut() {
+            self.linear(x, batch, o.w, o.bias, o.y)?;
+        }
+        Ok(())
+    }
+
+    /// Device memory for resident KV blocks of `geom`, `capacity_bytes` of it, with `pool`
+    /// page-locked for asynchronous copies. `None`: the backend has no separate device memory
+    /// (the CPU backend attends the host pool directly).
+    fn device_kv(
+        &self,
+        _geom: BlockGeometry,
+        _capacity_bytes: u64,
+        _pool: &HostPool,
+    ) -> Result<Option<Arc<dyn DeviceKv>>, BackendError> {
+        Ok(None)
+    }
 
     /// RMSNorm of each `w.len()`-sized row of `x` into `out`, as HF computes it in f32.
     fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -70,7 +174,14 @@ impl Backend for CpuBackend {
         "cpu".into()
     }
 
-    fn linear(&self, x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mut [f32]) {
+    fn linear(
+        &self,
+        x: &[f32],
+        batch: usize,
+        w: &Tensor,
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+    ) -> Result<(), BackendError> {
         let (out, inp) = (w.rows(), w.cols());
         debug_assert_eq!(x.len(), batch * inp);
         debug_assert_eq!(y.len(), batch * out);
@@ -97,6 +208,7 @@ impl Backend for CpuBackend {
                 y[b * out + o] = yt[o * batch + b];
             }
         }
+        Ok(())
     }
 }
 
@@ -116,7 +228,9 @@ mod tests {
         let bias: Vec<f32> = (0..out).map(|i| i as f32 * 0.01).collect();
         let w = Tensor::from_f32(vec![out, inp], &wv);
         let mut y = vec![0f32; batch * out];
-        CpuBackend.linear(&x, batch, &w, Some(&bias), &mut y);
+        CpuBackend
+            .linear(&x, batch, &w, Some(&bias), &mut y)
+            .unwrap();
         for b in 0..batch {
             for o in 0..out {
                 let want: f32 = (0..inp)

@@ -7,6 +7,7 @@ use attention::{BlockGeometry, HeadBlock, KvDType, Scratch, attend_blocks, encod
 use bytes::Bytes;
 use decode_node_proto::v1 as pb;
 use kv_transfer::client::{PromptKv, PushOptions, push_kv};
+use rayon::prelude::*;
 use serde_json::json;
 
 use crate::cli::BenchArgs;
@@ -185,14 +186,19 @@ fn synthetic_kv(info: &pb::ModelInfo, id: &str, tokens: usize, seed: u64) -> Pro
         _ => KvDType::F32,
     };
     let n = tokens * info.num_kv_heads as usize * info.head_dim as usize;
-    let mut r = SplitMix(seed);
-    let mut make = || {
+    let make = |seed: u64| {
+        let mut r = SplitMix(seed);
         let v: Vec<f32> = (0..n).map(|_| (r.next_f64() as f32 - 0.5) * 2.0).collect();
         let mut b = vec![0u8; n * dtype.size()];
         encode_from_f32(dtype, &v, &mut b);
         Bytes::from(b)
     };
-    let layers = (0..info.num_layers).map(|_| (make(), make())).collect();
+    // Layers in parallel: long contexts of large models are gigabytes of random KV.
+    let layers = (0..u64::from(info.num_layers))
+        .into_par_iter()
+        .map(|l| (make(seed ^ (l << 32)), make(seed ^ (l << 32) ^ 1)))
+        .collect();
+    let mut r = SplitMix(seed);
     let vocab = info.vocab_size.max(1) as u64;
     PromptKv {
         header: pb::KvHeader {
@@ -290,6 +296,17 @@ fn parse_tokens(s: &str) -> anyhow::Result<usize> {
         * mult)
 }
 
+/// Bytes of KV for `tokens` tokens of `model` in its own dtype (f32 where it names none).
+fn kv_bytes_for(model: &crate::cli::ModelArgs, tokens: usize) -> anyhow::Result<u64> {
+    let cfg = if model.model == "tiny" {
+        crate::model::random::tiny().0
+    } else {
+        crate::model::ModelConfig::from_dir(std::path::Path::new(&model.model))?
+    };
+    let es = KvDType::parse(&cfg.torch_dtype).map_or(4, |d| d.size());
+    Ok((tokens * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * es) as u64)
+}
+
 /// Decode throughput per attention mode and context length, ratio to `full` in the same run.
 async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let contexts: Vec<usize> = args
@@ -305,10 +322,18 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let mut rows = Vec::new();
     for &ctx in &contexts {
         let mut full_tps = None;
+        // Generated once per context (Bytes clones share it), pushed to each mode's node.
+        let mut prompts = Vec::new();
         for mode in &modes {
             let mut m = args.model.clone();
             m.attention = mode.clone();
-            let node = start_node(m, 8 << 30, 4 << 30, args.batch.max(1), 600.0, false).await?;
+            // Room for the whole context of every request on the host, and on the device in
+            // `full` (the other modes hold their budget there).
+            let kv_bytes = kv_bytes_for(&args.model, ctx + args.tokens as usize + 64)?
+                * u64::from(args.batch.max(1));
+            let host = kv_bytes + (kv_bytes >> 4) + (64 << 20);
+            let device = if mode == "full" { host } else { 4 << 30 };
+            let node = start_node(m, host, device, args.batch.max(1), 600.0, false).await?;
             let target = node.target();
             let info = model_info(&target).await?;
             anyhow::ensure!(
@@ -317,9 +342,13 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
                 info.max_context
             );
             let ch = client::connect(&target).await?;
-            for b in 0..args.batch.max(1) {
-                let kv = synthetic_kv(&info, &format!("d{b}"), ctx, b as u64 + 1);
-                client::push(ch.clone(), &kv, None, |_| {}).await?;
+            if prompts.is_empty() {
+                for b in 0..args.batch.max(1) {
+                    prompts.push(synthetic_kv(&info, &format!("d{b}"), ctx, b as u64 + 1));
+                }
+            }
+            for kv in &prompts {
+                client::push(ch.clone(), kv, None, |_| {}).await?;
             }
             let t = Instant::now();
             let mut gens = Vec::new();
@@ -388,8 +417,14 @@ struct SelfOnly {
 }
 
 impl crate::model::DecodeAttention for SelfOnly {
-    fn attend(&mut self, _layer: usize, q: &[f32], _k: &[f32], v: &[f32], out: &mut [f32]) {
-        let _ = q;
+    fn attend(
+        &mut self,
+        _layer: usize,
+        _q: &[f32],
+        _k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), crate::model::ModelError> {
         let d = self.head_dim;
         let heads = self.group * self.num_kv_heads;
         for (i, o) in out.chunks_exact_mut(d).enumerate() {
@@ -397,6 +432,7 @@ impl crate::model::DecodeAttention for SelfOnly {
             let at = (b * self.num_kv_heads + h / self.group) * d;
             o.copy_from_slice(&v[at..at + d]);
         }
+        Ok(())
     }
 }
 

@@ -35,6 +35,9 @@ pub enum Command {
     Bench(BenchArgs),
     /// Write a random-weight model in Hugging Face format (config.json, model.safetensors).
     MakeModel(MakeModelArgs),
+    /// Check a device backend against the CPU backend: every device kernel on random inputs,
+    /// then greedy decodes that must stream the same tokens. Prints PASS/FAIL per check.
+    Selftest(SelftestArgs),
 }
 
 /// Model and attention settings shared by every command that runs the model.
@@ -200,6 +203,20 @@ pub struct DemoArgs {
     /// Tokens to generate.
     #[arg(long, default_value_t = 48)]
     pub max_new_tokens: u32,
+}
+
+/// `selftest`.
+#[derive(Debug, Clone, Args)]
+pub struct SelftestArgs {
+    /// Model, device (`--device cuda[:N]`) and attention settings of the end-to-end decodes.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens of the end-to-end decodes (random ids, fixed seed).
+    #[arg(long, default_value_t = 700)]
+    pub prompt_tokens: usize,
+    /// Tokens each end-to-end decode generates.
+    #[arg(long, default_value_t = 32)]
+    pub tokens: u32,
 }
 
 /// `bench`.

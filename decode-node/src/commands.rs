@@ -7,7 +7,7 @@ use anyhow::Context;
 use attention::KvDType;
 use decode_node_proto::v1 as pb;
 
-use crate::cli::{DemoArgs, GenerateArgs, MakeModelArgs, PrefillArgs, ServeArgs};
+use crate::cli::{DemoArgs, GenerateArgs, MakeModelArgs, PrefillArgs, SelftestArgs, ServeArgs};
 use crate::client;
 use crate::model::random::{SplitMix, preset, random_weights};
 use crate::model::{Arch, ModelConfig};
@@ -290,4 +290,109 @@ pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<()> {
     random_weights(&cfg, a.seed, dtype).save(&a.out.join("model.safetensors"))?;
     println!("{}", a.out.display());
     Ok(())
+}
+
+/// `selftest`: device kernels against the CPU, then end-to-end decodes against the CPU backend.
+pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
+    let device = args.model.device.clone();
+    anyhow::ensure!(
+        device != "cpu",
+        "selftest compares a device backend with the CPU backend: pass --device cuda[:N]"
+    );
+    let mut failed = 0usize;
+    failed += kernel_checks(&device)?;
+    // End to end: the same pushed KV decoded greedily on the CPU and on the device.
+    let mut cpu_args = args.model.clone();
+    cpu_args.device = "cpu".into();
+    let cpu_node = Node::build(&cpu_args)?;
+    let vocab = cpu_node.model.model.cfg.vocab_size as u64;
+    let mut r = SplitMix(0x5e1f);
+    let ids: Vec<u32> = (0..args.prompt_tokens.max(1))
+        .map(|_| (r.next_u64() % vocab) as u32)
+        .collect();
+    let dtype = cpu_node.layout.geom.dtype;
+    let model = cpu_node.model.clone();
+    let kv = tokio::task::spawn_blocking(move || client::prefill_kv(&model, &ids, "st", dtype))
+        .await??;
+    // `full`, then `scout` with a budget small enough that most blocks go to the CPU and
+    // recall runs every step.
+    let scout = |m: &mut crate::cli::ModelArgs| {
+        m.attention = "scout".into();
+        m.block_size = 16;
+        m.budget_tokens = 128;
+        m.device_blocks = 4;
+        m.recall_threshold = 0.0;
+    };
+    let full = |m: &mut crate::cli::ModelArgs| m.attention = "full".into();
+    type Setting<'a> = &'a dyn Fn(&mut crate::cli::ModelArgs);
+    let cases: [(&str, Setting<'_>); 2] = [("full", &full), ("scout", &scout)];
+    for (name, set) in cases {
+        let mut outs = Vec::new();
+        for dev in ["cpu", device.as_str()] {
+            let mut m = args.model.clone();
+            m.device = dev.into();
+            set(&mut m);
+            let server = InProcess::start(InProcess::loopback_args(m, 1 << 30, 1 << 30)).await?;
+            let ch = client::connect(&server.target()).await?;
+            let mut push = kv.clone();
+            push.header.request_id = format!("st-{name}-{dev}");
+            client::push(ch.clone(), &push, None, |_| {}).await?;
+            let req = pb::GenerateRequest {
+                request_id: push.header.request_id.clone(),
+                sampling: Some(pb::SamplingParams::default()),
+                max_new_tokens: args.tokens.max(1),
+                ignore_eos: true,
+                ..Default::default()
+            };
+            let out = client::generate(ch, None, req, |_| {}).await;
+            server.stop().await?;
+            outs.push(out?.ids);
+        }
+        let same = outs[0] == outs[1];
+        let agree = outs[0]
+            .iter()
+            .zip(&outs[1])
+            .take_while(|(a, b)| a == b)
+            .count();
+        println!(
+            "{} decode {name:<5} {} prompt tokens, {} generated: {agree}/{} tokens equal to the CPU backend's",
+            if same { "PASS" } else { "FAIL" },
+            kv.header.num_tokens,
+            outs[1].len(),
+            outs[0].len()
+        );
+        if !same {
+            failed += 1;
+        }
+    }
+    anyhow::ensure!(failed == 0, "{failed} selftest checks failed");
+    println!("selftest passed on {device}");
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn kernel_checks(device: &str) -> anyhow::Result<usize> {
+    let ordinal = crate::node::cuda_ordinal(device)?;
+    let backend = crate::backend::cuda::CudaBackend::new(ordinal)
+        .with_context(|| format!("--device {device}"))?;
+    let mut failed = 0;
+    for c in crate::backend::cuda::selftest::run(&backend) {
+        let verdict = if c.passed() { "PASS" } else { "FAIL" };
+        match &c.error {
+            Some(e) => println!("{verdict} {:<48} error: {e}", c.name),
+            None => println!(
+                "{verdict} {:<48} max rel err {:.2e} (tolerance {:.0e})",
+                c.name, c.max_rel_err, c.tolerance
+            ),
+        }
+        failed += usize::from(!c.passed());
+    }
+    Ok(failed)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn kernel_checks(device: &str) -> anyhow::Result<usize> {
+    anyhow::bail!(
+        "--device {device}: this binary was built without CUDA support; rebuild with `--features cuda`"
+    )
 }

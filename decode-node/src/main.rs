@@ -40,6 +40,7 @@ fn main() -> ExitCode {
             Command::Demo(a) => commands::run_demo(a).await,
             Command::Bench(a) => decode_node::bench::run(a).await,
             Command::MakeModel(a) => commands::run_make_model(a),
+            Command::Selftest(a) => commands::run_selftest(a).await,
         }
     });
     match result {

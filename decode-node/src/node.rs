@@ -20,22 +20,27 @@ pub fn backend(device: &str) -> anyhow::Result<Arc<dyn Backend>> {
     }
 }
 
-#[cfg(feature = "cuda")]
-fn cuda_backend(d: &str) -> anyhow::Result<Arc<dyn Backend>> {
-    let ordinal = match d.strip_prefix("cuda:") {
+/// The ordinal of `cuda` (0) or `cuda:N`.
+pub fn cuda_ordinal(d: &str) -> anyhow::Result<usize> {
+    match d.strip_prefix("cuda:") {
         Some(n) => n
             .parse()
-            .with_context(|| format!("--device {d}: bad device ordinal"))?,
-        None => 0,
-    };
-    let info = crate::backend::cuda::probe(ordinal).with_context(|| format!("--device {d}"))?;
-    bail!(
-        "--device {d}: found {info}, but the CUDA backend is not implemented in this version yet; use --device cpu"
-    )
+            .with_context(|| format!("--device {d}: bad device ordinal")),
+        None if d == "cuda" => Ok(0),
+        None => bail!("--device {d:?}: expected cuda or cuda:N"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend(d: &str) -> anyhow::Result<Arc<dyn Backend>> {
+    let b = crate::backend::cuda::CudaBackend::new(cuda_ordinal(d)?)
+        .with_context(|| format!("--device {d}"))?;
+    Ok(Arc::new(b))
 }
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_backend(d: &str) -> anyhow::Result<Arc<dyn Backend>> {
+    cuda_ordinal(d)?;
     bail!(
         "--device {d}: this binary was built without CUDA support; rebuild with `--features cuda`"
     )

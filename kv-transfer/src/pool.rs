@@ -119,6 +119,16 @@ impl HostPool {
         })
     }
 
+    /// The whole pool's memory (start, bytes), for a device backend to page-lock it
+    /// (`cuMemHostRegister`) so that copies to the device run asynchronously. The range stays
+    /// mapped while any clone of this pool lives.
+    pub fn region(&self) -> (NonNull<u8>, usize) {
+        (
+            self.inner.region.ptr,
+            self.inner.num_blocks * self.inner.block_bytes,
+        )
+    }
+
     /// Geometry of every block.
     pub fn geometry(&self) -> &BlockGeometry {
         &self.inner.geom

@@ -232,3 +232,132 @@ extern "C" __global__ void kv_append(unsigned char* head_block, const float* k, 
     dmin[c] = fminf(dmin[c], k[c]);
     dmax[c] = fmaxf(dmax[c], k[c]);
 }
+
+// f32 activations to the weights' half type for the cuBLAS projections (1 = f16, 2 = bf16).
+extern "C" __global__ void f32_to_half(const float* x, u16* y, long long n, int dtype) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = dtype == 1 ? f32_to_f16(x[i]) : f32_to_bf16(x[i]);
+}
+
+// Split-K block-sparse decode attention for every KV head of one (sequence, layer).
+//
+// Blocks of KV head h are entries head_start[h] .. head_start[h+1] of offs/lens: byte offset
+// of the head block in `arena` and its tokens. CUDA block (s, h) attends entries
+// [head_start[h] + s*chunk, +chunk) for all `group` query heads of h at once, so each K/V
+// element is read once per group; it writes a partial (out, lse2) per query head to
+// part_out [h][splits][group][head_dim] / part_lse [h][splits][group]. `combine_splits`
+// merges the splits. 128 threads; group <= 8, head_dim <= 256.
+#define ATT_THREADS 128
+#define ATT_WARPS 4
+#define MAX_G 8
+#define MAX_D 256
+extern "C" __global__ void sparse_attention_split(
+    const unsigned char* arena, const long long* offs, const int* lens, const int* head_start,
+    const float* q, int group, int head_dim, int block_size, int dtype, float scale,
+    int chunk, int splits, float* part_out, float* part_lse) {
+    const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31;
+    __shared__ float q_sh[MAX_G * MAX_D];
+    __shared__ float p_sh[MAX_G][32];
+    __shared__ float m_sh[MAX_G], l_sh[MAX_G], a_sh[MAX_G];
+    const float qscale = scale * 1.4426950408889634f;  // log2(e): exp becomes exp2
+    const float* qh = q + (long long)h * group * head_dim;
+    for (int i = tid; i < group * head_dim; i += ATT_THREADS) q_sh[i] = qh[i] * qscale;
+    if (tid < MAX_G) { m_sh[tid] = NEG_INF; l_sh[tid] = 0.f; a_sh[tid] = 1.f; }
+    const int b0 = head_start[h] + s * chunk;
+    const int b1 = min(b0 + chunk, head_start[h + 1]);
+    const int es = dtype == 0 ? 4 : 2;
+    float acc[MAX_G][2];
+#pragma unroll
+    for (int g = 0; g < MAX_G; g++) { acc[g][0] = 0.f; acc[g][1] = 0.f; }
+    __syncthreads();
+    for (int bi = b0; bi < b1; bi++) {
+        const unsigned char* kt = arena + offs[bi];
+        const unsigned char* vs = kt + (long long)block_size * head_dim * es;
+        const int len = lens[bi];
+        for (int t0 = 0; t0 < len; t0 += 32) {
+            // Scores: warp w takes query heads w, w+4, ...; lane = token.
+            for (int g = warp; g < group; g += ATT_WARPS) {
+                const int t = t0 + lane;
+                float sc = NEG_INF;
+                if (t < len) {
+                    sc = 0.f;
+                    const float* qg = q_sh + g * head_dim;
+                    for (int c = 0; c < head_dim; c++)
+                        sc += qg[c] * load_kv(kt, (long long)c * block_size + t, dtype);
+                }
+                const float m_old = m_sh[g];
+                const float m_new = fmaxf(m_old, warp_max(sc));
+                const float p = (t < len && m_new != NEG_INF) ? exp2f(sc - m_new) : 0.f;
+                const float sum = warp_sum(p);
+                p_sh[g][lane] = p;
+                __syncwarp();
+                if (lane == 0) {
+                    const float alpha = m_old == NEG_INF ? 0.f : exp2f(m_old - m_new);
+                    a_sh[g] = alpha;
+                    l_sh[g] = l_sh[g] * alpha + sum;
+                    m_sh[g] = m_new;
+                }
+            }
+            __syncthreads();
+            const int n = min(32, len - t0);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int c = tid + i * ATT_THREADS;
+                if (c < head_dim) {
+#pragma unroll
+                    for (int g = 0; g < MAX_G; g++)
+                        if (g < group) acc[g][i] *= a_sh[g];
+                    for (int j = 0; j < n; j++) {
+                        const float v = load_kv(vs, (long long)(t0 + j) * head_dim + c, dtype);
+#pragma unroll
+                        for (int g = 0; g < MAX_G; g++)
+                            if (g < group) acc[g][i] += p_sh[g][j] * v;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    const long long base = ((long long)h * splits + s) * group;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int c = tid + i * ATT_THREADS;
+        if (c < head_dim) {
+#pragma unroll
+            for (int g = 0; g < MAX_G; g++)
+                if (g < group) {
+                    const float l = l_sh[g];
+                    part_out[(base + g) * head_dim + c] = l > 0.f ? acc[g][i] / l : 0.f;
+                }
+        }
+    }
+    if (tid < group) {
+        const float l = l_sh[tid];
+        part_lse[base + tid] = l > 0.f ? m_sh[tid] + log2f(l) : NEG_INF;
+    }
+}
+
+// Merges the splits of `sparse_attention_split`: one CUDA block per query head (h, g);
+// out [h][group][head_dim], lse2 [h][group]. A head with no blocks gets (0, -inf).
+extern "C" __global__ void combine_splits(const float* part_out, const float* part_lse, int splits,
+                                          int group, int head_dim, float* out, float* lse2) {
+    const int hg = blockIdx.x;
+    const int h = hg / group, g = hg % group;
+    float mx = NEG_INF;
+    for (int s = 0; s < splits; s++) mx = fmaxf(mx, part_lse[((long long)h * splits + s) * group + g]);
+    float total = 0.f;
+    if (mx != NEG_INF)
+        for (int s = 0; s < splits; s++) total += exp2f(part_lse[((long long)h * splits + s) * group + g] - mx);
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float o = 0.f;
+        if (mx != NEG_INF)
+            for (int s = 0; s < splits; s++) {
+                const long long i = ((long long)h * splits + s) * group + g;
+                const float w = exp2f(part_lse[i] - mx);
+                if (w > 0.f) o += w * part_out[i * head_dim + c];
+            }
+        out[(long long)hg * head_dim + c] = mx != NEG_INF ? o / total : 0.f;
+    }
+    if (threadIdx.x == 0) lse2[hg] = mx != NEG_INF ? mx + log2f(total) : NEG_INF;
+}

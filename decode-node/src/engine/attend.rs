@@ -11,13 +11,17 @@ use attention::{
 };
 use kv_transfer::CommittedKv;
 
-use crate::model::DecodeAttention;
+use crate::backend::DeviceSeq;
+use crate::model::{DecodeAttention, ModelError};
 
 /// What one request brings to a step's attention.
 #[derive(Debug)]
 pub(crate) struct SeqSlot<'a> {
     pub(crate) kv: &'a Arc<CommittedKv>,
     pub(crate) seq: &'a mut SeqAttention,
+    /// Device memory of this sequence's hot blocks; `None`: the device part reads the host
+    /// pool (CPU backend).
+    pub(crate) dev: Option<&'a mut Box<dyn DeviceSeq>>,
     /// New K and V of this step, per layer (`[num_kv_heads * head_dim]`), appended after it.
     pub(crate) new_k: Vec<Vec<f32>>,
     pub(crate) new_v: Vec<Vec<f32>>,
@@ -147,7 +151,14 @@ impl DecodeAttention for BatchAttention<'_> {
         }
     }
 
-    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
         let Shape {
             num_heads,
             num_kv_heads,
@@ -189,28 +200,33 @@ impl DecodeAttention for BatchAttention<'_> {
             };
             // Device part with the real query, plus the new token itself.
             let kv = self.slots[b].kv;
-            let mut parts: Vec<Partial> = plans
-                .iter()
-                .enumerate()
-                .map(|(h, p)| {
-                    let qh = &qb[h * group * head_dim..(h + 1) * group * head_dim];
-                    let hq = HeadQuery {
-                        layer,
-                        head: h,
-                        q: qh,
-                        scale,
-                    };
-                    let mut part =
-                        attend_head(kv.geometry(), kv.as_ref(), hq, &p.device, &mut self.scratch);
-                    part.merge_from(&self_partial(
-                        qh,
-                        &kb[h * head_dim..(h + 1) * head_dim],
-                        &vb[h * head_dim..(h + 1) * head_dim],
-                        scale,
-                    ));
-                    part
-                })
-                .collect();
+            let mut parts: Vec<Partial> = match self.slots[b].dev.as_deref_mut() {
+                Some(dev) => {
+                    let lists: Vec<&[usize]> = plans.iter().map(|p| p.device.as_slice()).collect();
+                    dev.attend(kv.as_ref(), layer, &lists, qb, scale)?
+                }
+                None => plans
+                    .iter()
+                    .enumerate()
+                    .map(|(h, p)| {
+                        let hq = HeadQuery {
+                            layer,
+                            head: h,
+                            q: &qb[h * group * head_dim..(h + 1) * group * head_dim],
+                            scale,
+                        };
+                        attend_head(kv.geometry(), kv.as_ref(), hq, &p.device, &mut self.scratch)
+                    })
+                    .collect(),
+            };
+            for (h, part) in parts.iter_mut().enumerate() {
+                part.merge_from(&self_partial(
+                    &qb[h * group * head_dim..(h + 1) * group * head_dim],
+                    &kb[h * head_dim..(h + 1) * head_dim],
+                    &vb[h * head_dim..(h + 1) * head_dim],
+                    scale,
+                ));
+            }
             let cpu = if self.cfg.exact {
                 // Exact mode: the CPU part reruns with the real query.
                 if let Some(rx) = &pending {
@@ -232,10 +248,21 @@ impl DecodeAttention for BatchAttention<'_> {
                 out[b * width + h * group * head_dim..b * width + (h + 1) * group * head_dim]
                     .copy_from_slice(&p.out);
             }
-            self.slots[b].seq.finish_layer(self.cfg, layer, &plans);
-            self.slots[b].new_k[layer].copy_from_slice(kb);
-            self.slots[b].new_v[layer].copy_from_slice(vb);
+            let slot = &mut self.slots[b];
+            slot.seq.finish_layer(self.cfg, layer, &plans);
+            if let Some(dev) = slot.dev.as_deref_mut() {
+                // Recall: copy what the CPU did to the device now, on the recall stream.
+                for h in 0..num_kv_heads {
+                    let pending = slot.seq.pending(layer, h);
+                    if !pending.is_empty() {
+                        dev.recall(slot.kv.as_ref(), layer, h, pending)?;
+                    }
+                }
+            }
+            slot.new_k[layer].copy_from_slice(kb);
+            slot.new_v[layer].copy_from_slice(vb);
         }
+        Ok(())
     }
 }
 

@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use attention::{AttentionConfig, Mode, SeqAttention};
 use kv_transfer::{CommittedKv, HostPool};
+
+use crate::backend::{DeviceKv, DeviceSeq};
 use tokio::sync::mpsc;
 
 use crate::metrics::{Metrics, OutcomeLabel, ReasonLabel};
@@ -206,8 +208,14 @@ impl Engine {
             .thread_name(|i| format!("cpu-attn-{i}"))
             .build()
             .map_err(std::io::Error::other)?;
+        let device_kv = model
+            .model
+            .backend()
+            .device_kv(*pool.geometry(), cfg.device_kv_bytes, &pool)
+            .map_err(std::io::Error::other)?;
         let mut lp = StepLoop {
             model,
+            device_kv,
             pool,
             cfg,
             metrics,
@@ -239,6 +247,9 @@ type LayerRows = Vec<Vec<f32>>;
 
 struct Running {
     job: JobSpec,
+    /// Device copies of hot blocks; declared before `kv` so it is dropped (and its copies
+    /// finished) first.
+    dev: Option<Box<dyn DeviceSeq>>,
     kv: Arc<CommittedKv>,
     seq: SeqAttention,
     sampler: Sampler,
@@ -255,6 +266,8 @@ struct Running {
 
 struct StepLoop {
     model: Arc<LoadedModel>,
+    /// Device memory for hot blocks (`None` on the CPU backend).
+    device_kv: Option<Arc<dyn DeviceKv>>,
     pool: HostPool,
     cfg: EngineConfig,
     metrics: Metrics,
@@ -462,7 +475,16 @@ impl StepLoop {
         let text = self.model.tokenizer.text_state(&ctx);
         let next_token = kv.info.next_token_id;
         let kv: Arc<CommittedKv> = Arc::from(kv);
+        let per_head = match self.cfg.attention.mode {
+            attention::Mode::Full => usize::MAX,
+            _ => self.cfg.attention.device_blocks_per_head,
+        };
+        let dev = self
+            .device_kv
+            .clone()
+            .map(|d| d.new_seq(kv.num_layers(), per_head));
         self.running.push(Running {
+            dev,
             sampler: Sampler::new(job.sampling),
             job,
             kv,
@@ -497,6 +519,7 @@ impl StepLoop {
             .map(|r| SeqSlot {
                 kv: &r.kv,
                 seq: &mut r.seq,
+                dev: r.dev.as_mut(),
                 new_k: vec![vec![0.0; nkv * hd]; nl],
                 new_v: vec![vec![0.0; nkv * hd]; nl],
                 device_wait: 0.0,

@@ -8,7 +8,7 @@ use super::ModelError;
 use super::config::ModelConfig;
 use super::rope;
 use super::weights::{Tensor, WeightMap};
-use crate::backend::Backend;
+use crate::backend::{Backend, LinearOut};
 
 /// A projection: weight `[out][in]` and optional bias.
 #[derive(Debug)]
@@ -45,7 +45,14 @@ pub trait DecodeAttention {
     fn predicted(&mut self, _layer: usize, _q_pred: &[f32]) {}
     /// Attention of layer `layer` for the batch: `q` is `[batch][num_heads*head_dim]`,
     /// `k`/`v` the new token's `[batch][num_kv_heads*head_dim]`; writes `out` like `q`.
-    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]);
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), ModelError>;
 }
 
 /// A prompt's KV (HF `past_key_values` layout per layer: `[token][kv_head][head_dim]`, K after
@@ -59,6 +66,9 @@ pub struct PrefillOutput {
     /// Logits of the last prompt token.
     pub logits: Vec<f32>,
 }
+
+/// A layer's new q, k (normed, RoPE'd) and v rows.
+type Qkv = (Vec<f32>, Vec<f32>, Vec<f32>);
 
 /// A loaded model on a backend.
 #[derive(Debug)]
@@ -152,6 +162,12 @@ impl Model {
         } else {
             Some(wm.take("lm_head.weight", &[cfg.vocab_size, h])?)
         };
+        for l in &layers {
+            for lin in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
+                backend.prepare(&lin.w)?;
+            }
+        }
+        backend.prepare(lm_head.as_ref().unwrap_or(&embed))?;
         for left in wm.remaining() {
             tracing::warn!(tensor = left, "unused tensor in checkpoint");
         }
@@ -209,43 +225,90 @@ impl Model {
         x
     }
 
-    /// q (or k) projection of normed rows `xn`, with per-head norm and RoPE at `positions`.
-    fn project_rope(
-        &self,
-        lin: &Linear,
-        head_norm: Option<&[f32]>,
-        xn: &[f32],
-        positions: &[usize],
-    ) -> Vec<f32> {
-        let n = positions.len();
-        let width = lin.w.rows();
-        let mut y = vec![0f32; n * width];
-        self.backend.linear(xn, n, &lin.w, lin.b.as_deref(), &mut y);
+    /// Per-head norm (Qwen3) and RoPE at `positions`, in place, of q or k rows.
+    fn norm_rope(&self, y: &mut [f32], head_norm: Option<&[f32]>, positions: &[usize]) {
+        let width = y.len() / positions.len().max(1);
         if let Some(w) = head_norm {
-            let tmp = y.clone();
-            self.backend.rms_norm(&tmp, w, self.eps(), &mut y);
+            let tmp = y.to_vec();
+            self.backend.rms_norm(&tmp, w, self.eps(), y);
         }
         for (row, p) in y.chunks_exact_mut(width).zip(positions) {
             rope::apply(row, &self.inv_freq, *p);
         }
-        y
     }
 
-    fn lm_head(&self, x: &[f32], n: usize) -> Vec<f32> {
+    /// q projection of normed rows `xn`, with per-head norm and RoPE at `positions`.
+    fn project_q(
+        &self,
+        layer: &Layer,
+        xn: &[f32],
+        positions: &[usize],
+    ) -> Result<Vec<f32>, ModelError> {
+        let n = positions.len();
+        let mut q = vec![0f32; n * layer.q.w.rows()];
+        self.backend
+            .linear(xn, n, &layer.q.w, layer.q.b.as_deref(), &mut q)?;
+        self.norm_rope(&mut q, layer.q_norm.as_deref(), positions);
+        Ok(q)
+    }
+
+    /// q, k (normed, RoPE'd) and v of normed rows `xn`, in one backend call.
+    fn qkv(&self, layer: &Layer, xn: &[f32], positions: &[usize]) -> Result<Qkv, ModelError> {
+        let n = positions.len();
+        let mut q = vec![0f32; n * layer.q.w.rows()];
+        let mut k = vec![0f32; n * layer.k.w.rows()];
+        let mut v = vec![0f32; n * layer.v.w.rows()];
+        fn lin(l: &Linear) -> (&Tensor, Option<&[f32]>) {
+            (&l.w, l.b.as_deref())
+        }
+        let ((wq, bq), (wk, bk), (wv, bv)) = (lin(&layer.q), lin(&layer.k), lin(&layer.v));
+        self.backend.linear_many(
+            xn,
+            n,
+            &mut [
+                LinearOut {
+                    w: wq,
+                    bias: bq,
+                    y: &mut q,
+                },
+                LinearOut {
+                    w: wk,
+                    bias: bk,
+                    y: &mut k,
+                },
+                LinearOut {
+                    w: wv,
+                    bias: bv,
+                    y: &mut v,
+                },
+            ],
+        )?;
+        self.norm_rope(&mut q, layer.q_norm.as_deref(), positions);
+        self.norm_rope(&mut k, layer.k_norm.as_deref(), positions);
+        Ok((q, k, v))
+    }
+
+    fn lm_head(&self, x: &[f32], n: usize) -> Result<Vec<f32>, ModelError> {
         let h = self.cfg.hidden_size;
         let mut xn = vec![0f32; n * h];
         self.backend.rms_norm(x, &self.norm, self.eps(), &mut xn);
         let w = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0f32; n * self.cfg.vocab_size];
-        self.backend.linear(&xn, n, w, None, &mut logits);
-        logits
+        self.backend.linear(&xn, n, w, None, &mut logits)?;
+        Ok(logits)
     }
 
     /// Second half of a layer: output projection, residual, MLP, residual.
-    fn finish_layer(&self, layer: &Layer, x: &mut [f32], attn: &[f32], n: usize) {
+    fn finish_layer(
+        &self,
+        layer: &Layer,
+        x: &mut [f32],
+        attn: &[f32],
+        n: usize,
+    ) -> Result<(), ModelError> {
         let h = self.cfg.hidden_size;
         let mut o = vec![0f32; n * h];
-        self.backend.linear(attn, n, &layer.o.w, None, &mut o);
+        self.backend.linear(attn, n, &layer.o.w, None, &mut o)?;
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         let mut xn = vec![0f32; n * h];
         self.backend
@@ -253,11 +316,26 @@ impl Model {
         let inter = self.cfg.intermediate_size;
         let mut gate = vec![0f32; n * inter];
         let mut up = vec![0f32; n * inter];
-        self.backend.linear(&xn, n, &layer.gate.w, None, &mut gate);
-        self.backend.linear(&xn, n, &layer.up.w, None, &mut up);
+        self.backend.linear_many(
+            &xn,
+            n,
+            &mut [
+                LinearOut {
+                    w: &layer.gate.w,
+                    bias: None,
+                    y: &mut gate,
+                },
+                LinearOut {
+                    w: &layer.up.w,
+                    bias: None,
+                    y: &mut up,
+                },
+            ],
+        )?;
         self.backend.silu_mul(&mut gate, &up);
-        self.backend.linear(&gate, n, &layer.down.w, None, &mut o);
+        self.backend.linear(&gate, n, &layer.down.w, None, &mut o)?;
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        Ok(())
     }
 
     /// Runs a whole prompt (causal, dense attention) and returns its KV and last logits.
@@ -290,11 +368,7 @@ impl Model {
             let mut xn = vec![0f32; n * h];
             self.backend
                 .rms_norm(&x, &layer.input_norm, self.eps(), &mut xn);
-            let q = self.project_rope(&layer.q, layer.q_norm.as_deref(), &xn, &positions);
-            let k = self.project_rope(&layer.k, layer.k_norm.as_deref(), &xn, &positions);
-            let mut v = vec![0f32; n * nkv * hd];
-            self.backend
-                .linear(&xn, n, &layer.v.w, layer.v.b.as_deref(), &mut v);
+            let (q, k, v) = self.qkv(layer, &xn, &positions)?;
             let mut attn = vec![0f32; n * nh * hd];
             let mut s = vec![0f32; n];
             for t in 0..n {
@@ -320,12 +394,12 @@ impl Model {
                     }
                 }
             }
-            self.finish_layer(layer, &mut x, &attn, n);
+            self.finish_layer(layer, &mut x, &attn, n)?;
             keys.push(k);
             values.push(v);
         }
         let last = &x[(n - 1) * h..];
-        let logits = self.lm_head(last, 1);
+        let logits = self.lm_head(last, 1)?;
         Ok(PrefillOutput {
             keys,
             values,
@@ -363,21 +437,17 @@ impl Model {
             if predict && let Some(next) = self.layers.get(i + 1) {
                 self.backend
                     .rms_norm(&x, &next.input_norm, self.eps(), &mut xn);
-                let qp = self.project_rope(&next.q, next.q_norm.as_deref(), &xn, positions);
+                let qp = self.project_q(next, &xn, positions)?;
                 attn.predicted(i + 1, &qp);
             }
             self.backend
                 .rms_norm(&x, &layer.input_norm, self.eps(), &mut xn);
-            let q = self.project_rope(&layer.q, layer.q_norm.as_deref(), &xn, positions);
-            let k = self.project_rope(&layer.k, layer.k_norm.as_deref(), &xn, positions);
-            let mut v = vec![0f32; n * cfg.num_kv_heads * hd];
-            self.backend
-                .linear(&xn, n, &layer.v.w, layer.v.b.as_deref(), &mut v);
+            let (q, k, v) = self.qkv(layer, &xn, positions)?;
             let mut out = vec![0f32; n * cfg.num_heads * hd];
-            attn.attend(i, &q, &k, &v, &mut out);
-            self.finish_layer(layer, &mut x, &out, n);
+            attn.attend(i, &q, &k, &v, &mut out)?;
+            self.finish_layer(layer, &mut x, &out, n)?;
         }
-        Ok(self.lm_head(&x, n))
+        self.lm_head(&x, n)
     }
 }
 
@@ -397,7 +467,14 @@ mod tests {
     }
 
     impl DecodeAttention for Dense {
-        fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+        fn attend(
+            &mut self,
+            layer: usize,
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            out: &mut [f32],
+        ) -> Result<(), ModelError> {
             let c = &self.cfg;
             let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
             self.keys[layer].extend_from_slice(k);
@@ -422,6 +499,7 @@ mod tests {
                     }
                 }
             }
+            Ok(())
         }
     }
 

@@ -34,6 +34,9 @@ pub enum ModelError {
     /// Input the model cannot take (token id out of range, prompt too long).
     #[error("{0}")]
     Input(String),
+    /// The backend failed (a device error).
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
 }
 
 /// A model with its tokenizer.

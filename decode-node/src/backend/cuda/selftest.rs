@@ -1,0 +1,581 @@
+//! `decode-node selftest --device cuda`: every device kernel against the CPU code on random
+//! inputs. The end-to-end half (tokens equal to the CPU backend's) is in `commands`.
+
+use std::sync::Arc;
+
+use attention::{
+    BlockGeometry, Digest, HeadBlock, KvDType, KvSource, Partial, Scratch, attend_blocks,
+    decode_to_f32, encode_from_f32,
+};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use kv_transfer::HostPool;
+
+use super::{CudaBackend, Shared, dtype_code};
+use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv};
+use crate::model::random::SplitMix;
+use crate::model::weights::Tensor;
+
+/// One kernel's verdict.
+#[derive(Debug, Clone)]
+pub struct Check {
+    /// What was checked.
+    pub name: String,
+    /// Largest error relative to the reference's magnitude.
+    pub max_rel_err: f64,
+    /// The bound it must stay under.
+    pub tolerance: f64,
+    /// A device error, if the check could not run.
+    pub error: Option<String>,
+}
+
+impl Check {
+    /// True when it ran and stayed within tolerance.
+    pub fn passed(&self) -> bool {
+        self.error.is_none() && self.max_rel_err <= self.tolerance
+    }
+}
+
+fn random(r: &mut SplitMix, n: usize, amp: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| (r.next_f64() as f32 - 0.5) * 2.0 * amp)
+        .collect()
+}
+
+/// max |a - b| / max(max |b|, tiny): error relative to the reference's scale.
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let scale = want
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0f64, |m, x| m.max(x.abs() as f64))
+        .max(1e-30);
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| {
+            if a == b || (a.is_nan() && b.is_nan()) {
+                0.0
+            } else if !a.is_finite() || !b.is_finite() {
+                f64::INFINITY
+            } else {
+                (*a as f64 - *b as f64).abs() / scale
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+struct Dev<'a> {
+    sh: &'a Shared,
+    held: Vec<CudaSlice<u8>>,
+}
+
+impl Dev<'_> {
+    fn up(&mut self, bytes: &[u8]) -> Result<u64, BackendError> {
+        let s = self
+            .sh
+            .stream
+            .clone_htod(&bytes.to_vec())
+            .map_err(|e| super::dev_err("upload", e))?;
+        let p = s.device_ptr(&self.sh.stream).0;
+        self.held.push(s);
+        Ok(p)
+    }
+    fn up_f32(&mut self, v: &[f32]) -> Result<u64, BackendError> {
+        self.up(super::f32_bytes(v))
+    }
+    fn zeros(&mut self, n_f32: usize) -> Result<u64, BackendError> {
+        self.up_f32(&vec![0f32; n_f32])
+    }
+    fn down(&self, p: u64, n: usize) -> Result<Vec<f32>, BackendError> {
+        let mut v = vec![0f32; n];
+        super::dtoh_f32(&mut v, p, &self.sh.stream)?;
+        Ok(v)
+    }
+    fn down_u16(&self, p: u64, n: usize) -> Result<Vec<u16>, BackendError> {
+        let mut v = vec![0f32; n.div_ceil(2)];
+        super::dtoh_f32(&mut v, p, &self.sh.stream)?;
+        Ok(v.iter()
+            .flat_map(|f| {
+                let b = f.to_le_bytes();
+                [
+                    u16::from_le_bytes([b[0], b[1]]),
+                    u16::from_le_bytes([b[2], b[3]]),
+                ]
+            })
+            .take(n)
+            .collect())
+    }
+}
+
+/// KV blocks in plain vectors, one layer.
+struct Mem {
+    blocks: Vec<Vec<u8>>,
+    n: usize,
+}
+
+impl KvSource for Mem {
+    fn block(&self, _layer: usize, block: usize) -> &[u8] {
+        &self.blocks[block]
+    }
+    fn num_tokens(&self) -> usize {
+        self.n
+    }
+}
+
+fn mem_kv(r: &mut SplitMix, geom: &BlockGeometry, n: usize) -> Mem {
+    let blocks = (0..geom.blocks_for(n))
+        .map(|b| {
+            let mut blk = vec![0u8; geom.block_bytes()];
+            for t in 0..(n - b * geom.block_size).min(geom.block_size) {
+                for h in 0..geom.num_kv_heads {
+                    let k = random(r, geom.head_dim, 1.0);
+                    let v = random(r, geom.head_dim, 1.0);
+                    geom.write_token(&mut blk, h, t, &k, &v);
+                }
+            }
+            blk
+        })
+        .collect();
+    Mem { blocks, n }
+}
+
+/// Runs every check; never panics on a device error (it is reported in the check).
+pub fn run(backend: &CudaBackend) -> Vec<Check> {
+    let mut out = Vec::new();
+    let mut add = |name: &str, tolerance: f64, r: Result<f64, BackendError>| {
+        out.push(match r {
+            Ok(e) => Check {
+                name: name.into(),
+                max_rel_err: e,
+                tolerance,
+                error: None,
+            },
+            Err(e) => Check {
+                name: name.into(),
+                max_rel_err: f64::INFINITY,
+                tolerance,
+                error: Some(e.to_string()),
+            },
+        });
+    };
+    for dt in [KvDType::F32, KvDType::F16, KvDType::Bf16] {
+        add(
+            &format!("linear (cuBLAS) {dt:?}"),
+            1e-4,
+            check_linear(backend, dt),
+        );
+    }
+    let sh = backend.shared();
+    add("f32_to_half", 0.0, check_f32_to_half(sh));
+    add("rms_norm", 1e-5, check_rms_norm(sh));
+    add("rope", 1e-5, check_rope(sh));
+    add("silu_mul", 1e-5, check_silu(sh));
+    add("quest_scores", 1e-5, check_quest(sh));
+    add("lse2_merge", 1e-5, check_merge(sh));
+    add("kv_append", 0.0, check_append(sh));
+    for (dt, g, d) in [
+        (KvDType::F16, 1, 64),
+        (KvDType::Bf16, 4, 128),
+        (KvDType::F16, 5, 128),
+        (KvDType::Bf16, 8, 128),
+        (KvDType::F32, 2, 256),
+    ] {
+        add(
+            &format!("sparse_decode_attention {dt:?} G={g} D={d}"),
+            1e-5,
+            check_warp_attention(sh, dt, g, d),
+        );
+        add(
+            &format!("sparse_attention_split+combine {dt:?} G={g} D={d}"),
+            1e-5,
+            check_split_attention(sh, dt, g, d),
+        );
+    }
+    out
+}
+
+fn check_linear(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError> {
+    let mut r = SplitMix(11);
+    let (out, inp, batch) = (300, 260, 3);
+    let wv = random(&mut r, out * inp, 0.1);
+    let mut wb = vec![0u8; wv.len() * dt.size()];
+    encode_from_f32(dt, &wv, &mut wb);
+    let w = Tensor::from_bytes(vec![out, inp], dt, wb);
+    let x = random(&mut r, batch * inp, 1.0);
+    let bias = random(&mut r, out, 0.1);
+    // The device multiplies activations rounded to the weights' type.
+    let mut xb = vec![0u8; x.len() * dt.size()];
+    encode_from_f32(dt, &x, &mut xb);
+    let mut xr = vec![0f32; x.len()];
+    decode_to_f32(dt, &xb, &mut xr);
+    let mut want = vec![0f32; batch * out];
+    CpuBackend.linear(&xr, batch, &w, Some(&bias), &mut want)?;
+    let mut got = vec![0f32; batch * out];
+    let res = b.linear(&x, batch, &w, Some(&bias), &mut got);
+    b.clear_weights()?;
+    res?;
+    Ok(rel_err(&got, &want))
+}
+
+fn check_f32_to_half(sh: &Shared) -> Result<f64, BackendError> {
+    let mut r = SplitMix(12);
+    let mut x = random(&mut r, 1000, 100.0);
+    x.extend([
+        0.0,
+        -0.0,
+        1e-8,
+        -6e-5,
+        65504.0,
+        70000.0,
+        f32::INFINITY,
+        f32::NAN,
+    ]);
+    let mut worst = 0f64;
+    for dt in [KvDType::F16, KvDType::Bf16] {
+        let mut want = vec![0u8; x.len() * 2];
+        encode_from_f32(dt, &x, &mut want);
+        let mut dev = Dev { sh, held: vec![] };
+        let (xp, yp) = (dev.up_f32(&x)?, dev.zeros(x.len())?);
+        let n = x.len() as i64;
+        // SAFETY: xp holds n floats, yp room for n halves.
+        unsafe {
+            sh.launch(
+                &sh.k.f32_to_half,
+                ((x.len() as u32).div_ceil(256), 1),
+                256,
+                &[&xp, &yp, &n, &dtype_code(dt)],
+            )?
+        };
+        let got = dev.down_u16(yp, x.len())?;
+        let mismatches = got
+            .iter()
+            .zip(want.chunks_exact(2))
+            .filter(|(g, w)| **g != u16::from_le_bytes([w[0], w[1]]))
+            .count();
+        worst = worst.max(mismatches as f64);
+    }
+    Ok(worst)
+}
+
+fn check_rms_norm(sh: &Shared) -> Result<f64, BackendError> {
+    let mut r = SplitMix(13);
+    let (rows, dim) = (3, 5120);
+    let x = random(&mut r, rows * dim, 2.0);
+    let w = random(&mut r, dim, 1.0);
+    let mut want = vec![0f32; x.len()];
+    CpuBackend.rms_norm(&x, &w, 1e-6, &mut want);
+    let mut dev = Dev { sh, held: vec![] };
+    let (xp, wp, op) = (dev.up_f32(&x)?, dev.up_f32(&w)?, dev.zeros(x.len())?);
+    // SAFETY: x/out hold rows*dim floats, w dim floats.
+    unsafe {
+        sh.launch(
+            &sh.k.rms_norm,
+            (rows as u32, 1),
+            256,
+            &[&xp, &wp, &op, &(dim as i32), &1e-6f32],
+        )?
+    };
+    Ok(rel_err(&dev.down(op, x.len())?, &want))
+}
+
+fn check_rope(sh: &Shared) -> Result<f64, BackendError> {
+    let mut r = SplitMix(14);
+    let cfg = crate::model::random::preset("qwen3-14b", crate::model::Arch::Qwen3)
+        .ok_or_else(|| BackendError::Device("preset".into()))?;
+    let inv = crate::model::rope::inv_freq(&cfg);
+    let (heads, d) = (cfg.num_heads, cfg.head_dim);
+    let x = random(&mut r, heads * d, 1.0);
+    let pos = 1234usize;
+    let mut want = x.clone();
+    crate::model::rope::apply(&mut want, &inv, pos);
+    let mut dev = Dev { sh, held: vec![] };
+    let (xp, fp) = (dev.up_f32(&x)?, dev.up_f32(&inv)?);
+    let n = (heads * d / 2) as u32;
+    // SAFETY: x holds heads*d floats, inv_freq d/2.
+    unsafe {
+        sh.launch(
+            &sh.k.rope,
+            (n.div_ceil(128), 1),
+            128,
+            &[&xp, &fp, &(pos as i32), &(heads as i32), &(d as i32)],
+        )?
+    };
+    Ok(rel_err(&dev.down(xp, x.len())?, &want))
+}
+
+fn check_silu(sh: &Shared) -> Result<f64, BackendError> {
+    let mut r = SplitMix(15);
+    let n = 17408 * 2;
+    let g = random(&mut r, n, 6.0);
+    let u = random(&mut r, n, 2.0);
+    let mut want = g.clone();
+    CpuBackend.silu_mul(&mut want, &u);
+    let mut dev = Dev { sh, held: vec![] };
+    let (gp, up) = (dev.up_f32(&g)?, dev.up_f32(&u)?);
+    // SAFETY: both hold n floats.
+    unsafe {
+        sh.launch(
+            &sh.k.silu_mul,
+            ((n as u32).div_ceil(256), 1),
+            256,
+            &[&gp, &up, &(n as i64)],
+        )?
+    };
+    Ok(rel_err(&dev.down(gp, n)?, &want))
+}
+
+fn check_quest(sh: &Shared) -> Result<f64, BackendError> {
+    let mut r = SplitMix(16);
+    let (nb, g, d) = (300, 5, 128);
+    let q = random(&mut r, g * d, 1.0);
+    let digests: Vec<Digest> = (0..nb)
+        .map(|_| {
+            let mut dg = Digest::new(d);
+            for _ in 0..4 {
+                dg.update(&random(&mut r, d, 1.0));
+            }
+            dg
+        })
+        .collect();
+    let want: Vec<f32> = digests.iter().map(|x| x.score(&q)).collect();
+    let mins: Vec<f32> = digests.iter().flat_map(|x| x.min.clone()).collect();
+    let maxs: Vec<f32> = digests.iter().flat_map(|x| x.max.clone()).collect();
+    let mut dev = Dev { sh, held: vec![] };
+    let (qp, lo, hi, sp) = (
+        dev.up_f32(&q)?,
+        dev.up_f32(&mins)?,
+        dev.up_f32(&maxs)?,
+        dev.zeros(nb)?,
+    );
+    // SAFETY: sizes as above.
+    unsafe {
+        sh.launch(
+            &sh.k.quest_scores,
+            ((nb as u32).div_ceil(128), 1),
+            128,
+            &[&qp, &lo, &hi, &(nb as i32), &(g as i32), &(d as i32), &sp],
+        )?
+    };
+    Ok(rel_err(&dev.down(sp, nb)?, &want))
+}
+
+fn check_merge(sh: &Shared) -> Result<f64, BackendError> {
+    let mut r = SplitMix(17);
+    let (g, d) = (6, 128);
+    let mut a = Partial {
+        out: random(&mut r, g * d, 1.0),
+        lse2: random(&mut r, g, 8.0),
+        num_heads: g,
+        head_dim: d,
+    };
+    let mut b = Partial {
+        out: random(&mut r, g * d, 1.0),
+        lse2: random(&mut r, g, 8.0),
+        num_heads: g,
+        head_dim: d,
+    };
+    // Empty heads on either side must be no-ops.
+    a.lse2[1] = f32::NEG_INFINITY;
+    b.lse2[2] = f32::NEG_INFINITY;
+    a.out[d..2 * d].fill(0.0);
+    let mut dev = Dev { sh, held: vec![] };
+    let (ao, al, bo, bl) = (
+        dev.up_f32(&a.out)?,
+        dev.up_f32(&a.lse2)?,
+        dev.up_f32(&b.out)?,
+        dev.up_f32(&b.lse2)?,
+    );
+    let mut want = a.clone();
+    want.merge_from(&b);
+    // SAFETY: sizes as above.
+    unsafe {
+        sh.launch(
+            &sh.k.lse2_merge,
+            (g as u32, 1),
+            128,
+            &[&ao, &al, &bo, &bl, &(g as i32), &(d as i32)],
+        )?
+    };
+    let got = dev.down(ao, g * d)?;
+    let lse = dev.down(al, g)?;
+    Ok(rel_err(&got, &want.out).max(rel_err(&lse, &want.lse2)))
+}
+
+fn check_append(sh: &Shared) -> Result<f64, BackendError> {
+    let mut r = SplitMix(18);
+    let mut worst = 0f64;
+    for dt in [KvDType::F32, KvDType::F16, KvDType::Bf16] {
+        let geom = BlockGeometry {
+            block_size: 32,
+            num_kv_heads: 1,
+            head_dim: 128,
+            dtype: dt,
+        };
+        let mut want = vec![0u8; geom.head_bytes()];
+        let mut dg = Digest::new(128);
+        let mut dev = Dev { sh, held: vec![] };
+        let blk = dev.up(&want)?;
+        let (lo, hi) = (dev.up_f32(&dg.min)?, dev.up_f32(&dg.max)?);
+        for slot in [0usize, 7, 31] {
+            let (k, v) = (random(&mut r, 128, 3.0), random(&mut r, 128, 3.0));
+            geom.write_token(&mut want, 0, slot, &k, &v);
+            dg.update(&k);
+            let (kp, vp) = (dev.up_f32(&k)?, dev.up_f32(&v)?);
+            // SAFETY: the block holds head_bytes, k/v/min/max 128 floats.
+            unsafe {
+                sh.launch(
+                    &sh.k.kv_append,
+                    (1, 1),
+                    128,
+                    &[
+                        &blk,
+                        &kp,
+                        &vp,
+                        &(slot as i32),
+                        &128i32,
+                        &32i32,
+                        &dtype_code(dt),
+                        &lo,
+                        &hi,
+                    ],
+                )?
+            };
+        }
+        let got = dev.down(blk, geom.head_bytes() / 4)?;
+        let got_bytes: Vec<u8> = got.iter().flat_map(|f| f.to_le_bytes()).collect();
+        let diff = got_bytes.iter().zip(&want).filter(|(a, b)| a != b).count();
+        let lo_got = dev.down(lo, 128)?;
+        let hi_got = dev.down(hi, 128)?;
+        worst = worst
+            .max(diff as f64)
+            .max(rel_err(&lo_got, &dg.min))
+            .max(rel_err(&hi_got, &dg.max));
+    }
+    Ok(worst)
+}
+
+/// CPU reference for one KV head's group over `blocks` of `kv`.
+fn cpu_attention(
+    geom: &BlockGeometry,
+    kv: &Mem,
+    q: &[f32],
+    scale: f32,
+    blocks: &[usize],
+) -> Partial {
+    let mut scratch = Scratch::default();
+    let it = blocks.iter().map(|&b| HeadBlock {
+        bytes: &kv.blocks[b][geom.head_range(0)],
+        len: (kv.n - b * geom.block_size).min(geom.block_size),
+    });
+    attend_blocks(geom, q, scale, it, &mut scratch)
+}
+
+fn check_warp_attention(sh: &Shared, dt: KvDType, g: usize, d: usize) -> Result<f64, BackendError> {
+    let mut r = SplitMix(19);
+    let geom = BlockGeometry {
+        block_size: 32,
+        num_kv_heads: 1,
+        head_dim: d,
+        dtype: dt,
+    };
+    let n = 32 * 20 + 13;
+    let kv = mem_kv(&mut r, &geom, n);
+    let q = random(&mut r, g * d, 1.0);
+    let scale = 1.0 / (d as f32).sqrt();
+    let sel: Vec<usize> = vec![0, 3, 4, 9, 17, 20];
+    let want = cpu_attention(&geom, &kv, &q, scale, &sel);
+    let pool: Vec<u8> = kv.blocks.concat();
+    let offs: Vec<i64> = sel
+        .iter()
+        .map(|b| (b * geom.block_bytes()) as i64)
+        .collect();
+    let lens: Vec<i32> = sel.iter().map(|b| (n - b * 32).min(32) as i32).collect();
+    let mut dev = Dev { sh, held: vec![] };
+    let pp = dev.up(&pool)?;
+    let op = dev.up(&offs
+        .iter()
+        .flat_map(|o| o.to_le_bytes())
+        .collect::<Vec<u8>>())?;
+    let lp = dev.up(&lens
+        .iter()
+        .flat_map(|o| o.to_le_bytes())
+        .collect::<Vec<u8>>())?;
+    let (qp, outp, lsep) = (dev.up_f32(&q)?, dev.zeros(g * d)?, dev.zeros(g)?);
+    // SAFETY: sizes as above.
+    unsafe {
+        sh.launch(
+            &sh.k.sparse_decode_attention,
+            (g as u32, 1),
+            32,
+            &[
+                &pp,
+                &op,
+                &lp,
+                &(sel.len() as i32),
+                &qp,
+                &(d as i32),
+                &32i32,
+                &dtype_code(dt),
+                &scale,
+                &outp,
+                &lsep,
+            ],
+        )?
+    };
+    let got = dev.down(outp, g * d)?;
+    let lse = dev.down(lsep, g)?;
+    Ok(rel_err(&got, &want.out).max(rel_err(&lse, &want.lse2)))
+}
+
+fn check_split_attention(
+    sh: &Arc<Shared>,
+    dt: KvDType,
+    g: usize,
+    d: usize,
+) -> Result<f64, BackendError> {
+    let mut r = SplitMix(20);
+    let hk = 3;
+    let geom = BlockGeometry {
+        block_size: 32,
+        num_kv_heads: hk,
+        head_dim: d,
+        dtype: dt,
+    };
+    let n = 32 * 300 + 5;
+    let kv = mem_kv(&mut r, &geom, n);
+    let q = random(&mut r, hk * g * d, 1.0);
+    let scale = 1.0 / (d as f32).sqrt();
+    // Head 0: everything; head 1: a sparse pick with the partial newest block; head 2: none.
+    let nb = geom.blocks_for(n);
+    let lists: Vec<Vec<usize>> = vec![(0..nb).collect(), vec![0, 5, 6, 100, 250, nb - 1], vec![]];
+    let pool = HostPool::new(geom, geom.block_bytes() as u64)
+        .map_err(|e| BackendError::Device(e.to_string()))?;
+    let store = super::store::CudaKvStore::new(Arc::clone(sh), geom, 64 << 20, &pool)?;
+    let mut seq = Arc::new(store).new_seq(1, usize::MAX);
+    let refs: Vec<&[usize]> = lists.iter().map(Vec::as_slice).collect();
+    // Twice: the second call reads the slots the first one filled.
+    let mut worst = 0f64;
+    for _ in 0..2 {
+        let got = seq.attend(&kv, 0, &refs, &q, scale)?;
+        for (h, list) in lists.iter().enumerate() {
+            let one = BlockGeometry {
+                num_kv_heads: 1,
+                ..geom
+            };
+            let head_kv = Mem {
+                blocks: kv
+                    .blocks
+                    .iter()
+                    .map(|b| b[geom.head_range(h)].to_vec())
+                    .collect(),
+                n,
+            };
+            let want = cpu_attention(&one, &head_kv, &q[h * g * d..(h + 1) * g * d], scale, list);
+            worst = worst
+                .max(rel_err(&got[h].out, &want.out))
+                .max(rel_err(&got[h].lse2, &want.lse2));
+        }
+    }
+    Ok(worst)
+}

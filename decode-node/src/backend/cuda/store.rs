@@ -1,0 +1,496 @@
+//! Hot KV blocks in GPU memory: one arena of head-block slots shared by every sequence, a
+//! slot table per sequence, the device part of attention over it, and recall copies on their
+//! own stream.
+//!
+//! A slot holds one (layer, KV head, block) in the host layout (K transposed, then V), so a
+//! copy is one contiguous `head_bytes` transfer from the page-locked host pool. A slot
+//! remembers how many tokens it holds: the newest block grows by one token a step and is
+//! copied again when attended with more tokens than it holds.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use attention::{BlockGeometry, KvSource, Partial};
+use cudarc::driver::{CudaSlice, DevicePtr, result as drv, sys};
+use kv_transfer::HostPool;
+
+use super::{DevBuf, Shared, dev_err, dtoh_f32, htod};
+use crate::backend::{BackendError, DeviceKv, DeviceSeq};
+
+/// Largest GQA group and head dimension the attention kernel takes.
+const MAX_GROUP: usize = 8;
+const MAX_HEAD_DIM: usize = 256;
+/// CUDA blocks the split-K kernel aims for per call (enough to fill an H100 twice over).
+const TARGET_CTAS: usize = 1024;
+
+/// Scratch of the attention calls (one at a time, on the main stream).
+#[derive(Debug, Default)]
+struct Scratch {
+    io: DevBuf,
+    parts: DevBuf,
+    out: DevBuf,
+}
+
+/// The arena and what every sequence shares.
+pub(crate) struct CudaKvStore {
+    shared: Arc<Shared>,
+    geom: BlockGeometry,
+    _arena: CudaSlice<u8>,
+    base: u64,
+    slots: usize,
+    free: Mutex<Vec<u32>>,
+    scratch: Mutex<Scratch>,
+    /// Keeps the pool mapped while it is registered.
+    pool: HostPool,
+    pinned: bool,
+}
+
+impl std::fmt::Debug for CudaKvStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaKvStore")
+            .field("slots", &self.slots)
+            .field("pinned", &self.pinned)
+            .finish()
+    }
+}
+
+impl CudaKvStore {
+    /// Allocates `capacity_bytes` of head-block slots (capped by free device memory) and
+    /// page-locks `pool`.
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        geom: BlockGeometry,
+        capacity_bytes: u64,
+        pool: &HostPool,
+    ) -> Result<Self, BackendError> {
+        shared.bind()?;
+        let hb = geom.head_bytes() as u64;
+        let (free_mem, _) = shared
+            .ctx
+            .mem_get_info()
+            .map_err(|e| dev_err("reading free device memory", e))?;
+        // Leave room for scratch and the allocator.
+        let room = (free_mem as u64).saturating_sub(1 << 30);
+        let bytes = capacity_bytes.min(room);
+        let slots = usize::try_from(bytes / hb.max(1))
+            .unwrap_or(0)
+            .min(u32::MAX as usize);
+        if slots == 0 {
+            return Err(BackendError::DeviceFull(format!(
+                "no room for one KV block of {hb} bytes on the device ({free_mem} bytes free)"
+            )));
+        }
+        // SAFETY: slots are written (copied from the host) before any kernel reads them.
+        let arena = unsafe { shared.stream.alloc::<u8>(slots * hb as usize) }.map_err(|e| {
+            BackendError::DeviceFull(format!("{} bytes of device KV: {e:?}", slots as u64 * hb))
+        })?;
+        let base = arena.device_ptr(&shared.stream).0;
+        let (ptr, len) = pool.region();
+        // Page-locked, the pool copies to the device by DMA without staging and overlaps
+        // compute. PORTABLE: pinned for every context, not only this one.
+        let pinned = len > 0
+            // SAFETY: the range is one live mapping, kept alive by the `pool` clone we hold
+            // and unregistered in `drop` before that clone goes.
+            && match unsafe {
+                sys::cuMemHostRegister_v2(
+                    ptr.as_ptr().cast(),
+                    len,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE,
+                )
+            }
+            .result()
+            {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = ?e, bytes = len, "could not page-lock the host KV pool; copies to the device will be staged");
+                    false
+                }
+            };
+        tracing::info!(
+            slots,
+            bytes = slots as u64 * hb,
+            pinned,
+            "device KV arena allocated"
+        );
+        Ok(Self {
+            shared,
+            geom,
+            _arena: arena,
+            base,
+            slots,
+            free: Mutex::new((0..slots as u32).rev().collect()),
+            scratch: Mutex::new(Scratch::default()),
+            pool: pool.clone(),
+            pinned,
+        })
+    }
+
+    fn take_slot(&self) -> Option<u32> {
+        self.free.lock().ok()?.pop()
+    }
+
+    fn give_back(&self, slots: impl IntoIterator<Item = u32>) {
+        if let Ok(mut f) = self.free.lock() {
+            f.extend(slots);
+        }
+    }
+
+    fn slot_addr(&self, slot: u32) -> u64 {
+        self.base + slot as u64 * self.geom.head_bytes() as u64
+    }
+}
+
+impl Drop for CudaKvStore {
+    fn drop(&mut self) {
+        let _ = self.shared.bind();
+        let _ = self.shared.stream.synchronize();
+        let _ = self.shared.recall.synchronize();
+        if self.pinned {
+            let (ptr, _) = self.pool.region();
+            // SAFETY: registered in `new`, still mapped (we hold `pool`).
+            if let Err(e) = unsafe { sys::cuMemHostUnregister(ptr.as_ptr().cast()) }.result() {
+                tracing::warn!(error = ?e, "unregistering the host KV pool failed");
+            }
+        }
+    }
+}
+
+impl DeviceKv for CudaKvStore {
+    fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq> {
+        let hk = self.geom.num_kv_heads;
+        Box::new(CudaSeq {
+            heads: vec![HashMap::new(); num_layers * hk],
+            recall_events: vec![None; num_layers],
+            cap: blocks_per_head.max(2),
+            tick: 0,
+            store: self,
+        })
+    }
+
+    fn used_bytes(&self) -> u64 {
+        let free = self.free.lock().map_or(0, |f| f.len());
+        ((self.slots - free) * self.geom.head_bytes()) as u64
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    slot: u32,
+    /// Tokens the slot holds.
+    valid: usize,
+    /// Tick of the last attend or recall that used it.
+    last: u64,
+}
+
+/// A recorded event on the recall stream.
+#[derive(Debug, Clone, Copy)]
+struct Event(sys::CUevent);
+// SAFETY: a CUevent is a handle usable from any thread of the context.
+unsafe impl Send for Event {}
+
+/// One sequence's slots.
+#[derive(Debug)]
+struct CudaSeq {
+    store: Arc<CudaKvStore>,
+    /// `[layer * num_kv_heads + head]`: block → slot.
+    heads: Vec<HashMap<usize, Slot>>,
+    /// Per layer: recall copies the next attend of that layer must be ordered after.
+    recall_events: Vec<Option<Event>>,
+    cap: usize,
+    tick: u64,
+}
+
+impl CudaSeq {
+    /// The slot of `block` of head `lh` and whether it must be (re)filled for `len` tokens.
+    fn slot_for(
+        &mut self,
+        lh: usize,
+        block: usize,
+        len: usize,
+    ) -> Result<(u32, bool), BackendError> {
+        let tick = self.tick;
+        let map = &mut self.heads[lh];
+        if let Some(s) = map.get_mut(&block) {
+            s.last = tick;
+            return Ok((s.slot, s.valid < len));
+        }
+        // At capacity, reuse the least recently used slot not touched in this call.
+        let slot = if map.len() >= self.cap {
+            let victim = map
+                .iter()
+                .filter(|(_, s)| s.last < tick)
+                .min_by_key(|(_, s)| s.last)
+                .map(|(b, _)| *b);
+            match victim.and_then(|v| map.remove(&v)) {
+                Some(s) => s.slot,
+                None => self
+                    .store
+                    .take_slot()
+                    .ok_or_else(|| full(self.store.slots))?,
+            }
+        } else {
+            match self.store.take_slot() {
+                Some(s) => s,
+                None => {
+                    // The arena is full: give up this head's least recently used slot.
+                    let victim = map
+                        .iter()
+                        .filter(|(_, s)| s.last < tick)
+                        .min_by_key(|(_, s)| s.last)
+                        .map(|(b, _)| *b);
+                    match victim.and_then(|v| map.remove(&v)) {
+                        Some(s) => s.slot,
+                        None => return Err(full(self.store.slots)),
+                    }
+                }
+            }
+        };
+        map.insert(
+            block,
+            Slot {
+                slot,
+                valid: 0,
+                last: tick,
+            },
+        );
+        Ok((slot, true))
+    }
+
+    fn set_valid(&mut self, lh: usize, block: usize, len: usize) {
+        if let Some(s) = self.heads[lh].get_mut(&block) {
+            s.valid = len;
+        }
+    }
+}
+
+impl Drop for CudaSeq {
+    fn drop(&mut self) {
+        let sh = &self.store.shared;
+        let _ = sh.bind();
+        // Recall copies may still be writing into our slots.
+        if self.recall_events.iter().any(Option::is_some) {
+            let _ = sh.recall.synchronize();
+        }
+        for e in self.recall_events.iter_mut().filter_map(Option::take) {
+            // SAFETY: created by `event::create`, destroyed once.
+            let _ = unsafe { drv::event::destroy(e.0) };
+        }
+        let slots: Vec<u32> = self
+            .heads
+            .iter()
+            .flat_map(|m| m.values().map(|s| s.slot))
+            .collect();
+        self.store.give_back(slots);
+    }
+}
+
+fn full(slots: usize) -> BackendError {
+    BackendError::DeviceFull(format!("all {slots} device KV slots are in use"))
+}
+
+/// Host bytes of head `h` of `block` of `layer`.
+fn head_bytes<'a>(
+    kv: &'a dyn KvSource,
+    geom: &BlockGeometry,
+    layer: usize,
+    block: usize,
+    h: usize,
+) -> &'a [u8] {
+    &kv.block(layer, block)[geom.head_range(h)]
+}
+
+impl DeviceSeq for CudaSeq {
+    fn attend(
+        &mut self,
+        kv: &dyn KvSource,
+        layer: usize,
+        blocks: &[&[usize]],
+        q: &[f32],
+        scale: f32,
+    ) -> Result<Vec<Partial>, BackendError> {
+        let store = Arc::clone(&self.store);
+        let sh = &*store.shared;
+        let geom = store.geom;
+        let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
+        let group = q.len() / (hk * d).max(1);
+        if group == 0 || group > MAX_GROUP || d > MAX_HEAD_DIM || blocks.len() != hk {
+            return Err(BackendError::Unsupported(format!(
+                "attention with {group} query heads per KV head, head_dim {d}, {} head lists (kernel: group <= {MAX_GROUP}, head_dim <= {MAX_HEAD_DIM})",
+                blocks.len()
+            )));
+        }
+        sh.bind()?;
+        self.tick += 1;
+        if let Some(e) = self.recall_events[layer] {
+            // Ordered on the device after this layer's recall copies; the host never waits.
+            // SAFETY: both handles are live.
+            unsafe {
+                drv::stream::wait_event(
+                    sh.stream.cu_stream(),
+                    e.0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| dev_err("waiting on recall", e))?;
+        }
+        let n = kv.num_tokens();
+        let mut offs: Vec<i64> = Vec::new();
+        let mut lens: Vec<i32> = Vec::new();
+        let mut head_start: Vec<i32> = vec![0];
+        let mut max_n = 0usize;
+        for (h, list) in blocks.iter().enumerate() {
+            let lh = layer * hk + h;
+            let before = offs.len();
+            for &b in list.iter().filter(|b| **b * bs < n) {
+                let len = (n - b * bs).min(bs);
+                let (slot, fill) = self.slot_for(lh, b, len)?;
+                if fill {
+                    htod(
+                        store.slot_addr(slot),
+                        head_bytes(kv, &geom, layer, b, h),
+                        &sh.stream,
+                    )?;
+                    self.set_valid(lh, b, len);
+                }
+                offs.push(slot as i64 * geom.head_bytes() as i64);
+                lens.push(len as i32);
+            }
+            max_n = max_n.max(offs.len() - before);
+            head_start.push(offs.len() as i32);
+        }
+        if offs.is_empty() {
+            return Ok((0..hk).map(|_| Partial::empty(group, d)).collect());
+        }
+        let splits_wanted = (TARGET_CTAS / hk).clamp(1, max_n);
+        let chunk = max_n.div_ceil(splits_wanted);
+        let splits = max_n.div_ceil(chunk);
+        // One upload: offsets, lengths, head starts, query.
+        let total = offs.len();
+        let at_lens = total * 8;
+        let at_heads = at_lens + total * 4;
+        let at_q = (at_heads + (hk + 1) * 4).next_multiple_of(16);
+        let mut io = vec![0u8; at_q + q.len() * 4];
+        for (i, o) in offs.iter().enumerate() {
+            io[i * 8..i * 8 + 8].copy_from_slice(&o.to_le_bytes());
+        }
+        for (i, l) in lens.iter().enumerate() {
+            io[at_lens + i * 4..at_lens + i * 4 + 4].copy_from_slice(&l.to_le_bytes());
+        }
+        for (i, s) in head_start.iter().enumerate() {
+            io[at_heads + i * 4..at_heads + i * 4 + 4].copy_from_slice(&s.to_le_bytes());
+        }
+        io[at_q..].copy_from_slice(super::f32_bytes(q));
+        let mut scratch = store
+            .scratch
+            .lock()
+            .map_err(|_| BackendError::Device("scratch lock poisoned".into()))?;
+        let io_dev = scratch.io.ptr(&sh.stream, io.len())?;
+        htod(io_dev, &io, &sh.stream)?;
+        let part_floats = hk * splits * group * (d + 1);
+        let parts_dev = scratch.parts.ptr(&sh.stream, part_floats * 4)?;
+        let part_lse = parts_dev + (hk * splits * group * d * 4) as u64;
+        let out_floats = hk * group * (d + 1);
+        let out_dev = scratch.out.ptr(&sh.stream, out_floats * 4)?;
+        let lse_dev = out_dev + (hk * group * d * 4) as u64;
+        let (offs_dev, lens_dev, heads_dev, q_dev) = (
+            io_dev,
+            io_dev + at_lens as u64,
+            io_dev + at_heads as u64,
+            io_dev + at_q as u64,
+        );
+        let dtype = super::dtype_code(geom.dtype);
+        let (g, dd, b, c, s) = (
+            group as i32,
+            d as i32,
+            bs as i32,
+            chunk as i32,
+            splits as i32,
+        );
+        // SAFETY: every pointer names a range sized above; the arena offsets are slots we own.
+        unsafe {
+            sh.launch(
+                &sh.k.split,
+                (splits as u32, hk as u32),
+                128,
+                &[
+                    &store.base,
+                    &offs_dev,
+                    &lens_dev,
+                    &heads_dev,
+                    &q_dev,
+                    &g,
+                    &dd,
+                    &b,
+                    &dtype,
+                    &scale,
+                    &c,
+                    &s,
+                    &parts_dev,
+                    &part_lse,
+                ],
+            )?;
+            sh.launch(
+                &sh.k.combine,
+                ((hk * group) as u32, 1),
+                128,
+                &[&parts_dev, &part_lse, &s, &g, &dd, &out_dev, &lse_dev],
+            )?;
+        }
+        let mut host = vec![0f32; out_floats];
+        dtoh_f32(&mut host, out_dev, &sh.stream)?;
+        let (outs, lses) = host.split_at(hk * group * d);
+        Ok((0..hk)
+            .map(|h| Partial {
+                out: outs[h * group * d..(h + 1) * group * d].to_vec(),
+                lse2: lses[h * group..(h + 1) * group].to_vec(),
+                num_heads: group,
+                head_dim: d,
+            })
+            .collect())
+    }
+
+    fn recall(
+        &mut self,
+        kv: &dyn KvSource,
+        layer: usize,
+        head: usize,
+        blocks: &[usize],
+    ) -> Result<(), BackendError> {
+        let store = Arc::clone(&self.store);
+        let sh = &*store.shared;
+        let geom = store.geom;
+        let (hk, bs) = (geom.num_kv_heads, geom.block_size);
+        let n = kv.num_tokens();
+        let lh = layer * hk + head;
+        sh.bind()?;
+        let mut copied = false;
+        for &b in blocks.iter().filter(|b| **b * bs < n) {
+            let len = (n - b * bs).min(bs);
+            let (slot, fill) = self.slot_for(lh, b, len)?;
+            if fill {
+                htod(
+                    store.slot_addr(slot),
+                    head_bytes(kv, &geom, layer, b, head),
+                    &sh.recall,
+                )?;
+                self.set_valid(lh, b, len);
+                copied = true;
+            }
+        }
+        if copied {
+            let ev = match self.recall_events[layer] {
+                Some(e) => e,
+                None => {
+                    let e = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                        .map_err(|e| dev_err("creating an event", e))?;
+                    self.recall_events[layer] = Some(Event(e));
+                    Event(e)
+                }
+            };
+            // SAFETY: both handles are live.
+            unsafe { drv::event::record(ev.0, sh.recall.cu_stream()) }
+                .map_err(|e| dev_err("recording recall", e))?;
+        }
+        Ok(())
+    }
+}
