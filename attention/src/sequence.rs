@@ -7,11 +7,15 @@
 //! which updates the statistics and schedules recalls.
 
 use crate::block::{BlockGeometry, HeadBlock};
-use crate::digest::Digest;
+use crate::digest::{Digest, GroupQuery};
 use crate::kernel::{Scratch, attend_blocks};
 use crate::merge::Partial;
 use crate::policy::{AttentionConfig, Mode, RecallPolicy};
 use crate::select::select_top_k;
+use rayon::prelude::*;
+
+/// Blocks per head from which selection runs heads in parallel.
+const PARALLEL_SELECT_BLOCKS: usize = 256;
 
 /// Read access to one sequence's KV blocks (the host pool implements it).
 pub trait KvSource: Sync {
@@ -75,10 +79,55 @@ fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 { 0.0 } else { a as f64 / b as f64 }
 }
 
+/// Digests of one (layer, KV head), flat (`[block][head_dim]` minima, then maxima): scoring
+/// every block streams two contiguous arrays, which vectorises.
+#[derive(Debug, Clone, Default)]
+struct Digests {
+    min: Vec<f32>,
+    max: Vec<f32>,
+    d: usize,
+}
+
+impl Digests {
+    fn from(list: Vec<Digest>, d: usize) -> Self {
+        let mut out = Self {
+            min: Vec::with_capacity(list.len() * d),
+            max: Vec::with_capacity(list.len() * d),
+            d,
+        };
+        for dg in list {
+            out.min.extend_from_slice(&dg.min);
+            out.max.extend_from_slice(&dg.max);
+        }
+        out
+    }
+    fn len(&self) -> usize {
+        self.min.len() / self.d.max(1)
+    }
+    fn push_empty(&mut self) {
+        self.min.extend(std::iter::repeat_n(f32::INFINITY, self.d));
+        self.max
+            .extend(std::iter::repeat_n(f32::NEG_INFINITY, self.d));
+    }
+    fn update(&mut self, b: usize, k: &[f32]) {
+        let r = b * self.d..(b + 1) * self.d;
+        for ((lo, hi), x) in self.min[r.clone()].iter_mut().zip(&mut self.max[r]).zip(k) {
+            *lo = lo.min(*x);
+            *hi = hi.max(*x);
+        }
+    }
+    fn score(&self, gq: &GroupQuery, b: usize) -> f32 {
+        let r = b * self.d..(b + 1) * self.d;
+        gq.score_raw(&self.min[r.clone()], &self.max[r])
+    }
+}
+
 #[derive(Debug, Clone)]
 struct HeadState {
-    digests: Vec<Digest>,
+    digests: Digests,
     resident: Vec<bool>,
+    /// The resident blocks (eviction scans these, not every block of a long context).
+    resident_list: Vec<usize>,
     last_used: Vec<u64>,
     n_resident: usize,
     /// Blocks recalled after the last step, resident from the next plan of this layer.
@@ -121,8 +170,9 @@ impl SeqAttention {
             .map(|d| {
                 let n = d.len();
                 HeadState {
-                    digests: d,
+                    digests: Digests::from(d, geom.head_dim),
                     resident: vec![false; n],
+                    resident_list: Vec::new(),
                     last_used: vec![0; n],
                     n_resident: 0,
                     pending: Vec::new(),
@@ -142,6 +192,11 @@ impl SeqAttention {
     /// Tokens in the sequence.
     pub fn num_tokens(&self) -> usize {
         self.num_tokens
+    }
+
+    /// Decode steps taken.
+    pub fn step(&self) -> u64 {
+        self.step
     }
 
     /// Counters so far.
@@ -168,11 +223,11 @@ impl SeqAttention {
         for h in 0..self.geom.num_kv_heads {
             let st = &mut self.heads[layer * self.geom.num_kv_heads + h];
             if st.digests.len() <= blk {
-                st.digests.push(Digest::new(d));
+                st.digests.push_empty();
                 st.resident.push(false);
                 st.last_used.push(self.step);
             }
-            st.digests[blk].update(&keys[h * d..(h + 1) * d]);
+            st.digests.update(blk, &keys[h * d..(h + 1) * d]);
             if !st.resident[blk] {
                 make_resident(st, blk, self.step, capacity(cfg));
             }
@@ -200,12 +255,13 @@ impl SeqAttention {
     ) -> Vec<usize> {
         let st = &self.heads[layer * self.geom.num_kv_heads + head];
         let n = self.num_blocks();
+        let gq = GroupQuery::new(q_group, self.geom.head_dim);
         let scores: Vec<f32> = (0..n)
             .map(|b| {
                 if b + 1 == n {
                     0.0
                 } else {
-                    st.digests[b].score(q_group)
+                    st.digests.score(&gq, b)
                 }
             })
             .collect();
@@ -221,6 +277,21 @@ impl SeqAttention {
         let bs = self.geom.block_size;
         let cap = capacity(cfg);
         let step = self.step;
+        // Selections first, heads in parallel when the context is long enough to pay for it:
+        // scoring every block of every head is the step thread's largest job in sparse modes.
+        let mut sels: Vec<Vec<usize>> = match cfg.mode {
+            Mode::Recall | Mode::Scout => {
+                let this = &*self;
+                let one =
+                    |h: usize| this.select(cfg, layer, h, &q[h * per_head..(h + 1) * per_head]);
+                if n >= PARALLEL_SELECT_BLOCKS {
+                    (0..hk).into_par_iter().map(one).collect()
+                } else {
+                    (0..hk).map(one).collect()
+                }
+            }
+            _ => Vec::new(),
+        };
         let first = !self.layers[layer].initialised;
         self.layers[layer].initialised = true;
         let mut plans = Vec::with_capacity(hk);
@@ -240,8 +311,13 @@ impl SeqAttention {
                     let mut device: Vec<usize> = (0..n.min(1)).chain(start..n).collect();
                     device.dedup();
                     let st = &self.heads[layer * hk + h];
-                    let mut rest: Vec<(usize, f32)> =
-                        (1..start).map(|b| (b, st.digests[b].score(qg))).collect();
+                    let gq = GroupQuery::new(qg, self.geom.head_dim);
+                    let score = |b: usize| (b, st.digests.score(&gq, b));
+                    let mut rest: Vec<(usize, f32)> = if start >= PARALLEL_SELECT_BLOCKS {
+                        (1..start).into_par_iter().map(score).collect()
+                    } else {
+                        (1..start).map(score).collect()
+                    };
                     let k = budget.saturating_sub(device.len());
                     if k < rest.len() {
                         rest.select_nth_unstable_by(k, |a, b| b.1.total_cmp(&a.1));
@@ -252,7 +328,7 @@ impl SeqAttention {
                     HeadPlan { device, cpu }
                 }
                 Mode::Recall | Mode::Scout => {
-                    let sel = self.select(cfg, layer, h, qg);
+                    let sel = std::mem::take(&mut sels[h]);
                     let st = &mut self.heads[layer * hk + h];
                     for b in std::mem::take(&mut st.pending) {
                         if b < st.resident.len() && !st.resident[b] {
@@ -410,11 +486,16 @@ fn capacity(cfg: &AttentionConfig) -> usize {
 fn make_resident(st: &mut HeadState, b: usize, step: u64, cap: usize) {
     if st.n_resident >= cap {
         let newest = st.resident.len() - 1;
-        let victim = (1..st.resident.len())
-            .filter(|&i| st.resident[i] && i != newest && i != b && st.last_used[i] < step)
-            .min_by_key(|&i| st.last_used[i]);
+        let victim = st
+            .resident_list
+            .iter()
+            .enumerate()
+            .filter(|&(_, &i)| i != 0 && i != newest && i != b && st.last_used[i] < step)
+            .min_by_key(|&(_, &i)| (st.last_used[i], i))
+            .map(|(at, _)| at);
         match victim {
-            Some(v) => {
+            Some(at) => {
+                let v = st.resident_list.swap_remove(at);
                 st.resident[v] = false;
                 st.n_resident -= 1;
             }
@@ -422,6 +503,7 @@ fn make_resident(st: &mut HeadState, b: usize, step: u64, cap: usize) {
         }
     }
     st.resident[b] = true;
+    st.resident_list.push(b);
     st.last_used[b] = step;
     st.n_resident += 1;
 }

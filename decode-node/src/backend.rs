@@ -64,15 +64,14 @@ pub trait DeviceSeq: Send + std::fmt::Debug {
         q: &[f32],
         scale: f32,
     ) -> Result<Vec<Partial>, BackendError>;
-    /// Starts copying `blocks` of (`layer`, `head`) to the device on the recall stream; they
-    /// are ready for the next [`DeviceSeq::attend`] of `layer`, which orders after the copy
-    /// on the device without waiting on the host.
+    /// Starts copying, for each KV head `h`, `blocks[h]` of `layer` to the device on the
+    /// recall stream (one batch); they are ready for the next [`DeviceSeq::attend`] of
+    /// `layer`, which orders after the copies on the device without waiting on the host.
     fn recall(
         &mut self,
         kv: &dyn KvSource,
         layer: usize,
-        head: usize,
-        blocks: &[usize],
+        blocks: &[&[usize]],
     ) -> Result<(), BackendError>;
 }
 
@@ -110,6 +109,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             self.linear(x, batch, o.w, o.bias, o.y)?;
         }
         Ok(())
+    }
+
+    /// Bytes per second the device's memory moves (a copy's read plus write), measured now;
+    /// `None` for the CPU backend, whose bound the benches measure themselves.
+    fn memory_bandwidth(&self) -> Option<f64> {
+        None
     }
 
     /// Device memory for resident KV blocks of `geom`, `capacity_bytes` of it, with `pool`

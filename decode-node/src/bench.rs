@@ -327,6 +327,7 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         for mode in &modes {
             let mut m = args.model.clone();
             m.attention = mode.clone();
+            let node_device = m.device.clone();
             // Room for the whole context of every request on the host, and on the device in
             // `full` (the other modes hold their budget there).
             let kv_bytes = kv_bytes_for(&args.model, ctx + args.tokens as usize + 64)?
@@ -360,19 +361,24 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
                     ignore_eos: true,
                     ..Default::default()
                 };
-                gens.push(tokio::spawn(client::generate(
-                    ch.clone(),
-                    None,
-                    req,
-                    |_| {},
-                )));
+                let ch = ch.clone();
+                gens.push(tokio::spawn(async move {
+                    let mut first = None;
+                    let out = client::generate(ch, None, req, |_| {
+                        first.get_or_insert_with(Instant::now);
+                    })
+                    .await;
+                    out.map(|o| (o, first))
+                }));
             }
             let mut tokens = 0u64;
             let mut cpu = 0f64;
             let mut hit = 0f64;
             let mut wait = 0f64;
+            let mut last_first = t;
             for g in gens {
-                let out = g.await??;
+                let (out, first) = g.await??;
+                last_first = last_first.max(first.unwrap_or(t));
                 tokens += out.ids.len() as u64;
                 let s = out.finish.and_then(|f| f.stats).unwrap_or_default();
                 cpu += s.cpu_attention_ratio;
@@ -380,7 +386,11 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
                 wait += s.device_wait_seconds;
             }
             let secs = t.elapsed().as_secs_f64();
-            let tps = tokens as f64 / secs;
+            // Steady decode: tokens after every request's first, over the time after it. The
+            // first token carries the one-off fill of the device (all of it in `full`).
+            let first_token_s = last_first.duration_since(t).as_secs_f64();
+            let after = (secs - first_token_s).max(1e-9);
+            let tps = tokens.saturating_sub(u64::from(args.batch.max(1))) as f64 / after;
             // The step thread serves the whole batch: its waits add up against wall time.
             let device_wait_share = wait / secs;
             node.stop().await?;
@@ -390,13 +400,15 @@ async fn decode(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             let nb = args.batch.max(1) as f64;
             let row = json!({
                 "context": ctx, "mode": mode, "batch": args.batch, "tokens_per_s": tps,
+                "first_token_s": first_token_s, "device": node_device,
                 "ratio_to_full": full_tps.map(|f| tps / f),
                 "cpu_share": cpu / nb, "prediction_hit_ratio": hit / nb, "device_wait_share": device_wait_share,
             });
             if !args.json {
                 eprintln!(
-                    "decode ctx={ctx} {mode:>6}: {tps:8.1} tok/s, x{:.2} of full, CPU share {:.1}%, hit {:.1}%, device waits {:.1}%",
+                    "decode ctx={ctx} {mode:>6}: {tps:8.1} tok/s, x{:.2} of full, first token {:.3} s, CPU share {:.1}%, hit {:.1}%, device waits {:.1}%",
                     full_tps.map_or(f64::NAN, |f| tps / f),
+                    first_token_s,
                     cpu / nb * 100.0,
                     hit / nb * 100.0,
                     device_wait_share * 100.0
@@ -443,9 +455,14 @@ fn step(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let m = &node.model.model;
     let cfg = &m.cfg;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let buf: Vec<f32> = (0..(512usize << 20) / 4).map(|i| (i % 7) as f32).collect();
-    let bw = read_bandwidth(&buf, threads, 1.0);
-    drop(buf);
+    // The bound: the device's own memory where weights live there, else host read bandwidth.
+    let bw = match m.backend().memory_bandwidth() {
+        Some(bw) => bw,
+        None => {
+            let buf: Vec<f32> = (0..(512usize << 20) / 4).map(|i| (i % 7) as f32).collect();
+            read_bandwidth(&buf, threads, 1.0)
+        }
+    };
     let mut rows = Vec::new();
     for batch in [1usize, args.batch.max(1) as usize] {
         let mut attn = SelfOnly {
@@ -484,7 +501,9 @@ fn step(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             break;
         }
     }
-    Ok(json!({ "bench": "step", "model_id": m.model_id, "results": rows }))
+    Ok(
+        json!({ "bench": "step", "model_id": m.model_id, "device": m.backend().name(), "results": rows }),
+    )
 }
 
 /// Offline recall profile: decodes a real prompt with `scout` and recall off, records each

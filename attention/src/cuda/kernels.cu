@@ -244,13 +244,17 @@ extern "C" __global__ void f32_to_half(const float* x, u16* y, long long n, int 
 // Blocks of KV head h are entries head_start[h] .. head_start[h+1] of offs/lens: byte offset
 // of the head block in `arena` and its tokens. CUDA block (s, h) attends entries
 // [head_start[h] + s*chunk, +chunk) for all `group` query heads of h at once, so each K/V
-// element is read once per group; it writes a partial (out, lse2) per query head to
-// part_out [h][splits][group][head_dim] / part_lse [h][splits][group]. `combine_splits`
-// merges the splits. 128 threads; group <= 8, head_dim <= 256.
+// element is read from memory once per group. Each 32-token tile of K and V is first loaded
+// into shared memory by all threads at once (many independent loads in flight: a warp
+// walking K^T row by row would wait on memory latency at every row), then scored and
+// accumulated from there. It writes a partial (out, lse2) per query head to
+// part_out [h][splits][group][head_dim] / part_lse [h][splits][group]; `combine_splits`
+// merges the splits. 128 threads; group <= 8, head_dim <= 128.
 #define ATT_THREADS 128
 #define ATT_WARPS 4
 #define MAX_G 8
-#define MAX_D 256
+#define MAX_D 128
+#define TILE 32
 extern "C" __global__ void sparse_attention_split(
     const unsigned char* arena, const long long* offs, const int* lens, const int* head_start,
     const float* q, int group, int head_dim, int block_size, int dtype, float scale,
@@ -258,7 +262,9 @@ extern "C" __global__ void sparse_attention_split(
     const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31;
     __shared__ float q_sh[MAX_G * MAX_D];
-    __shared__ float p_sh[MAX_G][32];
+    __shared__ float k_sh[MAX_D * TILE];  // K^T tile: [c][t]
+    __shared__ float v_sh[TILE * MAX_D];  // V tile: [t][c]
+    __shared__ float p_sh[MAX_G][TILE];
     __shared__ float m_sh[MAX_G], l_sh[MAX_G], a_sh[MAX_G];
     const float qscale = scale * 1.4426950408889634f;  // log2(e): exp becomes exp2
     const float* qh = q + (long long)h * group * head_dim;
@@ -267,28 +273,41 @@ extern "C" __global__ void sparse_attention_split(
     const int b0 = head_start[h] + s * chunk;
     const int b1 = min(b0 + chunk, head_start[h + 1]);
     const int es = dtype == 0 ? 4 : 2;
-    float acc[MAX_G][2];
+    float acc[MAX_G];
 #pragma unroll
-    for (int g = 0; g < MAX_G; g++) { acc[g][0] = 0.f; acc[g][1] = 0.f; }
+    for (int g = 0; g < MAX_G; g++) acc[g] = 0.f;
     __syncthreads();
     for (int bi = b0; bi < b1; bi++) {
         const unsigned char* kt = arena + offs[bi];
         const unsigned char* vs = kt + (long long)block_size * head_dim * es;
         const int len = lens[bi];
-        for (int t0 = 0; t0 < len; t0 += 32) {
+        for (int t0 = 0; t0 < len; t0 += TILE) {
+            const int n = min(TILE, len - t0);
+            // Load: consecutive threads read consecutive addresses of K^T rows and V; every
+            // thread has 2 * head_dim / 4 independent loads in flight.
+            {
+                const int t = tid & (TILE - 1);
+                const long long krow = (long long)t0 + t;
+                for (int c = tid / TILE; c < head_dim; c += ATT_THREADS / TILE)
+                    k_sh[c * TILE + t] = t < n ? load_kv(kt, (long long)c * block_size + krow, dtype) : 0.f;
+            }
+            for (int t = 0; t < TILE; t++) {
+                const long long vrow = (long long)(t0 + t) * head_dim;
+                for (int c = tid; c < head_dim; c += ATT_THREADS)
+                    v_sh[t * head_dim + c] = t < n ? load_kv(vs, vrow + c, dtype) : 0.f;
+            }
+            __syncthreads();
             // Scores: warp w takes query heads w, w+4, ...; lane = token.
             for (int g = warp; g < group; g += ATT_WARPS) {
-                const int t = t0 + lane;
                 float sc = NEG_INF;
-                if (t < len) {
+                if (lane < n) {
                     sc = 0.f;
                     const float* qg = q_sh + g * head_dim;
-                    for (int c = 0; c < head_dim; c++)
-                        sc += qg[c] * load_kv(kt, (long long)c * block_size + t, dtype);
+                    for (int c = 0; c < head_dim; c++) sc += qg[c] * k_sh[c * TILE + lane];
                 }
                 const float m_old = m_sh[g];
                 const float m_new = fmaxf(m_old, warp_max(sc));
-                const float p = (t < len && m_new != NEG_INF) ? exp2f(sc - m_new) : 0.f;
+                const float p = (lane < n && m_new != NEG_INF) ? exp2f(sc - m_new) : 0.f;
                 const float sum = warp_sum(p);
                 p_sh[g][lane] = p;
                 __syncwarp();
@@ -300,37 +319,28 @@ extern "C" __global__ void sparse_attention_split(
                 }
             }
             __syncthreads();
-            const int n = min(32, len - t0);
+            if (tid < head_dim) {
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int c = tid + i * ATT_THREADS;
-                if (c < head_dim) {
+                for (int g = 0; g < MAX_G; g++)
+                    if (g < group) acc[g] *= a_sh[g];
+                for (int j = 0; j < n; j++) {
+                    const float v = v_sh[j * head_dim + tid];
 #pragma unroll
                     for (int g = 0; g < MAX_G; g++)
-                        if (g < group) acc[g][i] *= a_sh[g];
-                    for (int j = 0; j < n; j++) {
-                        const float v = load_kv(vs, (long long)(t0 + j) * head_dim + c, dtype);
-#pragma unroll
-                        for (int g = 0; g < MAX_G; g++)
-                            if (g < group) acc[g][i] += p_sh[g][j] * v;
-                    }
+                        if (g < group) acc[g] += p_sh[g][j] * v;
                 }
             }
             __syncthreads();
         }
     }
     const long long base = ((long long)h * splits + s) * group;
+    if (tid < head_dim) {
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int c = tid + i * ATT_THREADS;
-        if (c < head_dim) {
-#pragma unroll
-            for (int g = 0; g < MAX_G; g++)
-                if (g < group) {
-                    const float l = l_sh[g];
-                    part_out[(base + g) * head_dim + c] = l > 0.f ? acc[g][i] / l : 0.f;
-                }
-        }
+        for (int g = 0; g < MAX_G; g++)
+            if (g < group) {
+                const float l = l_sh[g];
+                part_out[(base + g) * head_dim + tid] = l > 0.f ? acc[g] / l : 0.f;
+            }
     }
     if (tid < group) {
         const float l = l_sh[tid];

@@ -22,7 +22,7 @@ use attention::{BlockGeometry, KvDType};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
-    result as drv,
+    result as drv, sys,
 };
 use kv_transfer::HostPool;
 
@@ -211,6 +211,56 @@ impl DevBuf {
     }
 }
 
+/// Page-locked host memory for the activations crossing PCIe: copies from it are true DMA,
+/// without the driver's staging copy and the synchronisation pageable memory implies.
+#[derive(Debug)]
+pub(crate) struct Pinned {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; used under the backend's mutex.
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    const fn empty() -> Self {
+        Self {
+            ptr: std::ptr::null_mut(),
+            len: 0,
+        }
+    }
+
+    /// At least `n` floats (contents undefined until written).
+    fn get(&mut self, n: usize) -> Result<&mut [f32], BackendError> {
+        if self.len < n {
+            self.release();
+            let len = n.next_power_of_two().max(1024);
+            // SAFETY: a fresh allocation of `len` floats; PORTABLE pins it for every context.
+            let p = unsafe { drv::malloc_host(len * 4, sys::CU_MEMHOSTALLOC_PORTABLE) }
+                .map_err(|e| BackendError::DeviceFull(format!("pinned staging: {e:?}")))?;
+            self.ptr = p.cast();
+            self.len = len;
+        }
+        // SAFETY: `ptr` holds `len >= n` floats owned by us; f32 accepts any bit pattern.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, n) })
+    }
+
+    fn release(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: allocated by `malloc_host`, freed once.
+            let _ = unsafe { drv::free_host(self.ptr.cast()) };
+            self.ptr = std::ptr::null_mut();
+            self.len = 0;
+        }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 /// Copies `src` to device address `dst` on `stream` (asynchronous for page-locked memory).
 pub(crate) fn htod(dst: u64, src: &[u8], stream: &CudaStream) -> Result<(), BackendError> {
     // SAFETY: callers pass a device range of at least `src.len()` bytes.
@@ -242,6 +292,8 @@ struct Blas {
     x: DevBuf,
     xh: DevBuf,
     y: DevBuf,
+    /// Host side of `x` and `y`.
+    staging: Pinned,
 }
 
 // SAFETY: the cuBLAS handle is only used under the backend's mutex, from one thread at a time.
@@ -310,6 +362,7 @@ impl CudaBackend {
             x: DevBuf::default(),
             xh: DevBuf::default(),
             y: DevBuf::default(),
+            staging: Pinned::empty(),
         };
         // SAFETY: the handle is valid and the stream outlives it (both owned here).
         unsafe { blas::set_stream(handle, stream.cu_stream() as _) }
@@ -340,6 +393,35 @@ impl CudaBackend {
     pub fn clear_weights(&self) -> Result<(), BackendError> {
         self.lock()?.weights.clear();
         Ok(())
+    }
+
+    /// Bytes moved per second (read plus write) by device-to-device copies of 1 GiB: the
+    /// bound the weights and KV a step streams are measured against.
+    pub fn copy_bandwidth(&self) -> Result<f64, BackendError> {
+        let sh = &self.shared;
+        sh.bind()?;
+        let n = 1usize << 30;
+        // SAFETY: only copied between; never read on the host.
+        let (src, dst) = unsafe { (sh.stream.alloc::<u8>(n), sh.stream.alloc::<u8>(n)) };
+        let (src, dst) = (
+            src.map_err(|e| BackendError::DeviceFull(format!("{e:?}")))?,
+            dst.map_err(|e| BackendError::DeviceFull(format!("{e:?}")))?,
+        );
+        let (s, d) = (src.device_ptr(&sh.stream).0, dst.device_ptr(&sh.stream).0);
+        let copy = || {
+            // SAFETY: both ranges hold n bytes.
+            unsafe { drv::memcpy_dtod_async(d, s, n, sh.stream.cu_stream()) }
+                .map_err(|e| dev_err("copy", e))
+        };
+        copy()?;
+        sh.stream.synchronize().map_err(|e| dev_err("sync", e))?;
+        let reps = 10;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            copy()?;
+        }
+        sh.stream.synchronize().map_err(|e| dev_err("sync", e))?;
+        Ok((2 * n * reps) as f64 / t.elapsed().as_secs_f64())
     }
 
     /// Bytes of weights held on the device.
@@ -410,8 +492,12 @@ impl Backend for CudaBackend {
         let g = &mut *g;
         let inp = x.len() / batch.max(1);
         let x_dev = g.x.ptr(&sh.stream, x.len() * 4)?;
-        htod(x_dev, f32_bytes(x), &sh.stream)?;
         let total: usize = outs.iter().map(|o| o.y.len()).sum();
+        let stage = g.staging.get(x.len().max(total))?;
+        stage[..x.len()].copy_from_slice(x);
+        // The staging buffer is reused for y below, after this copy has run (stream order,
+        // then the synchronisation in `dtoh_f32`).
+        htod(x_dev, f32_bytes(&stage[..x.len()]), &sh.stream)?;
         let y_dev = g.y.ptr(&sh.stream, total * 4)?;
         let mut converted: Option<(KvDType, u64)> = None;
         let mut at = 0usize;
@@ -480,8 +566,9 @@ impl Backend for CudaBackend {
             .map_err(|e| dev_err("cuBLAS GemmEx", e))?;
             at += o.y.len();
         }
-        let mut host = vec![0f32; total];
-        dtoh_f32(&mut host, y_dev, &sh.stream)?;
+        let host = g.staging.get(x.len().max(total))?;
+        let host = &mut host[..total];
+        dtoh_f32(host, y_dev, &sh.stream)?;
         let mut at = 0usize;
         for o in outs.iter_mut() {
             let n = o.y.len();
@@ -494,6 +581,10 @@ impl Backend for CudaBackend {
             }
         }
         Ok(())
+    }
+
+    fn memory_bandwidth(&self) -> Option<f64> {
+        self.copy_bandwidth().ok()
     }
 
     fn device_kv(

@@ -10,9 +10,13 @@ use attention::{
     AttentionConfig, HeadPlan, HeadQuery, Mode, Partial, Scratch, SeqAttention, attend_head,
 };
 use kv_transfer::CommittedKv;
+use rayon::prelude::*;
 
 use crate::backend::DeviceSeq;
 use crate::model::{DecodeAttention, ModelError};
+
+/// Steps between measurements of the layer-ahead prediction (hit ratio, query cosine).
+const PREDICTION_SAMPLE_STEPS: u64 = 8;
 
 /// What one request brings to a step's attention.
 #[derive(Debug)]
@@ -46,6 +50,20 @@ pub(crate) struct Shape {
     pub(crate) scale: f32,
 }
 
+/// Seconds the step thread spent in each part of attention during one step (logged at
+/// debug level: where a step's time goes on the host).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct AttnTiming {
+    /// Planning a layer ahead (selection with the predicted query, CPU part started).
+    pub(crate) ahead: f64,
+    /// Planning at the layer itself (selection, prediction bookkeeping).
+    pub(crate) plan: f64,
+    /// The device part (copies, kernels, results back) and merging.
+    pub(crate) device: f64,
+    /// Recording the layer and starting recall copies.
+    pub(crate) finish: f64,
+}
+
 /// [`DecodeAttention`] over a batch of sequences.
 #[derive(Debug)]
 pub(crate) struct BatchAttention<'a> {
@@ -55,9 +73,11 @@ pub(crate) struct BatchAttention<'a> {
     pub(crate) slots: Vec<SeqSlot<'a>>,
     ahead: Vec<Option<Ahead>>,
     scratch: Scratch,
+    pub(crate) timing: AttnTiming,
 }
 
-/// Runs the CPU part: every head's `plan.cpu` blocks with `q`.
+/// Runs the CPU part: every head's `plan.cpu` blocks with `q`, heads in parallel on the
+/// current rayon pool (the CPU attention pool: this runs inside one of its tasks).
 fn cpu_part(
     kv: &CommittedKv,
     shape: Shape,
@@ -65,19 +85,18 @@ fn cpu_part(
     plans: &[HeadPlan],
     q: &[f32],
 ) -> Vec<Partial> {
-    let mut scratch = Scratch::default();
     let per = q.len() / shape.num_kv_heads;
     plans
-        .iter()
+        .par_iter()
         .enumerate()
-        .map(|(h, p)| {
+        .map_init(Scratch::default, |scratch, (h, p)| {
             let hq = HeadQuery {
                 layer,
                 head: h,
                 q: &q[h * per..(h + 1) * per],
                 scale: shape.scale,
             };
-            attend_head(kv.geometry(), kv, hq, &p.cpu, &mut scratch)
+            attend_head(kv.geometry(), kv, hq, &p.cpu, scratch)
         })
         .collect()
 }
@@ -97,6 +116,7 @@ impl<'a> BatchAttention<'a> {
             slots,
             ahead: (0..n).map(|_| None).collect(),
             scratch: Scratch::default(),
+            timing: AttnTiming::default(),
         }
     }
 
@@ -138,6 +158,7 @@ impl DecodeAttention for BatchAttention<'_> {
     }
 
     fn predicted(&mut self, layer: usize, q_pred: &[f32]) {
+        let t = Instant::now();
         let width = self.shape.num_heads * self.shape.head_dim;
         for b in 0..self.slots.len() {
             let q = &q_pred[b * width..(b + 1) * width];
@@ -149,6 +170,7 @@ impl DecodeAttention for BatchAttention<'_> {
                 rx,
             });
         }
+        self.timing.ahead += t.elapsed().as_secs_f64();
     }
 
     fn attend(
@@ -169,12 +191,19 @@ impl DecodeAttention for BatchAttention<'_> {
         let kvw = num_kv_heads * head_dim;
         let group = num_heads / num_kv_heads;
         for b in 0..self.slots.len() {
+            let t_plan = Instant::now();
             let qb = &q[b * width..(b + 1) * width];
             let (kb, vb) = (&k[b * kvw..(b + 1) * kvw], &v[b * kvw..(b + 1) * kvw]);
             // Plans and the CPU part: started a layer ahead, or now, in parallel with the device.
             let (plans, pending) = match self.ahead[b].take() {
                 Some(a) => {
-                    for h in 0..num_kv_heads {
+                    // Scoring with the real query only measures the prediction: sampled, as
+                    // it costs as much as the selection itself.
+                    let sample = self.slots[b]
+                        .seq
+                        .step()
+                        .is_multiple_of(PREDICTION_SAMPLE_STEPS);
+                    for h in (0..num_kv_heads).filter(|_| sample) {
                         let real = self.slots[b].seq.select(
                             self.cfg,
                             layer,
@@ -199,6 +228,8 @@ impl DecodeAttention for BatchAttention<'_> {
                 }
             };
             // Device part with the real query, plus the new token itself.
+            let t_dev = Instant::now();
+            self.timing.plan += (t_dev - t_plan).as_secs_f64();
             let kv = self.slots[b].kv;
             let mut parts: Vec<Partial> = match self.slots[b].dev.as_deref_mut() {
                 Some(dev) => {
@@ -232,7 +263,9 @@ impl DecodeAttention for BatchAttention<'_> {
                 if let Some(rx) = &pending {
                     let _ = self.wait(b, rx, num_kv_heads);
                 }
-                cpu_part(kv, self.shape, layer, &plans, qb)
+                let shape = self.shape;
+                self.cpu_pool
+                    .install(|| cpu_part(kv, shape, layer, &plans, qb))
             } else {
                 match &pending {
                     Some(rx) => self.wait(b, rx, num_kv_heads),
@@ -248,19 +281,22 @@ impl DecodeAttention for BatchAttention<'_> {
                 out[b * width + h * group * head_dim..b * width + (h + 1) * group * head_dim]
                     .copy_from_slice(&p.out);
             }
+            let t_fin = Instant::now();
+            self.timing.device += (t_fin - t_dev).as_secs_f64();
             let slot = &mut self.slots[b];
             slot.seq.finish_layer(self.cfg, layer, &plans);
             if let Some(dev) = slot.dev.as_deref_mut() {
                 // Recall: copy what the CPU did to the device now, on the recall stream.
-                for h in 0..num_kv_heads {
-                    let pending = slot.seq.pending(layer, h);
-                    if !pending.is_empty() {
-                        dev.recall(slot.kv.as_ref(), layer, h, pending)?;
-                    }
+                let pending: Vec<&[usize]> = (0..num_kv_heads)
+                    .map(|h| slot.seq.pending(layer, h))
+                    .collect();
+                if pending.iter().any(|p| !p.is_empty()) {
+                    dev.recall(slot.kv.as_ref(), layer, &pending)?;
                 }
             }
             slot.new_k[layer].copy_from_slice(kb);
             slot.new_v[layer].copy_from_slice(vb);
+            self.timing.finish += t_fin.elapsed().as_secs_f64();
         }
         Ok(())
     }

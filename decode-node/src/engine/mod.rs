@@ -526,10 +526,13 @@ impl StepLoop {
             })
             .collect();
         let mut batch = BatchAttention::new(&self.cfg.attention, shape, &self.cpu_pool, slots);
+        let t_model = Instant::now();
         let result = self
             .model
             .model
             .decode_step(&tokens, &positions, &mut batch);
+        let model_s = t_model.elapsed().as_secs_f64();
+        let timing = batch.timing;
         let new_kv: Vec<(LayerRows, LayerRows, f64)> = batch
             .slots
             .into_iter()
@@ -636,9 +639,21 @@ impl StepLoop {
                 finished.push((i, Ok(reason)));
             }
         }
-        self.metrics
-            .step_duration
-            .observe(t0.elapsed().as_secs_f64());
+        let step_s = t0.elapsed().as_secs_f64();
+        self.metrics.step_duration.observe(step_s);
+        let attn_s = timing.ahead + timing.plan + timing.device + timing.finish;
+        tracing::debug!(
+            batch = self.running.len(),
+            step_s,
+            model_s,
+            attn_ahead_s = timing.ahead,
+            attn_plan_s = timing.plan,
+            attn_device_s = timing.device,
+            attn_cpu_wait_s = device_wait,
+            attn_finish_s = timing.finish,
+            projections_s = model_s - attn_s,
+            "step"
+        );
         self.metrics.batch_size.set(self.running.len() as i64);
         self.recent.push_back((now, self.running.len()));
         while self

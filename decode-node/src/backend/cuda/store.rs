@@ -7,11 +7,11 @@
 //! remembers how many tokens it holds: the newest block grows by one token a step and is
 //! copied again when attended with more tokens than it holds.
 
-use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use attention::{BlockGeometry, KvSource, Partial};
-use cudarc::driver::{CudaSlice, DevicePtr, result as drv, sys};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, result as drv, sys};
 use kv_transfer::HostPool;
 
 use super::{DevBuf, Shared, dev_err, dtoh_f32, htod};
@@ -19,7 +19,7 @@ use crate::backend::{BackendError, DeviceKv, DeviceSeq};
 
 /// Largest GQA group and head dimension the attention kernel takes.
 const MAX_GROUP: usize = 8;
-const MAX_HEAD_DIM: usize = 256;
+const MAX_HEAD_DIM: usize = 128;
 /// CUDA blocks the split-K kernel aims for per call (enough to fill an H100 twice over).
 const TARGET_CTAS: usize = 1024;
 
@@ -43,6 +43,8 @@ pub(crate) struct CudaKvStore {
     /// Keeps the pool mapped while it is registered.
     pool: HostPool,
     pinned: bool,
+    /// False once the driver refused a batched copy.
+    batch_ok: AtomicBool,
 }
 
 impl std::fmt::Debug for CudaKvStore {
@@ -63,6 +65,12 @@ impl CudaKvStore {
         capacity_bytes: u64,
         pool: &HostPool,
     ) -> Result<Self, BackendError> {
+        if geom.head_dim > MAX_HEAD_DIM {
+            return Err(BackendError::Unsupported(format!(
+                "head_dim {} (the device attention kernel takes up to {MAX_HEAD_DIM})",
+                geom.head_dim
+            )));
+        }
         shared.bind()?;
         let hb = geom.head_bytes() as u64;
         let (free_mem, _) = shared
@@ -122,6 +130,7 @@ impl CudaKvStore {
             scratch: Mutex::new(Scratch::default()),
             pool: pool.clone(),
             pinned,
+            batch_ok: AtomicBool::new(true),
         })
     }
 
@@ -133,6 +142,60 @@ impl CudaKvStore {
         if let Ok(mut f) = self.free.lock() {
             f.extend(slots);
         }
+    }
+
+    /// Copies host ranges to device addresses on `stream`: one batched call when the pool is
+    /// page-locked (a block is 16 KiB: per-copy call overhead would dominate), else one by one.
+    fn copy_in(&self, copies: &[(u64, &[u8])], stream: &CudaStream) -> Result<(), BackendError> {
+        if copies.is_empty() {
+            return Ok(());
+        }
+        if self.pinned && copies.len() > 1 && self.batch_ok.load(Ordering::Relaxed) {
+            let mut dsts: Vec<u64> = copies.iter().map(|c| c.0).collect();
+            let mut srcs: Vec<u64> = copies.iter().map(|c| c.1.as_ptr() as u64).collect();
+            let mut sizes: Vec<usize> = copies.iter().map(|c| c.1.len()).collect();
+            let mut attrs = [sys::CUmemcpyAttributes {
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                srcLocHint: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+                    id: 0,
+                },
+                dstLocHint: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: self.shared.ordinal as i32,
+                },
+                flags: 0,
+            }];
+            let mut idx = [0usize];
+            // SAFETY: the arrays have `copies.len()` entries; every source is page-locked pool
+            // memory that stays unchanged until the stream passes the copy (the engine only
+            // writes a block's new tokens after the step synchronised), every destination a
+            // slot we own.
+            let r = unsafe {
+                sys::cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    copies.len(),
+                    attrs.as_mut_ptr(),
+                    idx.as_mut_ptr(),
+                    1,
+                    stream.cu_stream(),
+                )
+            }
+            .result();
+            match r {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    tracing::warn!(error = ?e, "batched copies are not available; copying block by block");
+                    self.batch_ok.store(false, Ordering::Relaxed);
+                }
+            }
+        }
+        for (dst, src) in copies {
+            htod(*dst, src, stream)?;
+        }
+        Ok(())
     }
 
     fn slot_addr(&self, slot: u32) -> u64 {
@@ -159,7 +222,7 @@ impl DeviceKv for CudaKvStore {
     fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq> {
         let hk = self.geom.num_kv_heads;
         Box::new(CudaSeq {
-            heads: vec![HashMap::new(); num_layers * hk],
+            heads: vec![HeadSlots::default(); num_layers * hk],
             recall_events: vec![None; num_layers],
             cap: blocks_per_head.max(2),
             tick: 0,
@@ -173,13 +236,45 @@ impl DeviceKv for CudaKvStore {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Slot {
-    slot: u32,
-    /// Tokens the slot holds.
-    valid: usize,
-    /// Tick of the last attend or recall that used it.
-    last: u64,
+/// The slots of one (layer, KV head), indexed by block: a lookup per attended block is an
+/// array read (full attention at long context attends thousands of blocks per layer).
+#[derive(Debug, Clone, Default)]
+struct HeadSlots {
+    /// Slot of each block, or [`NO_SLOT`].
+    slot: Vec<u32>,
+    /// Tokens each slot holds.
+    valid: Vec<u32>,
+    /// Tick of the last attend or recall that used each block.
+    last: Vec<u64>,
+    /// Blocks that hold a slot.
+    held: Vec<usize>,
+}
+
+const NO_SLOT: u32 = u32::MAX;
+
+impl HeadSlots {
+    fn grow(&mut self, block: usize) {
+        if self.slot.len() <= block {
+            let n = (block + 1).next_power_of_two();
+            self.slot.resize(n, NO_SLOT);
+            self.valid.resize(n, 0);
+            self.last.resize(n, 0);
+        }
+    }
+
+    /// Frees the least recently used slot not touched at `tick`; returns it.
+    fn evict(&mut self, tick: u64) -> Option<u32> {
+        let (i, _) = self
+            .held
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| self.last[**b] < tick)
+            .min_by_key(|(_, b)| self.last[**b])?;
+        let b = self.held.swap_remove(i);
+        let s = std::mem::replace(&mut self.slot[b], NO_SLOT);
+        self.valid[b] = 0;
+        Some(s)
+    }
 }
 
 /// A recorded event on the recall stream.
@@ -192,8 +287,8 @@ unsafe impl Send for Event {}
 #[derive(Debug)]
 struct CudaSeq {
     store: Arc<CudaKvStore>,
-    /// `[layer * num_kv_heads + head]`: block → slot.
-    heads: Vec<HashMap<usize, Slot>>,
+    /// `[layer * num_kv_heads + head]`.
+    heads: Vec<HeadSlots>,
     /// Per layer: recall copies the next attend of that layer must be ordered after.
     recall_events: Vec<Option<Event>>,
     cap: usize,
@@ -209,57 +304,32 @@ impl CudaSeq {
         len: usize,
     ) -> Result<(u32, bool), BackendError> {
         let tick = self.tick;
-        let map = &mut self.heads[lh];
-        if let Some(s) = map.get_mut(&block) {
-            s.last = tick;
-            return Ok((s.slot, s.valid < len));
+        let hs = &mut self.heads[lh];
+        hs.grow(block);
+        if hs.slot[block] != NO_SLOT {
+            hs.last[block] = tick;
+            return Ok((hs.slot[block], (hs.valid[block] as usize) < len));
         }
-        // At capacity, reuse the least recently used slot not touched in this call.
-        let slot = if map.len() >= self.cap {
-            let victim = map
-                .iter()
-                .filter(|(_, s)| s.last < tick)
-                .min_by_key(|(_, s)| s.last)
-                .map(|(b, _)| *b);
-            match victim.and_then(|v| map.remove(&v)) {
-                Some(s) => s.slot,
-                None => self
-                    .store
-                    .take_slot()
-                    .ok_or_else(|| full(self.store.slots))?,
-            }
+        // At capacity, reuse the least recently used slot not touched in this call; when the
+        // arena is full, give up this head's least recently used one.
+        let reuse = if hs.held.len() >= self.cap {
+            hs.evict(tick)
         } else {
-            match self.store.take_slot() {
-                Some(s) => s,
-                None => {
-                    // The arena is full: give up this head's least recently used slot.
-                    let victim = map
-                        .iter()
-                        .filter(|(_, s)| s.last < tick)
-                        .min_by_key(|(_, s)| s.last)
-                        .map(|(b, _)| *b);
-                    match victim.and_then(|v| map.remove(&v)) {
-                        Some(s) => s.slot,
-                        None => return Err(full(self.store.slots)),
-                    }
-                }
-            }
+            None
         };
-        map.insert(
-            block,
-            Slot {
-                slot,
-                valid: 0,
-                last: tick,
-            },
-        );
+        let slot = match reuse.or_else(|| self.store.take_slot()) {
+            Some(s) => s,
+            None => hs.evict(tick).ok_or_else(|| full(self.store.slots))?,
+        };
+        hs.slot[block] = slot;
+        hs.valid[block] = 0;
+        hs.last[block] = tick;
+        hs.held.push(block);
         Ok((slot, true))
     }
 
     fn set_valid(&mut self, lh: usize, block: usize, len: usize) {
-        if let Some(s) = self.heads[lh].get_mut(&block) {
-            s.valid = len;
-        }
+        self.heads[lh].valid[block] = len as u32;
     }
 }
 
@@ -278,7 +348,7 @@ impl Drop for CudaSeq {
         let slots: Vec<u32> = self
             .heads
             .iter()
-            .flat_map(|m| m.values().map(|s| s.slot))
+            .flat_map(|h| h.held.iter().map(|b| h.slot[*b]))
             .collect();
         self.store.give_back(slots);
     }
@@ -319,6 +389,7 @@ impl DeviceSeq for CudaSeq {
                 blocks.len()
             )));
         }
+        let t_start = std::time::Instant::now();
         sh.bind()?;
         self.tick += 1;
         if let Some(e) = self.recall_events[layer] {
@@ -338,6 +409,7 @@ impl DeviceSeq for CudaSeq {
         let mut lens: Vec<i32> = Vec::new();
         let mut head_start: Vec<i32> = vec![0];
         let mut max_n = 0usize;
+        let mut copies: Vec<(u64, &[u8])> = Vec::new();
         for (h, list) in blocks.iter().enumerate() {
             let lh = layer * hk + h;
             let before = offs.len();
@@ -345,11 +417,7 @@ impl DeviceSeq for CudaSeq {
                 let len = (n - b * bs).min(bs);
                 let (slot, fill) = self.slot_for(lh, b, len)?;
                 if fill {
-                    htod(
-                        store.slot_addr(slot),
-                        head_bytes(kv, &geom, layer, b, h),
-                        &sh.stream,
-                    )?;
+                    copies.push((store.slot_addr(slot), head_bytes(kv, &geom, layer, b, h)));
                     self.set_valid(lh, b, len);
                 }
                 offs.push(slot as i64 * geom.head_bytes() as i64);
@@ -358,6 +426,8 @@ impl DeviceSeq for CudaSeq {
             max_n = max_n.max(offs.len() - before);
             head_start.push(offs.len() as i32);
         }
+        store.copy_in(&copies, &sh.stream)?;
+        let n_copies = copies.len();
         if offs.is_empty() {
             return Ok((0..hk).map(|_| Partial::empty(group, d)).collect());
         }
@@ -436,8 +506,17 @@ impl DeviceSeq for CudaSeq {
                 &[&parts_dev, &part_lse, &s, &g, &dd, &out_dev, &lse_dev],
             )?;
         }
+        let t_wait = std::time::Instant::now();
         let mut host = vec![0f32; out_floats];
         dtoh_f32(&mut host, out_dev, &sh.stream)?;
+        tracing::trace!(
+            layer,
+            entries = total,
+            copies = n_copies,
+            host_s = (t_wait - t_start).as_secs_f64(),
+            gpu_wait_s = t_wait.elapsed().as_secs_f64(),
+            "device attention"
+        );
         let (outs, lses) = host.split_at(hk * group * d);
         Ok((0..hk)
             .map(|h| Partial {
@@ -453,31 +532,28 @@ impl DeviceSeq for CudaSeq {
         &mut self,
         kv: &dyn KvSource,
         layer: usize,
-        head: usize,
-        blocks: &[usize],
+        blocks: &[&[usize]],
     ) -> Result<(), BackendError> {
         let store = Arc::clone(&self.store);
         let sh = &*store.shared;
         let geom = store.geom;
         let (hk, bs) = (geom.num_kv_heads, geom.block_size);
         let n = kv.num_tokens();
-        let lh = layer * hk + head;
         sh.bind()?;
-        let mut copied = false;
-        for &b in blocks.iter().filter(|b| **b * bs < n) {
-            let len = (n - b * bs).min(bs);
-            let (slot, fill) = self.slot_for(lh, b, len)?;
-            if fill {
-                htod(
-                    store.slot_addr(slot),
-                    head_bytes(kv, &geom, layer, b, head),
-                    &sh.recall,
-                )?;
-                self.set_valid(lh, b, len);
-                copied = true;
+        let mut copies: Vec<(u64, &[u8])> = Vec::new();
+        for (head, list) in blocks.iter().enumerate().take(hk) {
+            let lh = layer * hk + head;
+            for &b in list.iter().filter(|b| **b * bs < n) {
+                let len = (n - b * bs).min(bs);
+                let (slot, fill) = self.slot_for(lh, b, len)?;
+                if fill {
+                    copies.push((store.slot_addr(slot), head_bytes(kv, &geom, layer, b, head)));
+                    self.set_valid(lh, b, len);
+                }
             }
         }
-        if copied {
+        store.copy_in(&copies, &sh.recall)?;
+        if !copies.is_empty() {
             let ev = match self.recall_events[layer] {
                 Some(e) => e,
                 None => {
