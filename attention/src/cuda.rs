@@ -16,4 +16,5 @@ pub const ENTRY_POINTS: &[&str] = &[
     "f32_to_half",
     "sparse_attention_split",
     "combine_splits",
+    "gather_copy",
 ];

@@ -371,3 +371,17 @@ extern "C" __global__ void combine_splits(const float* part_out, const float* pa
     }
     if (threadIdx.x == 0) lse2[hg] = mx != NEG_INF ? mx + log2f(total) : NEG_INF;
 }
+
+// Copies n ranges of `bytes` bytes (a multiple of 16) from src[i] to dst[i]; one CUDA block
+// per range. Sources are page-locked host memory mapped into the device's address space:
+// one launch gathers scattered KV blocks over PCIe, where one DMA call per 16 KiB block
+// would cost microseconds of driver time each.
+extern "C" __global__ void gather_copy(const unsigned long long* src, const unsigned long long* dst,
+                                       int n, long long bytes) {
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    const uint4* s = (const uint4*)src[i];
+    uint4* d = (uint4*)dst[i];
+    const long long words = bytes / 16;
+    for (long long w = threadIdx.x; w < words; w += blockDim.x) d[w] = s[w];
+}

@@ -117,6 +117,7 @@ pub(crate) struct Kernels {
     pub(crate) lse2_merge: CudaFunction,
     pub(crate) kv_append: CudaFunction,
     pub(crate) sparse_decode_attention: CudaFunction,
+    pub(crate) gather_copy: CudaFunction,
 }
 
 /// What the backend and its KV store share.
@@ -150,7 +151,24 @@ impl Shared {
         block: u32,
         args: &[&dyn Arg],
     ) -> Result<(), BackendError> {
-        let mut b = self.stream.launch_builder(f);
+        // SAFETY: per this function's contract.
+        unsafe { launch_on(&self.stream, f, grid, block, args) }
+    }
+}
+
+/// Launches `f` on `stream` with raw arguments (device pointers as `u64`).
+///
+/// # Safety
+/// As [`Shared::launch`].
+pub(crate) unsafe fn launch_on(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: (u32, u32),
+    block: u32,
+    args: &[&dyn Arg],
+) -> Result<(), BackendError> {
+    {
+        let mut b = stream.launch_builder(f);
         for a in args {
             a.push(&mut b);
         }
@@ -354,6 +372,7 @@ impl CudaBackend {
             lse2_merge: f("lse2_merge")?,
             kv_append: f("kv_append")?,
             sparse_decode_attention: f("sparse_decode_attention")?,
+            gather_copy: f("gather_copy")?,
         };
         let handle = blas::create_handle().map_err(|e| CudaError::Driver(format!("{e:?}")))?;
         let blas_state = Blas {

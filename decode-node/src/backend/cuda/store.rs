@@ -45,6 +45,11 @@ pub(crate) struct CudaKvStore {
     pinned: bool,
     /// False once the driver refused a batched copy.
     batch_ok: AtomicBool,
+    /// The pool's host start, length and device address, where it is mapped.
+    mapped: Option<(usize, usize, u64)>,
+    /// Copy tables of `gather_copy`, one per stream (a stream's uses are ordered).
+    gather_main: Mutex<DevBuf>,
+    gather_recall: Mutex<DevBuf>,
 }
 
 impl std::fmt::Debug for CudaKvStore {
@@ -103,7 +108,7 @@ impl CudaKvStore {
                 sys::cuMemHostRegister_v2(
                     ptr.as_ptr().cast(),
                     len,
-                    sys::CU_MEMHOSTREGISTER_PORTABLE,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
                 )
             }
             .result()
@@ -114,6 +119,13 @@ impl CudaKvStore {
                     false
                 }
             };
+        // The pool as the device addresses it (mapped): recall gathers read it directly.
+        let mut pool_dev: u64 = 0;
+        let mapped = pinned
+            // SAFETY: the range was registered with DEVICEMAP just above.
+            && unsafe { sys::cuMemHostGetDevicePointer_v2(&mut pool_dev, ptr.as_ptr().cast(), 0) }
+                .result()
+                .is_ok();
         tracing::info!(
             slots,
             bytes = slots as u64 * hb,
@@ -131,6 +143,9 @@ impl CudaKvStore {
             pool: pool.clone(),
             pinned,
             batch_ok: AtomicBool::new(true),
+            mapped: mapped.then_some((ptr.as_ptr() as usize, len, pool_dev)),
+            gather_main: Mutex::new(DevBuf::default()),
+            gather_recall: Mutex::new(DevBuf::default()),
         })
     }
 
@@ -148,6 +163,9 @@ impl CudaKvStore {
     /// page-locked (a block is 16 KiB: per-copy call overhead would dominate), else one by one.
     fn copy_in(&self, copies: &[(u64, &[u8])], stream: &CudaStream) -> Result<(), BackendError> {
         if copies.is_empty() {
+            return Ok(());
+        }
+        if copies.len() > 2 && self.gather(copies, stream)? {
             return Ok(());
         }
         if self.pinned && copies.len() > 1 && self.batch_ok.load(Ordering::Relaxed) {
@@ -196,6 +214,61 @@ impl CudaKvStore {
             htod(*dst, src, stream)?;
         }
         Ok(())
+    }
+
+    /// Copies with one `gather_copy` launch reading the mapped pool; false (nothing done)
+    /// where that does not apply (pool not mapped, a source outside it, odd sizes).
+    fn gather(&self, copies: &[(u64, &[u8])], stream: &CudaStream) -> Result<bool, BackendError> {
+        let Some((host, len, dev)) = self.mapped else {
+            return Ok(false);
+        };
+        let bytes = copies[0].1.len();
+        let inside = |c: &(u64, &[u8])| {
+            let p = c.1.as_ptr() as usize;
+            p >= host && p + c.1.len() <= host + len && c.1.len() == bytes && p.is_multiple_of(16)
+        };
+        if !bytes.is_multiple_of(16) || !copies.iter().all(inside) {
+            return Ok(false);
+        }
+        let mut table = Vec::with_capacity(copies.len() * 16);
+        for c in copies {
+            table.extend_from_slice(&(dev + (c.1.as_ptr() as usize - host) as u64).to_le_bytes());
+        }
+        for c in copies {
+            table.extend_from_slice(&c.0.to_le_bytes());
+        }
+        let is_main = std::ptr::eq(stream, &*self.shared.stream);
+        let buf = if is_main {
+            &self.gather_main
+        } else {
+            &self.gather_recall
+        };
+        let mut buf = buf
+            .lock()
+            .map_err(|_| BackendError::Device("gather table lock poisoned".into()))?;
+        let shared_stream = if is_main {
+            &self.shared.stream
+        } else {
+            &self.shared.recall
+        };
+        let t = buf.ptr(shared_stream, table.len())?;
+        htod(t, &table, stream)?;
+        let n = copies.len() as i32;
+        let srcs = t;
+        let dsts = t + (copies.len() * 8) as u64;
+        let b = bytes as i64;
+        // SAFETY: the table holds n source and n destination addresses: mapped pool ranges
+        // of `bytes` bytes (checked above) and slots we own.
+        unsafe {
+            super::launch_on(
+                stream,
+                &self.shared.k.gather_copy,
+                (copies.len() as u32, 1),
+                256,
+                &[&srcs, &dsts, &n, &b],
+            )?;
+        }
+        Ok(true)
     }
 
     fn slot_addr(&self, slot: u32) -> u64 {
