@@ -18,6 +18,7 @@ fn help_lists_every_subcommand() {
         "demo",
         "bench",
         "make-model",
+        "selftest",
     ] {
         assert!(text.contains(sub), "--help misses {sub}:\n{text}");
     }
@@ -59,4 +60,48 @@ fn bad_flag_is_a_usage_error() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a byte count"));
+}
+
+/// Without a GPU (CI), `--device cuda` fails at start with a message that says why — never a
+/// panic — whether or not the binary was built with CUDA. With one, the selftest must pass.
+#[test]
+fn cuda_device_fails_clearly_or_passes_its_selftest() {
+    let out = bin()
+        .args([
+            "selftest",
+            "--device",
+            "cuda",
+            "--prompt-tokens",
+            "64",
+            "--tokens",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        assert!(stdout.contains("selftest passed"), "{stdout}");
+        assert!(!stdout.contains("FAIL"), "{stdout}");
+    } else {
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            stderr.contains("no CUDA driver")
+                || stderr.contains("built without CUDA support")
+                || stderr.contains("CUDA driver error")
+                || stderr.contains("does not exist"),
+            "{stderr}"
+        );
+    }
+    for args in [
+        &["selftest", "--device", "cpu"][..],
+        &["serve", "--device", "cuda:x"][..],
+        &["serve", "--device", "tpu"][..],
+    ] {
+        let out = bin().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("--device"), "{args:?}: {stderr}");
+    }
 }
