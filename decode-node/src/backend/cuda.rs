@@ -11,6 +11,7 @@
 //! keeping whole layers on the device is the next step.
 
 pub mod selftest;
+mod slots;
 mod store;
 
 use std::collections::HashMap;

@@ -14,6 +14,7 @@ use attention::{BlockGeometry, KvSource, Partial};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, result as drv, sys};
 use kv_transfer::HostPool;
 
+use super::slots::SlotTable;
 use super::{DevBuf, Shared, dev_err, dtoh_f32, htod};
 use crate::backend::{BackendError, DeviceKv, DeviceSeq};
 
@@ -295,10 +296,8 @@ impl DeviceKv for CudaKvStore {
     fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq> {
         let hk = self.geom.num_kv_heads;
         Box::new(CudaSeq {
-            heads: vec![HeadSlots::default(); num_layers * hk],
+            table: SlotTable::new(num_layers * hk, blocks_per_head),
             recall_events: vec![None; num_layers],
-            cap: blocks_per_head.max(2),
-            tick: 0,
             store: self,
         })
     }
@@ -306,47 +305,6 @@ impl DeviceKv for CudaKvStore {
     fn used_bytes(&self) -> u64 {
         let free = self.free.lock().map_or(0, |f| f.len());
         ((self.slots - free) * self.geom.head_bytes()) as u64
-    }
-}
-
-/// The slots of one (layer, KV head), indexed by block: a lookup per attended block is an
-/// array read (full attention at long context attends thousands of blocks per layer).
-#[derive(Debug, Clone, Default)]
-struct HeadSlots {
-    /// Slot of each block, or [`NO_SLOT`].
-    slot: Vec<u32>,
-    /// Tokens each slot holds.
-    valid: Vec<u32>,
-    /// Tick of the last attend or recall that used each block.
-    last: Vec<u64>,
-    /// Blocks that hold a slot.
-    held: Vec<usize>,
-}
-
-const NO_SLOT: u32 = u32::MAX;
-
-impl HeadSlots {
-    fn grow(&mut self, block: usize) {
-        if self.slot.len() <= block {
-            let n = (block + 1).next_power_of_two();
-            self.slot.resize(n, NO_SLOT);
-            self.valid.resize(n, 0);
-            self.last.resize(n, 0);
-        }
-    }
-
-    /// Frees the least recently used slot not touched at `tick`; returns it.
-    fn evict(&mut self, tick: u64) -> Option<u32> {
-        let (i, _) = self
-            .held
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| self.last[**b] < tick)
-            .min_by_key(|(_, b)| self.last[**b])?;
-        let b = self.held.swap_remove(i);
-        let s = std::mem::replace(&mut self.slot[b], NO_SLOT);
-        self.valid[b] = 0;
-        Some(s)
     }
 }
 
@@ -360,12 +318,10 @@ unsafe impl Send for Event {}
 #[derive(Debug)]
 struct CudaSeq {
     store: Arc<CudaKvStore>,
-    /// `[layer * num_kv_heads + head]`.
-    heads: Vec<HeadSlots>,
+    /// Slots by `layer * num_kv_heads + head` and block.
+    table: SlotTable,
     /// Per layer: recall copies the next attend of that layer must be ordered after.
     recall_events: Vec<Option<Event>>,
-    cap: usize,
-    tick: u64,
 }
 
 impl CudaSeq {
@@ -376,33 +332,14 @@ impl CudaSeq {
         block: usize,
         len: usize,
     ) -> Result<(u32, bool), BackendError> {
-        let tick = self.tick;
-        let hs = &mut self.heads[lh];
-        hs.grow(block);
-        if hs.slot[block] != NO_SLOT {
-            hs.last[block] = tick;
-            return Ok((hs.slot[block], (hs.valid[block] as usize) < len));
-        }
-        // At capacity, reuse the least recently used slot not touched in this call; when the
-        // arena is full, give up this head's least recently used one.
-        let reuse = if hs.held.len() >= self.cap {
-            hs.evict(tick)
-        } else {
-            None
-        };
-        let slot = match reuse.or_else(|| self.store.take_slot()) {
-            Some(s) => s,
-            None => hs.evict(tick).ok_or_else(|| full(self.store.slots))?,
-        };
-        hs.slot[block] = slot;
-        hs.valid[block] = 0;
-        hs.last[block] = tick;
-        hs.held.push(block);
-        Ok((slot, true))
+        let store = &self.store;
+        self.table
+            .slot_for(lh, block, len, &mut || store.take_slot())
+            .ok_or_else(|| full(store.slots))
     }
 
     fn set_valid(&mut self, lh: usize, block: usize, len: usize) {
-        self.heads[lh].valid[block] = len as u32;
+        self.table.set_valid(lh, block, len);
     }
 }
 
@@ -418,11 +355,7 @@ impl Drop for CudaSeq {
             // SAFETY: created by `event::create`, destroyed once.
             let _ = unsafe { drv::event::destroy(e.0) };
         }
-        let slots: Vec<u32> = self
-            .heads
-            .iter()
-            .flat_map(|h| h.held.iter().map(|b| h.slot[*b]))
-            .collect();
+        let slots: Vec<u32> = self.table.held().collect();
         self.store.give_back(slots);
     }
 }
@@ -464,7 +397,7 @@ impl DeviceSeq for CudaSeq {
         }
         let t_start = std::time::Instant::now();
         sh.bind()?;
-        self.tick += 1;
+        self.table.next_tick();
         if let Some(e) = self.recall_events[layer] {
             // Ordered on the device after this layer's recall copies; the host never waits.
             // SAFETY: both handles are live.
