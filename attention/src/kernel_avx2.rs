@@ -1,4 +1,5 @@
-//! AVX2 + FMA + F16C path of the CPU kernel (x86-64), chosen at run time.
+//! AVX2 + FMA + F16C path of the CPU kernel (x86-64), chosen at run time (with AVX-512 for
+//! full 32-token blocks of GQA groups where the CPU has it: `kernel_avx512`).
 //!
 //! Per block: K^T rows are converted to f32 once into an L1-resident scratch; each query head
 //! of the group scores all tokens with four 8-lane accumulators; the softmax uses a vector
@@ -122,9 +123,17 @@ pub(crate) unsafe fn block(
     // Full 32-token blocks score straight from the stored keys (no f32 copy to spill L1);
     // other shapes convert K^T rows to f32 once, only the vectors that hold valid tokens.
     let direct = b == 32 && len == 32;
+    // AVX-512 keeps a whole group of 2..8 heads in registers (each K and V element converted
+    // once per group); its availability is cached by the detection macro.
+    let wide = direct && (2..=8).contains(&g) && crate::kernel_avx512::available();
     if direct {
-        // SAFETY: forwarded from this function's contract; `s` holds G x 32 scores.
-        unsafe { scores_direct(dt, kt, qs, d, g, st.s) };
+        // SAFETY: forwarded from this function's contract; `s` holds G x 32 scores; `wide`
+        // checked the CPU.
+        let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s) };
+        if !done {
+            // SAFETY: as above.
+            unsafe { scores_direct(dt, kt, qs, d, g, st.s) };
+        }
     } else {
         for c in 0..d {
             for j in 0..nv {
@@ -222,6 +231,10 @@ pub(crate) unsafe fn block(
                 *a *= alpha;
             }
         }
+    }
+    // SAFETY: `wide` checked the CPU; a full block of 32 tokens; `s` is [G][b], acc [G][d].
+    if wide && unsafe { crate::kernel_avx512::accumulate_v_dyn(g, dt, vs, d, st.s, b, st.acc) } {
+        return;
     }
     // V: up to four heads' accumulators (two 8-wide slices each) live in registers.
     let mut h0 = 0;

@@ -40,6 +40,8 @@ mod dtype;
 mod kernel;
 #[cfg(target_arch = "x86_64")]
 mod kernel_avx2;
+#[cfg(target_arch = "x86_64")]
+mod kernel_avx512;
 mod merge;
 mod policy;
 mod select;

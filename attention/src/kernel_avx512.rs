@@ -1,0 +1,177 @@
+//! AVX-512 pieces of the CPU kernel for full 32-token blocks and GQA groups of 2 to 8 heads,
+//! chosen at run time inside the AVX2 path.
+//!
+//! With 32 registers of 16 lanes, a whole group's accumulators for a 32-token row (scores) or a
+//! 32-channel slice (V) stay in registers, so each K and V element is loaded and converted once
+//! for the whole group; with AVX2's 16 registers of 8 lanes the group is split in pairs and
+//! every row is converted again for each pair.
+
+use std::arch::x86_64::*;
+
+use crate::dtype::KvDType;
+
+/// True when this CPU can run these functions.
+pub(crate) fn available() -> bool {
+    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+}
+
+/// Loads 16 elements at `p` as f32.
+///
+/// # Safety
+/// `p` must point at 16 readable elements of `dtype`; the CPU must have AVX-512F/BW.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn load16(dtype: KvDType, p: *const u8) -> __m512 {
+    // SAFETY: the caller guarantees 16 readable elements at `p`.
+    unsafe {
+        match dtype {
+            KvDType::F32 => _mm512_loadu_ps(p.cast()),
+            KvDType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+            KvDType::Bf16 => {
+                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+            }
+        }
+    }
+}
+
+/// Scores of a full 32-token block for all `G` query heads: `s[g][t] = sum_c q[g][c] K[c][t]`.
+///
+/// # Safety
+/// AVX-512F/BW ([`available`]); `kt` holds `d` rows of 32 elements of `dt`; `qs` is `[G][d]`;
+/// `s` holds at least `G * 32` elements.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn scores<const G: usize>(
+    dt: KvDType,
+    kt: &[u8],
+    qs: &[f32],
+    d: usize,
+    s: &mut [f32],
+) {
+    let es = dt.size();
+    let mut acc = [[_mm512_setzero_ps(); 2]; G];
+    for c in 0..d {
+        // SAFETY: row c of 32 elements lies inside `kt` (the contract).
+        let (k0, k1) = unsafe {
+            let p = kt.as_ptr().add(c * 32 * es);
+            (load16(dt, p), load16(dt, p.add(16 * es)))
+        };
+        for g in 0..G {
+            let q = _mm512_set1_ps(qs[g * d + c]);
+            acc[g][0] = _mm512_fmadd_ps(q, k0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(q, k1, acc[g][1]);
+        }
+    }
+    for g in 0..G {
+        // SAFETY: s holds G*32 elements.
+        unsafe {
+            _mm512_storeu_ps(s.as_mut_ptr().add(g * 32), acc[g][0]);
+            _mm512_storeu_ps(s.as_mut_ptr().add(g * 32 + 16), acc[g][1]);
+        }
+    }
+}
+
+/// `acc[g] += sum_t p[g][t] V[t]` over a full 32-token block for all `G` heads, 32 channels at
+/// a time.
+///
+/// # Safety
+/// AVX-512F/BW; `vs` holds 32 rows of `d` elements of `dt`, `d` a multiple of 32; `p` is
+/// `[G][32]` (row stride `b`); `acc` is `[G][d]`.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn accumulate_v<const G: usize>(
+    dt: KvDType,
+    vs: &[u8],
+    d: usize,
+    p: &[f32],
+    b: usize,
+    acc: &mut [f32],
+) {
+    let es = dt.size();
+    let a = acc.as_mut_ptr();
+    for c0 in (0..d).step_by(32) {
+        let mut r = [[_mm512_setzero_ps(); 2]; G];
+        for g in 0..G {
+            // SAFETY: g*d + c0 + 32 <= G*d.
+            unsafe {
+                r[g][0] = _mm512_loadu_ps(a.add(g * d + c0));
+                r[g][1] = _mm512_loadu_ps(a.add(g * d + c0 + 16));
+            }
+        }
+        for t in 0..32 {
+            // SAFETY: row t < 32 of d elements; c0 + 32 <= d.
+            let (v0, v1) = unsafe {
+                let q = vs.as_ptr().add((t * d + c0) * es);
+                (load16(dt, q), load16(dt, q.add(16 * es)))
+            };
+            for g in 0..G {
+                let w = _mm512_set1_ps(p[g * b + t]);
+                r[g][0] = _mm512_fmadd_ps(w, v0, r[g][0]);
+                r[g][1] = _mm512_fmadd_ps(w, v1, r[g][1]);
+            }
+        }
+        for g in 0..G {
+            // SAFETY: as the loads above.
+            unsafe {
+                _mm512_storeu_ps(a.add(g * d + c0), r[g][0]);
+                _mm512_storeu_ps(a.add(g * d + c0 + 16), r[g][1]);
+            }
+        }
+    }
+}
+
+/// Runs `f::<G>` for a group size of 2 to 8; false for any other.
+macro_rules! dispatch {
+    ($g:expr, $f:ident, $($arg:expr),*) => {
+        match $g {
+            2 => { $f::<2>($($arg),*); true }
+            3 => { $f::<3>($($arg),*); true }
+            4 => { $f::<4>($($arg),*); true }
+            5 => { $f::<5>($($arg),*); true }
+            6 => { $f::<6>($($arg),*); true }
+            7 => { $f::<7>($($arg),*); true }
+            8 => { $f::<8>($($arg),*); true }
+            _ => false,
+        }
+    };
+}
+
+/// [`scores`] for a run-time group size; false (nothing done) outside 2..=8.
+///
+/// # Safety
+/// As [`scores`].
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn scores_dyn(
+    g: usize,
+    dt: KvDType,
+    kt: &[u8],
+    qs: &[f32],
+    d: usize,
+    s: &mut [f32],
+) -> bool {
+    // SAFETY: forwarded.
+    unsafe { dispatch!(g, scores, dt, kt, qs, d, s) }
+}
+
+/// [`accumulate_v`] for a run-time group size; false (nothing done) outside 2..=8 or when `d`
+/// is not a multiple of 32.
+///
+/// # Safety
+/// As [`accumulate_v`] (except the multiple of 32, checked here).
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn accumulate_v_dyn(
+    g: usize,
+    dt: KvDType,
+    vs: &[u8],
+    d: usize,
+    p: &[f32],
+    b: usize,
+    acc: &mut [f32],
+) -> bool {
+    if !d.is_multiple_of(32) {
+        return false;
+    }
+    // SAFETY: forwarded.
+    unsafe { dispatch!(g, accumulate_v, dt, vs, d, p, b, acc) }
+}
