@@ -108,6 +108,72 @@ impl BlockGeometry {
     }
 }
 
+impl BlockGeometry {
+    /// As [`BlockGeometry::copy_tokens`], folding the keys into a digest (`min`/`max`,
+    /// `head_dim` each) in the same pass over K, so no f32 copy of the keys is made. For bf16
+    /// and f32 (a bf16 value is its f32's high half); returns false, copying nothing, for f16.
+    pub fn copy_tokens_digest(
+        &self,
+        block: &mut [u8],
+        h: usize,
+        slot0: usize,
+        src: WireTokens<'_>,
+        min: &mut [f32],
+        max: &mut [f32],
+    ) -> bool {
+        let WireTokens { k, v, stride, n } = src;
+        let es = self.dtype.size();
+        let (b, d) = (self.block_size, self.head_dim);
+        if self.dtype == KvDType::F16 {
+            return false;
+        }
+        let head = &mut block[self.head_range(h)];
+        let (kt, vs) = head.split_at_mut(b * d * es);
+        for t in 0..n {
+            let src = &v[t * stride..t * stride + d * es];
+            vs[(slot0 + t) * d * es..(slot0 + t + 1) * d * es].copy_from_slice(src);
+        }
+        // Monomorphised per element width so the conversion inlines into the copy loop.
+        #[allow(clippy::too_many_arguments)]
+        fn fold<const E: usize>(
+            kt: &mut [u8],
+            k: &[u8],
+            (b, d, slot0, n, stride): (usize, usize, usize, usize, usize),
+            to_f32: impl Fn([u8; E]) -> f32,
+            min: &mut [f32],
+            max: &mut [f32],
+        ) {
+            for c in 0..d {
+                let row = &mut kt[(c * b + slot0) * E..(c * b + slot0 + n) * E];
+                let (mut lo, mut hi) = (min[c], max[c]);
+                for (t, dst) in row.chunks_exact_mut(E).enumerate() {
+                    let at = t * stride + c * E;
+                    let x: [u8; E] = k[at..at + E].try_into().unwrap_or([0; E]);
+                    dst.copy_from_slice(&x);
+                    let f = to_f32(x);
+                    lo = lo.min(f);
+                    hi = hi.max(f);
+                }
+                min[c] = lo;
+                max[c] = hi;
+            }
+        }
+        let shape = (b, d, slot0, n, stride);
+        match self.dtype {
+            KvDType::Bf16 => fold::<2>(
+                kt,
+                k,
+                shape,
+                |x| f32::from_bits(u32::from(u16::from_le_bytes(x)) << 16),
+                min,
+                max,
+            ),
+            _ => fold::<4>(kt, k, shape, f32::from_le_bytes, min, max),
+        }
+        true
+    }
+}
+
 /// One KV head's part of one block, as the kernels read it.
 #[derive(Debug, Clone, Copy)]
 pub struct HeadBlock<'a> {
@@ -121,6 +187,44 @@ pub struct HeadBlock<'a> {
 mod tests {
     use super::*;
     use crate::dtype::decode_to_f32;
+
+    #[test]
+    fn fused_digest_copy_equals_copy_then_digest() {
+        for dtype in [KvDType::Bf16, KvDType::F32] {
+            let geom = BlockGeometry {
+                block_size: 16,
+                num_kv_heads: 2,
+                head_dim: 8,
+                dtype,
+            };
+            let (n, es) = (11, dtype.size());
+            let row = geom.num_kv_heads * geom.head_dim * es;
+            let vals: Vec<f32> = (0..n * row / es)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.03)
+                .collect();
+            let mut wire = vec![0u8; vals.len() * es];
+            encode_from_f32(dtype, &vals, &mut wire);
+            let src = WireTokens {
+                k: &wire[row / 2..],
+                v: &wire,
+                stride: row,
+                n: n - 1,
+            };
+            let (mut a, mut b) = (vec![0u8; geom.block_bytes()], vec![0u8; geom.block_bytes()]);
+            geom.copy_tokens(&mut a, 1, 3, src);
+            let mut dg = crate::Digest::new(8);
+            for t in 0..n - 1 {
+                let mut k = vec![0f32; 8];
+                let at = row / 2 + t * row;
+                decode_to_f32(dtype, &wire[at..at + 8 * es], &mut k);
+                dg.update(&k);
+            }
+            let mut got = crate::Digest::new(8);
+            assert!(geom.copy_tokens_digest(&mut b, 1, 3, src, &mut got.min, &mut got.max));
+            assert_eq!(a, b, "{dtype:?}");
+            assert_eq!(got, dg, "{dtype:?}");
+        }
+    }
 
     #[test]
     fn token_lands_transposed() {

@@ -322,9 +322,13 @@ impl Ingest {
             cov[t / 64] |= 1 << (t % 64);
         }
 
-        self.scratch_k.resize(count * hk * d, 0.0);
-        decode_to_f32(self.info.wire_dtype, &c.key, &mut self.scratch_k);
         let same_dtype = self.info.wire_dtype == geom.dtype;
+        // Same dtype, bf16 or f32: digests fold in while K is transposed, no f32 copy of K.
+        let fused = same_dtype && geom.dtype != KvDType::F16;
+        if !fused {
+            self.scratch_k.resize(count * hk * d, 0.0);
+            decode_to_f32(self.info.wire_dtype, &c.key, &mut self.scratch_k);
+        }
         if !same_dtype {
             self.scratch_v.resize(count * hk * d, 0.0);
             decode_to_f32(self.info.wire_dtype, &c.value, &mut self.scratch_v);
@@ -348,6 +352,19 @@ impl Ingest {
                         stride: row,
                         n,
                     };
+                    let digest = &mut self.digests[layer * hk + h][bi];
+                    if fused
+                        && geom.copy_tokens_digest(
+                            block,
+                            h,
+                            slot,
+                            src,
+                            &mut digest.min,
+                            &mut digest.max,
+                        )
+                    {
+                        continue;
+                    }
                     geom.copy_tokens(block, h, slot, src);
                 } else {
                     for i in 0..n {
