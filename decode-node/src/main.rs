@@ -19,7 +19,20 @@ fn init_tracing(format: &str) {
     }
 }
 
+/// Keeps large allocations (multi-MiB gRPC message buffers) in the heap for reuse instead of
+/// fresh `mmap`s: each new mapping is page-faulted and zeroed by the kernel, which was a fifth
+/// of KV ingest time. glibc caps the threshold at 32 MiB; memory stays bounded by peak use.
+fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator parameters; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+    }
+}
+
 fn main() -> ExitCode {
+    tune_allocator();
     let cli = Cli::parse();
     init_tracing(&cli.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
