@@ -159,6 +159,13 @@ impl BlockGeometry {
             }
         }
         let shape = (b, d, slot0, n, stride);
+        #[cfg(target_arch = "x86_64")]
+        if self.dtype == KvDType::Bf16 && d.is_multiple_of(8) && n >= 8 && simd_bf16_available() {
+            // SAFETY: AVX2 checked; `k` holds n rows of `stride` bytes with d bf16 keys each
+            // (the caller's slices), the block row range was split above.
+            unsafe { fold_bf16_avx2(kt, k, shape, min, max) };
+            return true;
+        }
         match self.dtype {
             KvDType::Bf16 => fold::<2>(
                 kt,
@@ -171,6 +178,113 @@ impl BlockGeometry {
             _ => fold::<4>(kt, k, shape, f32::from_le_bytes, min, max),
         }
         true
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn simd_bf16_available() -> bool {
+    is_x86_feature_detected!("avx2")
+}
+
+/// The bf16 case of [`BlockGeometry::copy_tokens_digest`] with AVX2: 8 tokens x 8 channels at
+/// a time are transposed in registers (three rounds of unpacks) and stored as 16-byte runs of
+/// each channel's row; the digest takes lane-wise min/max of the untransposed rows, so every
+/// lane is one channel and no horizontal reduction is needed. Tokens past a multiple of 8 go
+/// one by one. Operands of min/max are ordered so a NaN key is skipped, as `f32::min` does.
+///
+/// # Safety
+/// AVX2; `d` a multiple of 8; `k` holds `n` rows `stride` bytes apart of `d` bf16 values; `kt`
+/// holds `d` rows of `b` bf16 slots with `slot0 + n <= b`; `min`/`max` hold `d` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fold_bf16_avx2(
+    kt: &mut [u8],
+    k: &[u8],
+    (b, d, slot0, n, stride): (usize, usize, usize, usize, usize),
+    min: &mut [f32],
+    max: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(d % 8 == 0 && slot0 + n <= b && kt.len() >= d * b * 2);
+    debug_assert!(n == 0 || k.len() >= (n - 1) * stride + d * 2);
+    let widen = |v: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)));
+    for c0 in (0..d).step_by(8) {
+        // SAFETY: c0 + 8 <= d.
+        let (mut lo, mut hi) = unsafe {
+            (
+                _mm256_loadu_ps(min.as_ptr().add(c0)),
+                _mm256_loadu_ps(max.as_ptr().add(c0)),
+            )
+        };
+        let mut t0 = 0;
+        while t0 + 8 <= n {
+            let mut r = [_mm_setzero_si128(); 8];
+            for (i, ri) in r.iter_mut().enumerate() {
+                // SAFETY: token t0+i < n, channels c0..c0+8 < d.
+                *ri = unsafe { _mm_loadu_si128(k.as_ptr().add((t0 + i) * stride + c0 * 2).cast()) };
+                let f = widen(*ri);
+                lo = _mm256_min_ps(f, lo);
+                hi = _mm256_max_ps(f, hi);
+            }
+            let a = [
+                _mm_unpacklo_epi16(r[0], r[1]),
+                _mm_unpackhi_epi16(r[0], r[1]),
+                _mm_unpacklo_epi16(r[2], r[3]),
+                _mm_unpackhi_epi16(r[2], r[3]),
+                _mm_unpacklo_epi16(r[4], r[5]),
+                _mm_unpackhi_epi16(r[4], r[5]),
+                _mm_unpacklo_epi16(r[6], r[7]),
+                _mm_unpackhi_epi16(r[6], r[7]),
+            ];
+            let bb = [
+                _mm_unpacklo_epi32(a[0], a[2]),
+                _mm_unpackhi_epi32(a[0], a[2]),
+                _mm_unpacklo_epi32(a[1], a[3]),
+                _mm_unpackhi_epi32(a[1], a[3]),
+                _mm_unpacklo_epi32(a[4], a[6]),
+                _mm_unpackhi_epi32(a[4], a[6]),
+                _mm_unpacklo_epi32(a[5], a[7]),
+                _mm_unpackhi_epi32(a[5], a[7]),
+            ];
+            // Channel rows c0..c0+8, each the 8 tokens t0..t0+8.
+            let rows = [
+                _mm_unpacklo_epi64(bb[0], bb[4]),
+                _mm_unpackhi_epi64(bb[0], bb[4]),
+                _mm_unpacklo_epi64(bb[1], bb[5]),
+                _mm_unpackhi_epi64(bb[1], bb[5]),
+                _mm_unpacklo_epi64(bb[2], bb[6]),
+                _mm_unpackhi_epi64(bb[2], bb[6]),
+                _mm_unpacklo_epi64(bb[3], bb[7]),
+                _mm_unpackhi_epi64(bb[3], bb[7]),
+            ];
+            for (j, row) in rows.iter().enumerate() {
+                // SAFETY: row c0+j < d, slots slot0+t0 .. +8 <= slot0 + n <= b.
+                unsafe {
+                    _mm_storeu_si128(
+                        kt.as_mut_ptr().add(((c0 + j) * b + slot0 + t0) * 2).cast(),
+                        *row,
+                    )
+                };
+            }
+            t0 += 8;
+        }
+        for t in t0..n {
+            let at = t * stride + c0 * 2;
+            // SAFETY: token t < n, channels c0..c0+8 < d.
+            let v = unsafe { _mm_loadu_si128(k.as_ptr().add(at).cast()) };
+            let f = widen(v);
+            lo = _mm256_min_ps(f, lo);
+            hi = _mm256_max_ps(f, hi);
+            for j in 0..8 {
+                let dst = ((c0 + j) * b + slot0 + t) * 2;
+                kt[dst..dst + 2].copy_from_slice(&k[at + 2 * j..at + 2 * j + 2]);
+            }
+        }
+        // SAFETY: c0 + 8 <= d.
+        unsafe {
+            _mm256_storeu_ps(min.as_mut_ptr().add(c0), lo);
+            _mm256_storeu_ps(max.as_mut_ptr().add(c0), hi);
+        }
     }
 }
 
@@ -190,37 +304,46 @@ mod tests {
 
     #[test]
     fn fused_digest_copy_equals_copy_then_digest() {
-        for dtype in [KvDType::Bf16, KvDType::F32] {
+        let cases = [
+            (KvDType::Bf16, 16, 8, 11, 3),
+            (KvDType::F32, 16, 8, 11, 3),
+            (KvDType::Bf16, 32, 128, 33, 0),
+            (KvDType::Bf16, 32, 64, 20, 7),
+            (KvDType::Bf16, 8, 8, 3, 5),
+        ];
+        for (dtype, bs, d, n, slot0) in cases {
             let geom = BlockGeometry {
-                block_size: 16,
+                block_size: bs,
                 num_kv_heads: 2,
-                head_dim: 8,
+                head_dim: d,
                 dtype,
             };
-            let (n, es) = (11, dtype.size());
+            let es = dtype.size();
             let row = geom.num_kv_heads * geom.head_dim * es;
             let vals: Vec<f32> = (0..n * row / es)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.03)
                 .collect();
             let mut wire = vec![0u8; vals.len() * es];
             encode_from_f32(dtype, &vals, &mut wire);
+            let m = n - 1;
+            let m = m.min(bs - slot0);
             let src = WireTokens {
                 k: &wire[row / 2..],
                 v: &wire,
                 stride: row,
-                n: n - 1,
+                n: m,
             };
             let (mut a, mut b) = (vec![0u8; geom.block_bytes()], vec![0u8; geom.block_bytes()]);
-            geom.copy_tokens(&mut a, 1, 3, src);
-            let mut dg = crate::Digest::new(8);
-            for t in 0..n - 1 {
-                let mut k = vec![0f32; 8];
+            geom.copy_tokens(&mut a, 1, slot0, src);
+            let mut dg = crate::Digest::new(d);
+            for t in 0..m {
+                let mut k = vec![0f32; d];
                 let at = row / 2 + t * row;
-                decode_to_f32(dtype, &wire[at..at + 8 * es], &mut k);
+                decode_to_f32(dtype, &wire[at..at + d * es], &mut k);
                 dg.update(&k);
             }
-            let mut got = crate::Digest::new(8);
-            assert!(geom.copy_tokens_digest(&mut b, 1, 3, src, &mut got.min, &mut got.max));
+            let mut got = crate::Digest::new(d);
+            assert!(geom.copy_tokens_digest(&mut b, 1, slot0, src, &mut got.min, &mut got.max));
             assert_eq!(a, b, "{dtype:?}");
             assert_eq!(got, dg, "{dtype:?}");
         }
