@@ -77,10 +77,7 @@ impl BlockGeometry {
         let (b, d) = (self.block_size, self.head_dim);
         let head = &mut block[self.head_range(h)];
         let (kt, vs) = head.split_at_mut(b * d * es);
-        for t in 0..n {
-            let src = &v[t * stride..t * stride + d * es];
-            vs[(slot0 + t) * d * es..(slot0 + t + 1) * d * es].copy_from_slice(src);
-        }
+        copy_values(vs, v, d * es, slot0, n, stride);
         // K is transposed: each channel's row gets `n` consecutive slots. Element copies of a
         // constant width, so they compile to moves rather than `memcpy` calls.
         fn scatter<const E: usize>(
@@ -109,9 +106,15 @@ impl BlockGeometry {
 }
 
 impl BlockGeometry {
+    /// True when [`BlockGeometry::copy_tokens_digest`] takes this dtype: bf16 (a bf16 value is
+    /// its f32's high half) and f32; f16 keys need a real conversion, done in bulk elsewhere.
+    pub fn folds_digest_in_copy(&self) -> bool {
+        self.dtype != KvDType::F16
+    }
+
     /// As [`BlockGeometry::copy_tokens`], folding the keys into a digest (`min`/`max`,
-    /// `head_dim` each) in the same pass over K, so no f32 copy of the keys is made. For bf16
-    /// and f32 (a bf16 value is its f32's high half); returns false, copying nothing, for f16.
+    /// `head_dim` each) in the same pass over K, so no f32 copy of the keys is made. Only for
+    /// dtypes where [`BlockGeometry::folds_digest_in_copy`]; an f16 block is left untouched.
     pub fn copy_tokens_digest(
         &self,
         block: &mut [u8],
@@ -120,19 +123,14 @@ impl BlockGeometry {
         src: WireTokens<'_>,
         min: &mut [f32],
         max: &mut [f32],
-    ) -> bool {
+    ) {
         let WireTokens { k, v, stride, n } = src;
         let es = self.dtype.size();
         let (b, d) = (self.block_size, self.head_dim);
-        if self.dtype == KvDType::F16 {
-            return false;
-        }
+        debug_assert!(self.folds_digest_in_copy());
         let head = &mut block[self.head_range(h)];
         let (kt, vs) = head.split_at_mut(b * d * es);
-        for t in 0..n {
-            let src = &v[t * stride..t * stride + d * es];
-            vs[(slot0 + t) * d * es..(slot0 + t + 1) * d * es].copy_from_slice(src);
-        }
+        copy_values(vs, v, d * es, slot0, n, stride);
         // Monomorphised per element width so the conversion inlines into the copy loop.
         #[allow(clippy::too_many_arguments)]
         fn fold<const E: usize>(
@@ -164,7 +162,7 @@ impl BlockGeometry {
             // SAFETY: AVX2 checked; `k` holds n rows of `stride` bytes with d bf16 keys each
             // (the caller's slices), the block row range was split above.
             unsafe { fold_bf16_avx2(kt, k, shape, min, max) };
-            return true;
+            return;
         }
         match self.dtype {
             KvDType::Bf16 => fold::<2>(
@@ -175,9 +173,17 @@ impl BlockGeometry {
                 min,
                 max,
             ),
-            _ => fold::<4>(kt, k, shape, f32::from_le_bytes, min, max),
+            KvDType::F32 => fold::<4>(kt, k, shape, f32::from_le_bytes, min, max),
+            KvDType::F16 => {}
         }
-        true
+    }
+}
+
+/// Copies `n` V rows of `row` bytes, `stride` apart in `v`, to slots `slot0..` of `vs`.
+fn copy_values(vs: &mut [u8], v: &[u8], row: usize, slot0: usize, n: usize, stride: usize) {
+    for t in 0..n {
+        vs[(slot0 + t) * row..(slot0 + t + 1) * row]
+            .copy_from_slice(&v[t * stride..t * stride + row]);
     }
 }
 
@@ -343,7 +349,8 @@ mod tests {
                 dg.update(&k);
             }
             let mut got = crate::Digest::new(d);
-            assert!(geom.copy_tokens_digest(&mut b, 1, slot0, src, &mut got.min, &mut got.max));
+            assert!(geom.folds_digest_in_copy());
+            geom.copy_tokens_digest(&mut b, 1, slot0, src, &mut got.min, &mut got.max);
             assert_eq!(a, b, "{dtype:?}");
             assert_eq!(got, dg, "{dtype:?}");
         }

@@ -7,7 +7,6 @@ pub const KERNELS_CU: &str = include_str!("cuda/kernels.cu");
 /// The `extern "C"` entry points [`KERNELS_CU`] defines.
 pub const ENTRY_POINTS: &[&str] = &[
     "quest_scores",
-    "sparse_decode_attention",
     "lse2_merge",
     "rms_norm",
     "rope",

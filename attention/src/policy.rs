@@ -87,6 +87,15 @@ impl AttentionConfig {
         }
     }
 
+    /// Device-resident blocks one (sequence, layer, KV head) may hold: everything in `full`,
+    /// `device_blocks_per_head` (at least the sink and the newest block) otherwise.
+    pub fn resident_blocks_per_head(&self) -> usize {
+        match self.mode {
+            Mode::Full => usize::MAX,
+            _ => self.device_blocks_per_head.max(2),
+        }
+    }
+
     /// Budget in blocks (at least the sink and the newest block).
     pub fn budget_blocks(&self, block_size: usize) -> usize {
         self.budget_tokens.div_ceil(block_size).max(2)

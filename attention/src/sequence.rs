@@ -229,7 +229,7 @@ impl SeqAttention {
             }
             st.digests.update(blk, &keys[h * d..(h + 1) * d]);
             if !st.resident[blk] {
-                make_resident(st, blk, self.step, capacity(cfg));
+                make_resident(st, blk, self.step, cfg.resident_blocks_per_head());
             }
         }
     }
@@ -275,7 +275,7 @@ impl SeqAttention {
         let per_head = q.len() / hk;
         let n = self.num_blocks();
         let bs = self.geom.block_size;
-        let cap = capacity(cfg);
+        let cap = cfg.resident_blocks_per_head();
         let step = self.step;
         // Selections first, heads in parallel when the context is long enough to pay for it:
         // scoring every block of every head is the step thread's largest job in sparse modes.
@@ -472,13 +472,6 @@ pub fn recall_intervals(history: &[Vec<f32>], threshold: f32) -> Vec<u32> {
             steps.max(1) as u32
         })
         .collect()
-}
-
-fn capacity(cfg: &AttentionConfig) -> usize {
-    match cfg.mode {
-        Mode::Full => usize::MAX,
-        _ => cfg.device_blocks_per_head.max(2),
-    }
 }
 
 /// Marks `b` resident, evicting the least recently used block (never the sink or the

@@ -47,8 +47,6 @@ pub trait DeviceKv: Send + Sync + std::fmt::Debug {
     /// Per-sequence device state holding at most `blocks_per_head` blocks per (layer, KV
     /// head); dropping it frees the sequence's device blocks.
     fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq>;
-    /// Bytes of device KV in use, over all sequences.
-    fn used_bytes(&self) -> u64;
 }
 
 /// The device side of one sequence's attention.

@@ -324,7 +324,7 @@ impl Ingest {
 
         let same_dtype = self.info.wire_dtype == geom.dtype;
         // Same dtype, bf16 or f32: digests fold in while K is transposed, no f32 copy of K.
-        let fused = same_dtype && geom.dtype != KvDType::F16;
+        let fused = same_dtype && geom.folds_digest_in_copy();
         if !fused {
             self.scratch_k.resize(count * hk * d, 0.0);
             decode_to_f32(self.info.wire_dtype, &c.key, &mut self.scratch_k);
@@ -352,17 +352,16 @@ impl Ingest {
                         stride: row,
                         n,
                     };
-                    let digest = &mut self.digests[layer * hk + h][bi];
-                    if fused
-                        && geom.copy_tokens_digest(
+                    if fused {
+                        let digest = &mut self.digests[layer * hk + h][bi];
+                        geom.copy_tokens_digest(
                             block,
                             h,
                             slot,
                             src,
                             &mut digest.min,
                             &mut digest.max,
-                        )
-                    {
+                        );
                         continue;
                     }
                     geom.copy_tokens(block, h, slot, src);

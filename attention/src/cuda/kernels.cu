@@ -104,56 +104,6 @@ extern "C" __global__ void quest_scores(const float* q, const float* dmin, const
     scores[b] = s;
 }
 
-// Block-sparse decode attention over resident blocks for one KV head and its query group.
-// One CUDA block per query head, one warp; lane t owns tokens t, t+32, ... of each KV block
-// for the scores, and channels c, c+32, ... of the output. Online softmax in base 2.
-// blocks[i] is the byte offset of the i-th selected head block in `pool`; lens[i] its tokens.
-extern "C" __global__ void sparse_decode_attention(
-    const unsigned char* pool, const long long* blocks, const int* lens, int num_sel,
-    const float* q, int head_dim, int block_size, int dtype, float scale,
-    float* out, float* lse2) {
-    const int h = blockIdx.x;
-    const int lane = threadIdx.x;
-    const float* qh = q + (long long)h * head_dim;
-    const float qscale = scale * 1.4426950408889634f;  // log2(e): exp becomes exp2
-    const int es = dtype == 0 ? 4 : 2;
-    float m = NEG_INF, l = 0.f;
-    float acc[8];  // head_dim <= 256: channels lane, lane+32, ...
-    for (int i = 0; i < 8; i++) acc[i] = 0.f;
-    for (int bi = 0; bi < num_sel; bi++) {
-        const unsigned char* blk = pool + blocks[bi];
-        const unsigned char* vs = blk + (long long)block_size * head_dim * es;
-        const int len = lens[bi];
-        for (int t0 = 0; t0 < len; t0 += 32) {
-            int t = t0 + lane;
-            float s = NEG_INF;
-            if (t < len) {
-                s = 0.f;
-                for (int c = 0; c < head_dim; c++) s += qh[c] * load_kv(blk, (long long)c * block_size + t, dtype);
-                s *= qscale;
-            }
-            float m_new = fmaxf(m, warp_max(s));
-            float alpha = exp2f(m - m_new);
-            float p = t < len ? exp2f(s - m_new) : 0.f;
-            l = l * alpha + warp_sum(p);
-            for (int i = 0; i < 8; i++) acc[i] *= alpha;
-            for (int j = 0; j < 32 && t0 + j < len; j++) {
-                float pj = __shfl_sync(0xffffffffu, p, j);
-                for (int i = 0; i < 8; i++) {
-                    int c = lane + 32 * i;
-                    if (c < head_dim) acc[i] += pj * load_kv(vs, (long long)(t0 + j) * head_dim + c, dtype);
-                }
-            }
-            m = m_new;
-        }
-    }
-    for (int i = 0; i < 8; i++) {
-        int c = lane + 32 * i;
-        if (c < head_dim) out[(long long)h * head_dim + c] = l > 0.f ? acc[i] / l : 0.f;
-    }
-    if (lane == 0) lse2[h] = l > 0.f ? m + log2f(l) : NEG_INF;
-}
-
 // Merges partial (out_b, lse2_b) into (out_a, lse2_a), in place; empty partials are no-ops.
 extern "C" __global__ void lse2_merge(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
                                       int heads, int head_dim) {

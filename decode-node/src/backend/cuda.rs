@@ -117,7 +117,6 @@ pub(crate) struct Kernels {
     pub(crate) quest_scores: CudaFunction,
     pub(crate) lse2_merge: CudaFunction,
     pub(crate) kv_append: CudaFunction,
-    pub(crate) sparse_decode_attention: CudaFunction,
     pub(crate) gather_copy: CudaFunction,
 }
 
@@ -372,7 +371,6 @@ impl CudaBackend {
             quest_scores: f("quest_scores")?,
             lse2_merge: f("lse2_merge")?,
             kv_append: f("kv_append")?,
-            sparse_decode_attention: f("sparse_decode_attention")?,
             gather_copy: f("gather_copy")?,
         };
         let handle = blas::create_handle().map_err(|e| CudaError::Driver(format!("{e:?}")))?;
@@ -442,11 +440,6 @@ impl CudaBackend {
         }
         sh.stream.synchronize().map_err(|e| dev_err("sync", e))?;
         Ok((2 * n * reps) as f64 / t.elapsed().as_secs_f64())
-    }
-
-    /// Bytes of weights held on the device.
-    pub fn weight_bytes(&self) -> Result<usize, BackendError> {
-        Ok(self.lock()?.weights.values().map(|w| w.len()).sum())
     }
 }
 

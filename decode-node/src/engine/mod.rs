@@ -475,10 +475,7 @@ impl StepLoop {
         let text = self.model.tokenizer.text_state(&ctx);
         let next_token = kv.info.next_token_id;
         let kv: Arc<CommittedKv> = Arc::from(kv);
-        let per_head = match self.cfg.attention.mode {
-            attention::Mode::Full => usize::MAX,
-            _ => self.cfg.attention.device_blocks_per_head,
-        };
+        let per_head = self.cfg.attention.resident_blocks_per_head();
         let dev = self
             .device_kv
             .clone()

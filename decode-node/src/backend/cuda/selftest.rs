@@ -198,11 +198,6 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         (KvDType::Bf16, 5, 64),
     ] {
         add(
-            &format!("sparse_decode_attention {dt:?} G={g} D={d}"),
-            1e-5,
-            check_warp_attention(sh, dt, g, d),
-        );
-        add(
             &format!("sparse_attention_split+combine {dt:?} G={g} D={d}"),
             1e-5,
             check_split_attention(sh, dt, g, d),
@@ -487,63 +482,6 @@ fn cpu_attention(
     attend_blocks(geom, q, scale, it, &mut scratch)
 }
 
-fn check_warp_attention(sh: &Shared, dt: KvDType, g: usize, d: usize) -> Result<f64, BackendError> {
-    let mut r = SplitMix(19);
-    let geom = BlockGeometry {
-        block_size: 32,
-        num_kv_heads: 1,
-        head_dim: d,
-        dtype: dt,
-    };
-    let n = 32 * 20 + 13;
-    let kv = mem_kv(&mut r, &geom, n);
-    let q = random(&mut r, g * d, 1.0);
-    let scale = 1.0 / (d as f32).sqrt();
-    let sel: Vec<usize> = vec![0, 3, 4, 9, 17, 20];
-    let want = cpu_attention(&geom, &kv, &q, scale, &sel);
-    let pool: Vec<u8> = kv.blocks.concat();
-    let offs: Vec<i64> = sel
-        .iter()
-        .map(|b| (b * geom.block_bytes()) as i64)
-        .collect();
-    let lens: Vec<i32> = sel.iter().map(|b| (n - b * 32).min(32) as i32).collect();
-    let mut dev = Dev { sh, held: vec![] };
-    let pp = dev.up(&pool)?;
-    let op = dev.up(&offs
-        .iter()
-        .flat_map(|o| o.to_le_bytes())
-        .collect::<Vec<u8>>())?;
-    let lp = dev.up(&lens
-        .iter()
-        .flat_map(|o| o.to_le_bytes())
-        .collect::<Vec<u8>>())?;
-    let (qp, outp, lsep) = (dev.up_f32(&q)?, dev.zeros(g * d)?, dev.zeros(g)?);
-    // SAFETY: sizes as above.
-    unsafe {
-        sh.launch(
-            &sh.k.sparse_decode_attention,
-            (g as u32, 1),
-            32,
-            &[
-                &pp,
-                &op,
-                &lp,
-                &(sel.len() as i32),
-                &qp,
-                &(d as i32),
-                &32i32,
-                &dtype_code(dt),
-                &scale,
-                &outp,
-                &lsep,
-            ],
-        )?
-    };
-    let got = dev.down(outp, g * d)?;
-    let lse = dev.down(lsep, g)?;
-    Ok(rel_err(&got, &want.out).max(rel_err(&lse, &want.lse2)))
-}
-
 fn check_split_attention(
     sh: &Arc<Shared>,
     dt: KvDType,
@@ -565,7 +503,7 @@ fn check_split_attention(
     // Head 0: everything; head 1: a sparse pick with the partial newest block; head 2: none.
     let nb = geom.blocks_for(n);
     let lists: Vec<Vec<usize>> = vec![(0..nb).collect(), vec![0, 5, 6, 100, 250, nb - 1], vec![]];
-    // The device reads from the (page-locked) pool, as in serving: batched copies.
+    // The device reads from the (page-locked, mapped) pool, as in serving: gathered copies.
     let err = |e: kv_transfer::Error| BackendError::Device(e.to_string());
     let pool = HostPool::new(geom, (nb * geom.block_bytes()) as u64).map_err(err)?;
     let mut res = pool.reserve(nb).map_err(err)?;

@@ -7,7 +7,6 @@
 //! remembers how many tokens it holds: the newest block grows by one token a step and is
 //! copied again when attended with more tokens than it holds.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use attention::{BlockGeometry, KvSource, Partial};
@@ -23,6 +22,15 @@ const MAX_GROUP: usize = 8;
 const MAX_HEAD_DIM: usize = 128;
 /// CUDA blocks the split-K kernel aims for per call (enough to fill an H100 twice over).
 const TARGET_CTAS: usize = 1024;
+
+/// Which stream a copy goes on.
+#[derive(Debug, Clone, Copy)]
+enum Lane {
+    /// Before this call's kernels, in order with them.
+    Main,
+    /// Recall, overlapping the main stream.
+    Recall,
+}
 
 /// Scratch of the attention calls (one at a time, on the main stream).
 #[derive(Debug, Default)]
@@ -44,8 +52,6 @@ pub(crate) struct CudaKvStore {
     /// Keeps the pool mapped while it is registered.
     pool: HostPool,
     pinned: bool,
-    /// False once the driver refused a batched copy.
-    batch_ok: AtomicBool,
     /// The pool's host start, length and device address, where it is mapped.
     mapped: Option<(usize, usize, u64)>,
     /// Copy tables of `gather_copy`, one per stream (a stream's uses are ordered).
@@ -143,7 +149,6 @@ impl CudaKvStore {
             scratch: Mutex::new(Scratch::default()),
             pool: pool.clone(),
             pinned,
-            batch_ok: AtomicBool::new(true),
             mapped: mapped.then_some((ptr.as_ptr() as usize, len, pool_dev)),
             gather_main: Mutex::new(DevBuf::default()),
             gather_recall: Mutex::new(DevBuf::default()),
@@ -160,57 +165,23 @@ impl CudaKvStore {
         }
     }
 
-    /// Copies host ranges to device addresses on `stream`: one batched call when the pool is
-    /// page-locked (a block is 16 KiB: per-copy call overhead would dominate), else one by one.
-    fn copy_in(&self, copies: &[(u64, &[u8])], stream: &CudaStream) -> Result<(), BackendError> {
-        if copies.is_empty() {
+    /// The stream of `lane` and the buffer of its gather tables (a stream's uses of its own
+    /// buffer are ordered; the two lanes must not share one).
+    fn lane(&self, lane: Lane) -> (&Arc<CudaStream>, &Mutex<DevBuf>) {
+        match lane {
+            Lane::Main => (&self.shared.stream, &self.gather_main),
+            Lane::Recall => (&self.shared.recall, &self.gather_recall),
+        }
+    }
+
+    /// Copies host ranges to device addresses on `lane`: one `gather_copy` launch where the
+    /// pool is mapped (a block is 16 KiB: a driver call per copy would cost more than the
+    /// copy), else one by one.
+    fn copy_in(&self, copies: &[(u64, &[u8])], lane: Lane) -> Result<(), BackendError> {
+        if copies.len() > 2 && self.gather(copies, lane)? {
             return Ok(());
         }
-        if copies.len() > 2 && self.gather(copies, stream)? {
-            return Ok(());
-        }
-        if self.pinned && copies.len() > 1 && self.batch_ok.load(Ordering::Relaxed) {
-            let mut dsts: Vec<u64> = copies.iter().map(|c| c.0).collect();
-            let mut srcs: Vec<u64> = copies.iter().map(|c| c.1.as_ptr() as u64).collect();
-            let mut sizes: Vec<usize> = copies.iter().map(|c| c.1.len()).collect();
-            let mut attrs = [sys::CUmemcpyAttributes {
-                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                srcLocHint: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
-                    id: 0,
-                },
-                dstLocHint: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: self.shared.ordinal as i32,
-                },
-                flags: 0,
-            }];
-            let mut idx = [0usize];
-            // SAFETY: the arrays have `copies.len()` entries; every source is page-locked pool
-            // memory that stays unchanged until the stream passes the copy (the engine only
-            // writes a block's new tokens after the step synchronised), every destination a
-            // slot we own.
-            let r = unsafe {
-                sys::cuMemcpyBatchAsync_v2(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    copies.len(),
-                    attrs.as_mut_ptr(),
-                    idx.as_mut_ptr(),
-                    1,
-                    stream.cu_stream(),
-                )
-            }
-            .result();
-            match r {
-                Ok(()) => return Ok(()),
-                Err(e) => {
-                    tracing::warn!(error = ?e, "batched copies are not available; copying block by block");
-                    self.batch_ok.store(false, Ordering::Relaxed);
-                }
-            }
-        }
+        let stream = self.lane(lane).0;
         for (dst, src) in copies {
             htod(*dst, src, stream)?;
         }
@@ -219,7 +190,7 @@ impl CudaKvStore {
 
     /// Copies with one `gather_copy` launch reading the mapped pool; false (nothing done)
     /// where that does not apply (pool not mapped, a source outside it, odd sizes).
-    fn gather(&self, copies: &[(u64, &[u8])], stream: &CudaStream) -> Result<bool, BackendError> {
+    fn gather(&self, copies: &[(u64, &[u8])], lane: Lane) -> Result<bool, BackendError> {
         let Some((host, len, dev)) = self.mapped else {
             return Ok(false);
         };
@@ -238,21 +209,11 @@ impl CudaKvStore {
         for c in copies {
             table.extend_from_slice(&c.0.to_le_bytes());
         }
-        let is_main = std::ptr::eq(stream, &*self.shared.stream);
-        let buf = if is_main {
-            &self.gather_main
-        } else {
-            &self.gather_recall
-        };
+        let (stream, buf) = self.lane(lane);
         let mut buf = buf
             .lock()
             .map_err(|_| BackendError::Device("gather table lock poisoned".into()))?;
-        let shared_stream = if is_main {
-            &self.shared.stream
-        } else {
-            &self.shared.recall
-        };
-        let t = buf.ptr(shared_stream, table.len())?;
+        let t = buf.ptr(stream, table.len())?;
         htod(t, &table, stream)?;
         let n = copies.len() as i32;
         let srcs = t;
@@ -300,11 +261,6 @@ impl DeviceKv for CudaKvStore {
             recall_events: vec![None; num_layers],
             store: self,
         })
-    }
-
-    fn used_bytes(&self) -> u64 {
-        let free = self.free.lock().map_or(0, |f| f.len());
-        ((self.slots - free) * self.geom.head_bytes()) as u64
     }
 }
 
@@ -432,7 +388,7 @@ impl DeviceSeq for CudaSeq {
             max_n = max_n.max(offs.len() - before);
             head_start.push(offs.len() as i32);
         }
-        store.copy_in(&copies, &sh.stream)?;
+        store.copy_in(&copies, Lane::Main)?;
         let n_copies = copies.len();
         if offs.is_empty() {
             return Ok((0..hk).map(|_| Partial::empty(group, d)).collect());
@@ -558,7 +514,7 @@ impl DeviceSeq for CudaSeq {
                 }
             }
         }
-        store.copy_in(&copies, &sh.recall)?;
+        store.copy_in(&copies, Lane::Recall)?;
         if !copies.is_empty() {
             let ev = match self.recall_events[layer] {
                 Some(e) => e,
