@@ -227,7 +227,7 @@ async fn model_info(target: &str) -> anyhow::Result<pb::ModelInfo> {
 /// Loopback ingest: bytes/s ÷ single-thread memcpy bytes/s in the same run.
 async fn ingest(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     let memcpy = memcpy_bandwidth(256 << 20, 1.0);
-    let node = start_node(args.model.clone(), 2 << 30, 1 << 30, 8, 600.0, false).await?;
+    let node = start_node(args.model.clone(), 2 << 30, 1 << 30, 8, 600.0, true).await?;
     let target = node.target();
     let info = model_info(&target).await?;
     let per_token =
@@ -534,7 +534,7 @@ fn recall_profile(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
     for m in push_messages(&kv, 256) {
         match m.item {
             Some(Item::Header(h)) => ingest = Some(Ingest::begin(&node.layout, &pool, &h)?),
-            Some(Item::Chunk(c)) => ingest.as_mut().context("header first")?.chunk(&c)?,
+            Some(Item::Chunk(c)) => ingest.as_mut().context("header first")?.chunk(&c.into())?,
             _ => {}
         }
     }

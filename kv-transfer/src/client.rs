@@ -1,15 +1,25 @@
 //! The push client: chunks a prompt's KV, checksums it and streams it to a decode node.
+//!
+//! [`push_kv`] sends K and V from the caller's buffers without copying them into messages.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use decode_node_proto::v1::kv_transfer_client::KvTransferClient;
 use decode_node_proto::v1::push_kv_request::Item;
 use decode_node_proto::v1::{DType, KvChunk, KvCommit, KvHeader, PushKvRequest, PushKvResponse};
+use http::header::{AUTHORIZATION, CONTENT_TYPE, TE};
+use http_body::Frame;
+use http_body_util::StreamBody;
+use tonic::body::Body;
+use tonic::codec::{Codec, Streaming};
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
+use tonic_prost::ProstCodec;
+use tower_service::Service;
+
+use crate::wire::{PUSH_KV_PATH, encode_chunk, encode_message};
 
 /// A prompt's KV in wire layout: per layer, K and V as `[num_tokens][num_kv_heads][head_dim]`
 /// little-endian bytes of the header's dtype.
@@ -58,8 +68,8 @@ impl Default for PushOptions {
     }
 }
 
-/// The messages of one push: header, chunks layer by layer, commit.
-pub fn push_messages(kv: &PromptKv, chunk_tokens: usize) -> Vec<PushKvRequest> {
+/// A push's chunks, layer by layer: K and V of each are ranges of the layer's buffers.
+fn chunks(kv: &PromptKv, chunk_tokens: usize) -> impl Iterator<Item = KvChunk> + '_ {
     let h = &kv.header;
     let n = h.num_tokens as usize;
     let es = match DType::try_from(h.dtype) {
@@ -68,69 +78,89 @@ pub fn push_messages(kv: &PromptKv, chunk_tokens: usize) -> Vec<PushKvRequest> {
     };
     let row = h.num_kv_heads as usize * h.head_dim as usize * es;
     let step = chunk_tokens.max(1);
-    let mut out = vec![PushKvRequest {
-        item: Some(Item::Header(h.clone())),
-    }];
-    for (layer, (k, v)) in kv.layers.iter().enumerate() {
-        for start in (0..n).step_by(step) {
-            let count = step.min(n - start);
-            // Zero-copy: a chunk's K and V are contiguous ranges of the layer's buffers.
-            let key = k.slice(start * row..(start + count) * row);
-            let value = v.slice(start * row..(start + count) * row);
-            let crc = crc32c::crc32c_append(crc32c::crc32c(&key), &value);
-            out.push(PushKvRequest {
-                item: Some(Item::Chunk(KvChunk {
+    kv.layers
+        .iter()
+        .enumerate()
+        .flat_map(move |(layer, (k, v))| {
+            (0..n).step_by(step).map(move |start| {
+                let count = step.min(n - start);
+                // Zero-copy: a chunk's K and V are contiguous ranges of the layer's buffers.
+                let range = (start * row).min(k.len())..((start + count) * row).min(k.len());
+                let key = k.slice(range.clone());
+                let value = v.slice(range.start.min(v.len())..range.end.min(v.len()));
+                let crc32c = crate::crc::crc32c([&key[..], &value[..]]);
+                KvChunk {
                     layer: layer as u32,
                     token_start: start as u32,
                     token_count: count as u32,
                     key,
                     value,
-                    crc32c: crc,
-                })),
-            });
-        }
-    }
+                    crc32c,
+                }
+            })
+        })
+}
+
+/// The messages of one push: header, chunks layer by layer, commit.
+pub fn push_messages(kv: &PromptKv, chunk_tokens: usize) -> Vec<PushKvRequest> {
+    let mut out = vec![PushKvRequest {
+        item: Some(Item::Header(kv.header.clone())),
+    }];
+    out.extend(chunks(kv, chunk_tokens).map(|c| PushKvRequest {
+        item: Some(Item::Chunk(c)),
+    }));
     out.push(PushKvRequest {
         item: Some(Item::Commit(KvCommit {})),
     });
     out
 }
 
+/// The request body of one push as buffers: gRPC framing and protobuf field headers around
+/// K and V, which are `kv`'s own buffers. The bytes are [`push_messages`] encoded by prost.
+pub fn push_body(kv: &PromptKv, chunk_tokens: usize) -> Result<Vec<Bytes>, Status> {
+    let invalid = |e: crate::Error| Status::invalid_argument(e.to_string());
+    let mut out = vec![
+        encode_message(&PushKvRequest {
+            item: Some(Item::Header(kv.header.clone())),
+        })
+        .map_err(invalid)?,
+    ];
+    for c in chunks(kv, chunk_tokens) {
+        out.extend(
+            encode_chunk(
+                c.layer,
+                c.token_start,
+                c.token_count,
+                c.key,
+                c.value,
+                c.crc32c,
+            )
+            .map_err(invalid)?,
+        );
+    }
+    out.push(
+        encode_message(&PushKvRequest {
+            item: Some(Item::Commit(KvCommit {})),
+        })
+        .map_err(invalid)?,
+    );
+    Ok(out)
+}
+
 /// Pushes `kv` to the node behind `channel`; `progress(bytes_acked)` sees every ack.
 /// Retries the whole push on UNAVAILABLE with a short backoff.
+///
+/// The request goes out as [`push_body`]'s buffers, straight to HTTP/2: the KV is not copied
+/// into message buffers as a generated client's encoder would.
 pub async fn push_kv(
     channel: Channel,
     kv: &PromptKv,
     opts: &PushOptions,
     mut progress: impl FnMut(u64),
 ) -> Result<PushKvResponse, Status> {
-    let mut client =
-        KvTransferClient::with_interceptor(channel, BearerAuth(opts.auth_token.clone()))
-            .max_decoding_message_size(64 << 20)
-            .max_encoding_message_size(256 << 20);
     let mut attempt = 0;
     loop {
-        let msgs = push_messages(kv, opts.chunk_tokens);
-        let res = async {
-            let mut stream = client.push_kv(tokio_stream::iter(msgs)).await?.into_inner();
-            let mut last = None;
-            while let Some(ack) = stream.message().await? {
-                progress(ack.bytes_received);
-                let done = ack.committed;
-                last = Some(ack);
-                if done {
-                    break;
-                }
-            }
-            match last {
-                Some(a) if a.committed => Ok(a),
-                _ => Err(Status::unknown(
-                    "push stream ended without a commit acknowledgement",
-                )),
-            }
-        }
-        .await;
-        match res {
+        match push_once(channel.clone(), kv, opts, &mut progress).await {
             Err(s) if s.code() == Code::Unavailable && attempt < opts.retries => {
                 attempt += 1;
                 tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
@@ -138,4 +168,56 @@ pub async fn push_kv(
             other => return other,
         }
     }
+}
+
+async fn push_once(
+    mut channel: Channel,
+    kv: &PromptKv,
+    opts: &PushOptions,
+    progress: &mut impl FnMut(u64),
+) -> Result<PushKvResponse, Status> {
+    let body = push_body(kv, opts.chunk_tokens)?;
+    let body = Body::new(StreamBody::new(tokio_stream::iter(
+        body.into_iter().map(|b| Ok::<_, Status>(Frame::data(b))),
+    )));
+    let mut req = http::Request::builder()
+        .method(http::Method::POST)
+        .version(http::Version::HTTP_2)
+        .uri(PUSH_KV_PATH)
+        .header(CONTENT_TYPE, "application/grpc")
+        .header(TE, "trailers");
+    if let Some(t) = &opts.auth_token {
+        let v = http::HeaderValue::try_from(format!("Bearer {t}"))
+            .map_err(|_| Status::invalid_argument("auth token is not valid ASCII metadata"))?;
+        req = req.header(AUTHORIZATION, v);
+    }
+    let req = req
+        .body(body)
+        .map_err(|e| Status::internal(format!("building the PushKv request: {e}")))?;
+    // Connection errors map to codes as a generated client's would (refused: UNAVAILABLE).
+    let transport = |e: tonic::transport::Error| Status::from_error(Box::new(e));
+    std::future::poll_fn(|cx| channel.poll_ready(cx))
+        .await
+        .map_err(transport)?;
+    let res = channel.call(req).await.map_err(transport)?;
+    let (parts, body) = res.into_parts();
+    if let Some(s) = Status::from_header_map(&parts.headers) {
+        // A trailers-only response: refused before any ack.
+        return Err(if s.code() == Code::Ok {
+            Status::unknown("push stream ended without a commit acknowledgement")
+        } else {
+            s
+        });
+    }
+    let decoder = ProstCodec::<PushKvRequest, PushKvResponse>::default().decoder();
+    let mut stream = Streaming::new_response(decoder, body, parts.status, None, Some(64 << 20));
+    while let Some(ack) = stream.message().await? {
+        progress(ack.bytes_received);
+        if ack.committed {
+            return Ok(ack);
+        }
+    }
+    Err(Status::unknown(
+        "push stream ended without a commit acknowledgement",
+    ))
 }

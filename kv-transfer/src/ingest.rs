@@ -6,9 +6,10 @@
 //! [`CommittedKv`] to the registry. Dropping an unfinished `Ingest` frees everything.
 
 use attention::{BlockGeometry, Digest, KvDType, KvSource, WireTokens, decode_to_f32};
-use decode_node_proto::v1::{DType, KvChunk, KvHeader};
+use decode_node_proto::v1::{DType, KvHeader};
 
 use crate::pool::{Block, HostPool, Reservation};
+use crate::wire::Chunk;
 use crate::{Error, KvLayout};
 
 /// Longest request id accepted.
@@ -144,6 +145,9 @@ pub struct Ingest {
     pub chunks_received: u32,
     scratch_k: Vec<f32>,
     scratch_v: Vec<f32>,
+    /// Key and value rows that straddle two received frames, joined.
+    gather_k: Vec<u8>,
+    gather_v: Vec<u8>,
 }
 
 fn wire_dtype(d: i32) -> Result<KvDType, Error> {
@@ -258,6 +262,8 @@ impl Ingest {
             chunks_received: 0,
             scratch_k: Vec::new(),
             scratch_v: Vec::new(),
+            gather_k: Vec::new(),
+            gather_v: Vec::new(),
         })
     }
 
@@ -272,7 +278,7 @@ impl Ingest {
     }
 
     /// Validates and writes one chunk.
-    pub fn chunk(&mut self, c: &KvChunk) -> Result<(), Error> {
+    pub fn chunk(&mut self, c: &Chunk) -> Result<(), Error> {
         let geom = self.layout.geom;
         let (hk, d) = (geom.num_kv_heads, geom.head_dim);
         if c.layer as usize >= self.layout.num_layers {
@@ -301,7 +307,7 @@ impl Ingest {
                 c.value.len()
             )));
         }
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&c.key), &c.value);
+        let crc = crate::crc::crc32c(c.key.parts().iter().chain(c.value.parts()).map(|b| &b[..]));
         if crc != c.crc32c {
             return Err(Error::Invalid(format!(
                 "chunk layer {} tokens [{start}, {}) CRC-32C mismatch: computed {crc:#010x}, sent {:#010x}",
@@ -327,11 +333,13 @@ impl Ingest {
         let fused = same_dtype && geom.folds_digest_in_copy();
         if !fused {
             self.scratch_k.resize(count * hk * d, 0.0);
-            decode_to_f32(self.info.wire_dtype, &c.key, &mut self.scratch_k);
+            let key = c.key.slice(0..want, &mut self.gather_k);
+            decode_to_f32(self.info.wire_dtype, key, &mut self.scratch_k);
         }
         if !same_dtype {
             self.scratch_v.resize(count * hk * d, 0.0);
-            decode_to_f32(self.info.wire_dtype, &c.value, &mut self.scratch_v);
+            let value = c.value.slice(0..want, &mut self.gather_v);
+            decode_to_f32(self.info.wire_dtype, value, &mut self.scratch_v);
         }
         let b = geom.block_size;
         let row = hk * d * es;
@@ -342,13 +350,22 @@ impl Ingest {
             let (bi, slot) = (pos / b, pos % b);
             let n = (b - slot).min(count - t);
             let block = self.blocks[layer][bi].bytes_mut();
+            let rows = t * row..(t + n) * row;
+            let (kr, vr) = if same_dtype {
+                (
+                    c.key.slice(rows.clone(), &mut self.gather_k),
+                    c.value.slice(rows, &mut self.gather_v),
+                )
+            } else {
+                (&[][..], &[][..])
+            };
             for h in 0..hk {
                 if same_dtype {
                     // The common case: no conversion, straight copies into the block layout.
-                    let off = t * row + h * d * es;
+                    let off = h * d * es;
                     let src = WireTokens {
-                        k: &c.key[off..],
-                        v: &c.value[off..],
+                        k: &kr[off..],
+                        v: &vr[off..],
                         stride: row,
                         n,
                     };
@@ -412,6 +429,7 @@ pub(crate) mod tests {
     use super::*;
     use attention::encode_from_f32;
     use bytes::Bytes;
+    use decode_node_proto::v1::KvChunk;
 
     pub(crate) fn layout() -> KvLayout {
         KvLayout {
@@ -473,6 +491,8 @@ pub(crate) mod tests {
         }
     }
 
+    use crate::Payload;
+
     fn pool() -> HostPool {
         HostPool::new(layout().geom, 64 * layout().geom.block_bytes() as u64).unwrap()
     }
@@ -482,12 +502,12 @@ pub(crate) mod tests {
         let pool = pool();
         let mut ing = Ingest::begin(&layout(), &pool, &header("a", 6)).unwrap();
         assert_eq!(pool.usage().used, 4 * layout().geom.block_bytes() as u64);
-        ing.chunk(&chunk(1, 2, 4)).unwrap();
-        ing.chunk(&chunk(0, 0, 6)).unwrap();
+        ing.chunk(&chunk(1, 2, 4).into()).unwrap();
+        ing.chunk(&chunk(0, 0, 6).into()).unwrap();
         assert!(
-            matches!(ing.chunk(&chunk(1, 0, 3)), Err(Error::Invalid(m)) if m.contains("overlaps"))
+            matches!(ing.chunk(&chunk(1, 0, 3).into()), Err(Error::Invalid(m)) if m.contains("overlaps"))
         );
-        ing.chunk(&chunk(1, 0, 2)).unwrap();
+        ing.chunk(&chunk(1, 0, 2).into()).unwrap();
         let mut kv = ing.commit().unwrap();
         // Token 5 of layer 1, head 1 sits in block 1, slot 1: K^T[c][1], V[1][c].
         let g = layout().geom;
@@ -513,9 +533,9 @@ pub(crate) mod tests {
         l.geom.dtype = KvDType::F16;
         let pool = HostPool::new(l.geom, 64 * l.geom.block_bytes() as u64).unwrap();
         let mut copy = Ingest::begin(&l, &pool, &header("c", 7)).unwrap();
-        copy.chunk(&chunk(0, 0, 3)).unwrap();
-        copy.chunk(&chunk(0, 3, 4)).unwrap();
-        copy.chunk(&chunk(1, 0, 7)).unwrap();
+        copy.chunk(&chunk(0, 0, 3).into()).unwrap();
+        copy.chunk(&chunk(0, 3, 4).into()).unwrap();
+        copy.chunk(&chunk(1, 0, 7).into()).unwrap();
         let mut h = header("f", 7);
         h.dtype = DType::DtypeF32 as i32;
         let mut conv = Ingest::begin(&l, &pool, &h).unwrap();
@@ -528,12 +548,15 @@ pub(crate) mod tests {
             let kb: Vec<u8> = k.iter().flat_map(|x| x.to_le_bytes()).collect();
             let vb: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
             let crc = crc32c::crc32c_append(crc32c::crc32c(&kb), &vb);
-            conv.chunk(&KvChunk {
-                key: Bytes::from(kb),
-                value: Bytes::from(vb),
-                crc32c: crc,
-                ..c16
-            })
+            conv.chunk(
+                &KvChunk {
+                    key: Bytes::from(kb),
+                    value: Bytes::from(vb),
+                    crc32c: crc,
+                    ..c16
+                }
+                .into(),
+            )
             .unwrap();
         }
         let (mut a, mut b) = (copy.commit().unwrap(), conv.commit().unwrap());
@@ -605,13 +628,24 @@ pub(crate) mod tests {
         let mut ing = Ingest::begin(&l, &pool, &header("a", 6)).unwrap();
         let mut c = chunk(0, 0, 2);
         c.crc32c ^= 1;
-        assert!(matches!(ing.chunk(&c), Err(Error::Invalid(m)) if m.contains("CRC")));
-        assert!(matches!(ing.chunk(&chunk(2, 0, 2)), Err(Error::Invalid(_))));
-        assert!(matches!(ing.chunk(&chunk(0, 5, 2)), Err(Error::Invalid(_))));
+        assert!(
+            matches!(ing.chunk(&c.clone().into()), Err(Error::Invalid(m)) if m.contains("CRC"))
+        );
+        assert!(matches!(
+            ing.chunk(&chunk(2, 0, 2).into()),
+            Err(Error::Invalid(_))
+        ));
+        assert!(matches!(
+            ing.chunk(&chunk(0, 5, 2).into()),
+            Err(Error::Invalid(_))
+        ));
         let mut c = chunk(0, 0, 2);
         c.value = c.value.slice(2..);
-        assert!(matches!(ing.chunk(&c), Err(Error::Invalid(_))));
-        ing.chunk(&chunk(0, 0, 6)).unwrap();
+        assert!(matches!(
+            ing.chunk(&c.clone().into()),
+            Err(Error::Invalid(_))
+        ));
+        ing.chunk(&chunk(0, 0, 6).into()).unwrap();
         assert!(matches!(ing.commit(), Err(Error::Invalid(m)) if m.contains("not sent")));
         assert_eq!(
             pool.usage().used + pool.usage().reserved,
@@ -636,8 +670,8 @@ pub(crate) mod tests {
         ) {
             let pool = HostPool::new(layout().geom, 64 * layout().geom.block_bytes() as u64).unwrap();
             let mut reference = Ingest::begin(&layout(), &pool, &header("r", n as u32)).unwrap();
-            reference.chunk(&chunk(0, 0, n)).unwrap();
-            reference.chunk(&chunk(1, 0, n)).unwrap();
+            reference.chunk(&chunk(0, 0, n).into()).unwrap();
+            reference.chunk(&chunk(1, 0, n).into()).unwrap();
             let mut reference = reference.commit().unwrap();
 
             let mut bounds: Vec<usize> = cuts.into_iter().filter(|c| *c < n).collect();
@@ -651,8 +685,17 @@ pub(crate) mod tests {
             let mut keyed: Vec<(u32, KvChunk)> = chunks.drain(..).enumerate().map(|(i, c)| (order[i % 64] ^ i as u32, c)).collect();
             keyed.sort_by_key(|k| k.0);
             let mut ing = Ingest::begin(&layout(), &pool, &header("s", n as u32)).unwrap();
-            for (_, c) in &keyed {
-                ing.chunk(c).unwrap();
+            for (key, c) in &keyed {
+                // Key and value split in up to three frames, as HTTP/2 may deliver them.
+                let split = |b: &Bytes, salt: u32| {
+                    let (x, y) = ((key ^ salt) as usize % (b.len() + 1), (key >> 7) as usize % (b.len() + 1));
+                    let (x, y) = (x.min(y), x.max(y));
+                    Payload::from(vec![b.slice(..x), b.slice(x..y), b.slice(y..)])
+                };
+                let mut parts = Chunk::from(c.clone());
+                parts.key = split(&c.key, 0x55);
+                parts.value = split(&c.value, 0xAA);
+                ing.chunk(&parts).unwrap();
             }
             let mut got = ing.commit().unwrap();
             let g = layout().geom;

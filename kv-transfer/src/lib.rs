@@ -6,7 +6,8 @@
 //!   range, CRC-32C and coverage, writing blocks in the attention kernels' layout and building
 //!   digests as chunks arrive. A commit yields a [`CommittedKv`].
 //! - [`Registry`]: request id → pushing / committed (under a lease) / awaited by a Generate.
-//! - [`KvTransferService`]: the gRPC service; [`client::push_kv`] the client side.
+//! - [`KvTransferService`]: the gRPC service; [`KvTransferRoute`] serves its `PushKv` straight
+//!   from HTTP/2 frames ([`wire`]); [`client::push_kv`] the client side, likewise zero-copy.
 //!
 //! ```
 //! use attention::{BlockGeometry, KvDType};
@@ -30,18 +31,24 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod client;
+mod crc;
 mod error;
 mod ingest;
 mod metrics;
+mod payload;
 mod pool;
 mod registry;
+mod route;
 mod service;
+pub mod wire;
 
 pub use error::{Error, code_label};
 pub use ingest::{CommittedKv, Ingest, MAX_REQUEST_ID_LEN, PromptInfo, validate_header};
 pub use metrics::{CodeLabel, IngestMetrics};
+pub use payload::Payload;
 pub use pool::{Block, HostPool, PoolUsage, Reservation};
 pub use registry::{PushSlot, Registry};
+pub use route::KvTransferRoute;
 pub use service::{ACK_EVERY_BYTES, KvTransferService};
 
 use attention::BlockGeometry;

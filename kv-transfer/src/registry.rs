@@ -280,8 +280,8 @@ mod tests {
 
     fn committed(pool: &HostPool, id: &str) -> CommittedKv {
         let mut ing = Ingest::begin(&layout(), pool, &header(id, 4)).unwrap();
-        ing.chunk(&chunk(0, 0, 4)).unwrap();
-        ing.chunk(&chunk(1, 0, 4)).unwrap();
+        ing.chunk(&chunk(0, 0, 4).into()).unwrap();
+        ing.chunk(&chunk(1, 0, 4).into()).unwrap();
         ing.commit().unwrap()
     }
 

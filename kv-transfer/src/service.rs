@@ -3,17 +3,17 @@
 use std::time::Instant;
 
 use decode_node_proto::v1::kv_transfer_server::KvTransfer;
-use decode_node_proto::v1::push_kv_request::Item;
 use decode_node_proto::v1::{DropKvRequest, DropKvResponse, PushKvRequest, PushKvResponse};
 use tokio::sync::mpsc;
-use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::ingest::Ingest;
 use crate::pool::HostPool;
 use crate::registry::{PushSlot, Registry};
-use crate::{Error, KvLayout};
+use crate::wire::PushMessage;
+use crate::{Error, KvLayout, code_label};
 
 /// Acknowledge at least this often (payload bytes).
 pub const ACK_EVERY_BYTES: u64 = 8 << 20;
@@ -37,7 +37,17 @@ impl KvTransferService {
     }
 }
 
-struct Push {
+/// Why the inbound side of a push ended early.
+#[derive(Debug)]
+pub(crate) enum Inbound {
+    /// The client's stream broke (reset, disconnect): nobody is listening for a reply.
+    Broken(String),
+    /// The stream carried what we refuse before it is a message (oversized, compressed,
+    /// truncated): the client is told why.
+    Refused(Status),
+}
+
+pub(crate) struct Push {
     slot: PushSlot,
     ingest: Ingest,
     started: Instant,
@@ -46,10 +56,10 @@ struct Push {
 
 impl KvTransferService {
     /// Feeds one message; returns an ack to send, if one is due.
-    fn step(
+    pub(crate) fn step(
         &self,
         state: &mut Option<Push>,
-        msg: PushKvRequest,
+        msg: PushMessage,
     ) -> Result<Option<PushKvResponse>, Error> {
         let ack = |p: &Push, committed: bool| PushKvResponse {
             request_id: p.ingest.request_id().to_string(),
@@ -57,11 +67,11 @@ impl KvTransferService {
             chunks_received: p.ingest.chunks_received,
             committed,
         };
-        match (msg.item, state.as_mut()) {
-            (None, _) => Err(Error::Invalid(
+        match (msg, state.as_mut()) {
+            (PushMessage::Empty, _) => Err(Error::Invalid(
                 "empty PushKvRequest (no header, chunk or commit)".into(),
             )),
-            (Some(Item::Header(h)), None) => {
+            (PushMessage::Header(h), None) => {
                 let slot = self.registry.begin_push(&h.request_id)?;
                 let ingest = Ingest::begin(&self.layout, &self.pool, &h)?;
                 *state = Some(Push {
@@ -72,13 +82,13 @@ impl KvTransferService {
                 });
                 Ok(None)
             }
-            (Some(Item::Header(_)), Some(_)) => {
+            (PushMessage::Header(_), Some(_)) => {
                 Err(Error::Invalid("second KvHeader in one push".into()))
             }
-            (Some(_), None) => Err(Error::Invalid(
+            (_, None) => Err(Error::Invalid(
                 "the first message of a push must be a KvHeader".into(),
             )),
-            (Some(Item::Chunk(c)), Some(p)) => {
+            (PushMessage::Chunk(c), Some(p)) => {
                 if p.slot.is_cancelled() {
                     return Err(Error::Cancelled(p.ingest.request_id().into()));
                 }
@@ -92,7 +102,7 @@ impl KvTransferService {
                 }
                 Ok(None)
             }
-            (Some(Item::Commit(_)), Some(_)) => {
+            (PushMessage::Commit, Some(_)) => {
                 let Some(p) = state.take() else {
                     unreachable!("matched Some above")
                 };
@@ -108,66 +118,99 @@ impl KvTransferService {
             }
         }
     }
+
+    /// Counts an error ended before the state machine saw the push.
+    pub(crate) fn metrics_error(&self, code: tonic::Code) {
+        self.registry.metrics().error(code_label(code));
+    }
+
+    /// Refuses a push up front while draining.
+    pub(crate) fn admit(&self) -> Result<(), Status> {
+        if self.registry.is_draining() {
+            self.registry.metrics().error("unavailable");
+            return Err(Error::Draining.into());
+        }
+        Ok(())
+    }
+
+    /// Runs one push to its end: feeds `inbound` through [`Self::step`] and sends acks, or the
+    /// error that ended it, to `tx`. Whatever the push held is freed when this returns
+    /// without a commit.
+    pub(crate) async fn run_push<S>(
+        &self,
+        mut inbound: S,
+        tx: mpsc::Sender<Result<PushKvResponse, Status>>,
+    ) where
+        S: Stream<Item = Result<PushMessage, Inbound>> + Unpin,
+    {
+        let mut state: Option<Push> = None;
+        let mut committed = false;
+        while let Some(msg) = inbound.next().await {
+            let msg = match msg {
+                Ok(m) => m,
+                Err(Inbound::Broken(why)) => {
+                    // The client broke the stream: drop everything it held.
+                    tracing::debug!(%why, "push stream broke");
+                    self.registry.metrics().error("cancelled");
+                    return;
+                }
+                Err(Inbound::Refused(status)) => {
+                    tracing::debug!(%status, "push refused");
+                    self.registry.metrics().error(code_label(status.code()));
+                    let _ = tx.send(Err(status)).await;
+                    return;
+                }
+            };
+            if committed {
+                let e = Error::Invalid("message after KvCommit".into());
+                self.registry.metrics().error(e.code_label());
+                let _ = tx.send(Err(e.into())).await;
+                return;
+            }
+            match self.step(&mut state, msg) {
+                Ok(Some(ack)) => {
+                    committed = ack.committed;
+                    if tx.send(Ok(ack)).await.is_err() && !committed {
+                        self.registry.metrics().error("cancelled");
+                        return;
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "push refused");
+                    self.registry.metrics().error(e.code_label());
+                    let _ = tx.send(Err(e.into())).await;
+                    return;
+                }
+            }
+        }
+        if !committed {
+            // Half-closed without a commit: nothing was published, everything is freed.
+            let e = Error::Invalid("push stream ended before KvCommit".into());
+            self.registry.metrics().error(e.code_label());
+            let _ = tx.send(Err(e.into())).await;
+        }
+    }
 }
 
 #[tonic::async_trait]
 impl KvTransfer for KvTransferService {
     type PushKvStream = ReceiverStream<Result<PushKvResponse, Status>>;
 
+    /// Served by [`crate::KvTransferRoute`] in `serve`, which reads chunks without joining
+    /// frames; this tonic path (same state machine) remains for plain tonic servers.
     async fn push_kv(
         &self,
         req: Request<Streaming<PushKvRequest>>,
     ) -> Result<Response<Self::PushKvStream>, Status> {
-        if self.registry.is_draining() {
-            self.registry.metrics().error("unavailable");
-            return Err(Error::Draining.into());
-        }
-        let mut inbound = req.into_inner();
+        self.admit()?;
+        let inbound = req.into_inner().map(|m| {
+            m.map(PushMessage::from)
+                .map_err(|s| Inbound::Broken(s.to_string()))
+        });
         let (tx, rx) = mpsc::channel(8);
         let this = self.clone();
-        tokio::spawn(async move {
-            let mut state: Option<Push> = None;
-            let mut committed = false;
-            while let Some(msg) = inbound.next().await {
-                let msg = match msg {
-                    Ok(m) => m,
-                    Err(status) => {
-                        // The client broke the stream: drop everything it held.
-                        tracing::debug!(%status, "push stream broke");
-                        this.registry.metrics().error("cancelled");
-                        return;
-                    }
-                };
-                if committed {
-                    let e = Error::Invalid("message after KvCommit".into());
-                    this.registry.metrics().error(e.code_label());
-                    let _ = tx.send(Err(e.into())).await;
-                    return;
-                }
-                match this.step(&mut state, msg) {
-                    Ok(Some(ack)) => {
-                        committed = ack.committed;
-                        if tx.send(Ok(ack)).await.is_err() && !committed {
-                            this.registry.metrics().error("cancelled");
-                            return;
-                        }
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::debug!(error = %e, "push refused");
-                        this.registry.metrics().error(e.code_label());
-                        let _ = tx.send(Err(e.into())).await;
-                        return;
-                    }
-                }
-            }
-            if !committed {
-                // Half-closed without a commit: nothing was published, everything is freed.
-                let e = Error::Invalid("push stream ended before KvCommit".into());
-                this.registry.metrics().error(e.code_label());
-                let _ = tx.send(Err(e.into())).await;
-            }
-        });
+        tokio::spawn(async move { this.run_push(inbound, tx).await });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -192,6 +235,7 @@ mod fuzz {
     use super::*;
     use crate::IngestMetrics;
     use crate::ingest::tests::{chunk, header, layout};
+    use decode_node_proto::v1::push_kv_request::Item;
     use decode_node_proto::v1::{KvCommit, KvHeader};
     use proptest::prelude::*;
     use std::time::Duration;
@@ -324,7 +368,7 @@ mod fuzz {
                     _ => {
                         if let Some(msg) = message(op) {
                             // As the service does: an error ends the stream and drops its state.
-                            match svc.step(&mut state, msg) {
+                            match svc.step(&mut state, msg.into()) {
                                 Ok(_) => {}
                                 Err(_) => state = None,
                             }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use decode_node_proto::v1::decode_server::DecodeServer;
 use decode_node_proto::v1::kv_transfer_server::KvTransferServer;
-use kv_transfer::{HostPool, KvTransferService, Registry};
+use kv_transfer::{HostPool, KvTransferRoute, KvTransferService, Registry};
 use tokio::sync::oneshot;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
@@ -109,13 +109,14 @@ pub async fn serve(
         .context("gRPC reflection")?;
 
     let auth = BearerCheck::new(token);
+    let kv = KvTransferService::new(node.layout.clone(), pool.clone(), registry.clone());
+    // PushKv is served from the HTTP/2 frames without joining them; DropKv by tonic.
     let kv_svc = tonic::service::interceptor::InterceptedService::new(
-        KvTransferServer::new(KvTransferService::new(
-            node.layout.clone(),
-            pool.clone(),
-            registry.clone(),
-        ))
-        .max_decoding_message_size(MAX_PUSH_MESSAGE),
+        KvTransferRoute::new(
+            kv.clone(),
+            KvTransferServer::new(kv).max_decoding_message_size(MAX_PUSH_MESSAGE),
+            MAX_PUSH_MESSAGE,
+        ),
         auth.clone(),
     );
     let decode_svc = tonic::service::interceptor::InterceptedService::new(
