@@ -181,10 +181,58 @@ impl BlockGeometry {
 
 /// Copies `n` V rows of `row` bytes, `stride` apart in `v`, to slots `slot0..` of `vs`.
 fn copy_values(vs: &mut [u8], v: &[u8], row: usize, slot0: usize, n: usize, stride: usize) {
-    for t in 0..n {
-        vs[(slot0 + t) * row..(slot0 + t + 1) * row]
-            .copy_from_slice(&v[t * stride..t * stride + row]);
+    let dst = &mut vs[slot0 * row..(slot0 + n) * row];
+    #[cfg(target_arch = "x86_64")]
+    if n >= STREAM_MIN_ROWS
+        && row.is_multiple_of(32)
+        && (dst.as_ptr() as usize).is_multiple_of(32)
+        && is_x86_feature_detected!("avx")
+    {
+        // SAFETY: AVX checked; `dst` is 32-byte aligned and holds n rows of `row` bytes (a
+        // multiple of 32); the bounds of `v` are checked inside.
+        unsafe { stream_rows_avx(dst, v, row, n, stride) };
+        return;
     }
+    for (t, d) in dst.chunks_exact_mut(row).enumerate() {
+        d.copy_from_slice(&v[t * stride..t * stride + row]);
+    }
+}
+
+/// Runs of at least this many V rows are written with non-temporal stores.
+#[cfg(target_arch = "x86_64")]
+const STREAM_MIN_ROWS: usize = 8;
+
+/// Copies rows with non-temporal stores: an ingest writes the pool once and does not read it
+/// back soon, so fetching each destination line first (what a plain store does) only doubles
+/// the memory traffic. `bench store`: 8-17% faster for the whole ingest store path.
+///
+/// # Safety
+/// AVX; `dst` 32-byte aligned, `dst.len() == n * row`, `row` a multiple of 32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn stream_rows_avx(dst: &mut [u8], v: &[u8], row: usize, n: usize, stride: usize) {
+    use std::arch::x86_64::*;
+    assert!(
+        n == 0 || v.len() >= (n - 1) * stride + row,
+        "V rows out of bounds"
+    );
+    debug_assert!(
+        dst.len() == n * row
+            && row.is_multiple_of(32)
+            && (dst.as_ptr() as usize).is_multiple_of(32)
+    );
+    for t in 0..n {
+        for i in (0..row).step_by(32) {
+            // SAFETY: t < n and i + 32 <= row, within both buffers (checked above); the
+            // destination offset keeps the 32-byte alignment.
+            unsafe {
+                let x = _mm256_loadu_si256(v.as_ptr().add(t * stride + i).cast());
+                _mm256_stream_si256(dst.as_mut_ptr().add(t * row + i).cast(), x);
+            }
+        }
+    }
+    // Order the streamed stores before anything that publishes the block.
+    _mm_sfence();
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -214,6 +262,17 @@ unsafe fn fold_bf16_avx2(
     debug_assert!(d % 8 == 0 && slot0 + n <= b && kt.len() >= d * b * 2);
     debug_assert!(n == 0 || k.len() >= (n - 1) * stride + d * 2);
     let widen = |v: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)));
+    // A whole block's K (the bulk of an ingest) is written as whole channel rows with
+    // non-temporal stores: transposed 8 channels at a time into `lines`, then streamed, so no
+    // destination line is read first (see `stream_rows_avx`).
+    #[repr(align(32))]
+    struct Lines([u8; 8 * STREAM_MAX_SLOTS * 2]);
+    let mut lines = Lines([0; 8 * STREAM_MAX_SLOTS * 2]);
+    let stream = slot0 == 0
+        && n == b
+        && b.is_multiple_of(16)
+        && b <= STREAM_MAX_SLOTS
+        && (kt.as_ptr() as usize).is_multiple_of(32);
     for c0 in (0..d).step_by(8) {
         // SAFETY: c0 + 8 <= d.
         let (mut lo, mut hi) = unsafe {
@@ -264,6 +323,13 @@ unsafe fn fold_bf16_avx2(
                 _mm_unpackhi_epi64(bb[3], bb[7]),
             ];
             for (j, row) in rows.iter().enumerate() {
+                if stream {
+                    // SAFETY: j < 8 and t0 + 8 <= n = b <= STREAM_MAX_SLOTS: inside `lines`.
+                    unsafe {
+                        _mm_storeu_si128(lines.0.as_mut_ptr().add((j * b + t0) * 2).cast(), *row)
+                    };
+                    continue;
+                }
                 // SAFETY: row c0+j < d, slots slot0+t0 .. +8 <= slot0 + n <= b.
                 unsafe {
                     _mm_storeu_si128(
@@ -273,6 +339,19 @@ unsafe fn fold_bf16_avx2(
                 };
             }
             t0 += 8;
+        }
+        if stream {
+            // Eight whole channel rows, streamed out 32 bytes at a time.
+            for j in 0..8 {
+                for off in (0..b * 2).step_by(32) {
+                    // SAFETY: `lines` holds 8 rows of b*2 bytes, 32-aligned (b*2 % 32 == 0);
+                    // the block row (c0+j)*b*2 + off + 32 <= d*b*2, 32-aligned (checked).
+                    unsafe {
+                        let x = _mm256_load_si256(lines.0.as_ptr().add(j * b * 2 + off).cast());
+                        _mm256_stream_si256(kt.as_mut_ptr().add((c0 + j) * b * 2 + off).cast(), x);
+                    }
+                }
+            }
         }
         for t in t0..n {
             let at = t * stride + c0 * 2;
@@ -292,7 +371,15 @@ unsafe fn fold_bf16_avx2(
             _mm256_storeu_ps(max.as_mut_ptr().add(c0), hi);
         }
     }
+    if stream {
+        // Order the streamed stores before anything that publishes the block.
+        _mm_sfence();
+    }
 }
+
+/// Longest block whose K rows are streamed whole by `fold_bf16_avx2`.
+#[cfg(target_arch = "x86_64")]
+const STREAM_MAX_SLOTS: usize = 128;
 
 /// One KV head's part of one block, as the kernels read it.
 #[derive(Debug, Clone, Copy)]
@@ -353,6 +440,66 @@ mod tests {
             geom.copy_tokens_digest(&mut b, 1, slot0, src, &mut got.min, &mut got.max);
             assert_eq!(a, b, "{dtype:?}");
             assert_eq!(got, dg, "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn whole_bf16_blocks_streamed_at_every_alignment_equal_the_plain_copy() {
+        for (bs, d) in [(32, 128), (16, 64), (32, 8)] {
+            let geom = BlockGeometry {
+                block_size: bs,
+                num_kv_heads: 2,
+                head_dim: d,
+                dtype: KvDType::Bf16,
+            };
+            let row = geom.num_kv_heads * d * 2;
+            let vals: Vec<f32> = (0..bs * row / 2)
+                .map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.07)
+                .collect();
+            let mut wire = vec![0u8; vals.len() * 2];
+            encode_from_f32(KvDType::Bf16, &vals, &mut wire);
+            let src = WireTokens {
+                k: &wire[d * 2..],
+                v: &wire[d * 2..],
+                stride: row,
+                n: bs,
+            };
+            let mut want = vec![0u8; geom.block_bytes()];
+            geom.copy_tokens(&mut want, 1, 0, src);
+            let mut want_dg = crate::Digest::new(d);
+            for t in 0..bs {
+                let mut k = vec![0f32; d];
+                decode_to_f32(KvDType::Bf16, &wire[d * 2 + t * row..][..d * 2], &mut k);
+                want_dg.update(&k);
+            }
+            let mut buf = vec![0u8; geom.block_bytes() + 64];
+            for shift in [0, 16, 32, 48, 1] {
+                buf.fill(0);
+                let block = &mut buf[shift..shift + geom.block_bytes()];
+                let mut dg = crate::Digest::new(d);
+                geom.copy_tokens_digest(block, 1, 0, src, &mut dg.min, &mut dg.max);
+                assert_eq!(block, &want[..], "bs {bs} d {d} shift {shift}");
+                assert_eq!(dg, want_dg);
+            }
+        }
+    }
+
+    #[test]
+    fn value_rows_land_alike_streamed_or_not() {
+        let (row, stride, n, slot0) = (64, 96, 12, 3);
+        let v: Vec<u8> = (0..n * stride).map(|i| (i * 7 % 253) as u8).collect();
+        let mut want = vec![0u8; (slot0 + n + 1) * row];
+        for t in 0..n {
+            want[(slot0 + t) * row..(slot0 + t + 1) * row]
+                .copy_from_slice(&v[t * stride..t * stride + row]);
+        }
+        // Every alignment of the destination: streamed where it is 32-byte aligned.
+        let mut buf = vec![0u8; want.len() + 64];
+        for shift in 0..32 {
+            buf.fill(0);
+            let dst = &mut buf[shift..shift + want.len()];
+            copy_values(dst, &v, row, slot0, n, stride);
+            assert_eq!(dst, &want[..], "shift {shift}");
         }
     }
 

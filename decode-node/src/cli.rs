@@ -257,6 +257,9 @@ pub struct BenchArgs {
     /// GiB to push for `ingest`.
     #[arg(long, default_value_t = 1.0)]
     pub gib: f64,
+    /// Concurrent pushes for `ingest`, as from several prefill nodes (each its own request).
+    #[arg(long, default_value_t = 1)]
+    pub streams: u32,
 }
 
 /// `make-model`.

@@ -68,8 +68,9 @@ impl Default for PushOptions {
     }
 }
 
-/// A push's chunks, layer by layer: K and V of each are ranges of the layer's buffers.
-fn chunks(kv: &PromptKv, chunk_tokens: usize) -> impl Iterator<Item = KvChunk> + '_ {
+/// A push's chunks, layer by layer: K and V of each are ranges of the layer's buffers. Lazy:
+/// each chunk's CRC is taken when it is reached, so a push streams while it is checksummed.
+fn chunks(kv: &PromptKv, chunk_tokens: usize) -> impl Iterator<Item = KvChunk> + Send + 'static {
     let h = &kv.header;
     let n = h.num_tokens as usize;
     let es = match DType::try_from(h.dtype) {
@@ -79,7 +80,8 @@ fn chunks(kv: &PromptKv, chunk_tokens: usize) -> impl Iterator<Item = KvChunk> +
     let row = h.num_kv_heads as usize * h.head_dim as usize * es;
     let step = chunk_tokens.max(1);
     kv.layers
-        .iter()
+        .clone()
+        .into_iter()
         .enumerate()
         .flat_map(move |(layer, (k, v))| {
             (0..n).step_by(step).map(move |start| {
@@ -115,36 +117,38 @@ pub fn push_messages(kv: &PromptKv, chunk_tokens: usize) -> Vec<PushKvRequest> {
     out
 }
 
-/// The request body of one push as buffers: gRPC framing and protobuf field headers around
-/// K and V, which are `kv`'s own buffers. The bytes are [`push_messages`] encoded by prost.
-pub fn push_body(kv: &PromptKv, chunk_tokens: usize) -> Result<Vec<Bytes>, Status> {
+/// The request body of one push as buffers, produced as they are sent: gRPC framing and
+/// protobuf field headers around K and V, which are `kv`'s own buffers. The bytes are
+/// [`push_messages`] encoded by prost.
+pub fn push_body(
+    kv: &PromptKv,
+    chunk_tokens: usize,
+) -> impl Iterator<Item = Result<Bytes, Status>> + Send + 'static {
     let invalid = |e: crate::Error| Status::invalid_argument(e.to_string());
-    let mut out = vec![
-        encode_message(&PushKvRequest {
-            item: Some(Item::Header(kv.header.clone())),
-        })
-        .map_err(invalid)?,
-    ];
-    for c in chunks(kv, chunk_tokens) {
-        out.extend(
-            encode_chunk(
-                c.layer,
-                c.token_start,
-                c.token_count,
-                c.key,
-                c.value,
-                c.crc32c,
-            )
-            .map_err(invalid)?,
-        );
-    }
-    out.push(
-        encode_message(&PushKvRequest {
-            item: Some(Item::Commit(KvCommit {})),
-        })
-        .map_err(invalid)?,
-    );
-    Ok(out)
+    let header = encode_message(&PushKvRequest {
+        item: Some(Item::Header(kv.header.clone())),
+    })
+    .map_err(invalid);
+    let commit = encode_message(&PushKvRequest {
+        item: Some(Item::Commit(KvCommit {})),
+    })
+    .map_err(invalid);
+    let chunks = chunks(kv, chunk_tokens).flat_map(move |c| {
+        match encode_chunk(
+            c.layer,
+            c.token_start,
+            c.token_count,
+            c.key,
+            c.value,
+            c.crc32c,
+        ) {
+            Ok(parts) => parts.into_iter().map(Ok).collect::<Vec<_>>(),
+            Err(e) => vec![Err(invalid(e))],
+        }
+    });
+    std::iter::once(header)
+        .chain(chunks)
+        .chain(std::iter::once(commit))
 }
 
 /// Pushes `kv` to the node behind `channel`; `progress(bytes_acked)` sees every ack.
@@ -176,9 +180,8 @@ async fn push_once(
     opts: &PushOptions,
     progress: &mut impl FnMut(u64),
 ) -> Result<PushKvResponse, Status> {
-    let body = push_body(kv, opts.chunk_tokens)?;
     let body = Body::new(StreamBody::new(tokio_stream::iter(
-        body.into_iter().map(|b| Ok::<_, Status>(Frame::data(b))),
+        push_body(kv, opts.chunk_tokens).map(|b| b.map(Frame::data)),
     )));
     let mut req = http::Request::builder()
         .method(http::Method::POST)

@@ -8,12 +8,38 @@ use crc_fast::{CrcAlgorithm, Digest};
 
 /// CRC-32C of the concatenation of `parts`.
 pub(crate) fn crc32c<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
-    let mut d = Digest::new(CrcAlgorithm::Crc32Iscsi);
+    let mut c = Crc32c::new();
     for p in parts {
-        d.update(p);
+        c.update(p);
     }
-    // A 32-bit CRC in the low half of the u64 state.
-    d.finalize() as u32
+    c.value()
+}
+
+/// A running CRC-32C.
+#[derive(Clone)]
+pub(crate) struct Crc32c(Digest);
+
+impl Crc32c {
+    pub(crate) fn new() -> Self {
+        Self(Digest::new(CrcAlgorithm::Crc32Iscsi))
+    }
+
+    /// Appends `data`.
+    pub(crate) fn update(&mut self, data: &[u8]) {
+        self.0.update(data);
+    }
+
+    /// The CRC of the data so far.
+    pub(crate) fn value(&self) -> u32 {
+        // A 32-bit CRC in the low half of the u64 state.
+        self.0.finalize() as u32
+    }
+
+    /// The CRC of this data followed by `next`'s, from the two CRCs alone.
+    pub(crate) fn then(mut self, next: &Crc32c) -> u32 {
+        self.0.combine(&next.0);
+        self.value()
+    }
 }
 
 #[cfg(test)]
@@ -33,6 +59,10 @@ mod tests {
             let want = crc32c::crc32c(&data);
             prop_assert_eq!(super::crc32c([&data[..cut], &data[cut..]]), want);
             prop_assert_eq!(super::crc32c([data.as_slice()]), want);
+            let (mut a, mut b) = (super::Crc32c::new(), super::Crc32c::new());
+            a.update(&data[..cut]);
+            b.update(&data[cut..]);
+            prop_assert_eq!(a.then(&b), want);
         }
     }
 

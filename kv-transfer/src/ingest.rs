@@ -8,6 +8,7 @@
 use attention::{BlockGeometry, Digest, KvDType, KvSource, WireTokens, decode_to_f32};
 use decode_node_proto::v1::{DType, KvHeader};
 
+use crate::crc::Crc32c;
 use crate::pool::{Block, HostPool, Reservation};
 use crate::wire::Chunk;
 use crate::{Error, KvLayout};
@@ -148,6 +149,8 @@ pub struct Ingest {
     /// Key and value rows that straddle two received frames, joined.
     gather_k: Vec<u8>,
     gather_v: Vec<u8>,
+    /// A chunk failed its CRC after being written: the push can only be dropped.
+    poisoned: bool,
 }
 
 fn wire_dtype(d: i32) -> Result<KvDType, Error> {
@@ -264,6 +267,7 @@ impl Ingest {
             scratch_v: Vec::new(),
             gather_k: Vec::new(),
             gather_v: Vec::new(),
+            poisoned: false,
         })
     }
 
@@ -277,8 +281,10 @@ impl Ingest {
         (self.blocks.iter().map(Vec::len).sum::<usize>() * self.layout.geom.block_bytes()) as u64
     }
 
-    /// Validates and writes one chunk.
+    /// Validates and writes one chunk. After a CRC mismatch every later call fails: the push
+    /// must be dropped (which frees its blocks).
     pub fn chunk(&mut self, c: &Chunk) -> Result<(), Error> {
+        self.check_poisoned()?;
         let geom = self.layout.geom;
         let (hk, d) = (geom.num_kv_heads, geom.head_dim);
         if c.layer as usize >= self.layout.num_layers {
@@ -307,31 +313,39 @@ impl Ingest {
                 c.value.len()
             )));
         }
-        let crc = crate::crc::crc32c(c.key.parts().iter().chain(c.value.parts()).map(|b| &b[..]));
-        if crc != c.crc32c {
-            return Err(Error::Invalid(format!(
-                "chunk layer {} tokens [{start}, {}) CRC-32C mismatch: computed {crc:#010x}, sent {:#010x}",
-                c.layer,
-                start + count,
-                c.crc32c
-            )));
-        }
         let layer = c.layer as usize;
-        let cov = &mut self.covered[layer];
+        let cov = &self.covered[layer];
         if (start..start + count).any(|t| cov[t / 64] >> (t % 64) & 1 == 1) {
             return Err(Error::Invalid(format!(
                 "chunk layer {layer} tokens [{start}, {}) overlaps tokens already sent",
                 start + count
             )));
         }
-        for t in start..start + count {
-            cov[t / 64] |= 1 << (t % 64);
-        }
+        let crc_mismatch = |crc: u32| {
+            Error::Invalid(format!(
+                "chunk layer {layer} tokens [{start}, {}) CRC-32C mismatch: computed {crc:#010x}, sent {:#010x}",
+                start + count,
+                c.crc32c
+            ))
+        };
 
         let same_dtype = self.info.wire_dtype == geom.dtype;
         // Same dtype, bf16 or f32: digests fold in while K is transposed, no f32 copy of K.
         let fused = same_dtype && geom.folds_digest_in_copy();
+        // On the fused path the CRC is taken run by run just before the run is copied, while
+        // its rows are in L1 (a separate pass read them from memory twice); a mismatch then
+        // leaves written blocks behind, so it poisons the push instead of being undone.
+        let (mut crc_k, mut crc_v) = (Crc32c::new(), Crc32c::new());
         if !fused {
+            let mut all = Crc32c::new();
+            c.key
+                .parts()
+                .iter()
+                .chain(c.value.parts())
+                .for_each(|p| all.update(p));
+            if all.value() != c.crc32c {
+                return Err(crc_mismatch(all.value()));
+            }
             self.scratch_k.resize(count * hk * d, 0.0);
             let key = c.key.slice(0..want, &mut self.gather_k);
             decode_to_f32(self.info.wire_dtype, key, &mut self.scratch_k);
@@ -359,6 +373,10 @@ impl Ingest {
             } else {
                 (&[][..], &[][..])
             };
+            if fused {
+                crc_k.update(kr);
+                crc_v.update(vr);
+            }
             for h in 0..hk {
                 if same_dtype {
                     // The common case: no conversion, straight copies into the block layout.
@@ -397,14 +415,35 @@ impl Ingest {
             }
             t += n;
         }
+        if fused {
+            let crc = crc_k.then(&crc_v);
+            if crc != c.crc32c {
+                self.poisoned = true;
+                return Err(crc_mismatch(crc));
+            }
+        }
+        let cov = &mut self.covered[layer];
+        for t in start..start + count {
+            cov[t / 64] |= 1 << (t % 64);
+        }
         self.remaining -= count;
         self.bytes_received += (2 * want) as u64;
         self.chunks_received += 1;
         Ok(())
     }
 
+    fn check_poisoned(&self) -> Result<(), Error> {
+        if self.poisoned {
+            return Err(Error::Invalid(
+                "push already failed a CRC-32C check; start it again".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Finishes the push: every (layer, token) must have been sent.
     pub fn commit(self) -> Result<CommittedKv, Error> {
+        self.check_poisoned()?;
         if self.remaining != 0 {
             return Err(Error::Invalid(format!(
                 "commit with {} of {} (layer, token) pairs not sent",
@@ -493,6 +532,39 @@ pub(crate) mod tests {
 
     use crate::Payload;
 
+    /// The same chunk with f32 keys and values (exact: the f16 values widen).
+    fn to_f32(c16: KvChunk) -> KvChunk {
+        let mut k = vec![0f32; c16.key.len() / 2];
+        let mut v = vec![0f32; c16.value.len() / 2];
+        decode_to_f32(KvDType::F16, &c16.key, &mut k);
+        decode_to_f32(KvDType::F16, &c16.value, &mut v);
+        let kb: Vec<u8> = k.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let vb: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&kb), &vb);
+        KvChunk {
+            key: Bytes::from(kb),
+            value: Bytes::from(vb),
+            crc32c: crc,
+            ..c16
+        }
+    }
+
+    #[test]
+    fn a_crc_mismatch_after_writing_poisons_the_push_and_frees_on_drop() {
+        let pool = pool();
+        let mut h = header("p", 6);
+        h.dtype = DType::DtypeF32 as i32;
+        let mut ing = Ingest::begin(&layout(), &pool, &h).unwrap();
+        let mut bad = to_f32(chunk(0, 0, 6));
+        bad.crc32c ^= 1;
+        assert!(matches!(ing.chunk(&bad.into()), Err(Error::Invalid(m)) if m.contains("CRC")));
+        // The good data does not revive it.
+        assert!(ing.chunk(&to_f32(chunk(0, 0, 6)).into()).is_err());
+        assert!(ing.chunk(&to_f32(chunk(1, 0, 6)).into()).is_err());
+        assert!(ing.commit().is_err());
+        assert_eq!(pool.usage().used + pool.usage().reserved, 0);
+    }
+
     fn pool() -> HostPool {
         HostPool::new(layout().geom, 64 * layout().geom.block_bytes() as u64).unwrap()
     }
@@ -540,24 +612,7 @@ pub(crate) mod tests {
         h.dtype = DType::DtypeF32 as i32;
         let mut conv = Ingest::begin(&l, &pool, &h).unwrap();
         for (layer, s, n) in [(0, 0, 7), (1, 0, 7)] {
-            let c16 = chunk(layer, s, n);
-            let mut k = vec![0f32; c16.key.len() / 2];
-            let mut v = vec![0f32; c16.value.len() / 2];
-            decode_to_f32(KvDType::F16, &c16.key, &mut k);
-            decode_to_f32(KvDType::F16, &c16.value, &mut v);
-            let kb: Vec<u8> = k.iter().flat_map(|x| x.to_le_bytes()).collect();
-            let vb: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            let crc = crc32c::crc32c_append(crc32c::crc32c(&kb), &vb);
-            conv.chunk(
-                &KvChunk {
-                    key: Bytes::from(kb),
-                    value: Bytes::from(vb),
-                    crc32c: crc,
-                    ..c16
-                }
-                .into(),
-            )
-            .unwrap();
+            conv.chunk(&to_f32(chunk(layer, s, n)).into()).unwrap();
         }
         let (mut a, mut b) = (copy.commit().unwrap(), conv.commit().unwrap());
         for layer in 0..2 {
@@ -667,6 +722,7 @@ pub(crate) mod tests {
             n in 1usize..40,
             cuts in proptest::collection::vec(1usize..40, 0..8),
             order in proptest::collection::vec(proptest::prelude::any::<u32>(), 64),
+            wire_f32: bool,
         ) {
             let pool = HostPool::new(layout().geom, 64 * layout().geom.block_bytes() as u64).unwrap();
             let mut reference = Ingest::begin(&layout(), &pool, &header("r", n as u32)).unwrap();
@@ -684,7 +740,16 @@ pub(crate) mod tests {
             // A permutation driven by the generated keys.
             let mut keyed: Vec<(u32, KvChunk)> = chunks.drain(..).enumerate().map(|(i, c)| (order[i % 64] ^ i as u32, c)).collect();
             keyed.sort_by_key(|k| k.0);
-            let mut ing = Ingest::begin(&layout(), &pool, &header("s", n as u32)).unwrap();
+            // f32 on the wire into the f32 pool takes the fused path (CRC and digest per run);
+            // f16 converts. Both must land exactly as the in-order f16 reference.
+            let mut h = header("s", n as u32);
+            if wire_f32 {
+                h.dtype = DType::DtypeF32 as i32;
+                for k in &mut keyed {
+                    k.1 = to_f32(k.1.clone());
+                }
+            }
+            let mut ing = Ingest::begin(&layout(), &pool, &h).unwrap();
             for (key, c) in &keyed {
                 // Key and value split in up to three frames, as HTTP/2 may deliver them.
                 let split = |b: &Bytes, salt: u32| {
