@@ -4,6 +4,7 @@
 //! each head's data is contiguous: K transposed (`[head_dim][block_size]`, so scoring a block
 //! streams rows of `block_size` keys for one channel), then V (`[block_size][head_dim]`).
 
+use crate::Digest;
 use crate::dtype::{KvDType, encode_from_f32};
 
 /// Shape of a KV block; fixed for the life of a pool.
@@ -53,6 +54,17 @@ impl BlockGeometry {
         }
         encode_from_f32(self.dtype, v, &mut vs[slot * d * es..(slot + 1) * d * es]);
     }
+}
+
+/// `n` token rows `stride` bytes apart, each starting at one head's vector.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    /// The first row's bytes onward.
+    pub bytes: &'a [u8],
+    /// Bytes from one token to the next.
+    pub stride: usize,
+    /// Tokens.
+    pub n: usize,
 }
 
 /// Consecutive tokens of one KV head in wire layout (`[token][kv_head][head_dim]`), already
@@ -112,25 +124,71 @@ impl BlockGeometry {
         self.dtype != KvDType::F16
     }
 
-    /// As [`BlockGeometry::copy_tokens`], folding the keys into a digest (`min`/`max`,
-    /// `head_dim` each) in the same pass over K, so no f32 copy of the keys is made. Only for
-    /// dtypes where [`BlockGeometry::folds_digest_in_copy`]; an f16 block is left untouched.
+    /// As [`BlockGeometry::copy_tokens`], folding the keys into `digest` in the same pass over
+    /// K, so no f32 copy of the keys is made. Only for dtypes where
+    /// [`BlockGeometry::folds_digest_in_copy`]; an f16 block is left untouched.
     pub fn copy_tokens_digest(
         &self,
         block: &mut [u8],
         h: usize,
         slot0: usize,
         src: WireTokens<'_>,
-        min: &mut [f32],
-        max: &mut [f32],
+        digest: &mut Digest,
     ) {
         let WireTokens { k, v, stride, n } = src;
+        self.copy_value_rows(
+            block,
+            h,
+            slot0,
+            Rows {
+                bytes: v,
+                stride,
+                n,
+            },
+        );
+        self.copy_keys_digest(
+            block,
+            h,
+            slot0,
+            Rows {
+                bytes: k,
+                stride,
+                n,
+            },
+            digest,
+        );
+    }
+
+    /// V rows of head `h` into slots `slot0..slot0 + rows.n` of `block`.
+    pub fn copy_value_rows(&self, block: &mut [u8], h: usize, slot0: usize, rows: Rows<'_>) {
+        let es = self.dtype.size();
+        let (b, d) = (self.block_size, self.head_dim);
+        let head = &mut block[self.head_range(h)];
+        let vs = &mut head[b * d * es..];
+        copy_values(vs, rows.bytes, d * es, slot0, rows.n, rows.stride);
+    }
+
+    /// K rows of head `h`, transposed into slots `slot0..slot0 + rows.n` of `block` and folded
+    /// into `digest` on the way. Dtypes as [`BlockGeometry::copy_tokens_digest`].
+    pub fn copy_keys_digest(
+        &self,
+        block: &mut [u8],
+        h: usize,
+        slot0: usize,
+        rows: Rows<'_>,
+        digest: &mut Digest,
+    ) {
+        let Rows {
+            bytes: k,
+            stride,
+            n,
+        } = rows;
+        let (min, max) = (&mut digest.min[..], &mut digest.max[..]);
         let es = self.dtype.size();
         let (b, d) = (self.block_size, self.head_dim);
         debug_assert!(self.folds_digest_in_copy());
         let head = &mut block[self.head_range(h)];
-        let (kt, vs) = head.split_at_mut(b * d * es);
-        copy_values(vs, v, d * es, slot0, n, stride);
+        let kt = &mut head[..b * d * es];
         // Monomorphised per element width so the conversion inlines into the copy loop.
         #[allow(clippy::too_many_arguments)]
         fn fold<const E: usize>(
@@ -266,8 +324,12 @@ unsafe fn fold_bf16_avx2(
     // non-temporal stores: transposed 8 channels at a time into `lines`, then streamed, so no
     // destination line is read first (see `stream_rows_avx`).
     #[repr(align(32))]
-    struct Lines([u8; 8 * STREAM_MAX_SLOTS * 2]);
-    let mut lines = Lines([0; 8 * STREAM_MAX_SLOTS * 2]);
+    struct Lines {
+        _bytes: [u8; 8 * STREAM_MAX_SLOTS * 2],
+    }
+    // Uninitialised: only the bytes the transposes write are read back (2 KiB to zero per
+    // call was 5% of an ingest).
+    let mut lines = std::mem::MaybeUninit::<Lines>::uninit();
     let stream = slot0 == 0
         && n == b
         && b.is_multiple_of(16)
@@ -326,7 +388,10 @@ unsafe fn fold_bf16_avx2(
                 if stream {
                     // SAFETY: j < 8 and t0 + 8 <= n = b <= STREAM_MAX_SLOTS: inside `lines`.
                     unsafe {
-                        _mm_storeu_si128(lines.0.as_mut_ptr().add((j * b + t0) * 2).cast(), *row)
+                        _mm_storeu_si128(
+                            lines.as_mut_ptr().cast::<u8>().add((j * b + t0) * 2).cast(),
+                            *row,
+                        )
                     };
                     continue;
                 }
@@ -344,10 +409,12 @@ unsafe fn fold_bf16_avx2(
             // Eight whole channel rows, streamed out 32 bytes at a time.
             for j in 0..8 {
                 for off in (0..b * 2).step_by(32) {
-                    // SAFETY: `lines` holds 8 rows of b*2 bytes, 32-aligned (b*2 % 32 == 0);
-                    // the block row (c0+j)*b*2 + off + 32 <= d*b*2, 32-aligned (checked).
+                    // SAFETY: `lines` holds 8 rows of b*2 bytes, 32-aligned (b*2 % 32 == 0),
+                    // all written by the t0 loop above (n = b tokens); the block row
+                    // (c0+j)*b*2 + off + 32 <= d*b*2, 32-aligned (checked).
                     unsafe {
-                        let x = _mm256_load_si256(lines.0.as_ptr().add(j * b * 2 + off).cast());
+                        let src = lines.as_ptr().cast::<u8>().add(j * b * 2 + off);
+                        let x = _mm256_load_si256(src.cast());
                         _mm256_stream_si256(kt.as_mut_ptr().add((c0 + j) * b * 2 + off).cast(), x);
                     }
                 }
@@ -437,7 +504,7 @@ mod tests {
             }
             let mut got = crate::Digest::new(d);
             assert!(geom.folds_digest_in_copy());
-            geom.copy_tokens_digest(&mut b, 1, slot0, src, &mut got.min, &mut got.max);
+            geom.copy_tokens_digest(&mut b, 1, slot0, src, &mut got);
             assert_eq!(a, b, "{dtype:?}");
             assert_eq!(got, dg, "{dtype:?}");
         }
@@ -477,7 +544,7 @@ mod tests {
                 buf.fill(0);
                 let block = &mut buf[shift..shift + geom.block_bytes()];
                 let mut dg = crate::Digest::new(d);
-                geom.copy_tokens_digest(block, 1, 0, src, &mut dg.min, &mut dg.max);
+                geom.copy_tokens_digest(block, 1, 0, src, &mut dg);
                 assert_eq!(block, &want[..], "bs {bs} d {d} shift {shift}");
                 assert_eq!(dg, want_dg);
             }

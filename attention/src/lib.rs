@@ -47,7 +47,7 @@ mod policy;
 mod select;
 mod sequence;
 
-pub use block::{BlockGeometry, HeadBlock, WireTokens};
+pub use block::{BlockGeometry, HeadBlock, Rows, WireTokens};
 pub use digest::{Digest, GroupQuery};
 pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
 pub use kernel::{Scratch, attend_blocks};

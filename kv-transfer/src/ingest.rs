@@ -5,7 +5,7 @@
 //! the pool's layout and dtype while folding keys into the digests, and on commit hands a
 //! [`CommittedKv`] to the registry. Dropping an unfinished `Ingest` frees everything.
 
-use attention::{BlockGeometry, Digest, KvDType, KvSource, WireTokens, decode_to_f32};
+use attention::{BlockGeometry, Digest, KvDType, KvSource, Rows, WireTokens, decode_to_f32};
 use decode_node_proto::v1::{DType, KvHeader};
 
 use crate::crc::Crc32c;
@@ -331,74 +331,126 @@ impl Ingest {
 
         let same_dtype = self.info.wire_dtype == geom.dtype;
         // Same dtype, bf16 or f32: digests fold in while K is transposed, no f32 copy of K.
-        let fused = same_dtype && geom.folds_digest_in_copy();
-        // On the fused path the CRC is taken run by run just before the run is copied, while
-        // its rows are in L1 (a separate pass read them from memory twice); a mismatch then
-        // leaves written blocks behind, so it poisons the push instead of being undone.
-        let (mut crc_k, mut crc_v) = (Crc32c::new(), Crc32c::new());
-        if !fused {
-            let mut all = Crc32c::new();
-            c.key
-                .parts()
-                .iter()
-                .chain(c.value.parts())
-                .for_each(|p| all.update(p));
-            if all.value() != c.crc32c {
-                return Err(crc_mismatch(all.value()));
+        if same_dtype && geom.folds_digest_in_copy() {
+            let crc = self.write_fused(c, layer, start, count);
+            if crc != c.crc32c {
+                // Blocks were written before the check (see `write_fused`): unusable now.
+                self.poisoned = true;
+                return Err(crc_mismatch(crc));
             }
-            self.scratch_k.resize(count * hk * d, 0.0);
-            let key = c.key.slice(0..want, &mut self.gather_k);
-            decode_to_f32(self.info.wire_dtype, key, &mut self.scratch_k);
+        } else {
+            let crc =
+                crate::crc::crc32c(c.key.parts().iter().chain(c.value.parts()).map(|p| &p[..]));
+            if crc != c.crc32c {
+                return Err(crc_mismatch(crc));
+            }
+            self.write_converted(c, layer, start, count, same_dtype);
         }
+        let cov = &mut self.covered[layer];
+        for t in start..start + count {
+            cov[t / 64] |= 1 << (t % 64);
+        }
+        self.remaining -= count;
+        self.bytes_received += (2 * want) as u64;
+        self.chunks_received += 1;
+        Ok(())
+    }
+
+    /// Block-sized runs of a chunk's tokens: (offset in the chunk, block, slot, tokens).
+    fn runs(
+        &self,
+        start: usize,
+        count: usize,
+    ) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+        let b = self.layout.geom.block_size;
+        let mut t = 0;
+        std::iter::from_fn(move || {
+            (t < count).then(|| {
+                let pos = start + t;
+                let n = (b - pos % b).min(count - t);
+                let run = (t, pos / b, pos % b, n);
+                t += n;
+                run
+            })
+        })
+    }
+
+    /// Writes a same-dtype chunk whose keys fold into the digests in the copy; returns the
+    /// CRC-32C of its key and value. Each run is checksummed just before it is copied, while
+    /// its rows are in L1 (a separate pass read them from memory twice): keys first, then
+    /// values, so one running CRC follows the wire order. The caller checks the CRC after
+    /// the blocks are written.
+    fn write_fused(&mut self, c: &Chunk, layer: usize, start: usize, count: usize) -> u32 {
+        let geom = self.layout.geom;
+        let (hk, d, es) = (geom.num_kv_heads, geom.head_dim, geom.dtype.size());
+        let row = hk * d * es;
+        let runs: Vec<_> = self.runs(start, count).collect();
+        let mut crc = Crc32c::new();
+        for &(t, bi, slot, n) in &runs {
+            let kr = c.key.slice(t * row..(t + n) * row, &mut self.gather_k);
+            crc.update(kr);
+            let block = self.blocks[layer][bi].bytes_mut();
+            for h in 0..hk {
+                let rows = Rows {
+                    bytes: &kr[h * d * es..],
+                    stride: row,
+                    n,
+                };
+                geom.copy_keys_digest(block, h, slot, rows, &mut self.digests[layer * hk + h][bi]);
+            }
+        }
+        for &(t, bi, slot, n) in &runs {
+            let vr = c.value.slice(t * row..(t + n) * row, &mut self.gather_v);
+            crc.update(vr);
+            let block = self.blocks[layer][bi].bytes_mut();
+            for h in 0..hk {
+                let rows = Rows {
+                    bytes: &vr[h * d * es..],
+                    stride: row,
+                    n,
+                };
+                geom.copy_value_rows(block, h, slot, rows);
+            }
+        }
+        crc.value()
+    }
+
+    /// Writes a checked chunk that needs a dtype conversion (or an f16 digest).
+    fn write_converted(
+        &mut self,
+        c: &Chunk,
+        layer: usize,
+        start: usize,
+        count: usize,
+        same_dtype: bool,
+    ) {
+        let geom = self.layout.geom;
+        let (hk, d) = (geom.num_kv_heads, geom.head_dim);
+        let want = c.key.len();
+        self.scratch_k.resize(count * hk * d, 0.0);
+        let key = c.key.slice(0..want, &mut self.gather_k);
+        decode_to_f32(self.info.wire_dtype, key, &mut self.scratch_k);
         if !same_dtype {
             self.scratch_v.resize(count * hk * d, 0.0);
             let value = c.value.slice(0..want, &mut self.gather_v);
             decode_to_f32(self.info.wire_dtype, value, &mut self.scratch_v);
         }
-        let b = geom.block_size;
+        let es = self.info.wire_dtype.size();
         let row = hk * d * es;
-        // Runs of tokens that share a block.
-        let mut t = 0;
-        while t < count {
-            let pos = start + t;
-            let (bi, slot) = (pos / b, pos % b);
-            let n = (b - slot).min(count - t);
+        let runs: Vec<_> = self.runs(start, count).collect();
+        for (t, bi, slot, n) in runs {
             let block = self.blocks[layer][bi].bytes_mut();
-            let rows = t * row..(t + n) * row;
-            let (kr, vr) = if same_dtype {
-                (
-                    c.key.slice(rows.clone(), &mut self.gather_k),
-                    c.value.slice(rows, &mut self.gather_v),
-                )
-            } else {
-                (&[][..], &[][..])
-            };
-            if fused {
-                crc_k.update(kr);
-                crc_v.update(vr);
-            }
             for h in 0..hk {
                 if same_dtype {
-                    // The common case: no conversion, straight copies into the block layout.
+                    // f16 in an f16 pool: a straight copy; the digest from the decoded keys.
+                    let rows = t * row..(t + n) * row;
                     let off = h * d * es;
                     let src = WireTokens {
-                        k: &kr[off..],
-                        v: &vr[off..],
+                        k: &c.key.slice(rows.clone(), &mut self.gather_k)[off..],
+                        v: &c.value.slice(rows, &mut self.gather_v)[off..],
                         stride: row,
                         n,
                     };
-                    if fused {
-                        let digest = &mut self.digests[layer * hk + h][bi];
-                        geom.copy_tokens_digest(
-                            block,
-                            h,
-                            slot,
-                            src,
-                            &mut digest.min,
-                            &mut digest.max,
-                        );
-                        continue;
-                    }
                     geom.copy_tokens(block, h, slot, src);
                 } else {
                     for i in 0..n {
@@ -413,23 +465,7 @@ impl Ingest {
                     digest.update(&self.scratch_k[at..at + d]);
                 }
             }
-            t += n;
         }
-        if fused {
-            let crc = crc_k.then(&crc_v);
-            if crc != c.crc32c {
-                self.poisoned = true;
-                return Err(crc_mismatch(crc));
-            }
-        }
-        let cov = &mut self.covered[layer];
-        for t in start..start + count {
-            cov[t / 64] |= 1 << (t % 64);
-        }
-        self.remaining -= count;
-        self.bytes_received += (2 * want) as u64;
-        self.chunks_received += 1;
-        Ok(())
     }
 
     fn check_poisoned(&self) -> Result<(), Error> {
