@@ -278,3 +278,113 @@ async fn futures_all<T, F: std::future::Future<Output = T>>(fs: impl Iterator<It
     .await;
     out.into_iter().flatten().collect()
 }
+
+/// Sends `body` as a raw PushKv request (hand-made gRPC framing) with `headers`; returns the
+/// status the node ends it with.
+async fn raw_push(s: &Served, body: Vec<bytes::Bytes>, headers: &[(&str, &str)]) -> tonic::Code {
+    use http_body::Frame;
+    use tonic::codec::Codec;
+    use tower_service::Service;
+    let mut ch = s.channel().await;
+    let body = tonic::body::Body::new(http_body_util::StreamBody::new(tokio_stream::iter(
+        body.into_iter()
+            .map(|b| Ok::<_, tonic::Status>(Frame::data(b))),
+    )));
+    let mut req = http::Request::builder()
+        .method("POST")
+        .version(http::Version::HTTP_2)
+        .uri(kv_transfer::wire::PUSH_KV_PATH)
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(body).unwrap();
+    std::future::poll_fn(|cx| ch.poll_ready(cx)).await.unwrap();
+    let res = ch.call(req).await.unwrap();
+    let (parts, body) = res.into_parts();
+    if let Some(st) = tonic::Status::from_header_map(&parts.headers) {
+        return st.code();
+    }
+    let dec = tonic_prost::ProstCodec::<pb::PushKvRequest, pb::PushKvResponse>::default().decoder();
+    let mut stream = tonic::codec::Streaming::new_response(dec, body, parts.status, None, None);
+    loop {
+        match stream.message().await {
+            Ok(Some(a)) if a.committed => return tonic::Code::Ok,
+            Ok(Some(_)) => {}
+            Ok(None) => return tonic::Code::Ok,
+            Err(e) => return e.code(),
+        }
+    }
+}
+
+fn framed(flag: u8, msg: &[u8]) -> bytes::Bytes {
+    let mut b = vec![flag];
+    b.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    b.extend_from_slice(msg);
+    b.into()
+}
+
+/// The zero-copy PushKv route refuses what is wrong before it is a message, with the code a
+/// gRPC server would give, and holds nothing afterwards; a push split into tiny frames (as a
+/// client with small HTTP/2 frames sends it) is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framing_errors_are_refused_and_any_frame_split_is_accepted() {
+    use tonic::Code::*;
+    let s = Served::start(&["--host-kv-bytes", "1Mi"]);
+    let good: Vec<bytes::Bytes> = msgs("f", 40)
+        .iter()
+        .map(|m| kv_transfer::wire::encode_message(m).unwrap())
+        .collect();
+    let header = good[0].clone();
+    type Case<'a> = (
+        &'a str,
+        Vec<bytes::Bytes>,
+        Vec<(&'a str, &'a str)>,
+        tonic::Code,
+    );
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "over the message limit",
+            vec![
+                header.clone(),
+                bytes::Bytes::from_static(&[0, 0xff, 0, 0, 0]),
+            ],
+            vec![],
+            ResourceExhausted,
+        ),
+        (
+            "compressed without grpc-encoding",
+            vec![header.clone(), framed(1, &[1, 2, 3])],
+            vec![],
+            Unimplemented,
+        ),
+        (
+            "gzip",
+            good.clone(),
+            vec![("grpc-encoding", "gzip")],
+            Unimplemented,
+        ),
+        (
+            "ends inside a message",
+            vec![header.clone(), good[1].slice(..good[1].len() - 3)],
+            vec![],
+            Internal,
+        ),
+        (
+            "not a PushKvRequest",
+            vec![header.clone(), framed(0, &[0x12, 0x7f, 1])],
+            vec![],
+            InvalidArgument,
+        ),
+    ];
+    for (what, body, headers, code) in cases {
+        assert_eq!(raw_push(&s, body, &headers).await, code, "{what}");
+        assert_eq!(load(&s).await.host_kv_bytes_used, 0, "{what}");
+    }
+    // The whole push cut into 7-byte frames, straddling every message boundary.
+    let all: Vec<u8> = good.iter().flat_map(|b| b.iter().copied()).collect();
+    let tiny: Vec<bytes::Bytes> = all.chunks(7).map(bytes::Bytes::copy_from_slice).collect();
+    assert_eq!(raw_push(&s, tiny, &[]).await, Ok);
+    assert!(load(&s).await.host_kv_bytes_used > 0);
+}
