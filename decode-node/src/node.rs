@@ -101,6 +101,15 @@ impl Node {
         let model = model::load(&args.model, backend)
             .with_context(|| format!("loading model {:?}", args.model))?;
         let cfg = &model.model.cfg;
+        if let Some(w) = cfg
+            .sliding_window
+            .filter(|w| *w < cfg.max_position_embeddings)
+        {
+            tracing::warn!(
+                window = w,
+                "sliding-window attention is not implemented: contexts are capped at the window"
+            );
+        }
         let dtype = kv_dtype(&args.kv_dtype, &cfg.torch_dtype)?;
         let block_size = args.block_size as usize;
         let geom = BlockGeometry {
@@ -114,7 +123,7 @@ impl Node {
             num_layers: cfg.num_layers,
             geom,
             vocab_size: cfg.vocab_size,
-            max_context: cfg.max_position_embeddings,
+            max_context: cfg.max_context(),
         };
         let mode = Mode::parse(&args.attention)
             .with_context(|| format!("--attention {:?}", args.attention))?;
@@ -165,7 +174,7 @@ impl Node {
             block_size: self.layout.geom.block_size as u32,
             vocab_size: c.vocab_size as u32,
             eos_token_ids: c.eos_token_ids.clone(),
-            max_context: c.max_position_embeddings as u32,
+            max_context: c.max_context() as u32,
             architecture: c.arch.model_type().into(),
             num_attention_heads: c.num_heads as u32,
         }

@@ -627,7 +627,7 @@ impl StepLoop {
                 Some(FinishReason::Eos)
             } else if r.generated >= r.job.max_new_tokens {
                 Some(FinishReason::Length)
-            } else if r.kv.num_tokens() + 1 >= cfg.max_position_embeddings {
+            } else if r.kv.num_tokens() + 1 >= cfg.max_context() {
                 Some(FinishReason::ContextFull)
             } else {
                 None

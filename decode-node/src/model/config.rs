@@ -15,7 +15,8 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: per-head RMSNorm of q and k before RoPE.
     Qwen3,
-    /// Mistral (sliding window is not applied: contexts here stay within it or run full).
+    /// Mistral. Sliding-window attention is not implemented: a config with a window caps the
+    /// context at it (see [`ModelConfig::max_context`]).
     Mistral,
 }
 
@@ -86,8 +87,11 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Per-head q/k RMSNorm (Qwen3).
     pub qk_norm: bool,
-    /// Longest context.
+    /// Longest context the model was trained for.
     pub max_position_embeddings: usize,
+    /// Sliding attention window, when the config turns one on (Mistral's `sliding_window`,
+    /// Qwen2/3's with `use_sliding_window`).
+    pub sliding_window: Option<usize>,
     /// End-of-sequence ids.
     pub eos_token_ids: Vec<u32>,
     /// BOS id, when the model has one.
@@ -133,6 +137,8 @@ struct Raw {
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
     max_position_embeddings: Option<usize>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
     eos_token_id: Option<OneOrMany>,
     bos_token_id: Option<u32>,
     torch_dtype: Option<String>,
@@ -140,6 +146,17 @@ struct Raw {
 }
 
 impl ModelConfig {
+    /// Longest context served: prompt plus generated tokens. A model with a sliding window
+    /// attends only to its last `sliding_window` tokens; we attend to all of them, which is the
+    /// same thing only while the context fits the window, so the context is capped there
+    /// rather than silently decoding differently from the model beyond it.
+    pub fn max_context(&self) -> usize {
+        match self.sliding_window {
+            Some(w) => w.min(self.max_position_embeddings),
+            None => self.max_position_embeddings,
+        }
+    }
+
     /// Reads `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
@@ -229,6 +246,11 @@ impl ModelConfig {
             qkv_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
             qk_norm: arch == Arch::Qwen3,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+            // Qwen configs carry a `sliding_window` that is off unless `use_sliding_window`.
+            sliding_window: match arch {
+                Arch::Qwen2 | Arch::Qwen3 if !raw.use_sliding_window.unwrap_or(false) => None,
+                _ => raw.sliding_window.filter(|w| *w > 0),
+            },
             eos_token_ids,
             bos_token_id: raw.bos_token_id,
             torch_dtype: raw
@@ -273,6 +295,10 @@ impl ModelConfig {
         if let Some(b) = self.bos_token_id {
             v["bos_token_id"] = b.into();
         }
+        if let Some(w) = self.sliding_window {
+            v["sliding_window"] = w.into();
+            v["use_sliding_window"] = true.into();
+        }
         match self.eos_token_ids.as_slice() {
             [] => {}
             [one] => v["eos_token_id"] = (*one).into(),
@@ -314,6 +340,30 @@ impl ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sliding_window_caps_the_context() {
+        let base = r#""hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4,"vocab_size":10,"max_position_embeddings":32768"#;
+        let cfg = |extra: &str| ModelConfig::from_json(&format!("{{{base}{extra}}}")).unwrap();
+        let m = cfg(r#","model_type":"mistral","sliding_window":4096"#);
+        assert_eq!((m.sliding_window, m.max_context()), (Some(4096), 4096));
+        assert_eq!(
+            cfg(r#","model_type":"mistral","sliding_window":null"#).max_context(),
+            32768
+        );
+        // Qwen configs name a window that is off unless use_sliding_window.
+        let q = cfg(r#","model_type":"qwen2","sliding_window":4096,"use_sliding_window":false"#);
+        assert_eq!((q.sliding_window, q.max_context()), (None, 32768));
+        let q = cfg(r#","model_type":"qwen3","sliding_window":4096,"use_sliding_window":true"#);
+        assert_eq!(q.max_context(), 4096);
+        // Written back by make-model and read again.
+        assert_eq!(
+            ModelConfig::from_json(&m.to_json().to_string())
+                .unwrap()
+                .max_context(),
+            4096
+        );
+    }
 
     #[test]
     fn parses_qwen3_and_llama3_configs() {

@@ -345,10 +345,10 @@ impl Model {
         if n == 0 {
             return Err(ModelError::Input("empty prompt".into()));
         }
-        if n >= self.cfg.max_position_embeddings {
+        if n >= self.cfg.max_context() {
             return Err(ModelError::Input(format!(
                 "prompt of {n} tokens does not fit the context of {}",
-                self.cfg.max_position_embeddings
+                self.cfg.max_context()
             )));
         }
         let cfg = &self.cfg;

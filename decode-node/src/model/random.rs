@@ -135,6 +135,7 @@ pub fn preset(name: &str, arch: Arch) -> Option<ModelConfig> {
         qkv_bias: arch == Arch::Qwen2,
         qk_norm: arch == Arch::Qwen3,
         max_position_embeddings: 4096,
+        sliding_window: None,
         eos_token_ids: vec![TINY_EOS],
         bos_token_id: Some(TINY_BOS),
         torch_dtype: "float32".into(),
