@@ -448,7 +448,7 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig {
-            cases: 2000,
+            cases: 5000,
             rng_seed: proptest::test_runner::RngSeed::Fixed(0x317E),
             failure_persistence: None,
             ..ProptestConfig::default()
