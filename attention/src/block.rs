@@ -4,7 +4,6 @@
 //! each head's data is contiguous: K transposed (`[head_dim][block_size]`, so scoring a block
 //! streams rows of `block_size` keys for one channel), then V (`[block_size][head_dim]`).
 
-use crate::Digest;
 use crate::dtype::{KvDType, encode_from_f32};
 
 /// Shape of a KV block; fixed for the life of a pool.
@@ -124,8 +123,8 @@ impl BlockGeometry {
         self.dtype != KvDType::F16
     }
 
-    /// As [`BlockGeometry::copy_tokens`], folding the keys into `digest` in the same pass over
-    /// K, so no f32 copy of the keys is made. Only for dtypes where
+    /// As [`BlockGeometry::copy_tokens`], folding the keys into `digest` (the block's minima and
+    /// maxima) in the same pass over K, so no f32 copy of the keys is made. Only for dtypes where
     /// [`BlockGeometry::folds_digest_in_copy`]; an f16 block is left untouched.
     pub fn copy_tokens_digest(
         &self,
@@ -133,7 +132,7 @@ impl BlockGeometry {
         h: usize,
         slot0: usize,
         src: WireTokens<'_>,
-        digest: &mut Digest,
+        digest: (&mut [f32], &mut [f32]),
     ) {
         let WireTokens { k, v, stride, n } = src;
         self.copy_value_rows(
@@ -169,21 +168,21 @@ impl BlockGeometry {
     }
 
     /// K rows of head `h`, transposed into slots `slot0..slot0 + rows.n` of `block` and folded
-    /// into `digest` on the way. Dtypes as [`BlockGeometry::copy_tokens_digest`].
+    /// into `digest` (the block's minima and maxima, `head_dim` each) on the way. Dtypes as
+    /// [`BlockGeometry::copy_tokens_digest`].
     pub fn copy_keys_digest(
         &self,
         block: &mut [u8],
         h: usize,
         slot0: usize,
         rows: Rows<'_>,
-        digest: &mut Digest,
+        (min, max): (&mut [f32], &mut [f32]),
     ) {
         let Rows {
             bytes: k,
             stride,
             n,
         } = rows;
-        let (min, max) = (&mut digest.min[..], &mut digest.max[..]);
         let es = self.dtype.size();
         let (b, d) = (self.block_size, self.head_dim);
         debug_assert!(self.folds_digest_in_copy());
@@ -504,7 +503,7 @@ mod tests {
             }
             let mut got = crate::Digest::new(d);
             assert!(geom.folds_digest_in_copy());
-            geom.copy_tokens_digest(&mut b, 1, slot0, src, &mut got);
+            geom.copy_tokens_digest(&mut b, 1, slot0, src, (&mut got.min, &mut got.max));
             assert_eq!(a, b, "{dtype:?}");
             assert_eq!(got, dg, "{dtype:?}");
         }
@@ -544,7 +543,7 @@ mod tests {
                 buf.fill(0);
                 let block = &mut buf[shift..shift + geom.block_bytes()];
                 let mut dg = crate::Digest::new(d);
-                geom.copy_tokens_digest(block, 1, 0, src, &mut dg);
+                geom.copy_tokens_digest(block, 1, 0, src, (&mut dg.min, &mut dg.max));
                 assert_eq!(block, &want[..], "bs {bs} d {d} shift {shift}");
                 assert_eq!(dg, want_dg);
             }

@@ -40,6 +40,71 @@ impl Digest {
     }
 }
 
+/// The digests of one (layer, KV head), flat: `[block][head_dim]` minima, then maxima. Built
+/// by the ingest as chunks arrive and handed to the attention state as they are (no per-block
+/// allocation, no copy at admission); scoring every block streams two contiguous arrays.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HeadDigests {
+    min: Vec<f32>,
+    max: Vec<f32>,
+    d: usize,
+}
+
+impl HeadDigests {
+    /// `blocks` digests of no keys (min = +inf, max = -inf).
+    pub fn new(blocks: usize, head_dim: usize) -> Self {
+        Self {
+            min: vec![f32::INFINITY; blocks * head_dim],
+            max: vec![f32::NEG_INFINITY; blocks * head_dim],
+            d: head_dim,
+        }
+    }
+
+    /// Blocks.
+    pub fn len(&self) -> usize {
+        self.min.len() / self.d.max(1)
+    }
+
+    /// Whether there are no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.min.is_empty()
+    }
+
+    /// Appends a digest of no keys.
+    pub fn push_empty(&mut self) {
+        self.min.extend(std::iter::repeat_n(f32::INFINITY, self.d));
+        self.max
+            .extend(std::iter::repeat_n(f32::NEG_INFINITY, self.d));
+    }
+
+    /// Folds one key into block `b`'s digest.
+    pub fn update(&mut self, b: usize, k: &[f32]) {
+        let (min, max) = self.block_mut(b);
+        for ((lo, hi), x) in min.iter_mut().zip(max.iter_mut()).zip(k) {
+            *lo = lo.min(*x);
+            *hi = hi.max(*x);
+        }
+    }
+
+    /// Block `b`'s (minima, maxima).
+    pub fn block(&self, b: usize) -> (&[f32], &[f32]) {
+        let r = b * self.d..(b + 1) * self.d;
+        (&self.min[r.clone()], &self.max[r])
+    }
+
+    /// Block `b`'s (minima, maxima), to fold keys into.
+    pub fn block_mut(&mut self, b: usize) -> (&mut [f32], &mut [f32]) {
+        let r = b * self.d..(b + 1) * self.d;
+        (&mut self.min[r.clone()], &mut self.max[r])
+    }
+
+    /// Block `b`'s Quest score for a folded group query.
+    pub fn score(&self, gq: &GroupQuery, b: usize) -> f32 {
+        let (min, max) = self.block(b);
+        gq.score_raw(min, max)
+    }
+}
+
 /// A GQA group's query folded once for scoring many digests.
 ///
 /// `sum_g max(q_gd·min_d, q_gd·max_d)` takes `q_gd·max_d` for positive `q_gd` and `q_gd·min_d`

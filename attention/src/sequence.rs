@@ -7,7 +7,7 @@
 //! which updates the statistics and schedules recalls.
 
 use crate::block::{BlockGeometry, HeadBlock};
-use crate::digest::{Digest, GroupQuery};
+use crate::digest::{GroupQuery, HeadDigests};
 use crate::kernel::{Scratch, attend_blocks};
 use crate::merge::Partial;
 use crate::policy::{AttentionConfig, Mode, RecallPolicy};
@@ -79,52 +79,9 @@ fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 { 0.0 } else { a as f64 / b as f64 }
 }
 
-/// Digests of one (layer, KV head), flat (`[block][head_dim]` minima, then maxima): scoring
-/// every block streams two contiguous arrays, which vectorises.
-#[derive(Debug, Clone, Default)]
-struct Digests {
-    min: Vec<f32>,
-    max: Vec<f32>,
-    d: usize,
-}
-
-impl Digests {
-    fn from(list: Vec<Digest>, d: usize) -> Self {
-        let mut out = Self {
-            min: Vec::with_capacity(list.len() * d),
-            max: Vec::with_capacity(list.len() * d),
-            d,
-        };
-        for dg in list {
-            out.min.extend_from_slice(&dg.min);
-            out.max.extend_from_slice(&dg.max);
-        }
-        out
-    }
-    fn len(&self) -> usize {
-        self.min.len() / self.d.max(1)
-    }
-    fn push_empty(&mut self) {
-        self.min.extend(std::iter::repeat_n(f32::INFINITY, self.d));
-        self.max
-            .extend(std::iter::repeat_n(f32::NEG_INFINITY, self.d));
-    }
-    fn update(&mut self, b: usize, k: &[f32]) {
-        let r = b * self.d..(b + 1) * self.d;
-        for ((lo, hi), x) in self.min[r.clone()].iter_mut().zip(&mut self.max[r]).zip(k) {
-            *lo = lo.min(*x);
-            *hi = hi.max(*x);
-        }
-    }
-    fn score(&self, gq: &GroupQuery, b: usize) -> f32 {
-        let r = b * self.d..(b + 1) * self.d;
-        gq.score_raw(&self.min[r.clone()], &self.max[r])
-    }
-}
-
 #[derive(Debug, Clone)]
 struct HeadState {
-    digests: Digests,
+    digests: HeadDigests,
     resident: Vec<bool>,
     /// The resident blocks (eviction scans these, not every block of a long context).
     resident_list: Vec<usize>,
@@ -157,12 +114,12 @@ pub struct SeqAttention {
 
 impl SeqAttention {
     /// State for a sequence of `num_tokens` tokens whose digests are
-    /// `digests[layer * num_kv_heads + head][block]`.
+    /// `digests[layer * num_kv_heads + head]`.
     pub fn new(
         geom: BlockGeometry,
         num_layers: usize,
         num_tokens: usize,
-        digests: Vec<Vec<Digest>>,
+        digests: Vec<HeadDigests>,
     ) -> Self {
         debug_assert_eq!(digests.len(), num_layers * geom.num_kv_heads);
         let heads = digests
@@ -170,7 +127,7 @@ impl SeqAttention {
             .map(|d| {
                 let n = d.len();
                 HeadState {
-                    digests: Digests::from(d, geom.head_dim),
+                    digests: d,
                     resident: vec![false; n],
                     resident_list: Vec::new(),
                     last_used: vec![0; n],
@@ -553,7 +510,7 @@ mod tests {
         }
     }
 
-    fn setup(n: usize, hk: usize, d: usize, seed: u64) -> (Mem, Vec<Vec<Digest>>, Vec<f32>) {
+    fn setup(n: usize, hk: usize, d: usize, seed: u64) -> (Mem, Vec<HeadDigests>, Vec<f32>) {
         let geom = BlockGeometry {
             block_size: 16,
             num_kv_heads: hk,
@@ -564,13 +521,13 @@ mod tests {
         let vals = values(seed + 1, n * hk * d, 1.0);
         let nb = geom.blocks_for(n);
         let mut blocks = vec![vec![0u8; geom.block_bytes()]; nb];
-        let mut digests = vec![vec![Digest::new(d); nb]; hk];
+        let mut digests = vec![HeadDigests::new(nb, d); hk];
         for t in 0..n {
             for h in 0..hk {
                 let k = &keys[(t * hk + h) * d..(t * hk + h + 1) * d];
                 let v = &vals[(t * hk + h) * d..(t * hk + h + 1) * d];
                 geom.write_token(&mut blocks[t / 16], h, t % 16, k, v);
-                digests[h][t / 16].update(k);
+                digests[h].update(t / 16, k);
             }
         }
         (Mem { geom, blocks, n }, digests, keys)
@@ -640,7 +597,7 @@ mod tests {
         let needle: Vec<f32> = q.iter().map(|x| x * 8.0).collect();
         let geom = mem.geom;
         geom.write_token(&mut mem.blocks[17], 0, 5, &needle, &[0.0; 16]);
-        digests[0][17].update(&needle);
+        digests[0].update(17, &needle);
         let mut cfg = AttentionConfig::scout(16);
         cfg.budget_tokens = 64;
         let seq = SeqAttention::new(geom, 1, 512, digests);

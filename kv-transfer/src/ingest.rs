@@ -5,7 +5,7 @@
 //! the pool's layout and dtype while folding keys into the digests, and on commit hands a
 //! [`CommittedKv`] to the registry. Dropping an unfinished `Ingest` frees everything.
 
-use attention::{BlockGeometry, Digest, KvDType, KvSource, Rows, WireTokens, decode_to_f32};
+use attention::{BlockGeometry, HeadDigests, KvDType, KvSource, Rows, WireTokens, decode_to_f32};
 use decode_node_proto::v1::{DType, KvHeader};
 
 use crate::crc::Crc32c;
@@ -38,7 +38,7 @@ pub struct CommittedKv {
     num_layers: usize,
     num_tokens: usize,
     blocks: Vec<Vec<Block>>,
-    digests: Vec<Vec<Digest>>,
+    digests: Vec<HeadDigests>,
     /// Blocks promised for decode growth (see [`CommittedKv::grow`]).
     growth: Option<Reservation>,
 }
@@ -60,7 +60,8 @@ impl CommittedKv {
     }
 
     /// Takes the digests out (the attention engine owns them from here on).
-    pub fn take_digests(&mut self) -> Vec<Vec<Digest>> {
+    /// `[layer * num_kv_heads + head]`.
+    pub fn take_digests(&mut self) -> Vec<HeadDigests> {
         std::mem::take(&mut self.digests)
     }
 
@@ -136,7 +137,7 @@ pub struct Ingest {
     info: PromptInfo,
     num_tokens: usize,
     blocks: Vec<Vec<Block>>,
-    digests: Vec<Vec<Digest>>,
+    digests: Vec<HeadDigests>,
     /// Per layer, one bit per token already written.
     covered: Vec<Vec<u64>>,
     remaining: usize,
@@ -258,7 +259,7 @@ impl Ingest {
             info,
             num_tokens: n,
             blocks,
-            digests: vec![vec![Digest::new(geom.head_dim); per_layer]; layout.num_layers * hk],
+            digests: vec![HeadDigests::new(per_layer, geom.head_dim); layout.num_layers * hk],
             covered: vec![vec![0u64; n.div_ceil(64)]; layout.num_layers],
             remaining: n * layout.num_layers,
             bytes_received: 0,
@@ -396,7 +397,8 @@ impl Ingest {
                     stride: row,
                     n,
                 };
-                geom.copy_keys_digest(block, h, slot, rows, &mut self.digests[layer * hk + h][bi]);
+                let digest = self.digests[layer * hk + h].block_mut(bi);
+                geom.copy_keys_digest(block, h, slot, rows, digest);
             }
         }
         for &(t, bi, slot, n) in &runs {
@@ -459,10 +461,10 @@ impl Ingest {
                         geom.write_token(block, h, slot + i, k, v);
                     }
                 }
-                let digest = &mut self.digests[layer * hk + h][bi];
+                let digest = &mut self.digests[layer * hk + h];
                 for i in 0..n {
                     let at = ((t + i) * hk + h) * d;
-                    digest.update(&self.scratch_k[at..at + d]);
+                    digest.update(bi, &self.scratch_k[at..at + d]);
                 }
             }
         }
@@ -628,8 +630,8 @@ pub(crate) mod tests {
             assert_eq!(f[16 + 4 + c], val(1, 5, 1, c, true));
         }
         let dg = kv.take_digests();
-        assert_eq!(dg[2 + 1][1].max[0], val(1, 5, 1, 0, false));
-        assert_eq!(dg[2 + 1][1].min[0], val(1, 4, 1, 0, false));
+        assert_eq!(dg[2 + 1].block(1).1[0], val(1, 5, 1, 0, false));
+        assert_eq!(dg[2 + 1].block(1).0[0], val(1, 4, 1, 0, false));
         drop(kv);
         assert_eq!(pool.usage().used, 0);
     }
