@@ -10,7 +10,7 @@ use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use decode_node_proto::v1::PushKvResponse;
 use http::header::CONTENT_TYPE;
 use http_body::{Body as HttpBody, Frame};
@@ -108,17 +108,38 @@ fn serve_push(
 }
 
 /// Received DATA frames not yet cut into messages.
+///
+/// Frames are kept as they came, except small ones: those are copied together into `tail`, so a
+/// client sending tiny frames costs a copy, not a buffer handle per few bytes (which would let
+/// memory grow far past the message limit).
 #[derive(Debug, Default)]
 struct Frames {
     parts: VecDeque<Bytes>,
+    tail: BytesMut,
+    /// Bytes held, `tail` included.
     len: usize,
 }
+
+/// Frames shorter than this are joined rather than kept.
+const JOIN_BELOW: usize = 4096;
 
 impl Frames {
     fn push(&mut self, b: Bytes) {
         self.len += b.len();
-        if !b.is_empty() {
-            self.parts.push_back(b);
+        if b.len() < JOIN_BELOW {
+            self.tail.extend_from_slice(&b);
+            if self.tail.len() >= JOIN_BELOW {
+                self.flush_tail();
+            }
+            return;
+        }
+        self.flush_tail();
+        self.parts.push_back(b);
+    }
+
+    fn flush_tail(&mut self) {
+        if !self.tail.is_empty() {
+            self.parts.push_back(self.tail.split().freeze());
         }
     }
 
@@ -147,6 +168,7 @@ impl Frames {
         if self.len < GRPC_PREFIX_LEN {
             return Ok(None);
         }
+        self.flush_tail();
         let mut prefix = [0u8; GRPC_PREFIX_LEN];
         let mut at = 0;
         for p in &self.parts {
@@ -179,6 +201,7 @@ impl Frames {
         if self.len < GRPC_PREFIX_LEN + len {
             return Ok(None);
         }
+        self.flush_tail();
         self.split(GRPC_PREFIX_LEN);
         Ok(Some(self.split(len)))
     }
@@ -298,13 +321,37 @@ mod tests {
 
     #[test]
     fn messages_are_cut_across_frames_without_joining_them() {
-        let mut f = frames(&[&[0, 0, 0], &[0, 3, b'a'], &[b'b', b'c', 0, 0], &[0, 0, 0]]);
-        let m = f.message(10).unwrap().unwrap();
-        assert_eq!(m.to_bytes(), Bytes::from_static(b"abc"));
-        assert_eq!(m.parts().len(), 2);
+        let body: Vec<u8> = (0..10_000).map(|i| (i % 251) as u8).collect();
+        let mut wire = vec![0u8, 0, 0, 0x27, 0x10];
+        wire.extend_from_slice(&body);
+        wire.extend_from_slice(&[0, 0, 0, 0, 0]);
+        let mut f = Frames::default();
+        f.push(Bytes::copy_from_slice(&wire[..5000]));
+        assert!(f.message(1 << 20).unwrap().is_none());
+        f.push(Bytes::copy_from_slice(&wire[5000..]));
+        let m = f.message(1 << 20).unwrap().unwrap();
+        assert_eq!(m.to_bytes(), Bytes::from(body));
+        assert_eq!(m.parts().len(), 2, "large frames are shared, not joined");
         // An empty message follows.
-        assert_eq!(f.message(10).unwrap().unwrap().len(), 0);
-        assert!(f.message(10).unwrap().is_none());
+        assert_eq!(f.message(1 << 20).unwrap().unwrap().len(), 0);
+        assert!(f.message(1 << 20).unwrap().is_none());
+        assert_eq!(f.len, 0);
+    }
+
+    #[test]
+    fn tiny_frames_are_joined_not_kept_one_by_one() {
+        let mut msg = vec![0u8, 0, 0, 0x27, 0x10];
+        msg.extend((0..10_000).map(|i| i as u8));
+        let mut f = Frames::default();
+        for b in msg.iter().chain(msg.iter()) {
+            f.push(Bytes::copy_from_slice(std::slice::from_ref(b)));
+            assert!(f.parts.len() <= 6, "{} parts", f.parts.len());
+        }
+        for _ in 0..2 {
+            let m = f.message(1 << 20).unwrap().unwrap();
+            assert_eq!(m.to_bytes(), Bytes::copy_from_slice(&msg[5..]));
+            assert!(m.parts().len() <= 4);
+        }
         assert_eq!(f.len, 0);
     }
 
