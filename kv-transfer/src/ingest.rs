@@ -154,6 +154,24 @@ pub struct Ingest {
     poisoned: bool,
 }
 
+/// Block-sized runs of `count` tokens from `start`: (offset in the chunk, block, slot, tokens).
+fn runs(
+    block_size: usize,
+    start: usize,
+    count: usize,
+) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+    let mut t = 0;
+    std::iter::from_fn(move || {
+        (t < count).then(|| {
+            let pos = start + t;
+            let n = (block_size - pos % block_size).min(count - t);
+            let run = (t, pos / block_size, pos % block_size, n);
+            t += n;
+            run
+        })
+    })
+}
+
 fn wire_dtype(d: i32) -> Result<KvDType, Error> {
     match DType::try_from(d) {
         Ok(DType::DtypeF32) => Ok(KvDType::F32),
@@ -357,25 +375,6 @@ impl Ingest {
         Ok(())
     }
 
-    /// Block-sized runs of a chunk's tokens: (offset in the chunk, block, slot, tokens).
-    fn runs(
-        &self,
-        start: usize,
-        count: usize,
-    ) -> impl Iterator<Item = (usize, usize, usize, usize)> {
-        let b = self.layout.geom.block_size;
-        let mut t = 0;
-        std::iter::from_fn(move || {
-            (t < count).then(|| {
-                let pos = start + t;
-                let n = (b - pos % b).min(count - t);
-                let run = (t, pos / b, pos % b, n);
-                t += n;
-                run
-            })
-        })
-    }
-
     /// Writes a same-dtype chunk whose keys fold into the digests in the copy; returns the
     /// CRC-32C of its key and value. Each run is checksummed just before it is copied, while
     /// its rows are in L1 (a separate pass read them from memory twice): keys first, then
@@ -385,9 +384,8 @@ impl Ingest {
         let geom = self.layout.geom;
         let (hk, d, es) = (geom.num_kv_heads, geom.head_dim, geom.dtype.size());
         let row = hk * d * es;
-        let runs: Vec<_> = self.runs(start, count).collect();
         let mut crc = Crc32c::new();
-        for &(t, bi, slot, n) in &runs {
+        for (t, bi, slot, n) in runs(geom.block_size, start, count) {
             let kr = c.key.slice(t * row..(t + n) * row, &mut self.gather_k);
             crc.update(kr);
             let block = self.blocks[layer][bi].bytes_mut();
@@ -401,7 +399,7 @@ impl Ingest {
                 geom.copy_keys_digest(block, h, slot, rows, digest);
             }
         }
-        for &(t, bi, slot, n) in &runs {
+        for (t, bi, slot, n) in runs(geom.block_size, start, count) {
             let vr = c.value.slice(t * row..(t + n) * row, &mut self.gather_v);
             crc.update(vr);
             let block = self.blocks[layer][bi].bytes_mut();
@@ -439,17 +437,24 @@ impl Ingest {
         }
         let es = self.info.wire_dtype.size();
         let row = hk * d * es;
-        let runs: Vec<_> = self.runs(start, count).collect();
-        for (t, bi, slot, n) in runs {
+        for (t, bi, slot, n) in runs(geom.block_size, start, count) {
             let block = self.blocks[layer][bi].bytes_mut();
+            // f16 in an f16 pool: straight copies; the digest from the decoded keys.
+            let rows = t * row..(t + n) * row;
+            let (kr, vr) = if same_dtype {
+                (
+                    c.key.slice(rows.clone(), &mut self.gather_k),
+                    c.value.slice(rows, &mut self.gather_v),
+                )
+            } else {
+                (&[][..], &[][..])
+            };
             for h in 0..hk {
                 if same_dtype {
-                    // f16 in an f16 pool: a straight copy; the digest from the decoded keys.
-                    let rows = t * row..(t + n) * row;
                     let off = h * d * es;
                     let src = WireTokens {
-                        k: &c.key.slice(rows.clone(), &mut self.gather_k)[off..],
-                        v: &c.value.slice(rows, &mut self.gather_v)[off..],
+                        k: &kr[off..],
+                        v: &vr[off..],
                         stride: row,
                         n,
                     };
@@ -504,6 +509,7 @@ impl Ingest {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::Payload;
     use attention::encode_from_f32;
     use bytes::Bytes;
     use decode_node_proto::v1::KvChunk;
@@ -567,8 +573,6 @@ pub(crate) mod tests {
             crc32c: crc,
         }
     }
-
-    use crate::Payload;
 
     /// The same chunk with f32 keys and values (exact: the f16 values widen).
     fn to_f32(c16: KvChunk) -> KvChunk {

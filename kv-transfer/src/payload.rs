@@ -13,17 +13,14 @@ use bytes::Bytes;
 #[derive(Debug, Clone, Default)]
 pub struct Payload {
     parts: Vec<Bytes>,
-    /// `starts[i]`: offset of `parts[i]`; one more entry holds the total length.
-    starts: Vec<usize>,
+    /// `ends[i]`: offset just past `parts[i]`.
+    ends: Vec<usize>,
 }
 
 impl Payload {
     /// An empty payload.
     pub fn new() -> Self {
-        Self {
-            parts: Vec::new(),
-            starts: vec![0],
-        }
+        Self::default()
     }
 
     /// Appends `b` (no copy; empty parts are skipped).
@@ -31,17 +28,18 @@ impl Payload {
         if b.is_empty() {
             return;
         }
-        if self.starts.is_empty() {
-            self.starts.push(0);
-        }
-        let end = self.len() + b.len();
+        self.ends.push(self.len() + b.len());
         self.parts.push(b);
-        self.starts.push(end);
     }
 
     /// Bytes held.
     pub fn len(&self) -> usize {
-        self.starts.last().copied().unwrap_or(0)
+        self.ends.last().copied().unwrap_or(0)
+    }
+
+    /// Offset of `parts[i]`.
+    fn start(&self, i: usize) -> usize {
+        if i == 0 { 0 } else { self.ends[i - 1] }
     }
 
     /// Whether no bytes are held.
@@ -67,15 +65,16 @@ impl Payload {
         if range.is_empty() {
             return &[];
         }
-        // The part holding `range.start`: the last one starting at or before it.
-        let i = self.starts.partition_point(|&s| s <= range.start) - 1;
-        let off = range.start - self.starts[i];
-        if range.end <= self.starts[i + 1] {
+        // The part holding `range.start`: the first one ending after it.
+        let i = self.ends.partition_point(|&e| e <= range.start);
+        let off = range.start - self.start(i);
+        if range.end <= self.ends[i] {
             return &self.parts[i][off..off + range.len()];
         }
         scratch.clear();
         let mut at = range.start;
-        for (p, &s) in self.parts[i..].iter().zip(&self.starts[i..]) {
+        for (j, p) in self.parts.iter().enumerate().skip(i) {
+            let s = self.start(j);
             let take = (range.end - at).min(s + p.len() - at);
             scratch.extend_from_slice(&p[at - s..at - s + take]);
             at += take;
