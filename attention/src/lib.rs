@@ -52,8 +52,8 @@ pub use digest::{Digest, GroupQuery, HeadDigests};
 pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
 pub use kernel::{Scratch, attend_blocks};
 pub use merge::Partial;
-pub use policy::{AttentionConfig, Mode, RecallPolicy};
+pub use policy::{AttentionConfig, Mode, PredictionGuard, RecallPolicy};
 pub use select::select_top_k;
 pub use sequence::{
-    HeadPlan, HeadQuery, KvSource, SeqAttention, SeqStats, attend_head, recall_intervals,
+    HeadPlan, HeadQuery, KvSource, SeqAttention, SeqStats, attend_head, cosine, recall_intervals,
 };

@@ -70,6 +70,49 @@ pub struct AttentionConfig {
     pub device_blocks_per_head: usize,
     /// Record each layer's CPU share at every step (for `bench recall-profile`).
     pub profile: bool,
+    /// When the layer-ahead prediction is not trusted (`scout`).
+    pub guard: PredictionGuard,
+}
+
+/// The accuracy guard of layer-ahead pre-computation.
+///
+/// The real query of a layer is computed anyway, so how far the prediction was off is known
+/// before its CPU result is used: a layer whose prediction is poor redoes its selection and CPU
+/// part with the real query, on the critical path, instead of merging a wrong partial.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PredictionGuard {
+    /// A layer whose predicted query has a cosine below this with the real one (the lowest
+    /// over its KV heads' query groups) is redone with the real query. 0 turns the guard off;
+    /// above 1 every layer is redone (`--exact`).
+    pub min_cosine: f32,
+    /// The first layers attend with the real query from the start: their inputs change most
+    /// across a layer, so the prediction is poor there (cosine 0.5-0.75 on SmolLM2's layers
+    /// 1-2) and would only be redone.
+    pub real_query_layers: usize,
+}
+
+impl PredictionGuard {
+    /// Guard off: every prediction is used (the paper's behaviour).
+    pub const OFF: Self = Self {
+        min_cosine: 0.0,
+        real_query_layers: 1,
+    };
+
+    /// Whether a layer predicted with `cosine` must be redone with the real query.
+    pub fn rejects(&self, cosine: f32) -> bool {
+        // NaN (a zero query) is rejected too: nothing says the prediction is good.
+        !(cosine >= self.min_cosine)
+    }
+}
+
+impl Default for PredictionGuard {
+    /// Redo below 0.9: on SmolLM2 the layers that predict well sit at 0.93-0.99.
+    fn default() -> Self {
+        Self {
+            min_cosine: 0.9,
+            real_query_layers: 3,
+        }
+    }
 }
 
 impl AttentionConfig {
@@ -83,6 +126,7 @@ impl AttentionConfig {
             recall: RecallPolicy::Adaptive { threshold: 0.12 },
             exact: false,
             profile: false,
+            guard: PredictionGuard::default(),
             device_blocks_per_head: budget_tokens.div_ceil(block_size),
         }
     }

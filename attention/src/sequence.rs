@@ -62,6 +62,10 @@ pub struct SeqStats {
     pub query_cosine_sum: f64,
     /// Number of cosines summed.
     pub query_cosine_count: u64,
+    /// Layers whose prediction the guard checked.
+    pub guard_checks: u64,
+    /// Of those, layers redone with the real query.
+    pub guard_fallbacks: u64,
 }
 
 impl SeqStats {
@@ -390,30 +394,38 @@ impl SeqAttention {
             .iter()
             .filter(|b| predicted.binary_search(b).is_ok())
             .count() as u64;
-        let dot: f64 = q_pred
-            .iter()
-            .zip(q_real)
-            .map(|(a, b)| *a as f64 * *b as f64)
-            .sum();
-        let na: f64 = q_pred
-            .iter()
-            .map(|a| (*a as f64).powi(2))
-            .sum::<f64>()
-            .sqrt();
-        let nb: f64 = q_real
-            .iter()
-            .map(|a| (*a as f64).powi(2))
-            .sum::<f64>()
-            .sqrt();
-        if na > 0.0 && nb > 0.0 {
-            self.stats.query_cosine_sum += dot / (na * nb);
+        let c = cosine(q_pred, q_real);
+        if !c.is_nan() {
+            self.stats.query_cosine_sum += c as f64;
             self.stats.query_cosine_count += 1;
         }
+    }
+
+    /// Records one guard check of a layer's prediction, and whether it was redone.
+    pub fn record_guard(&mut self, fell_back: bool) {
+        self.stats.guard_checks += 1;
+        self.stats.guard_fallbacks += u64::from(fell_back);
     }
 
     /// Each layer's CPU share at every step so far (recorded with `AttentionConfig::profile`).
     pub fn layer_history(&self) -> Vec<Vec<f32>> {
         self.layers.iter().map(|l| l.history.clone()).collect()
+    }
+}
+
+/// Cosine of two vectors (f64 sums); NaN when either is zero.
+pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let (mut dot, mut na, mut nb) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        let (x, y) = (*x as f64, *y as f64);
+        dot += x * y;
+        na += x * x;
+        nb += y * y;
+    }
+    if na > 0.0 && nb > 0.0 {
+        (dot / (na * nb).sqrt()) as f32
+    } else {
+        f32::NAN
     }
 }
 

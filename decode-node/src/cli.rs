@@ -43,7 +43,8 @@ pub enum Command {
 /// Model and attention settings shared by every command that runs the model.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// Model: a Hugging Face model directory, or `tiny` (embedded deterministic model).
+    /// Model: a Hugging Face model directory, a Llama GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1;
+    /// quantized tensors are dequantized to bf16 at load), or `tiny` (embedded deterministic model).
     #[arg(long, env = "DECODE_NODE_MODEL", default_value = "tiny")]
     pub model: String,
     /// Compute device: `cpu`, or `cuda[:N]` (needs a build with `--features cuda`).
@@ -74,9 +75,21 @@ pub struct ModelArgs {
     /// Recall a layer's CPU blocks when its CPU share of selected tokens passes this.
     #[arg(long, env = "DECODE_NODE_RECALL_THRESHOLD", default_value_t = 0.12)]
     pub recall_threshold: f32,
-    /// Rerun the CPU part with the real query (so a full budget equals `full` exactly).
+    /// Select and attend every layer with the real query: the layer-ahead CPU part is always
+    /// redone, so a full budget equals `full` and any budget equals a plain block top-k.
     #[arg(long, env = "DECODE_NODE_EXACT")]
     pub exact: bool,
+    /// Accuracy guard (`scout`): a layer whose predicted query has a cosine below this with
+    /// the real one redoes its selection and CPU part with the real query. 0 turns it off.
+    #[arg(long, env = "DECODE_NODE_GUARD_MIN_COSINE", default_value_t = 0.9)]
+    pub guard_min_cosine: f32,
+    /// Accuracy guard (`scout`): the first N layers attend with the real query from the start
+    /// (no layer-ahead), where a layer's input changes most and prediction is poor.
+    #[arg(long, env = "DECODE_NODE_GUARD_REAL_QUERY_LAYERS", default_value_t = 3)]
+    pub guard_real_query_layers: u32,
+    /// Turn the accuracy guard off (the paper's behaviour: every prediction is used).
+    #[arg(long, env = "DECODE_NODE_NO_GUARD")]
+    pub no_guard: bool,
     /// Host KV storage type: `auto` (the model's dtype), `f32`, `f16`, `bf16`.
     #[arg(long, env = "DECODE_NODE_KV_DTYPE", default_value = "auto")]
     pub kv_dtype: String,

@@ -37,6 +37,18 @@ pub struct StateLabel {
     pub state: &'static str,
 }
 
+/// `layer` label (a model layer's index).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LayerLabel {
+    /// Layer index.
+    pub layer: u32,
+}
+
+/// Cosine buckets for the layer-ahead prediction: fine where the guard decides (0.8-1).
+const COSINE_BUCKETS: [f64; 12] = [
+    0.0, 0.25, 0.5, 0.7, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 0.99, 1.0,
+];
+
 type FloatCounter = Counter<f64, AtomicU64>;
 type FloatGauge = Gauge<f64, AtomicU64>;
 
@@ -93,6 +105,10 @@ pub struct Metrics {
     pub step_duration: Histogram,
     /// Share of the real selection found by the predicted query (cumulative).
     pub query_prediction_hit_ratio: FloatGauge,
+    /// Cosine of predicted and real query per layer (the lowest over its KV heads).
+    pub query_cosine: Family<LayerLabel, Histogram>,
+    /// Layers whose layer-ahead CPU part the guard redid with the real query.
+    pub guard_fallbacks: Family<LayerLabel, Counter>,
     /// Ingest metrics (kv-transfer).
     pub ingest: IngestMetrics,
     selected_tokens: Arc<AtomicU64>,
@@ -139,6 +155,8 @@ impl Metrics {
             device_wait_seconds: FloatCounter::default(),
             step_duration: hist(&ITL_BUCKETS),
             query_prediction_hit_ratio: FloatGauge::default(),
+            query_cosine: Family::new_with_constructor(|| hist(&COSINE_BUCKETS)),
+            guard_fallbacks: Family::default(),
             ingest: IngestMetrics::default(),
             selected_tokens: Arc::default(),
             cpu_tokens: Arc::default(),
@@ -242,6 +260,16 @@ impl Metrics {
                 "Share of the real top-k selection found by the predicted query",
                 m.query_prediction_hit_ratio.clone(),
             );
+            r.register(
+                "query_prediction_cosine",
+                "Cosine of the layer-ahead predicted query with the real one, per layer",
+                m.query_cosine.clone(),
+            );
+            r.register(
+                "prediction_guard_fallbacks",
+                "Layers whose layer-ahead CPU part was redone with the real query, per layer",
+                m.guard_fallbacks.clone(),
+            );
             m.ingest.register(r);
         }
         root.register(
@@ -322,6 +350,19 @@ impl Metrics {
         }
     }
 
+    /// Records one guard check of `layer`.
+    pub fn observe_guard(&self, layer: usize, cosine: f32, fell_back: bool) {
+        let l = LayerLabel {
+            layer: layer as u32,
+        };
+        // A NaN cosine (zero query) counts as the lowest bucket rather than none.
+        let c = if cosine.is_nan() { 0.0 } else { cosine as f64 };
+        self.query_cosine.get_or_create(&l).observe(c);
+        if fell_back {
+            self.guard_fallbacks.get_or_create(&l).inc();
+        }
+    }
+
     /// Sets a `{state}` gauge family.
     pub fn set_bytes(fam: &Family<StateLabel, Gauge>, state: &'static str, v: u64) {
         fam.get_or_create(&StateLabel { state })
@@ -395,6 +436,8 @@ pub const REQUIRED: &[&str] = &[
     "decode_node_device_wait_seconds_total",
     "decode_node_step_duration_seconds",
     "decode_node_query_prediction_hit_ratio",
+    "decode_node_query_prediction_cosine",
+    "decode_node_prediction_guard_fallbacks_total",
     "process_resident_memory_bytes",
     "process_cpu_seconds_total",
     "process_open_fds",
@@ -420,6 +463,7 @@ mod tests {
         Metrics::set_bytes(&m.host_kv_bytes, "used", 1);
         Metrics::set_bytes(&m.device_kv_bytes, "used", 1);
         m.ingest.error("invalid_argument");
+        m.observe_guard(3, 0.5, true);
         let text = m.render();
         for name in crate::metrics::REQUIRED {
             assert!(text.contains(name), "missing {name}\n{text}");

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use attention::{AttentionConfig, BlockGeometry, KvDType, Mode, RecallPolicy};
+use attention::{AttentionConfig, BlockGeometry, KvDType, Mode, PredictionGuard, RecallPolicy};
 use decode_node_proto::v1 as pb;
 use kv_transfer::KvLayout;
 
@@ -130,6 +130,9 @@ impl Node {
         if !(0.0..=1.0).contains(&args.recall_threshold) {
             bail!("--recall-threshold must be within [0, 1]");
         }
+        if !(-1.0..=1.0).contains(&args.guard_min_cosine) {
+            bail!("--guard-min-cosine must be within [-1, 1]");
+        }
         let budget_tokens = (args.budget_tokens as usize).max(2 * block_size);
         let attention = AttentionConfig {
             mode,
@@ -146,6 +149,14 @@ impl Node {
             },
             exact: args.exact,
             profile: false,
+            guard: if args.no_guard {
+                PredictionGuard::OFF
+            } else {
+                PredictionGuard {
+                    min_cosine: args.guard_min_cosine,
+                    real_query_layers: (args.guard_real_query_layers as usize).max(1),
+                }
+            },
             device_blocks_per_head: match args.device_blocks {
                 0 => budget_tokens.div_ceil(block_size),
                 n => n as usize,

@@ -3,11 +3,13 @@
 //! (one layer ahead in `scout`), and merges the two exactly.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
 use attention::{
     AttentionConfig, HeadPlan, HeadQuery, Mode, Partial, Scratch, SeqAttention, attend_head,
+    cosine,
 };
 use kv_transfer::CommittedKv;
 use rayon::prelude::*;
@@ -33,12 +35,29 @@ pub(crate) struct SeqSlot<'a> {
     pub(crate) device_wait: f64,
 }
 
-/// A CPU part started ahead: its plans and where its result arrives.
+/// A CPU part started ahead: the layer it is for, its plans and where its result arrives.
 #[derive(Debug)]
 struct Ahead {
+    layer: usize,
     plans: Vec<HeadPlan>,
     q_pred: Vec<f32>,
+    job: CpuJob,
+}
+
+/// A CPU part running on the CPU pool.
+#[derive(Debug)]
+struct CpuJob {
     rx: mpsc::Receiver<Vec<Partial>>,
+    /// Set when the result is no longer wanted: heads not started yet are skipped.
+    cancel: Arc<AtomicBool>,
+}
+
+/// One guard check: a layer's lowest query cosine and whether it was redone.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct GuardCheck {
+    pub(crate) layer: usize,
+    pub(crate) cosine: f32,
+    pub(crate) fell_back: bool,
 }
 
 /// Shapes the attention needs.
@@ -71,25 +90,34 @@ pub(crate) struct BatchAttention<'a> {
     pub(crate) shape: Shape,
     pub(crate) cpu_pool: &'a rayon::ThreadPool,
     pub(crate) slots: Vec<SeqSlot<'a>>,
-    ahead: Vec<Option<Ahead>>,
+    /// Per sequence, the CPU parts started ahead: at most two, since layer `i + 1`'s is started
+    /// before layer `i` (whose own was started during layer `i - 1`) attends.
+    ahead: Vec<Vec<Ahead>>,
     scratch: Scratch,
     pub(crate) timing: AttnTiming,
+    /// This step's guard checks, for the per-layer metrics.
+    pub(crate) guard_checks: Vec<GuardCheck>,
 }
 
 /// Runs the CPU part: every head's `plan.cpu` blocks with `q`, heads in parallel on the
-/// current rayon pool (the CPU attention pool: this runs inside one of its tasks).
+/// current rayon pool (the CPU attention pool: this runs inside one of its tasks). Heads not
+/// started when `cancel` is set come back empty.
 fn cpu_part(
     kv: &CommittedKv,
     shape: Shape,
     layer: usize,
     plans: &[HeadPlan],
     q: &[f32],
+    cancel: &AtomicBool,
 ) -> Vec<Partial> {
     let per = q.len() / shape.num_kv_heads;
     plans
         .par_iter()
         .enumerate()
         .map_init(Scratch::default, |scratch, (h, p)| {
+            if cancel.load(Ordering::Relaxed) {
+                return Partial::empty(0, 0);
+            }
             let hq = HeadQuery {
                 layer,
                 head: h,
@@ -114,47 +142,107 @@ impl<'a> BatchAttention<'a> {
             shape,
             cpu_pool,
             slots,
-            ahead: (0..n).map(|_| None).collect(),
+            ahead: (0..n).map(|_| Vec::with_capacity(2)).collect(),
             scratch: Scratch::default(),
             timing: AttnTiming::default(),
+            guard_checks: Vec::new(),
         }
     }
 
-    fn spawn_cpu(
-        &self,
-        b: usize,
-        layer: usize,
-        plans: &[HeadPlan],
-        q: &[f32],
-    ) -> mpsc::Receiver<Vec<Partial>> {
+    fn spawn_cpu(&self, b: usize, layer: usize, plans: &[HeadPlan], q: &[f32]) -> CpuJob {
         let (tx, rx) = mpsc::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
         let kv = Arc::clone(self.slots[b].kv);
         let plans = plans.to_vec();
         let q = q.to_vec();
         let shape = self.shape;
+        let flag = Arc::clone(&cancel);
         self.cpu_pool.spawn(move || {
-            let out = cpu_part(&kv, shape, layer, &plans, &q);
+            let out = cpu_part(&kv, shape, layer, &plans, &q, &flag);
             // Let go of the KV before answering: the step appends to it right after the last
             // answer, which needs it unshared.
             drop(kv);
             // The receiver is gone only if the step was abandoned; nothing to do then.
             let _ = tx.send(out);
         });
-        rx
+        CpuJob { rx, cancel }
     }
 
-    /// Waits for sequence `b`'s CPU part; the wait is device idle time.
-    fn wait(&mut self, b: usize, rx: &mpsc::Receiver<Vec<Partial>>, kv: usize) -> Vec<Partial> {
+    /// Waits for sequence `b`'s CPU part; the wait is device idle time. A part that never
+    /// answers (its task panicked) is an error, not an empty result: merging nothing would
+    /// silently change the attention.
+    fn wait(&mut self, b: usize, job: &CpuJob) -> Result<Vec<Partial>, ModelError> {
         let t = Instant::now();
-        let r = rx.recv().unwrap_or_else(|_| vec![Partial::empty(0, 0); kv]);
+        let r = job.rx.recv().map_err(|_| {
+            ModelError::Attention("the CPU part of attention was lost (its task failed)".into())
+        });
         self.slots[b].device_wait += t.elapsed().as_secs_f64();
         r
+    }
+
+    /// Drops a CPU part started ahead whose result will not be used; waits for its task, which
+    /// holds the sequence's KV until it ends.
+    fn discard(&mut self, b: usize, job: CpuJob) -> Result<(), ModelError> {
+        job.cancel.store(true, Ordering::Relaxed);
+        self.wait(b, &job).map(drop)
+    }
+
+    /// Plans and CPU part of sequence `b`'s `layer`: the ones started a layer ahead when the
+    /// guard accepts the prediction, else planned now with the real query `qb` (the CPU part
+    /// then runs while the device part does).
+    fn plans_for(
+        &mut self,
+        b: usize,
+        layer: usize,
+        qb: &[f32],
+    ) -> Result<(Vec<HeadPlan>, Option<CpuJob>), ModelError> {
+        let at = self.ahead[b].iter().position(|a| a.layer == layer);
+        if let Some(a) = at.map(|i| self.ahead[b].swap_remove(i)) {
+            let per = qb.len() / self.shape.num_kv_heads;
+            let cos = (0..self.shape.num_kv_heads)
+                .map(|h| cosine(&a.q_pred[h * per..(h + 1) * per], &qb[h * per..(h + 1) * per]))
+                .fold(f32::INFINITY, |m, c| if c.is_nan() { c } else { m.min(c) });
+            let fell_back = self.cfg.exact || self.cfg.guard.rejects(cos);
+            self.guard_checks.push(GuardCheck {
+                layer,
+                cosine: cos,
+                fell_back,
+            });
+            self.slots[b].seq.record_guard(fell_back);
+            self.sample_prediction(b, layer, qb, &a);
+            if !fell_back {
+                return Ok((a.plans, Some(a.job)));
+            }
+            self.discard(b, a.job)?;
+        }
+        let plans = self.slots[b].seq.plan_layer(self.cfg, layer, qb);
+        let has_cpu = plans.iter().any(|p| !p.cpu.is_empty());
+        let job = has_cpu.then(|| self.spawn_cpu(b, layer, &plans, qb));
+        Ok((plans, job))
+    }
+
+    /// Measures the prediction's hit ratio against a selection with the real query: sampled,
+    /// as that costs as much as the selection itself.
+    fn sample_prediction(&mut self, b: usize, layer: usize, qb: &[f32], a: &Ahead) {
+        let seq = &mut *self.slots[b].seq;
+        if !seq.step().is_multiple_of(PREDICTION_SAMPLE_STEPS) {
+            return;
+        }
+        let per = qb.len() / self.shape.num_kv_heads;
+        for h in 0..self.shape.num_kv_heads {
+            let qh = &qb[h * per..(h + 1) * per];
+            let real = seq.select(self.cfg, layer, h, qh);
+            let predicted = a.plans[h].selected();
+            seq.record_prediction(&predicted, &real, &a.q_pred[h * per..(h + 1) * per], qh);
+        }
     }
 }
 
 impl DecodeAttention for BatchAttention<'_> {
-    fn wants_prediction(&self) -> bool {
-        self.cfg.mode == Mode::Scout && self.cfg.precompute
+    fn wants_prediction(&self, layer: usize) -> bool {
+        self.cfg.mode == Mode::Scout
+            && self.cfg.precompute
+            && layer >= self.cfg.guard.real_query_layers
     }
 
     fn predicted(&mut self, layer: usize, q_pred: &[f32]) {
@@ -163,11 +251,12 @@ impl DecodeAttention for BatchAttention<'_> {
         for b in 0..self.slots.len() {
             let q = &q_pred[b * width..(b + 1) * width];
             let plans = self.slots[b].seq.plan_layer(self.cfg, layer, q);
-            let rx = self.spawn_cpu(b, layer, &plans, q);
-            self.ahead[b] = Some(Ahead {
+            let job = self.spawn_cpu(b, layer, &plans, q);
+            self.ahead[b].push(Ahead {
+                layer,
                 plans,
                 q_pred: q.to_vec(),
-                rx,
+                job,
             });
         }
         self.timing.ahead += t.elapsed().as_secs_f64();
@@ -194,39 +283,7 @@ impl DecodeAttention for BatchAttention<'_> {
             let t_plan = Instant::now();
             let qb = &q[b * width..(b + 1) * width];
             let (kb, vb) = (&k[b * kvw..(b + 1) * kvw], &v[b * kvw..(b + 1) * kvw]);
-            // Plans and the CPU part: started a layer ahead, or now, in parallel with the device.
-            let (plans, pending) = match self.ahead[b].take() {
-                Some(a) => {
-                    // Scoring with the real query only measures the prediction: sampled, as
-                    // it costs as much as the selection itself.
-                    let sample = self.slots[b]
-                        .seq
-                        .step()
-                        .is_multiple_of(PREDICTION_SAMPLE_STEPS);
-                    for h in (0..num_kv_heads).filter(|_| sample) {
-                        let real = self.slots[b].seq.select(
-                            self.cfg,
-                            layer,
-                            h,
-                            &qb[h * group * head_dim..(h + 1) * group * head_dim],
-                        );
-                        let predicted = a.plans[h].selected();
-                        let qh = &qb[h * group * head_dim..(h + 1) * group * head_dim];
-                        let qp = &a.q_pred[h * group * head_dim..(h + 1) * group * head_dim];
-                        self.slots[b]
-                            .seq
-                            .record_prediction(&predicted, &real, qp, qh);
-                    }
-                    (a.plans, Some(a.rx))
-                }
-                None => {
-                    let plans = self.slots[b].seq.plan_layer(self.cfg, layer, qb);
-                    let has_cpu = plans.iter().any(|p| !p.cpu.is_empty());
-                    let rx =
-                        (has_cpu && !self.cfg.exact).then(|| self.spawn_cpu(b, layer, &plans, qb));
-                    (plans, rx)
-                }
-            };
+            let (plans, pending) = self.plans_for(b, layer, qb)?;
             // Device part with the real query, plus the new token itself.
             let t_dev = Instant::now();
             self.timing.plan += (t_dev - t_plan).as_secs_f64();
@@ -258,23 +315,10 @@ impl DecodeAttention for BatchAttention<'_> {
                     scale,
                 ));
             }
-            let cpu = if self.cfg.exact {
-                // Exact mode: the CPU part reruns with the real query.
-                if let Some(rx) = &pending {
-                    let _ = self.wait(b, rx, num_kv_heads);
-                }
-                let shape = self.shape;
-                self.cpu_pool
-                    .install(|| cpu_part(kv, shape, layer, &plans, qb))
-            } else {
-                match &pending {
-                    Some(rx) => self.wait(b, rx, num_kv_heads),
-                    None => Vec::new(),
-                }
-            };
-            for (h, c) in cpu.iter().enumerate() {
-                if c.num_heads == group {
-                    parts[h].merge_from(c);
+            if let Some(job) = &pending {
+                let cpu = self.wait(b, job)?;
+                for (part, c) in parts.iter_mut().zip(&cpu) {
+                    part.merge_from(c);
                 }
             }
             for (h, p) in parts.iter().enumerate() {

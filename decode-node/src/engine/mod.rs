@@ -530,6 +530,9 @@ impl StepLoop {
             .decode_step(&tokens, &positions, &mut batch);
         let model_s = t_model.elapsed().as_secs_f64();
         let timing = batch.timing;
+        for g in &batch.guard_checks {
+            self.metrics.observe_guard(g.layer, g.cosine, g.fell_back);
+        }
         let new_kv: Vec<(LayerRows, LayerRows, f64)> = batch
             .slots
             .into_iter()

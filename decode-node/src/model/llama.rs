@@ -36,8 +36,8 @@ struct Layer {
 
 /// Attention for a decode step, provided by the engine (sparse or dense, per request).
 pub trait DecodeAttention {
-    /// True when the engine wants each layer's predicted query of the next layer.
-    fn wants_prediction(&self) -> bool {
+    /// True when the engine wants layer `layer`'s predicted query (made during `layer - 1`).
+    fn wants_prediction(&self, _layer: usize) -> bool {
         false
     }
     /// Called at the start of layer `layer - 1` with layer `layer`'s predicted query
@@ -429,12 +429,13 @@ impl Model {
         let n = tokens.len();
         let cfg = &self.cfg;
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-        let predict = attn.wants_prediction();
         let mut x = self.embed(tokens);
         let mut xn = vec![0f32; n * h];
         for (i, layer) in self.layers.iter().enumerate() {
             // Layer-ahead: layer i+1's query from layer i's input (residuals change it little).
-            if predict && let Some(next) = self.layers.get(i + 1) {
+            if let Some(next) = self.layers.get(i + 1)
+                && attn.wants_prediction(i + 1)
+            {
                 self.backend
                     .rms_norm(&x, &next.input_norm, self.eps(), &mut xn);
                 let qp = self.project_q(next, &xn, positions)?;

@@ -2,6 +2,7 @@
 //! forward pass over a [`crate::backend::Backend`], tokenizers and sampling.
 
 pub mod config;
+pub mod gguf;
 pub mod llama;
 pub mod random;
 pub mod rope;
@@ -34,6 +35,9 @@ pub enum ModelError {
     /// Input the model cannot take (token id out of range, prompt too long).
     #[error("{0}")]
     Input(String),
+    /// The attention engine failed (a CPU part was lost).
+    #[error("{0}")]
+    Attention(String),
     /// The backend failed (a device error).
     #[error(transparent)]
     Backend(#[from] crate::backend::BackendError),
@@ -48,7 +52,7 @@ pub struct LoadedModel {
     pub tokenizer: Tokenizer,
 }
 
-/// Loads `tiny` (embedded) or a HF model directory onto `backend`.
+/// Loads `tiny` (embedded), a HF model directory or a GGUF file onto `backend`.
 pub fn load(spec: &str, backend: Arc<dyn Backend>) -> Result<LoadedModel, ModelError> {
     if spec == "tiny" {
         let (cfg, wm) = random::tiny();
@@ -58,7 +62,17 @@ pub fn load(spec: &str, backend: Arc<dyn Backend>) -> Result<LoadedModel, ModelE
             tokenizer: Tokenizer::Bytes,
         });
     }
-    let dir = Path::new(spec);
+    let path = Path::new(spec);
+    if gguf::is_gguf(path) {
+        let g = gguf::load(path)?;
+        let name = path.file_stem().and_then(|n| n.to_str()).unwrap_or("model");
+        let model = Model::from_weights(g.cfg, name, g.weights, backend)?;
+        return Ok(LoadedModel {
+            model,
+            tokenizer: g.tokenizer,
+        });
+    }
+    let dir = path;
     let cfg = ModelConfig::from_dir(dir)?;
     let wm = weights::WeightMap::open(dir)?;
     let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("model");

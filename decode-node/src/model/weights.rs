@@ -38,6 +38,21 @@ impl Tensor {
         }
     }
 
+    /// A tensor over `range` of a memory-mapped file (already checked to hold it).
+    pub(crate) fn mapped(
+        shape: Vec<usize>,
+        dtype: KvDType,
+        map: Arc<Mmap>,
+        range: Range<usize>,
+    ) -> Self {
+        debug_assert_eq!(range.len(), shape.iter().product::<usize>() * dtype.size());
+        Self {
+            shape,
+            dtype,
+            storage: Storage::Mapped(map, range),
+        }
+    }
+
     /// An f32 tensor.
     pub fn from_f32(shape: Vec<usize>, v: &[f32]) -> Self {
         let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
