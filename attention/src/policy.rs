@@ -82,8 +82,8 @@ pub struct AttentionConfig {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PredictionGuard {
     /// A layer whose predicted query has a cosine below this with the real one (the lowest
-    /// over its KV heads' query groups) is redone with the real query. 0 turns the guard off;
-    /// above 1 every layer is redone (`--exact`).
+    /// over its KV heads' query groups) is redone with the real query. At or below -1 the
+    /// guard is off.
     pub min_cosine: f32,
     /// The first layers attend with the real query from the start: their inputs change most
     /// across a layer, so the prediction is poor there (cosine 0.5-0.75 on SmolLM2's layers
@@ -94,14 +94,15 @@ pub struct PredictionGuard {
 impl PredictionGuard {
     /// Guard off: every prediction is used (the paper's behaviour).
     pub const OFF: Self = Self {
-        min_cosine: 0.0,
+        min_cosine: -1.0,
         real_query_layers: 1,
     };
 
     /// Whether a layer predicted with `cosine` must be redone with the real query.
     pub fn rejects(&self, cosine: f32) -> bool {
-        // NaN (a zero query) is rejected too: nothing says the prediction is good.
-        !(cosine >= self.min_cosine)
+        // NaN (a zero query) is rejected too while the guard is on: nothing says the
+        // prediction is good.
+        self.min_cosine > -1.0 && !(cosine >= self.min_cosine)
     }
 }
 

@@ -188,20 +188,26 @@ impl Backend for CpuBackend {
         let (out, inp) = (w.rows(), w.cols());
         debug_assert_eq!(x.len(), batch * inp);
         debug_assert_eq!(y.len(), batch * out);
-        // Computed transposed ([out][batch]) so each task owns a contiguous slice.
+        // Computed transposed ([out][batch]) so each task owns a contiguous slice. A task
+        // widens its rows to f32 once, then runs every input against them: the rows stay in
+        // cache while the batch streams by (a prefill of thousands of tokens would otherwise
+        // reread its whole input once per weight row).
         let mut yt = vec![0f32; out * batch];
         yt.par_chunks_mut(ROWS_PER_TASK * batch)
             .enumerate()
             .for_each_init(
-                || vec![0f32; inp],
-                |row, (ci, chunk)| {
+                || vec![0f32; ROWS_PER_TASK * inp],
+                |rows, (ci, chunk)| {
                     let r0 = ci * ROWS_PER_TASK;
-                    for (ri, ys) in chunk.chunks_exact_mut(batch).enumerate() {
-                        let r = r0 + ri;
-                        w.row_f32(r, row);
-                        let b = bias.map_or(0.0, |b| b[r]);
-                        for (bi, yv) in ys.iter_mut().enumerate() {
-                            *yv = dot(row, &x[bi * inp..(bi + 1) * inp]) + b;
+                    let n = chunk.len() / batch;
+                    for (ri, row) in rows.chunks_exact_mut(inp).take(n).enumerate() {
+                        w.row_f32(r0 + ri, row);
+                    }
+                    for bi in 0..batch {
+                        let xb = &x[bi * inp..(bi + 1) * inp];
+                        for (ri, row) in rows.chunks_exact(inp).take(n).enumerate() {
+                            let b = bias.map_or(0.0, |b| b[r0 + ri]);
+                            chunk[ri * batch + bi] = dot(row, xb) + b;
                         }
                     }
                 },

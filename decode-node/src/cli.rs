@@ -80,7 +80,7 @@ pub struct ModelArgs {
     #[arg(long, env = "DECODE_NODE_EXACT")]
     pub exact: bool,
     /// Accuracy guard (`scout`): a layer whose predicted query has a cosine below this with
-    /// the real one redoes its selection and CPU part with the real query. 0 turns it off.
+    /// the real one redoes its selection and CPU part with the real query (-1: never).
     #[arg(long, env = "DECODE_NODE_GUARD_MIN_COSINE", default_value_t = 0.9)]
     pub guard_min_cosine: f32,
     /// Accuracy guard (`scout`): the first N layers attend with the real query from the start
@@ -235,8 +235,10 @@ pub struct SelftestArgs {
 /// `bench`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// What to measure: `kernels`, `ingest`, `decode`, `step`, `recall-profile`, `soak`.
-    #[arg(value_parser = ["kernels", "ingest", "decode", "step", "recall-profile", "soak"])]
+    /// What to measure: `kernels`, `ingest`, `decode`, `step`, `recall-profile`, `soak`,
+    /// `fidelity` (accuracy of each mode and budget against `full` on a real model: passkey
+    /// retrieval and teacher-forced agreement, with speed).
+    #[arg(value_parser = ["kernels", "ingest", "decode", "step", "recall-profile", "soak", "fidelity"])]
     pub what: String,
     /// Print JSON instead of a table.
     #[arg(long)]
@@ -273,6 +275,21 @@ pub struct BenchArgs {
     /// Concurrent pushes for `ingest`, as from several prefill nodes (each its own request).
     #[arg(long, default_value_t = 1)]
     pub streams: u32,
+    /// Budgets (tokens per layer and KV head) for `fidelity`, e.g. `256,512,1024`.
+    #[arg(long, default_value = "512")]
+    pub budgets: String,
+    /// Passkey prompts per context length for `fidelity` (fixed seeds, spread in depth).
+    #[arg(long, default_value_t = 5)]
+    pub prompts: usize,
+    /// Teacher-forced positions on real text for `fidelity`.
+    #[arg(long, default_value_t = 256)]
+    pub forced: usize,
+    /// Accuracy guard for `scout` in `fidelity`: `on`, `off` or `both` (compared).
+    #[arg(long, default_value = "both", value_parser = ["on", "off", "both"])]
+    pub guard: String,
+    /// Print each passkey answer (`fidelity`).
+    #[arg(long)]
+    pub verbose: bool,
 }
 
 /// `make-model`.

@@ -76,6 +76,32 @@ pub fn prefill_kv(
     Ok(PromptKv { header, layers })
 }
 
+/// A push written into `pool` in-process (no transport), as the node's ingest writes it:
+/// for benches and tests that drive the engine's parts without a server.
+pub fn ingest_local(
+    layout: &kv_transfer::KvLayout,
+    pool: &kv_transfer::HostPool,
+    kv: &PromptKv,
+) -> anyhow::Result<kv_transfer::CommittedKv> {
+    use kv_transfer::{Ingest, client::push_messages};
+    let mut ingest = None;
+    for m in push_messages(kv, 256) {
+        match m.item {
+            Some(pb::push_kv_request::Item::Header(h)) => {
+                ingest = Some(Ingest::begin(layout, pool, &h)?)
+            }
+            Some(pb::push_kv_request::Item::Chunk(c)) => ingest
+                .as_mut()
+                .ok_or_else(|| anyhow::anyhow!("a chunk before the header"))?
+                .chunk(&c.into())?,
+            _ => {}
+        }
+    }
+    Ok(ingest
+        .ok_or_else(|| anyhow::anyhow!("no header"))?
+        .commit()?)
+}
+
 /// Pushes a prompt's KV, reporting acked bytes.
 pub async fn push(
     channel: Channel,

@@ -47,7 +47,8 @@ struct Ahead {
 /// A CPU part running on the CPU pool.
 #[derive(Debug)]
 struct CpuJob {
-    rx: mpsc::Receiver<Vec<Partial>>,
+    /// The partials and the seconds the part took.
+    rx: mpsc::Receiver<(Vec<Partial>, f64)>,
     /// Set when the result is no longer wanted: heads not started yet are skipped.
     cancel: Arc<AtomicBool>,
 }
@@ -81,6 +82,19 @@ pub(crate) struct AttnTiming {
     pub(crate) device: f64,
     /// Recording the layer and starting recall copies.
     pub(crate) finish: f64,
+    /// CPU parts, on the CPU pool (not the step thread), redone ones included.
+    pub(crate) cpu: f64,
+}
+
+impl AttnTiming {
+    /// Adds `o`'s seconds to these.
+    pub(crate) fn add(&mut self, o: &AttnTiming) {
+        self.ahead += o.ahead;
+        self.plan += o.plan;
+        self.device += o.device;
+        self.finish += o.finish;
+        self.cpu += o.cpu;
+    }
 }
 
 /// [`DecodeAttention`] over a batch of sequences.
@@ -97,6 +111,9 @@ pub(crate) struct BatchAttention<'a> {
     pub(crate) timing: AttnTiming,
     /// This step's guard checks, for the per-layer metrics.
     pub(crate) guard_checks: Vec<GuardCheck>,
+    /// Each layer's plans and whether its CPU part used the predicted query.
+    #[cfg(test)]
+    plan_log: Vec<(usize, Vec<HeadPlan>, bool)>,
 }
 
 /// Runs the CPU part: every head's `plan.cpu` blocks with `q`, heads in parallel on the
@@ -146,6 +163,8 @@ impl<'a> BatchAttention<'a> {
             scratch: Scratch::default(),
             timing: AttnTiming::default(),
             guard_checks: Vec::new(),
+            #[cfg(test)]
+            plan_log: Vec::new(),
         }
     }
 
@@ -158,7 +177,9 @@ impl<'a> BatchAttention<'a> {
         let shape = self.shape;
         let flag = Arc::clone(&cancel);
         self.cpu_pool.spawn(move || {
+            let t = Instant::now();
             let out = cpu_part(&kv, shape, layer, &plans, &q, &flag);
+            let out = (out, t.elapsed().as_secs_f64());
             // Let go of the KV before answering: the step appends to it right after the last
             // answer, which needs it unshared.
             drop(kv);
@@ -177,7 +198,9 @@ impl<'a> BatchAttention<'a> {
             ModelError::Attention("the CPU part of attention was lost (its task failed)".into())
         });
         self.slots[b].device_wait += t.elapsed().as_secs_f64();
-        r
+        let (parts, secs) = r?;
+        self.timing.cpu += secs;
+        Ok(parts)
     }
 
     /// Drops a CPU part started ahead whose result will not be used; waits for its task, which
@@ -195,7 +218,7 @@ impl<'a> BatchAttention<'a> {
         b: usize,
         layer: usize,
         qb: &[f32],
-    ) -> Result<(Vec<HeadPlan>, Option<CpuJob>), ModelError> {
+    ) -> Result<(Vec<HeadPlan>, Option<CpuJob>, bool), ModelError> {
         let at = self.ahead[b].iter().position(|a| a.layer == layer);
         if let Some(a) = at.map(|i| self.ahead[b].swap_remove(i)) {
             let per = qb.len() / self.shape.num_kv_heads;
@@ -211,14 +234,14 @@ impl<'a> BatchAttention<'a> {
             self.slots[b].seq.record_guard(fell_back);
             self.sample_prediction(b, layer, qb, &a);
             if !fell_back {
-                return Ok((a.plans, Some(a.job)));
+                return Ok((a.plans, Some(a.job), true));
             }
             self.discard(b, a.job)?;
         }
         let plans = self.slots[b].seq.plan_layer(self.cfg, layer, qb);
         let has_cpu = plans.iter().any(|p| !p.cpu.is_empty());
         let job = has_cpu.then(|| self.spawn_cpu(b, layer, &plans, qb));
-        Ok((plans, job))
+        Ok((plans, job, false))
     }
 
     /// Measures the prediction's hit ratio against a selection with the real query: sampled,
@@ -283,7 +306,9 @@ impl DecodeAttention for BatchAttention<'_> {
             let t_plan = Instant::now();
             let qb = &q[b * width..(b + 1) * width];
             let (kb, vb) = (&k[b * kvw..(b + 1) * kvw], &v[b * kvw..(b + 1) * kvw]);
-            let (plans, pending) = self.plans_for(b, layer, qb)?;
+            let (plans, pending, _predicted) = self.plans_for(b, layer, qb)?;
+            #[cfg(test)]
+            self.plan_log.push((layer, plans.clone(), _predicted));
             // Device part with the real query, plus the new token itself.
             let t_dev = Instant::now();
             self.timing.plan += (t_dev - t_plan).as_secs_f64();
@@ -363,4 +388,246 @@ fn self_partial(q_group: &[f32], k: &[f32], v: &[f32], scale: f32) -> Partial {
         p.lse2[h] = s * std::f32::consts::LOG2_E;
     }
     p
+}
+
+#[cfg(test)]
+mod tests {
+    //! One scout step, layer by layer, against a reference computed straight from the
+    //! definition: selection by the query the plan claims (predicted, or real where the guard
+    //! redid it), the device's blocks attended with the real query, the CPU's with the
+    //! selection query, each selected block once, plus the token itself.
+
+    use std::collections::HashMap;
+
+    use attention::{KvDType, PredictionGuard, SeqAttention};
+    use kv_transfer::{HostPool, KvLayout};
+
+    use super::*;
+    use crate::backend::CpuBackend;
+    use crate::client::{ingest_local, prefill_kv};
+    use crate::model::random::{preset, random_weights};
+    use crate::model::{Arch, LoadedModel, Model, Tokenizer};
+
+    /// Forwards to the engine's attention and records what the model handed it.
+    struct Spy<'a> {
+        inner: BatchAttention<'a>,
+        predicted: HashMap<usize, Vec<f32>>,
+        /// (layer, q, k, v, out) per attend call.
+        calls: Vec<(usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)>,
+    }
+
+    impl DecodeAttention for Spy<'_> {
+        fn wants_prediction(&self, layer: usize) -> bool {
+            self.inner.wants_prediction(layer)
+        }
+        fn predicted(&mut self, layer: usize, q_pred: &[f32]) {
+            self.predicted.insert(layer, q_pred.to_vec());
+            self.inner.predicted(layer, q_pred);
+        }
+        fn attend(
+            &mut self,
+            layer: usize,
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            out: &mut [f32],
+        ) -> Result<(), ModelError> {
+            self.inner.attend(layer, q, k, v, out)?;
+            self.calls
+                .push((layer, q.to_vec(), k.to_vec(), v.to_vec(), out.to_vec()));
+            Ok(())
+        }
+    }
+
+    /// Quest top-k from the definition: sink and newest block always, then the highest
+    /// `sum_g sum_d max(q_gd min_d, q_gd max_d)` among the rest.
+    fn reference_selection(
+        keys: &[f32],
+        n: usize,
+        hk: usize,
+        h: usize,
+        d: usize,
+        bs: usize,
+        q_group: &[f32],
+        budget_blocks: usize,
+    ) -> Vec<usize> {
+        let nb = n.div_ceil(bs);
+        if nb <= budget_blocks {
+            return (0..nb).collect();
+        }
+        let mut scored: Vec<(f32, usize)> = (1..nb - 1)
+            .map(|b| {
+                let mut s = 0f32;
+                for q in q_group.chunks_exact(d) {
+                    for (c, qd) in q.iter().enumerate() {
+                        let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+                        for t in b * bs..((b + 1) * bs).min(n) {
+                            let x = keys[(t * hk + h) * d + c];
+                            lo = lo.min(x);
+                            hi = hi.max(x);
+                        }
+                        s += (qd * lo).max(qd * hi);
+                    }
+                }
+                (s, b)
+            })
+            .collect();
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let mut sel: Vec<usize> = scored
+            .iter()
+            .take(budget_blocks - 2)
+            .map(|x| x.1)
+            .collect();
+        sel.push(0);
+        sel.push(nb - 1);
+        sel.sort_unstable();
+        sel
+    }
+
+    fn check(cfg: AttentionConfig, steps: usize) {
+        let mut mc = preset("tiny", Arch::Llama).unwrap();
+        mc.num_layers = 5;
+        let model = Model::from_weights(
+            mc.clone(),
+            "t",
+            random_weights(&mc, 11, KvDType::F32),
+            Arc::new(CpuBackend),
+        )
+        .unwrap();
+        let lm = LoadedModel {
+            model,
+            tokenizer: Tokenizer::Bytes,
+        };
+        let (hk, d, nh) = (mc.num_kv_heads, mc.head_dim, mc.num_heads);
+        let g = nh / hk;
+        let bs = 16;
+        let geom = attention::BlockGeometry {
+            block_size: bs,
+            num_kv_heads: hk,
+            head_dim: d,
+            dtype: KvDType::F32,
+        };
+        let layout = KvLayout {
+            model_id: lm.model.model_id.clone(),
+            num_layers: mc.num_layers,
+            geom,
+            vocab_size: mc.vocab_size,
+            max_context: mc.max_context(),
+        };
+        let pool = HostPool::new(geom, 64 << 20).unwrap();
+        let prompt: Vec<u32> = (0..203).map(|i| (i * 37 % 250) as u32).collect();
+        let kv = prefill_kv(&lm, &prompt, "r", KvDType::F32).unwrap();
+        let mut keys: Vec<Vec<f32>> = lm.model.prefill(&prompt).unwrap().keys;
+        let mut values: Vec<Vec<f32>> = lm.model.prefill(&prompt).unwrap().values;
+        let mut committed = ingest_local(&layout, &pool, &kv).unwrap();
+        committed.grow(pool.reserve(committed.blocks_to_grow(steps + 1)).unwrap());
+        let digests = committed.take_digests();
+        let mut seq = SeqAttention::new(geom, mc.num_layers, prompt.len(), digests);
+        let mut kv = Arc::new(committed);
+        let cpu_pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let shape = Shape {
+            num_heads: nh,
+            num_kv_heads: hk,
+            head_dim: d,
+            scale: lm.model.attn_scale(),
+        };
+        let mut token = kv.info.next_token_id;
+        let mut cpu_blocks = 0;
+        for step in 0..steps {
+            let n = prompt.len() + step;
+            let slot = SeqSlot {
+                kv: &kv,
+                seq: &mut seq,
+                dev: None,
+                new_k: vec![vec![0.0; hk * d]; mc.num_layers],
+                new_v: vec![vec![0.0; hk * d]; mc.num_layers],
+                device_wait: 0.0,
+            };
+            let mut spy = Spy {
+                inner: BatchAttention::new(&cfg, shape, &cpu_pool, vec![slot]),
+                predicted: HashMap::new(),
+                calls: Vec::new(),
+            };
+            let logits = lm.model.decode_step(&[token], &[n], &mut spy).unwrap();
+            let log = std::mem::take(&mut spy.inner.plan_log);
+            assert_eq!(log.len(), mc.num_layers);
+            for ((layer, plans, used_pred), (l2, q, k, v, out)) in log.iter().zip(&spy.calls) {
+                assert_eq!(layer, l2, "plans were made for another layer");
+                let pred = spy.predicted.get(layer);
+                assert_eq!(*used_pred, pred.is_some() && !cfg.exact && {
+                    let c = spy.inner.guard_checks.iter().find(|c| c.layer == *layer);
+                    c.is_some_and(|c| !c.fell_back)
+                });
+                let sel_q: &[f32] = if *used_pred { pred.unwrap() } else { q };
+                for h in 0..hk {
+                    let p = &plans[h];
+                    let qg = &sel_q[h * g * d..(h + 1) * g * d];
+                    let want = reference_selection(
+                        &keys[*layer], n, hk, h, d, bs, qg, cfg.budget_blocks(bs),
+                    );
+                    assert_eq!(p.selected(), want, "layer {layer} head {h}: selection");
+                    assert!(p.device.iter().all(|b| !p.cpu.contains(b)), "a block on both sides");
+                    cpu_blocks += p.cpu.len();
+                    // Attention from the definition, f64.
+                    for qh in 0..g {
+                        let head = h * g + qh;
+                        let mut ws: Vec<(f64, &[f32])> = Vec::new();
+                        for &blk in &want {
+                            let side_q = if p.device.contains(&blk) { q } else { sel_q };
+                            let qv = &side_q[head * d..(head + 1) * d];
+                            for t in blk * bs..((blk + 1) * bs).min(n) {
+                                let kt = &keys[*layer][(t * hk + h) * d..(t * hk + h + 1) * d];
+                                let s: f64 = qv.iter().zip(kt).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
+                                ws.push((s * shape.scale as f64, &values[*layer][(t * hk + h) * d..(t * hk + h + 1) * d]));
+                            }
+                        }
+                        let qv = &q[head * d..(head + 1) * d];
+                        let s: f64 = qv.iter().zip(&k[h * d..(h + 1) * d]).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
+                        ws.push((s * shape.scale as f64, &v[h * d..(h + 1) * d]));
+                        let m = ws.iter().fold(f64::NEG_INFINITY, |a, w| a.max(w.0));
+                        let z: f64 = ws.iter().map(|w| (w.0 - m).exp()).sum();
+                        for c in 0..d {
+                            let want: f64 = ws.iter().map(|w| (w.0 - m).exp() / z * w.1[c] as f64).sum();
+                            let got = out[head * d + c] as f64;
+                            assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                                "layer {layer} head {head} step {step}: {got} vs {want}");
+                        }
+                    }
+                }
+            }
+            let slot = spy.inner.slots.pop().unwrap();
+            let (ks, vs) = (slot.new_k, slot.new_v);
+            drop(spy);
+            for (l, (k, v)) in ks.iter().zip(&vs).enumerate() {
+                keys[l].extend_from_slice(k);
+                values[l].extend_from_slice(v);
+            }
+            super::super::solo::append_step(&mut kv, &mut seq, &cfg, &ks, &vs).unwrap();
+            token = crate::model::sampling::argmax(&logits) as u32;
+        }
+        assert!(cpu_blocks > 0, "the test must exercise the CPU part");
+    }
+
+    fn scout() -> AttentionConfig {
+        let mut cfg = AttentionConfig::scout(16);
+        cfg.budget_tokens = 80;
+        cfg.device_blocks_per_head = 3;
+        cfg
+    }
+
+    #[test]
+    fn scout_step_equals_its_definition_without_guard() {
+        check(AttentionConfig { guard: PredictionGuard::OFF, ..scout() }, 3);
+    }
+
+    #[test]
+    fn scout_step_equals_its_definition_with_guard() {
+        // On random weights the prediction is poor: most layers are redone, some are not.
+        check(AttentionConfig { guard: PredictionGuard { min_cosine: 0.3, real_query_layers: 2 }, ..scout() }, 3);
+    }
+
+    #[test]
+    fn exact_scout_is_real_query_block_top_k() {
+        check(AttentionConfig { exact: true, ..scout() }, 3);
+    }
 }

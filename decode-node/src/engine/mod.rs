@@ -7,6 +7,9 @@
 //! request, and retires finished ones (dropping their KV returns it to the pool).
 
 mod attend;
+mod solo;
+
+pub use solo::SoloDecoder;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -558,24 +561,12 @@ impl StepLoop {
         for (i, (r, (ks, vs, wait))) in self.running.iter_mut().zip(new_kv).enumerate() {
             r.device_wait += wait;
             // Append this step's KV (the token just fed) to the host pool and the digests.
-            let append = match Arc::get_mut(&mut r.kv) {
-                Some(kv) => (0..nl)
-                    .try_for_each(|l| kv.append(l, &ks[l], &vs[l]))
-                    .map(|()| kv.advance()),
-                None => Err(kv_transfer::Error::Config(
-                    "KV still shared after the step".into(),
-                )),
-            };
-            if let Err(e) = append {
+            if let Err(e) = solo::append_step(&mut r.kv, &mut r.seq, &self.cfg.attention, &ks, &vs) {
                 // Growth was reserved at admission, so this is a bug, not a full context: say so.
                 tracing::error!(request_id = %r.job.request_id, error = %e, "appending KV failed");
                 finished.push((i, Err(e.to_string())));
                 continue;
             }
-            for (l, k) in ks.iter().enumerate() {
-                r.seq.append_token(&self.cfg.attention, l, k);
-            }
-            r.seq.advance();
             let s = *r.seq.stats();
             self.metrics.add_attention(
                 s.selected_tokens - r.seen.selected_tokens,

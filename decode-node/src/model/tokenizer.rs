@@ -47,6 +47,18 @@ impl Tokenizer {
         }
     }
 
+    /// Ids → text, special tokens left out (empty without a tokenizer).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            Tokenizer::Bytes => {
+                let bytes: Vec<u8> = ids.iter().filter_map(|i| u8::try_from(*i).ok()).collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+            Tokenizer::Hf(t) => t.decode(ids, true).unwrap_or_default(),
+            Tokenizer::None => String::new(),
+        }
+    }
+
     /// Streaming-decoder state whose context starts with `context` (the prompt's tail).
     pub fn text_state(&self, context: &[u32]) -> TextState {
         let start = context.len().saturating_sub(SEED_TOKENS);

@@ -10,6 +10,8 @@ use kv_transfer::client::{PromptKv, PushOptions, push_kv};
 use rayon::prelude::*;
 use serde_json::json;
 
+mod fidelity;
+
 use crate::cli::BenchArgs;
 use crate::client;
 use crate::model::random::SplitMix;
@@ -24,6 +26,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "step" => tokio::task::spawn_blocking(move || step(&args)).await??,
         "recall-profile" => tokio::task::spawn_blocking(move || recall_profile(&args)).await??,
         "soak" => soak(&args).await?,
+        "fidelity" => tokio::task::spawn_blocking(move || fidelity::fidelity(&args)).await??,
         other => anyhow::bail!("`bench {other}` is not built yet in this version"),
     };
     println!("{}", serde_json::to_string_pretty(&report)?);
@@ -226,31 +229,16 @@ async fn model_info(target: &str) -> anyhow::Result<pb::ModelInfo> {
 
 /// The same pushes written into a pool in-process (no transport): the store path's own rate.
 fn store_rate(model: &crate::cli::ModelArgs, kv: &PromptKv, rounds: u64) -> anyhow::Result<f64> {
-    use kv_transfer::{HostPool, Ingest, client::push_messages};
     let node = crate::node::Node::build(model)?;
     let bytes: u64 = kv
         .layers
         .iter()
         .map(|(k, v)| (k.len() + v.len()) as u64)
         .sum();
-    let pool = HostPool::with_prefault(node.layout.geom, 2 * bytes + (64 << 20), true)?;
-    let msgs = push_messages(kv, 256);
+    let pool = kv_transfer::HostPool::with_prefault(node.layout.geom, 2 * bytes + (64 << 20), true)?;
     let t = Instant::now();
     for _ in 0..rounds {
-        let mut ingest = None;
-        for m in &msgs {
-            match &m.item {
-                Some(pb::push_kv_request::Item::Header(h)) => {
-                    ingest = Some(Ingest::begin(&node.layout, &pool, h)?)
-                }
-                Some(pb::push_kv_request::Item::Chunk(c)) => ingest
-                    .as_mut()
-                    .context("header first")?
-                    .chunk(&c.clone().into())?,
-                _ => {}
-            }
-        }
-        drop(ingest.context("no header")?.commit()?);
+        drop(client::ingest_local(&node.layout, &pool, kv)?);
     }
     Ok((rounds * bytes) as f64 / t.elapsed().as_secs_f64())
 }

@@ -1,0 +1,385 @@
+//! `bench fidelity`: what each attention mode and budget costs in accuracy on a real model,
+//! next to its speed, in one run and one process.
+//!
+//! Two measures, both against `full` (which equals HF transformers; see `tests/model_*`):
+//! - **passkey**: a 5-digit key hidden at a seeded depth in filler text, then "What is the pass
+//!   key? The pass key is"; the node's own prefill, then a greedy decode in each mode. Reported:
+//!   the share of prompts whose answer holds the key, and of generated tokens equal to full's.
+//! - **teacher-forced agreement** on real text (the repository's own docs and sources, built
+//!   into the binary): after a prefill of the context, the text's next tokens are fed one by
+//!   one; top-1 agreement with full's next-token distribution and its mean KL divergence.
+//!
+//! Speed is measured on the same steps: tokens/s of the forced decode and the CPU side's
+//! seconds per token (every CPU part, redone ones included), with the guard's fallback share.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use attention::{AttentionConfig, Mode, PredictionGuard};
+use kv_transfer::{CommittedKv, HostPool};
+use serde_json::json;
+
+use super::{parse_list, parse_tokens};
+use crate::cli::BenchArgs;
+use crate::client::{ingest_local, prefill_kv};
+use crate::engine::SoloDecoder;
+use crate::model::random::SplitMix;
+use crate::model::sampling::argmax;
+use crate::node::Node;
+
+/// Real text every build carries: the repository's own docs and sources.
+const TEXT: &[&str] = &[
+    include_str!("../../../ARCHITECTURE.md"),
+    include_str!("../../../README.md"),
+    include_str!("../../../attention/src/sequence.rs"),
+    include_str!("../../../kv-transfer/src/ingest.rs"),
+    include_str!("../../../decode-node/src/model/llama.rs"),
+    include_str!("../../../attention/src/kernel.rs"),
+    include_str!("../../../kv-transfer/src/wire.rs"),
+];
+
+const PASSKEY_INTRO: &str = "There is an important info hidden inside a lot of irrelevant text. \
+    Find it and memorize it. I will quiz you about the important information there.\n";
+const PASSKEY_FILLER: &str =
+    " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
+const PASSKEY_QUESTION: &str = "\nWhat is the pass key? The pass key is";
+/// Tokens generated per passkey prompt (a space and five digits, with room to spare).
+const PASSKEY_TOKENS: usize = 8;
+
+/// One configuration under test.
+#[derive(Debug, Clone)]
+struct Case {
+    label: String,
+    cfg: AttentionConfig,
+    guard: bool,
+}
+
+/// The configurations: `full` first (the reference), then each sparse mode at each budget;
+/// `scout` with the guard on and off when `--guard both`.
+fn cases(args: &BenchArgs, base: &AttentionConfig, block: usize) -> anyhow::Result<Vec<Case>> {
+    let budgets: Vec<usize> = parse_list(&args.budgets, "--budgets")?;
+    let guards: Vec<bool> = match args.guard.as_str() {
+        "on" => vec![true],
+        "off" => vec![false],
+        _ => vec![true, false],
+    };
+    let mut out = vec![Case {
+        label: "full".into(),
+        cfg: AttentionConfig {
+            mode: Mode::Full,
+            ..base.clone()
+        },
+        guard: false,
+    }];
+    for m in args.modes.split(',').map(str::trim) {
+        let mode = Mode::parse(m).with_context(|| format!("--modes: unknown mode {m:?}"))?;
+        if mode == Mode::Full {
+            continue;
+        }
+        for &b in &budgets {
+            let gs: &[bool] = if mode == Mode::Scout { &guards } else { &[true] };
+            for &g in gs {
+                let mut cfg = AttentionConfig {
+                    mode,
+                    budget_tokens: b.max(2 * block),
+                    device_blocks_per_head: if base.device_blocks_per_head == 0 {
+                        b.div_ceil(block)
+                    } else {
+                        base.device_blocks_per_head
+                    },
+                    ..base.clone()
+                };
+                if !g {
+                    cfg.guard = PredictionGuard::OFF;
+                }
+                let guard_label = match (mode, g) {
+                    (Mode::Scout, true) => " guard",
+                    (Mode::Scout, false) => " no-guard",
+                    _ => "",
+                };
+                out.push(Case {
+                    label: format!("{m} b{b}{guard_label}"),
+                    cfg,
+                    guard: g,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A passkey prompt of about `tokens` tokens with `key` at `depth` (0..1) of the filler.
+fn passkey_prompt(
+    tok: &crate::model::Tokenizer,
+    tokens: usize,
+    key: &str,
+    depth: f64,
+) -> anyhow::Result<Vec<u32>> {
+    let len = |s: &str| tok.encode(s).map(|v| v.len());
+    let key_line = format!(" The pass key is {key}. Remember it. {key} is the pass key.");
+    let fixed = len(PASSKEY_INTRO)? + len(&key_line)? + len(PASSKEY_QUESTION)?;
+    let per = len(PASSKEY_FILLER)?.max(1);
+    let n = tokens.saturating_sub(fixed) / per;
+    let at = ((n as f64) * depth).round() as usize;
+    let mut text = String::from(PASSKEY_INTRO);
+    for i in 0..n {
+        if i == at {
+            text.push_str(&key_line);
+        }
+        text.push_str(PASSKEY_FILLER);
+    }
+    if at >= n {
+        text.push_str(&key_line);
+    }
+    text.push_str(PASSKEY_QUESTION);
+    Ok(tok.encode(&text)?)
+}
+
+/// Running totals of one case.
+#[derive(Debug, Default, Clone)]
+struct Tally {
+    passkey_found: usize,
+    passkey_prompts: usize,
+    gen_equal: usize,
+    gen_total: usize,
+    top1_equal: usize,
+    forced: usize,
+    kl_sum: f64,
+    steps: usize,
+    step_seconds: f64,
+    cpu_seconds: f64,
+    cpu_ratio_sum: f64,
+    runs: usize,
+    guard_checks: u64,
+    guard_fallbacks: u64,
+}
+
+/// Log-softmax of `logits` in f64.
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let m = logits.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)) as f64;
+    let lse = logits.iter().map(|x| (*x as f64 - m).exp()).sum::<f64>().ln() + m;
+    logits.iter().map(|x| *x as f64 - lse).collect()
+}
+
+/// KL(p || q) of two log-distributions.
+fn kl(p: &[f64], q: &[f64]) -> f64 {
+    p.iter()
+        .zip(q)
+        .map(|(a, b)| if *a > -80.0 { a.exp() * (a - b) } else { 0.0 })
+        .sum()
+}
+
+/// What one decode of a case produced.
+struct Run {
+    logits: Vec<Vec<f32>>,
+    seconds: f64,
+    cpu_seconds: f64,
+    cpu_ratio: f64,
+    guard: (u64, u64),
+}
+
+/// Decodes from `kv`: each step feeds `feed(i, last_logits)`; returns every step's logits.
+fn run_case(
+    node: &Node,
+    cfg: &AttentionConfig,
+    cpu_pool: &rayon::ThreadPool,
+    pool: &HostPool,
+    kv: CommittedKv,
+    first: u32,
+    steps: usize,
+    mut feed: impl FnMut(usize, &[f32]) -> u32,
+) -> anyhow::Result<Run> {
+    let mut dec = SoloDecoder::new(&node.model.model, cfg, cpu_pool, pool, kv, steps)?;
+    let mut logits = Vec::with_capacity(steps);
+    let t = Instant::now();
+    let mut tok = first;
+    for i in 0..steps {
+        let l = dec.step(tok)?;
+        tok = feed(i, &l);
+        logits.push(l);
+    }
+    let s = dec.stats();
+    Ok(Run {
+        logits,
+        seconds: t.elapsed().as_secs_f64(),
+        cpu_seconds: dec.cpu_seconds(),
+        cpu_ratio: s.cpu_ratio(),
+        guard: (s.guard_checks, s.guard_fallbacks),
+    })
+}
+
+/// `bench fidelity`.
+pub(super) fn fidelity(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
+    let node = Node::build(&args.model)?;
+    let geom = node.layout.geom;
+    let cases = cases(args, &node.attention, geom.block_size)?;
+    let contexts: Vec<usize> = args
+        .context
+        .split(',')
+        .map(parse_tokens)
+        .collect::<Result<_, _>>()?;
+    let max_ctx = node.layout.max_context;
+    let forced = args.forced.max(1);
+    let longest = contexts.iter().max().copied().unwrap_or(0) + forced + 64;
+    anyhow::ensure!(
+        longest < max_ctx,
+        "context + forced tokens ({longest}) exceed the model's {max_ctx}"
+    );
+    let tok = &node.model.tokenizer;
+    let text_ids = tok
+        .encode(&TEXT.concat())
+        .context("bench fidelity needs a model with a tokenizer")?;
+    let per_token = (geom.block_bytes() * node.layout.num_layers) as u64 / geom.block_size as u64;
+    // Two live sequences at most (the one decoding, the next being ingested) plus slack.
+    let pool = HostPool::new(geom, 2 * per_token * (longest as u64 + 2 * geom.block_size as u64) + (64 << 20))?;
+    let cpu_pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(rayon::current_num_threads())
+        .thread_name(|i| format!("cpu-attn-{i}"))
+        .build()?;
+    let mut tallies = vec![Tally::default(); cases.len()];
+    let mut rows = Vec::new();
+    for &ctx in &contexts {
+        let mut t_ctx = vec![Tally::default(); cases.len()];
+        // Passkey prompts.
+        for p in 0..args.prompts {
+            let mut r = SplitMix(0x9a55_0000 + p as u64);
+            let key = format!("{:05}", 10_000 + r.next_u64() % 90_000);
+            let depth = (p as f64 + 0.5) / args.prompts as f64;
+            let ids = passkey_prompt(tok, ctx, &key, depth)?;
+            let kv = prefill_kv(&node.model, &ids, "fidelity", geom.dtype)?;
+            let first = kv.header.next_token_id;
+            let mut reference: Option<Vec<u32>> = None;
+            for (c, case) in cases.iter().enumerate() {
+                let committed = ingest_local(&node.layout, &pool, &kv)?;
+                let mut generated = vec![first];
+                let run = run_case(&node, &case.cfg, &cpu_pool, &pool, committed, first, PASSKEY_TOKENS - 1, |_, l| {
+                    let t = argmax(l) as u32;
+                    generated.push(t);
+                    t
+                })?;
+                let answer = tok.decode(&generated);
+                let t = &mut t_ctx[c];
+                t.passkey_prompts += 1;
+                t.passkey_found += usize::from(answer.contains(&key));
+                let want = reference.get_or_insert_with(|| generated.clone());
+                t.gen_total += generated.len();
+                t.gen_equal += generated.iter().zip(want.iter()).filter(|(a, b)| a == b).count();
+                if !args.json && args.verbose {
+                    eprintln!("passkey ctx={ctx} prompt {p} key {key} {:<20} {answer:?}", case.label);
+                }
+                tally_speed(t, &run);
+            }
+        }
+        // Teacher-forced agreement on real text.
+        anyhow::ensure!(
+            text_ids.len() > ctx + forced + 1,
+            "the built-in text has {} tokens; context {ctx} + {forced} forced needs more",
+            text_ids.len()
+        );
+        let kv = prefill_kv(&node.model, &text_ids[..ctx], "fidelity", geom.dtype)?;
+        let feed = &text_ids[ctx..ctx + forced + 1];
+        let mut reference: Option<Vec<Vec<f64>>> = None;
+        for (c, case) in cases.iter().enumerate() {
+            let committed = ingest_local(&node.layout, &pool, &kv)?;
+            let run = run_case(&node, &case.cfg, &cpu_pool, &pool, committed, feed[0], forced, |i, _| feed[i + 1])?;
+            let lps: Vec<Vec<f64>> = run.logits.iter().map(|l| log_softmax(l)).collect();
+            let t = &mut t_ctx[c];
+            match &reference {
+                None => {
+                    t.top1_equal += forced;
+                    reference = Some(lps);
+                }
+                Some(want) => {
+                    for (p, q) in want.iter().zip(&lps) {
+                        t.top1_equal += usize::from(argmax_f64(p) == argmax_f64(q));
+                        t.kl_sum += kl(p, q);
+                    }
+                }
+            }
+            t.forced += forced;
+            tally_speed(t, &run);
+        }
+        for (c, case) in cases.iter().enumerate() {
+            let row = report(&format!("{ctx}"), case, &t_ctx[c], args.json);
+            rows.push(row);
+            merge(&mut tallies[c], &t_ctx[c]);
+        }
+    }
+    if contexts.len() > 1 {
+        for (c, case) in cases.iter().enumerate() {
+            rows.push(report("all", case, &tallies[c], args.json));
+        }
+    }
+    Ok(json!({
+        "bench": "fidelity",
+        "model": args.model.model,
+        "block_size": geom.block_size,
+        "prompts": args.prompts,
+        "forced_tokens": forced,
+        "results": rows,
+    }))
+}
+
+fn argmax_f64(v: &[f64]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold((0, f64::NEG_INFINITY), |(bi, bv), (i, x)| if *x > bv { (i, *x) } else { (bi, bv) })
+        .0
+}
+
+fn tally_speed(t: &mut Tally, run: &Run) {
+    t.steps += run.logits.len();
+    t.step_seconds += run.seconds;
+    t.cpu_seconds += run.cpu_seconds;
+    t.cpu_ratio_sum += run.cpu_ratio;
+    t.runs += 1;
+    t.guard_checks += run.guard.0;
+    t.guard_fallbacks += run.guard.1;
+}
+
+fn merge(a: &mut Tally, b: &Tally) {
+    a.passkey_found += b.passkey_found;
+    a.passkey_prompts += b.passkey_prompts;
+    a.gen_equal += b.gen_equal;
+    a.gen_total += b.gen_total;
+    a.top1_equal += b.top1_equal;
+    a.forced += b.forced;
+    a.kl_sum += b.kl_sum;
+    a.steps += b.steps;
+    a.step_seconds += b.step_seconds;
+    a.cpu_seconds += b.cpu_seconds;
+    a.cpu_ratio_sum += b.cpu_ratio_sum;
+    a.runs += b.runs;
+    a.guard_checks += b.guard_checks;
+    a.guard_fallbacks += b.guard_fallbacks;
+}
+
+fn report(ctx: &str, case: &Case, t: &Tally, quiet: bool) -> serde_json::Value {
+    let r = |a: usize, b: usize| if b == 0 { f64::NAN } else { a as f64 / b as f64 };
+    let passkey = r(t.passkey_found, t.passkey_prompts);
+    let gen_eq = r(t.gen_equal, t.gen_total);
+    let top1 = r(t.top1_equal, t.forced);
+    let kl = if t.forced == 0 { f64::NAN } else { t.kl_sum / t.forced as f64 };
+    let tps = t.steps as f64 / t.step_seconds.max(1e-9);
+    let cpu_ms = t.cpu_seconds / t.steps.max(1) as f64 * 1e3;
+    let fallback = if t.guard_checks == 0 {
+        0.0
+    } else {
+        t.guard_fallbacks as f64 / t.guard_checks as f64
+    };
+    let cpu_share = t.cpu_ratio_sum / t.runs.max(1) as f64;
+    if !quiet {
+        eprintln!(
+            "fidelity ctx={ctx:>5} {:<18} passkey {passkey:.2}  generated=full {gen_eq:.3}  top1=full {top1:.4}  KL {kl:.5}  | {tps:6.1} tok/s  CPU part {cpu_ms:6.2} ms/tok  CPU share {:.2}  guard redo {:.2}",
+            case.label, cpu_share, fallback
+        );
+    }
+    json!({
+        "context": ctx, "case": case.label, "mode": case.cfg.mode.name(),
+        "budget_tokens": case.cfg.budget_tokens, "guard": case.guard,
+        "passkey_accuracy": passkey, "generated_equal_to_full": gen_eq,
+        "top1_agreement_with_full": top1, "mean_kl_from_full": kl,
+        "tokens_per_s": tps, "cpu_part_ms_per_token": cpu_ms, "cpu_share": cpu_share,
+        "guard_fallback_share": fallback,
+    })
+}

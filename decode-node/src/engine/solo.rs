@@ -1,0 +1,119 @@
+//! One sequence decoded with the engine's own attention, outside the step loop: the fidelity
+//! bench forces tokens through it (teacher forcing) and compares logits across modes, and
+//! tests drive single steps with it. Each step is exactly what the step loop does for one
+//! request: [`BatchAttention`] for the attention, then [`append_step`].
+
+use std::sync::Arc;
+
+use attention::{AttentionConfig, SeqAttention, SeqStats};
+use kv_transfer::{CommittedKv, HostPool};
+
+use super::attend::{AttnTiming, BatchAttention, GuardCheck, SeqSlot, Shape};
+use crate::model::{Model, ModelError};
+
+/// Appends one step's K and V (`[layer][num_kv_heads * head_dim]`) to the host KV and the
+/// attention state. The KV must be unshared (every CPU part of the step has answered).
+pub(crate) fn append_step(
+    kv: &mut Arc<CommittedKv>,
+    seq: &mut SeqAttention,
+    cfg: &AttentionConfig,
+    ks: &[Vec<f32>],
+    vs: &[Vec<f32>],
+) -> Result<(), kv_transfer::Error> {
+    let kv = Arc::get_mut(kv)
+        .ok_or_else(|| kv_transfer::Error::Config("KV still shared after the step".into()))?;
+    for (l, (k, v)) in ks.iter().zip(vs).enumerate() {
+        kv.append(l, k, v)?;
+    }
+    kv.advance();
+    for (l, k) in ks.iter().enumerate() {
+        seq.append_token(cfg, l, k);
+    }
+    seq.advance();
+    Ok(())
+}
+
+/// A single sequence and its attention state.
+#[derive(Debug)]
+pub struct SoloDecoder<'a> {
+    model: &'a Model,
+    cfg: &'a AttentionConfig,
+    cpu_pool: &'a rayon::ThreadPool,
+    kv: Arc<CommittedKv>,
+    seq: SeqAttention,
+    timing: AttnTiming,
+    guard: Vec<GuardCheck>,
+}
+
+impl<'a> SoloDecoder<'a> {
+    /// Decoder over committed `kv`, with host KV reserved from `pool` for `max_new` tokens.
+    pub fn new(
+        model: &'a Model,
+        cfg: &'a AttentionConfig,
+        cpu_pool: &'a rayon::ThreadPool,
+        pool: &HostPool,
+        mut kv: CommittedKv,
+        max_new: usize,
+    ) -> Result<Self, kv_transfer::Error> {
+        kv.grow(pool.reserve(kv.blocks_to_grow(max_new + 1))?);
+        let digests = kv.take_digests();
+        let seq = SeqAttention::new(*kv.geometry(), kv.num_layers(), kv.num_tokens(), digests);
+        Ok(Self {
+            model,
+            cfg,
+            cpu_pool,
+            kv: Arc::new(kv),
+            seq,
+            timing: AttnTiming::default(),
+            guard: Vec::new(),
+        })
+    }
+
+    /// Feeds `token` at the next position; returns the logits of the position after it.
+    pub fn step(&mut self, token: u32) -> Result<Vec<f32>, ModelError> {
+        let c = &self.model.cfg;
+        let (nl, width) = (c.num_layers, c.num_kv_heads * c.head_dim);
+        let shape = Shape {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            scale: self.model.attn_scale(),
+        };
+        let position = self.kv.num_tokens();
+        let slot = SeqSlot {
+            kv: &self.kv,
+            seq: &mut self.seq,
+            dev: None,
+            new_k: vec![vec![0.0; width]; nl],
+            new_v: vec![vec![0.0; width]; nl],
+            device_wait: 0.0,
+        };
+        let mut batch = BatchAttention::new(self.cfg, shape, self.cpu_pool, vec![slot]);
+        let logits = self.model.decode_step(&[token], &[position], &mut batch);
+        self.timing.add(&batch.timing);
+        self.guard.append(&mut batch.guard_checks);
+        let slot = batch.slots.pop();
+        let logits = logits?;
+        let (ks, vs) = slot
+            .map(|s| (s.new_k, s.new_v))
+            .ok_or_else(|| ModelError::Attention("the step lost its sequence".into()))?;
+        append_step(&mut self.kv, &mut self.seq, self.cfg, &ks, &vs)
+            .map_err(|e| ModelError::Attention(format!("appending KV: {e}")))?;
+        Ok(logits)
+    }
+
+    /// The sequence's attention counters.
+    pub fn stats(&self) -> &SeqStats {
+        self.seq.stats()
+    }
+
+    /// Seconds of CPU-side attention work so far (every CPU part, redone ones included).
+    pub fn cpu_seconds(&self) -> f64 {
+        self.timing.cpu
+    }
+
+    /// Every guard check so far: (layer, lowest query cosine, redone).
+    pub fn guard_checks(&self) -> impl Iterator<Item = (usize, f32, bool)> + '_ {
+        self.guard.iter().map(|g| (g.layer, g.cosine, g.fell_back))
+    }
+}
