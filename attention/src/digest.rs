@@ -105,25 +105,64 @@ impl HeadDigests {
     }
 }
 
-/// A GQA group's query folded once for scoring many digests.
+/// How a GQA group's query heads combine into one block score.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GroupScore {
+    /// The sum of the heads' Quest bounds (one folded dot product per block).
+    #[default]
+    Sum,
+    /// The largest of the heads' bounds: a block one head needs is not outvoted by the
+    /// others (G dot products per block).
+    Max,
+}
+
+impl GroupScore {
+    /// Parses `sum` or `max`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "sum" => Some(Self::Sum),
+            "max" => Some(Self::Max),
+            _ => None,
+        }
+    }
+}
+
+/// A GQA group's query prepared once for scoring many digests.
 ///
 /// `sum_g max(q_gd·min_d, q_gd·max_d)` takes `q_gd·max_d` for positive `q_gd` and `q_gd·min_d`
 /// otherwise, so it equals `max_d·pos_d + min_d·neg_d` with `pos_d` (`neg_d`) the sum of the
 /// group's positive (negative) `q_gd`: one dot product of `2·head_dim` per block instead of
-/// `2·G·head_dim` products, whatever the group size.
+/// `2·G·head_dim` products, whatever the group size. For [`GroupScore::Max`] each head keeps
+/// its own `pos`/`neg` and the block's score is the largest head's.
 #[derive(Debug, Clone)]
 pub struct GroupQuery {
+    /// `[heads][head_dim]`: one row when folded (sum), one per query head (max).
     pos: Vec<f32>,
     neg: Vec<f32>,
+    d: usize,
 }
 
 impl GroupQuery {
-    /// Folds `q_group` (`[G][head_dim]`).
+    /// Folds `q_group` (`[G][head_dim]`) for [`GroupScore::Sum`].
     pub fn new(q_group: &[f32], head_dim: usize) -> Self {
-        let mut pos = vec![0f32; head_dim];
-        let mut neg = vec![0f32; head_dim];
-        for q in q_group.chunks_exact(head_dim) {
-            for ((p, n), x) in pos.iter_mut().zip(neg.iter_mut()).zip(q) {
+        Self::with(q_group, head_dim, GroupScore::Sum)
+    }
+
+    /// Prepares `q_group` (`[G][head_dim]`) for `how`.
+    pub fn with(q_group: &[f32], head_dim: usize, how: GroupScore) -> Self {
+        let rows = match how {
+            GroupScore::Sum => 1,
+            GroupScore::Max => (q_group.len() / head_dim.max(1)).max(1),
+        };
+        let mut pos = vec![0f32; rows * head_dim];
+        let mut neg = vec![0f32; rows * head_dim];
+        for (i, q) in q_group.chunks_exact(head_dim).enumerate() {
+            let r = if rows == 1 { 0 } else { i };
+            let (p, n) = (
+                &mut pos[r * head_dim..(r + 1) * head_dim],
+                &mut neg[r * head_dim..(r + 1) * head_dim],
+            );
+            for ((p, n), x) in p.iter_mut().zip(n.iter_mut()).zip(q) {
                 if *x > 0.0 {
                     *p += x;
                 } else {
@@ -131,35 +170,48 @@ impl GroupQuery {
                 }
             }
         }
-        Self { pos, neg }
+        Self {
+            pos,
+            neg,
+            d: head_dim,
+        }
     }
 
-    /// The group's Quest score of `d` (as [`Digest::score`], up to rounding).
+    /// The group's Quest score of `d` (as [`Digest::score`], up to rounding, for a sum).
     pub fn score(&self, d: &Digest) -> f32 {
         self.score_raw(&d.min, &d.max)
     }
 
     /// As [`GroupQuery::score`], for a digest given as its minima and maxima.
     pub fn score_raw(&self, min: &[f32], max: &[f32]) -> f32 {
-        // Independent accumulators let the compiler vectorise without reassociation flags.
-        let mut acc = [0f32; 8];
-        let chunks = self
-            .pos
-            .chunks_exact(8)
-            .zip(self.neg.chunks_exact(8))
-            .zip(max.chunks_exact(8).zip(min.chunks_exact(8)));
-        for ((p, n), (hi, lo)) in chunks {
-            for i in 0..8 {
-                acc[i] += p[i] * hi[i] + n[i] * lo[i];
-            }
-        }
-        let tail = self.pos.len() / 8 * 8;
-        let mut s: f32 = acc.iter().sum();
-        for i in tail..self.pos.len() {
-            s += self.pos[i] * max[i] + self.neg[i] * min[i];
-        }
-        s
+        let d = self.d.max(1);
+        self.pos
+            .chunks_exact(d)
+            .zip(self.neg.chunks_exact(d))
+            .map(|(p, n)| bound(p, n, min, max))
+            .fold(f32::NEG_INFINITY, f32::max)
     }
+}
+
+/// `sum_d pos_d·max_d + neg_d·min_d`.
+fn bound(pos: &[f32], neg: &[f32], min: &[f32], max: &[f32]) -> f32 {
+    // Independent accumulators let the compiler vectorise without reassociation flags.
+    let mut acc = [0f32; 8];
+    let chunks = pos
+        .chunks_exact(8)
+        .zip(neg.chunks_exact(8))
+        .zip(max.chunks_exact(8).zip(min.chunks_exact(8)));
+    for ((p, n), (hi, lo)) in chunks {
+        for i in 0..8 {
+            acc[i] += p[i] * hi[i] + n[i] * lo[i];
+        }
+    }
+    let tail = pos.len() / 8 * 8;
+    let mut s: f32 = acc.iter().sum();
+    for i in tail..pos.len() {
+        s += pos[i] * max[i] + neg[i] * min[i];
+    }
+    s
 }
 
 #[cfg(test)]
@@ -188,6 +240,18 @@ mod tests {
                 "{g} {d}: {want} {got}"
             );
         }
+    }
+
+    #[test]
+    fn max_group_score_is_the_largest_heads_bound() {
+        let mut dg = Digest::new(2);
+        dg.update(&[1.0, -2.0]);
+        dg.update(&[0.5, 3.0]);
+        let (h0, h1) = ([1.0f32, 0.0], [0.0f32, -1.0]);
+        let q = [h0, h1].concat();
+        let want = dg.score(&h0).max(dg.score(&h1));
+        assert_eq!(GroupQuery::with(&q, 2, GroupScore::Max).score(&dg), want);
+        assert_eq!(GroupQuery::with(&q, 2, GroupScore::Sum).score(&dg), dg.score(&q));
     }
 
     #[test]

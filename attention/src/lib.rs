@@ -48,7 +48,7 @@ mod select;
 mod sequence;
 
 pub use block::{BlockGeometry, HeadBlock, Rows, WireTokens};
-pub use digest::{Digest, GroupQuery, HeadDigests};
+pub use digest::{Digest, GroupQuery, GroupScore, HeadDigests};
 pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
 pub use kernel::{Scratch, attend_blocks};
 pub use merge::Partial;

@@ -1,5 +1,7 @@
 //! What the attention engine is asked to do: mode, budget, ablations and recall policy.
 
+use crate::digest::GroupScore;
+
 /// How attention is split between the device and the CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -72,6 +74,10 @@ pub struct AttentionConfig {
     pub profile: bool,
     /// When the layer-ahead prediction is not trusted (`scout`).
     pub guard: PredictionGuard,
+    /// How a GQA group's heads combine into one block score.
+    pub group_score: GroupScore,
+    /// Newest tokens always selected (whole blocks; at least the newest block).
+    pub local_window_tokens: usize,
 }
 
 /// The accuracy guard of layer-ahead pre-computation.
@@ -128,6 +134,8 @@ impl AttentionConfig {
             exact: false,
             profile: false,
             guard: PredictionGuard::default(),
+            group_score: GroupScore::Sum,
+            local_window_tokens: 0,
             device_blocks_per_head: budget_tokens.div_ceil(block_size),
         }
     }
@@ -139,6 +147,11 @@ impl AttentionConfig {
             Mode::Full => usize::MAX,
             _ => self.device_blocks_per_head.max(2),
         }
+    }
+
+    /// Newest blocks always selected (at least 1).
+    pub fn local_blocks(&self, block_size: usize) -> usize {
+        self.local_window_tokens.div_ceil(block_size.max(1)).max(1)
     }
 
     /// Budget in blocks (at least the sink and the newest block).

@@ -216,7 +216,7 @@ impl SeqAttention {
     ) -> Vec<usize> {
         let st = &self.heads[layer * self.geom.num_kv_heads + head];
         let n = self.num_blocks();
-        let gq = GroupQuery::new(q_group, self.geom.head_dim);
+        let gq = GroupQuery::with(q_group, self.geom.head_dim, cfg.group_score);
         let scores: Vec<f32> = (0..n)
             .map(|b| {
                 if b + 1 == n {
@@ -226,7 +226,8 @@ impl SeqAttention {
                 }
             })
             .collect();
-        select_top_k(&scores, cfg.budget_blocks(self.geom.block_size))
+        let bs = self.geom.block_size;
+        select_top_k(&scores, cfg.budget_blocks(bs), cfg.local_blocks(bs))
     }
 
     /// Plans `layer`: for each KV head, the blocks the device and the CPU attend, given
@@ -272,7 +273,7 @@ impl SeqAttention {
                     let mut device: Vec<usize> = (0..n.min(1)).chain(start..n).collect();
                     device.dedup();
                     let st = &self.heads[layer * hk + h];
-                    let gq = GroupQuery::new(qg, self.geom.head_dim);
+                    let gq = GroupQuery::with(qg, self.geom.head_dim, cfg.group_score);
                     let score = |b: usize| (b, st.digests.score(&gq, b));
                     let mut rest: Vec<(usize, f32)> = if start >= PARALLEL_SELECT_BLOCKS {
                         (1..start).into_par_iter().map(score).collect()

@@ -87,6 +87,14 @@ pub struct ModelArgs {
     /// (no layer-ahead), where a layer's input changes most and prediction is poor.
     #[arg(long, env = "DECODE_NODE_GUARD_REAL_QUERY_LAYERS", default_value_t = 3)]
     pub guard_real_query_layers: u32,
+    /// How a GQA group's query heads combine into one block score for selection: `sum` of
+    /// their Quest bounds, or the `max` (a block one head needs is not outvoted).
+    #[arg(long, env = "DECODE_NODE_GROUP_SCORE", default_value = "sum", value_parser = ["sum", "max"])]
+    pub group_score: String,
+    /// Newest tokens always selected in sparse modes, besides the sink (whole blocks; at least
+    /// the newest block).
+    #[arg(long, env = "DECODE_NODE_LOCAL_WINDOW", default_value_t = 0)]
+    pub local_window: u32,
     /// Turn the accuracy guard off (the paper's behaviour: every prediction is used).
     #[arg(long, env = "DECODE_NODE_NO_GUARD")]
     pub no_guard: bool,

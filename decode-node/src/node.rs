@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use attention::{AttentionConfig, BlockGeometry, KvDType, Mode, PredictionGuard, RecallPolicy};
+use attention::{
+    AttentionConfig, BlockGeometry, GroupScore, KvDType, Mode, PredictionGuard, RecallPolicy,
+};
 use decode_node_proto::v1 as pb;
 use kv_transfer::KvLayout;
 
@@ -157,6 +159,9 @@ impl Node {
                     real_query_layers: (args.guard_real_query_layers as usize).max(1),
                 }
             },
+            group_score: GroupScore::parse(&args.group_score)
+                .with_context(|| format!("--group-score {:?}", args.group_score))?,
+            local_window_tokens: args.local_window as usize,
             device_blocks_per_head: match args.device_blocks {
                 0 => budget_tokens.div_ceil(block_size),
                 n => n as usize,

@@ -822,6 +822,147 @@ mod tests {
         }
     }
 
+    /// The GGUF name of an HF tensor (the inverse of [`hf_name`]).
+    fn gguf_name(hf: &str) -> String {
+        let fixed = [
+            ("model.embed_tokens.weight", "token_embd.weight"),
+            ("model.norm.weight", "output_norm.weight"),
+            ("lm_head.weight", "output.weight"),
+        ];
+        if let Some((_, g)) = fixed.iter().find(|(h, _)| *h == hf) {
+            return (*g).into();
+        }
+        for layer in 0..64 {
+            let name = format!("blk.{layer}.");
+            for part in [
+                "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                "ffn_up", "ffn_down",
+            ] {
+                let g = format!("{name}{part}.weight");
+                if hf_name(&g).as_deref() == Some(hf) {
+                    return g;
+                }
+            }
+        }
+        panic!("no GGUF name for {hf}")
+    }
+
+    /// Q8_0 blocks of `v` (whole blocks of 32).
+    fn quantize_q8(v: &[f32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for b in v.chunks_exact(32) {
+            let amax = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let d = f16::from_f32(amax / 127.0);
+            let inv = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
+            out.extend(d.to_le_bytes());
+            out.extend(b.iter().map(|x| (x * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+        }
+        out
+    }
+
+    #[test]
+    fn a_gguf_model_equals_the_same_weights_in_hf_layout() {
+        use crate::backend::CpuBackend;
+        use crate::model::Model;
+        use crate::model::random::{preset, random_weights};
+        let mut cfg = preset("tiny", super::super::Arch::Llama).unwrap();
+        cfg.tie_word_embeddings = true;
+        cfg.intermediate_size = 192;
+        let mut hf = random_weights(&cfg, 5, KvDType::F32);
+        let _ = hf.take_opt("lm_head.weight", &[cfg.vocab_size, cfg.hidden_size]);
+        let names: Vec<String> = hf.remaining().map(String::from).collect();
+        let mut w = Writer::new();
+        w.str("general.architecture", "llama")
+            .u32("llama.block_count", cfg.num_layers as u32)
+            .u32("llama.embedding_length", cfg.hidden_size as u32)
+            .u32("llama.feed_forward_length", cfg.intermediate_size as u32)
+            .u32("llama.attention.head_count", cfg.num_heads as u32)
+            .u32("llama.attention.head_count_kv", cfg.num_kv_heads as u32)
+            .u32("llama.context_length", cfg.max_position_embeddings as u32)
+            .u32("llama.vocab_size", cfg.vocab_size as u32)
+            .f32("llama.rope.freq_base", cfg.rope_theta as f32)
+            .f32("llama.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps as f32)
+            .str("tokenizer.ggml.model", "gpt2")
+            .str("tokenizer.ggml.pre", "smollm")
+            .strs("tokenizer.ggml.tokens", &["a", "b", "ab", "Ġ", "1"])
+            .strs("tokenizer.ggml.merges", &["a b"]);
+        let mut quantized = HashMap::new();
+        for n in &names {
+            let t = hf_tensor(&mut hf, n);
+            let g = gguf_name(n);
+            let heads = if n.ends_with("q_proj.weight") {
+                Some(cfg.num_heads)
+            } else if n.ends_with("k_proj.weight") {
+                Some(cfg.num_kv_heads)
+            } else {
+                None
+            };
+            // The file holds llama.cpp's interleaved q/k rows: permute HF's forward.
+            let rows = match heads {
+                Some(h) => permute_rows(&t.to_f32(), t.rows(), t.cols(), h),
+                None => t.to_f32(),
+            };
+            if n.ends_with("mlp.up_proj.weight") {
+                let q = quantize_q8(&rows);
+                w.tensor(&g, &t.shape, 8, &q);
+                let mut deq = Vec::new();
+                for b in q.chunks_exact(34) {
+                    let mut out = [0f32; 32];
+                    dequantize_block(GgmlType::Q8_0, b, &mut out);
+                    deq.extend(out.iter().map(|x| bf16::from_f32(*x).to_f32()));
+                }
+                quantized.insert(n.clone(), deq);
+            } else {
+                let bytes: Vec<u8> = rows.iter().flat_map(|x| x.to_le_bytes()).collect();
+                w.tensor(&g, &t.shape, 0, &bytes);
+            }
+            // The reference model gets HF's rows (dequantized where the file is quantized).
+            let reference = quantized.get(n).cloned().unwrap_or_else(|| t.to_f32());
+            hf.insert(n.clone(), Tensor::from_f32(t.shape.clone(), &reference));
+        }
+        let dir = std::env::temp_dir().join(format!("gguf-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.gguf");
+        std::fs::write(&path, w.finish()).unwrap();
+        assert!(is_gguf(&path));
+        let g = load(&path).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(g.cfg.num_kv_heads, cfg.num_kv_heads);
+        assert!(g.cfg.tie_word_embeddings);
+        let ids = match &g.tokenizer {
+            Tokenizer::Hf(t) => t.encode("ab a1", false).unwrap().get_ids().to_vec(),
+            other => panic!("no tokenizer: {other:?}"),
+        };
+        // "ab" merges; " a" has no merge with the space marker; the digit is split off.
+        assert_eq!(ids, vec![2, 3, 0, 4]);
+        let a = Model::from_weights(g.cfg.clone(), "g", g.weights, Arc::new(CpuBackend)).unwrap();
+        let b = Model::from_weights(cfg.clone(), "g", hf, Arc::new(CpuBackend)).unwrap();
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 250) as u32).collect();
+        let (la, lb) = (a.prefill(&prompt).unwrap(), b.prefill(&prompt).unwrap());
+        assert_eq!(la.logits, lb.logits);
+        assert_eq!(la.keys, lb.keys);
+    }
+
+    fn hf_tensor(wm: &mut WeightMap, name: &str) -> Tensor {
+        wm.take_any(name).unwrap()
+    }
+
+    /// llama.cpp's permutation of q/k rows (HF row `(h, i, j)` to file row `(h, j, i)`).
+    fn permute_rows(v: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+        let hd = rows / heads;
+        let mut out = vec![0f32; v.len()];
+        for h in 0..heads {
+            for i in 0..2 {
+                for j in 0..hd / 2 {
+                    let from = h * hd + i * hd / 2 + j;
+                    let to = h * hd + j * 2 + i;
+                    out[to * cols..(to + 1) * cols].copy_from_slice(&v[from * cols..(from + 1) * cols]);
+                }
+            }
+        }
+        out
+    }
+
     #[test]
     fn unsupported_tensor_types_are_named() {
         assert_eq!(GgmlType::from_id(12).unwrap_err(), "Q4_K");

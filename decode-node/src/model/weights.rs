@@ -212,6 +212,13 @@ impl WeightMap {
         Ok(t)
     }
 
+    /// Removes and returns `name` whatever its shape.
+    pub fn take_any(&mut self, name: &str) -> Result<Tensor, ModelError> {
+        self.tensors
+            .remove(name)
+            .ok_or_else(|| ModelError::Weights(format!("missing tensor {name}")))
+    }
+
     /// Removes `name` if present, checking its shape.
     pub fn take_opt(&mut self, name: &str, shape: &[usize]) -> Result<Option<Tensor>, ModelError> {
         if self.tensors.contains_key(name) {
