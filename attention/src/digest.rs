@@ -251,7 +251,10 @@ mod tests {
         let q = [h0, h1].concat();
         let want = dg.score(&h0).max(dg.score(&h1));
         assert_eq!(GroupQuery::with(&q, 2, GroupScore::Max).score(&dg), want);
-        assert_eq!(GroupQuery::with(&q, 2, GroupScore::Sum).score(&dg), dg.score(&q));
+        assert_eq!(
+            GroupQuery::with(&q, 2, GroupScore::Sum).score(&dg),
+            dg.score(&q)
+        );
     }
 
     #[test]

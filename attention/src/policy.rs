@@ -108,7 +108,7 @@ impl PredictionGuard {
     pub fn rejects(&self, cosine: f32) -> bool {
         // NaN (a zero query) is rejected too while the guard is on: nothing says the
         // prediction is good.
-        self.min_cosine > -1.0 && !(cosine >= self.min_cosine)
+        self.min_cosine > -1.0 && (cosine.is_nan() || cosine < self.min_cosine)
     }
 }
 

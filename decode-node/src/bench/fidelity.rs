@@ -77,7 +77,11 @@ fn cases(args: &BenchArgs, base: &AttentionConfig, block: usize) -> anyhow::Resu
             continue;
         }
         for &b in &budgets {
-            let gs: &[bool] = if mode == Mode::Scout { &guards } else { &[true] };
+            let gs: &[bool] = if mode == Mode::Scout {
+                &guards
+            } else {
+                &[true]
+            };
             for &g in gs {
                 let mut cfg = AttentionConfig {
                     mode,
@@ -157,7 +161,12 @@ struct Tally {
 /// Log-softmax of `logits` in f64.
 fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let m = logits.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)) as f64;
-    let lse = logits.iter().map(|x| (*x as f64 - m).exp()).sum::<f64>().ln() + m;
+    let lse = logits
+        .iter()
+        .map(|x| (*x as f64 - m).exp())
+        .sum::<f64>()
+        .ln()
+        + m;
     logits.iter().map(|x| *x as f64 - lse).collect()
 }
 
@@ -178,18 +187,25 @@ struct Run {
     guard: (u64, u64),
 }
 
-/// Decodes from `kv`: each step feeds `feed(i, last_logits)`; returns every step's logits.
+/// What every decode of the bench shares.
+struct Ctx<'a> {
+    node: &'a Node,
+    cpu_pool: &'a rayon::ThreadPool,
+    pool: &'a HostPool,
+}
+
+/// Decodes from `kv`, feeding `first`, then `feed(i, last_logits)` after step `i`; returns
+/// every step's logits.
 fn run_case(
-    node: &Node,
+    ctx: &Ctx<'_>,
     cfg: &AttentionConfig,
-    cpu_pool: &rayon::ThreadPool,
-    pool: &HostPool,
     kv: CommittedKv,
     first: u32,
     steps: usize,
     mut feed: impl FnMut(usize, &[f32]) -> u32,
 ) -> anyhow::Result<Run> {
-    let mut dec = SoloDecoder::new(&node.model.model, cfg, cpu_pool, pool, kv, steps)?;
+    let model = &ctx.node.model.model;
+    let mut dec = SoloDecoder::new(model, cfg, ctx.cpu_pool, ctx.pool, kv, steps)?;
     let mut logits = Vec::with_capacity(steps);
     let t = Instant::now();
     let mut tok = first;
@@ -231,11 +247,19 @@ pub(super) fn fidelity(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         .context("bench fidelity needs a model with a tokenizer")?;
     let per_token = (geom.block_bytes() * node.layout.num_layers) as u64 / geom.block_size as u64;
     // Two live sequences at most (the one decoding, the next being ingested) plus slack.
-    let pool = HostPool::new(geom, 2 * per_token * (longest as u64 + 2 * geom.block_size as u64) + (64 << 20))?;
+    let pool = HostPool::new(
+        geom,
+        2 * per_token * (longest as u64 + 2 * geom.block_size as u64) + (64 << 20),
+    )?;
     let cpu_pool = rayon::ThreadPoolBuilder::new()
         .num_threads(rayon::current_num_threads())
         .thread_name(|i| format!("cpu-attn-{i}"))
         .build()?;
+    let cx = Ctx {
+        node: &node,
+        cpu_pool: &cpu_pool,
+        pool: &pool,
+    };
     let mut tallies = vec![Tally::default(); cases.len()];
     let mut rows = Vec::new();
     for &ctx in &contexts {
@@ -252,20 +276,34 @@ pub(super) fn fidelity(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             for (c, case) in cases.iter().enumerate() {
                 let committed = ingest_local(&node.layout, &pool, &kv)?;
                 let mut generated = vec![first];
-                let run = run_case(&node, &case.cfg, &cpu_pool, &pool, committed, first, PASSKEY_TOKENS - 1, |_, l| {
-                    let t = argmax(l) as u32;
-                    generated.push(t);
-                    t
-                })?;
+                let run = run_case(
+                    &cx,
+                    &case.cfg,
+                    committed,
+                    first,
+                    PASSKEY_TOKENS - 1,
+                    |_, l| {
+                        let t = argmax(l) as u32;
+                        generated.push(t);
+                        t
+                    },
+                )?;
                 let answer = tok.decode(&generated);
                 let t = &mut t_ctx[c];
                 t.passkey_prompts += 1;
                 t.passkey_found += usize::from(answer.contains(&key));
                 let want = reference.get_or_insert_with(|| generated.clone());
                 t.gen_total += generated.len();
-                t.gen_equal += generated.iter().zip(want.iter()).filter(|(a, b)| a == b).count();
+                t.gen_equal += generated
+                    .iter()
+                    .zip(want.iter())
+                    .filter(|(a, b)| a == b)
+                    .count();
                 if !args.json && args.verbose {
-                    eprintln!("passkey ctx={ctx} prompt {p} key {key} {:<20} {answer:?}", case.label);
+                    eprintln!(
+                        "passkey ctx={ctx} prompt {p} key {key} {:<20} {answer:?}",
+                        case.label
+                    );
                 }
                 tally_speed(t, &run);
             }
@@ -281,7 +319,9 @@ pub(super) fn fidelity(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
         let mut reference: Option<Vec<Vec<f64>>> = None;
         for (c, case) in cases.iter().enumerate() {
             let committed = ingest_local(&node.layout, &pool, &kv)?;
-            let run = run_case(&node, &case.cfg, &cpu_pool, &pool, committed, feed[0], forced, |i, _| feed[i + 1])?;
+            let run = run_case(&cx, &case.cfg, committed, feed[0], forced, |i, _| {
+                feed[i + 1]
+            })?;
             let lps: Vec<Vec<f64>> = run.logits.iter().map(|l| log_softmax(l)).collect();
             let t = &mut t_ctx[c];
             match &reference {
@@ -323,7 +363,9 @@ pub(super) fn fidelity(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
 fn argmax_f64(v: &[f64]) -> usize {
     v.iter()
         .enumerate()
-        .fold((0, f64::NEG_INFINITY), |(bi, bv), (i, x)| if *x > bv { (i, *x) } else { (bi, bv) })
+        .fold((0, f64::NEG_INFINITY), |(bi, bv), (i, x)| {
+            if *x > bv { (i, *x) } else { (bi, bv) }
+        })
         .0
 }
 
@@ -355,11 +397,21 @@ fn merge(a: &mut Tally, b: &Tally) {
 }
 
 fn report(ctx: &str, case: &Case, t: &Tally, quiet: bool) -> serde_json::Value {
-    let r = |a: usize, b: usize| if b == 0 { f64::NAN } else { a as f64 / b as f64 };
+    let r = |a: usize, b: usize| {
+        if b == 0 {
+            f64::NAN
+        } else {
+            a as f64 / b as f64
+        }
+    };
     let passkey = r(t.passkey_found, t.passkey_prompts);
     let gen_eq = r(t.gen_equal, t.gen_total);
     let top1 = r(t.top1_equal, t.forced);
-    let kl = if t.forced == 0 { f64::NAN } else { t.kl_sum / t.forced as f64 };
+    let kl = if t.forced == 0 {
+        f64::NAN
+    } else {
+        t.kl_sum / t.forced as f64
+    };
     let tps = t.steps as f64 / t.step_seconds.max(1e-9);
     let cpu_ms = t.cpu_seconds / t.steps.max(1) as f64 * 1e3;
     let fallback = if t.guard_checks == 0 {

@@ -235,7 +235,8 @@ fn store_rate(model: &crate::cli::ModelArgs, kv: &PromptKv, rounds: u64) -> anyh
         .iter()
         .map(|(k, v)| (k.len() + v.len()) as u64)
         .sum();
-    let pool = kv_transfer::HostPool::with_prefault(node.layout.geom, 2 * bytes + (64 << 20), true)?;
+    let pool =
+        kv_transfer::HostPool::with_prefault(node.layout.geom, 2 * bytes + (64 << 20), true)?;
     let t = Instant::now();
     for _ in 0..rounds {
         drop(client::ingest_local(&node.layout, &pool, kv)?);

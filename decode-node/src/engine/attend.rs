@@ -8,8 +8,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use attention::{
-    AttentionConfig, HeadPlan, HeadQuery, Mode, Partial, Scratch, SeqAttention, attend_head,
-    cosine,
+    AttentionConfig, HeadPlan, HeadQuery, Mode, Partial, Scratch, SeqAttention, attend_head, cosine,
 };
 use kv_transfer::CommittedKv;
 use rayon::prelude::*;
@@ -223,7 +222,12 @@ impl<'a> BatchAttention<'a> {
         if let Some(a) = at.map(|i| self.ahead[b].swap_remove(i)) {
             let per = qb.len() / self.shape.num_kv_heads;
             let cos = (0..self.shape.num_kv_heads)
-                .map(|h| cosine(&a.q_pred[h * per..(h + 1) * per], &qb[h * per..(h + 1) * per]))
+                .map(|h| {
+                    cosine(
+                        &a.q_pred[h * per..(h + 1) * per],
+                        &qb[h * per..(h + 1) * per],
+                    )
+                })
                 .fold(f32::INFINITY, |m, c| if c.is_nan() { c } else { m.min(c) });
             let fell_back = self.cfg.exact || self.cfg.guard.rejects(cos);
             self.guard_checks.push(GuardCheck {
@@ -408,12 +412,14 @@ mod tests {
     use crate::model::random::{preset, random_weights};
     use crate::model::{Arch, LoadedModel, Model, Tokenizer};
 
+    /// (layer, q, k, v, out) of one attend call.
+    type Call = (usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
     /// Forwards to the engine's attention and records what the model handed it.
     struct Spy<'a> {
         inner: BatchAttention<'a>,
         predicted: HashMap<usize, Vec<f32>>,
-        /// (layer, q, k, v, out) per attend call.
-        calls: Vec<(usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)>,
+        calls: Vec<Call>,
     }
 
     impl DecodeAttention for Spy<'_> {
@@ -441,6 +447,7 @@ mod tests {
 
     /// Quest top-k from the definition: sink and newest block always, then the highest
     /// `sum_g sum_d max(q_gd min_d, q_gd max_d)` among the rest.
+    #[allow(clippy::too_many_arguments)] // the definition's inputs, spelled out
     fn reference_selection(
         keys: &[f32],
         n: usize,
@@ -473,11 +480,7 @@ mod tests {
             })
             .collect();
         scored.sort_by(|a, b| b.0.total_cmp(&a.0));
-        let mut sel: Vec<usize> = scored
-            .iter()
-            .take(budget_blocks - 2)
-            .map(|x| x.1)
-            .collect();
+        let mut sel: Vec<usize> = scored.iter().take(budget_blocks - 2).map(|x| x.1).collect();
         sel.push(0);
         sel.push(nb - 1);
         sel.sort_unstable();
@@ -524,7 +527,10 @@ mod tests {
         let digests = committed.take_digests();
         let mut seq = SeqAttention::new(geom, mc.num_layers, prompt.len(), digests);
         let mut kv = Arc::new(committed);
-        let cpu_pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let cpu_pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
         let shape = Shape {
             num_heads: nh,
             num_kv_heads: hk,
@@ -554,19 +560,32 @@ mod tests {
             for ((layer, plans, used_pred), (l2, q, k, v, out)) in log.iter().zip(&spy.calls) {
                 assert_eq!(layer, l2, "plans were made for another layer");
                 let pred = spy.predicted.get(layer);
-                assert_eq!(*used_pred, pred.is_some() && !cfg.exact && {
-                    let c = spy.inner.guard_checks.iter().find(|c| c.layer == *layer);
-                    c.is_some_and(|c| !c.fell_back)
-                });
+                assert_eq!(
+                    *used_pred,
+                    pred.is_some() && !cfg.exact && {
+                        let c = spy.inner.guard_checks.iter().find(|c| c.layer == *layer);
+                        c.is_some_and(|c| !c.fell_back)
+                    }
+                );
                 let sel_q: &[f32] = if *used_pred { pred.unwrap() } else { q };
                 for h in 0..hk {
                     let p = &plans[h];
                     let qg = &sel_q[h * g * d..(h + 1) * g * d];
                     let want = reference_selection(
-                        &keys[*layer], n, hk, h, d, bs, qg, cfg.budget_blocks(bs),
+                        &keys[*layer],
+                        n,
+                        hk,
+                        h,
+                        d,
+                        bs,
+                        qg,
+                        cfg.budget_blocks(bs),
                     );
                     assert_eq!(p.selected(), want, "layer {layer} head {h}: selection");
-                    assert!(p.device.iter().all(|b| !p.cpu.contains(b)), "a block on both sides");
+                    assert!(
+                        p.device.iter().all(|b| !p.cpu.contains(b)),
+                        "a block on both sides"
+                    );
                     cpu_blocks += p.cpu.len();
                     // Attention from the definition, f64.
                     for qh in 0..g {
@@ -577,20 +596,34 @@ mod tests {
                             let qv = &side_q[head * d..(head + 1) * d];
                             for t in blk * bs..((blk + 1) * bs).min(n) {
                                 let kt = &keys[*layer][(t * hk + h) * d..(t * hk + h + 1) * d];
-                                let s: f64 = qv.iter().zip(kt).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
-                                ws.push((s * shape.scale as f64, &values[*layer][(t * hk + h) * d..(t * hk + h + 1) * d]));
+                                let s: f64 = qv
+                                    .iter()
+                                    .zip(kt)
+                                    .map(|(a, b)| (*a as f64) * (*b as f64))
+                                    .sum();
+                                ws.push((
+                                    s * shape.scale as f64,
+                                    &values[*layer][(t * hk + h) * d..(t * hk + h + 1) * d],
+                                ));
                             }
                         }
                         let qv = &q[head * d..(head + 1) * d];
-                        let s: f64 = qv.iter().zip(&k[h * d..(h + 1) * d]).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
+                        let s: f64 = qv
+                            .iter()
+                            .zip(&k[h * d..(h + 1) * d])
+                            .map(|(a, b)| (*a as f64) * (*b as f64))
+                            .sum();
                         ws.push((s * shape.scale as f64, &v[h * d..(h + 1) * d]));
                         let m = ws.iter().fold(f64::NEG_INFINITY, |a, w| a.max(w.0));
                         let z: f64 = ws.iter().map(|w| (w.0 - m).exp()).sum();
                         for c in 0..d {
-                            let want: f64 = ws.iter().map(|w| (w.0 - m).exp() / z * w.1[c] as f64).sum();
+                            let want: f64 =
+                                ws.iter().map(|w| (w.0 - m).exp() / z * w.1[c] as f64).sum();
                             let got = out[head * d + c] as f64;
-                            assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0),
-                                "layer {layer} head {head} step {step}: {got} vs {want}");
+                            assert!(
+                                (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                                "layer {layer} head {head} step {step}: {got} vs {want}"
+                            );
                         }
                     }
                 }
@@ -617,17 +650,38 @@ mod tests {
 
     #[test]
     fn scout_step_equals_its_definition_without_guard() {
-        check(AttentionConfig { guard: PredictionGuard::OFF, ..scout() }, 3);
+        check(
+            AttentionConfig {
+                guard: PredictionGuard::OFF,
+                ..scout()
+            },
+            3,
+        );
     }
 
     #[test]
     fn scout_step_equals_its_definition_with_guard() {
         // On random weights the prediction is poor: most layers are redone, some are not.
-        check(AttentionConfig { guard: PredictionGuard { min_cosine: 0.3, real_query_layers: 2 }, ..scout() }, 3);
+        check(
+            AttentionConfig {
+                guard: PredictionGuard {
+                    min_cosine: 0.3,
+                    real_query_layers: 2,
+                },
+                ..scout()
+            },
+            3,
+        );
     }
 
     #[test]
     fn exact_scout_is_real_query_block_top_k() {
-        check(AttentionConfig { exact: true, ..scout() }, 3);
+        check(
+            AttentionConfig {
+                exact: true,
+                ..scout()
+            },
+            3,
+        );
     }
 }

@@ -561,7 +561,8 @@ impl StepLoop {
         for (i, (r, (ks, vs, wait))) in self.running.iter_mut().zip(new_kv).enumerate() {
             r.device_wait += wait;
             // Append this step's KV (the token just fed) to the host pool and the digests.
-            if let Err(e) = solo::append_step(&mut r.kv, &mut r.seq, &self.cfg.attention, &ks, &vs) {
+            if let Err(e) = solo::append_step(&mut r.kv, &mut r.seq, &self.cfg.attention, &ks, &vs)
+            {
                 // Growth was reserved at admission, so this is a bug, not a full context: say so.
                 tracing::error!(request_id = %r.job.request_id, error = %e, "appending KV failed");
                 finished.push((i, Err(e.to_string())));

@@ -99,10 +99,45 @@ impl GgmlType {
 /// ggml's name of a type id, for the error that refuses it.
 fn ggml_type_name(id: u32) -> String {
     const NAMES: [&str; 40] = [
-        "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K",
-        "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL",
-        "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M", "BF16", "Q4_0_4_4",
-        "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0", "IQ4_NL_4_4", "IQ4_NL_4_8", "IQ4_NL_8_8",
+        "F32",
+        "F16",
+        "Q4_0",
+        "Q4_1",
+        "Q4_2",
+        "Q4_3",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q8_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q8_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ4_NL",
+        "IQ3_S",
+        "IQ2_S",
+        "IQ4_XS",
+        "I8",
+        "I16",
+        "I32",
+        "I64",
+        "F64",
+        "IQ1_M",
+        "BF16",
+        "Q4_0_4_4",
+        "Q4_0_4_8",
+        "Q4_0_8_8",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ4_NL_4_4",
+        "IQ4_NL_4_8",
+        "IQ4_NL_8_8",
         "MXFP4",
     ];
     NAMES
@@ -292,7 +327,9 @@ impl GgufFile {
             .ok_or_else(|| format!("tensor {name}: too many elements"))?;
         let (per, bytes) = ty.block();
         if numel % per != 0 || info.shape.last().is_some_and(|c| c % per != 0) {
-            return Err(format!("tensor {name}: rows are not whole {per}-element blocks"));
+            return Err(format!(
+                "tensor {name}: rows are not whole {per}-element blocks"
+            ));
         }
         let len = numel / per * bytes;
         let start = usize::try_from(info.offset)
@@ -356,7 +393,7 @@ fn dequantize_block(ty: GgmlType, b: &[u8], out: &mut [f32; 32]) {
 /// the file is row `(head, i, j)` of HF, with `i` in 0..2 and `j` in 0..head_dim/2.
 fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor, ModelError> {
     let (rows, cols) = (t.rows(), t.cols());
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         return Err(ModelError::Weights(format!(
             "a q/k projection of {rows} rows does not split into {heads} heads"
         )));
@@ -549,7 +586,9 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 fn tokenizer_json(f: &GgufFile) -> Result<serde_json::Value, String> {
     let model = f.str("tokenizer.ggml.model").unwrap_or("");
     if model != "gpt2" {
-        return Err(format!("tokenizer.ggml.model {model:?} is not byte-level BPE (gpt2)"));
+        return Err(format!(
+            "tokenizer.ggml.model {model:?} is not byte-level BPE (gpt2)"
+        ));
     }
     let pre = f.str("tokenizer.ggml.pre").unwrap_or("default");
     let split =
@@ -609,8 +648,14 @@ fn tokenizer_json(f: &GgufFile) -> Result<serde_json::Value, String> {
             byte_level(false),
         ],
     };
-    let add_bos = matches!(f.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
-    let post = match (add_bos, f.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64)) {
+    let add_bos = matches!(
+        f.get("tokenizer.ggml.add_bos_token"),
+        Some(Value::Bool(true))
+    );
+    let post = match (
+        add_bos,
+        f.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64),
+    ) {
         (true, Some(bos)) => {
             let name = tokens
                 .get(bos as usize)
@@ -793,7 +838,8 @@ mod tests {
     #[test]
     fn corrupt_files_are_errors_not_panics() {
         let mut w = Writer::new();
-        w.str("general.architecture", "llama").u32("llama.block_count", 1);
+        w.str("general.architecture", "llama")
+            .u32("llama.block_count", 1);
         w.tensor("token_embd.weight", &[2, 32], 3, &[0u8; 40]);
         let good = w.finish();
         assert!(parse(&good).is_ok());
@@ -835,8 +881,15 @@ mod tests {
         for layer in 0..64 {
             let name = format!("blk.{layer}.");
             for part in [
-                "attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                "ffn_up", "ffn_down",
+                "attn_norm",
+                "ffn_norm",
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
             ] {
                 let g = format!("{name}{part}.weight");
                 if hf_name(&g).as_deref() == Some(hf) {
@@ -853,9 +906,16 @@ mod tests {
         for b in v.chunks_exact(32) {
             let amax = b.iter().fold(0f32, |m, x| m.max(x.abs()));
             let d = f16::from_f32(amax / 127.0);
-            let inv = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
+            let inv = if d.to_f32() == 0.0 {
+                0.0
+            } else {
+                1.0 / d.to_f32()
+            };
             out.extend(d.to_le_bytes());
-            out.extend(b.iter().map(|x| (x * inv).round().clamp(-127.0, 127.0) as i8 as u8));
+            out.extend(
+                b.iter()
+                    .map(|x| (x * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+            );
         }
         out
     }
@@ -881,7 +941,10 @@ mod tests {
             .u32("llama.context_length", cfg.max_position_embeddings as u32)
             .u32("llama.vocab_size", cfg.vocab_size as u32)
             .f32("llama.rope.freq_base", cfg.rope_theta as f32)
-            .f32("llama.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps as f32)
+            .f32(
+                "llama.attention.layer_norm_rms_epsilon",
+                cfg.rms_norm_eps as f32,
+            )
             .str("tokenizer.ggml.model", "gpt2")
             .str("tokenizer.ggml.pre", "smollm")
             .strs("tokenizer.ggml.tokens", &["a", "b", "ab", "Ġ", "1"])
@@ -956,7 +1019,8 @@ mod tests {
                 for j in 0..hd / 2 {
                     let from = h * hd + i * hd / 2 + j;
                     let to = h * hd + j * 2 + i;
-                    out[to * cols..(to + 1) * cols].copy_from_slice(&v[from * cols..(from + 1) * cols]);
+                    out[to * cols..(to + 1) * cols]
+                        .copy_from_slice(&v[from * cols..(from + 1) * cols]);
                 }
             }
         }

@@ -373,34 +373,32 @@ impl Model {
             let (q, k, v) = self.qkv(layer, &xn, &positions)?;
             // Causal attention, tokens in parallel (each writes its own row).
             let mut attn = vec![0f32; n * nh * hd];
-            attn.par_chunks_mut(nh * hd)
-                .enumerate()
-                .for_each_init(
-                    || vec![0f32; n],
-                    |s, (t, row)| {
-                        for head in 0..nh {
-                            let kvh = head / group;
-                            let qv = &q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
-                            let mut m = f32::NEG_INFINITY;
-                            for (j, sj) in s.iter_mut().enumerate().take(t + 1) {
-                                let kv = &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
-                                *sj = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
-                                m = m.max(*sj);
-                            }
-                            let mut sum = 0f32;
-                            for sj in &mut s[..=t] {
-                                *sj = (*sj - m).exp();
-                                sum += *sj;
-                            }
-                            let out = &mut row[head * hd..(head + 1) * hd];
-                            for (j, sj) in s[..=t].iter().enumerate() {
-                                let vv = &v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
-                                let w = sj / sum;
-                                out.iter_mut().zip(vv).for_each(|(o, b)| *o += w * b);
-                            }
+            attn.par_chunks_mut(nh * hd).enumerate().for_each_init(
+                || vec![0f32; n],
+                |s, (t, row)| {
+                    for head in 0..nh {
+                        let kvh = head / group;
+                        let qv = &q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
+                        let mut m = f32::NEG_INFINITY;
+                        for (j, sj) in s.iter_mut().enumerate().take(t + 1) {
+                            let kv = &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+                            *sj = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+                            m = m.max(*sj);
                         }
-                    },
-                );
+                        let mut sum = 0f32;
+                        for sj in &mut s[..=t] {
+                            *sj = (*sj - m).exp();
+                            sum += *sj;
+                        }
+                        let out = &mut row[head * hd..(head + 1) * hd];
+                        for (j, sj) in s[..=t].iter().enumerate() {
+                            let vv = &v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+                            let w = sj / sum;
+                            out.iter_mut().zip(vv).for_each(|(o, b)| *o += w * b);
+                        }
+                    }
+                },
+            );
             self.finish_layer(layer, &mut x, &attn, n)?;
             keys.push(k);
             values.push(v);
