@@ -105,3 +105,54 @@ fn cuda_device_fails_clearly_or_passes_its_selftest() {
         assert!(stderr.contains("--device"), "{args:?}: {stderr}");
     }
 }
+
+/// `bench fidelity` runs end to end on the embedded model: `full` is its own reference, and
+/// `scout` with a budget covering the whole context agrees with it on every token.
+#[test]
+fn bench_fidelity_reports_each_case_against_full() {
+    let out = bin()
+        .args([
+            "bench",
+            "fidelity",
+            "--json",
+            "--model",
+            "tiny",
+            "--context",
+            "300",
+            "--prompts",
+            "1",
+            "--forced",
+            "8",
+            "--budgets",
+            "64,4096",
+            "--modes",
+            "full,scout,hgca",
+            "--block-size",
+            "16",
+            "--guard",
+            "both",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    // full, scout x2 budgets x guard on/off, hgca x2 budgets.
+    assert_eq!(rows.len(), 7, "{rows:?}");
+    let case = |name: &str| rows.iter().find(|r| r["case"] == name).unwrap();
+    assert_eq!(case("full")["top1_agreement_with_full"], 1.0);
+    for name in ["scout b4096 guard", "scout b4096 no-guard", "hgca b4096"] {
+        let r = case(name);
+        assert_eq!(r["top1_agreement_with_full"], 1.0, "{name}: {r}");
+        assert!(
+            r["mean_kl_from_full"].as_f64().unwrap() < 1e-6,
+            "{name}: {r}"
+        );
+        assert_eq!(r["generated_equal_to_full"], 1.0, "{name}: {r}");
+    }
+    assert!(case("scout b64 guard")["tokens_per_s"].as_f64().unwrap() > 0.0);
+}

@@ -4,12 +4,14 @@
 //! - [`KvDType`] and [`BlockGeometry`]: how a KV block is laid out (per head, K transposed
 //!   then V), shared with the host pool in `kv-transfer`.
 //! - [`Digest`]: Quest's channel-wise min/max of post-RoPE K per block and head, and its score.
-//! - [`select_top_k`]: the budgeted block selection (sink and newest block always in).
+//! - [`select_top_k`]: the budgeted block selection (sink and a local window always in); a
+//!   GQA group scores a block by the sum or the max of its heads' bounds ([`GroupScore`]).
 //! - [`attend_blocks`]: the CPU kernel (one KV head, its whole GQA group, online softmax in
 //!   base 2), producing a [`Partial`]; [`Partial::merge_from`] merges partials exactly.
 //! - [`SeqAttention`]: per-request digests and device residency; plans each layer into a
 //!   device part and a CPU part according to [`AttentionConfig`] ([`Mode`]), and schedules
-//!   periodic recall.
+//!   periodic recall. [`PredictionGuard`] says when `scout`'s layer-ahead prediction is not
+//!   trusted (its query cosine with the real one is low, or the layer is among the first).
 //!
 //! ```
 //! use attention::{AttentionConfig, BlockGeometry, KvDType, Partial};
