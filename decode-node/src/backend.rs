@@ -6,14 +6,17 @@
 //! projections with cuBLAS and keeps resident blocks in GPU memory ([`DeviceKv`]). Planning
 //! (which blocks, which side) lives in the `attention` crate, driven by the engine.
 
+mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub(crate) mod gemm;
+
+pub use cpu::CpuBackend;
 
 use std::sync::Arc;
 
 use attention::{BlockGeometry, KvSource, Partial};
 use kv_transfer::HostPool;
-use rayon::prelude::*;
 
 use crate::model::weights::Tensor;
 
@@ -143,111 +146,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
         for (g, u) in gate.iter_mut().zip(up) {
             *g = *g / (1.0 + (-*g).exp()) * u;
-        }
-    }
-}
-
-/// The CPU backend: rayon across output rows, f32 accumulation.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct CpuBackend;
-
-/// Output rows per rayon task: large enough to amortise scheduling, small enough to balance.
-const ROWS_PER_TASK: usize = 16;
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorise without reassociation flags.
-    let mut acc = [0f32; 8];
-    let ca = a.chunks_exact(8);
-    let cb = b.chunks_exact(8);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s = acc.iter().sum::<f32>();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
-}
-
-impl Backend for CpuBackend {
-    fn name(&self) -> String {
-        "cpu".into()
-    }
-
-    fn linear(
-        &self,
-        x: &[f32],
-        batch: usize,
-        w: &Tensor,
-        bias: Option<&[f32]>,
-        y: &mut [f32],
-    ) -> Result<(), BackendError> {
-        let (out, inp) = (w.rows(), w.cols());
-        debug_assert_eq!(x.len(), batch * inp);
-        debug_assert_eq!(y.len(), batch * out);
-        // Computed transposed ([out][batch]) so each task owns a contiguous slice. A task
-        // widens its rows to f32 once, then runs every input against them: the rows stay in
-        // cache while the batch streams by (a prefill of thousands of tokens would otherwise
-        // reread its whole input once per weight row).
-        let mut yt = vec![0f32; out * batch];
-        yt.par_chunks_mut(ROWS_PER_TASK * batch)
-            .enumerate()
-            .for_each_init(
-                || vec![0f32; ROWS_PER_TASK * inp],
-                |rows, (ci, chunk)| {
-                    let r0 = ci * ROWS_PER_TASK;
-                    let n = chunk.len() / batch;
-                    for (ri, row) in rows.chunks_exact_mut(inp).take(n).enumerate() {
-                        w.row_f32(r0 + ri, row);
-                    }
-                    for bi in 0..batch {
-                        let xb = &x[bi * inp..(bi + 1) * inp];
-                        for (ri, row) in rows.chunks_exact(inp).take(n).enumerate() {
-                            let b = bias.map_or(0.0, |b| b[r0 + ri]);
-                            chunk[ri * batch + bi] = dot(row, xb) + b;
-                        }
-                    }
-                },
-            );
-        for o in 0..out {
-            for b in 0..batch {
-                y[b * out + o] = yt[o * batch + b];
-            }
-        }
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn linear_matches_naive() {
-        let (out, inp, batch) = (37, 19, 3);
-        let wv: Vec<f32> = (0..out * inp)
-            .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
-            .collect();
-        let x: Vec<f32> = (0..batch * inp)
-            .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2)
-            .collect();
-        let bias: Vec<f32> = (0..out).map(|i| i as f32 * 0.01).collect();
-        let w = Tensor::from_f32(vec![out, inp], &wv);
-        let mut y = vec![0f32; batch * out];
-        CpuBackend
-            .linear(&x, batch, &w, Some(&bias), &mut y)
-            .unwrap();
-        for b in 0..batch {
-            for o in 0..out {
-                let want: f32 = (0..inp)
-                    .map(|i| wv[o * inp + i] * x[b * inp + i])
-                    .sum::<f32>()
-                    + bias[o];
-                assert!((y[b * out + o] - want).abs() < 1e-5, "{b} {o}");
-            }
         }
     }
 }

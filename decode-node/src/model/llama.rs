@@ -10,6 +10,7 @@ use super::ModelError;
 use super::config::ModelConfig;
 use super::rope;
 use super::weights::{Tensor, WeightMap};
+use crate::backend::gemm::{Mat, MatMut, gemm};
 use crate::backend::{Backend, LinearOut};
 
 /// A projection: weight `[out][in]` and optional bias.
@@ -360,7 +361,6 @@ impl Model {
             cfg.num_heads,
             cfg.num_kv_heads,
         );
-        let group = nh / nkv;
         let positions: Vec<usize> = (0..n).collect();
         let mut x = self.embed(tokens);
         let mut keys = Vec::with_capacity(cfg.num_layers);
@@ -371,34 +371,7 @@ impl Model {
             self.backend
                 .rms_norm(&x, &layer.input_norm, self.eps(), &mut xn);
             let (q, k, v) = self.qkv(layer, &xn, &positions)?;
-            // Causal attention, tokens in parallel (each writes its own row).
-            let mut attn = vec![0f32; n * nh * hd];
-            attn.par_chunks_mut(nh * hd).enumerate().for_each_init(
-                || vec![0f32; n],
-                |s, (t, row)| {
-                    for head in 0..nh {
-                        let kvh = head / group;
-                        let qv = &q[(t * nh + head) * hd..(t * nh + head + 1) * hd];
-                        let mut m = f32::NEG_INFINITY;
-                        for (j, sj) in s.iter_mut().enumerate().take(t + 1) {
-                            let kv = &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
-                            *sj = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
-                            m = m.max(*sj);
-                        }
-                        let mut sum = 0f32;
-                        for sj in &mut s[..=t] {
-                            *sj = (*sj - m).exp();
-                            sum += *sj;
-                        }
-                        let out = &mut row[head * hd..(head + 1) * hd];
-                        for (j, sj) in s[..=t].iter().enumerate() {
-                            let vv = &v[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
-                            let w = sj / sum;
-                            out.iter_mut().zip(vv).for_each(|(o, b)| *o += w * b);
-                        }
-                    }
-                },
-            );
+            let attn = causal_attention(&q, &k, &v, n, nh, nkv, hd, scale);
             self.finish_layer(layer, &mut x, &attn, n)?;
             keys.push(k);
             values.push(v);
@@ -455,6 +428,71 @@ impl Model {
         }
         self.lm_head(&x, n)
     }
+}
+
+/// Query tokens per task of [`causal_attention`]: the score tile `[tile][n]` stays small
+/// while each GEMM is still wide.
+const PREFILL_QUERY_TILE: usize = 64;
+
+/// Dense causal attention of a whole prompt: `q` is `[n][nh][hd]`, `k` and `v` are
+/// `[n][nkv][hd]`; returns `[n][nh][hd]`. Tiles of query tokens in parallel; within a tile,
+/// per head, scores and the weighted sum of values are two GEMMs over strided views.
+#[allow(clippy::too_many_arguments)]
+fn causal_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let group = nh / nkv;
+    let mut attn = vec![0f32; n * nh * hd];
+    attn.par_chunks_mut(PREFILL_QUERY_TILE * nh * hd)
+        .enumerate()
+        .for_each_init(Vec::new, |scores, (ti, out)| {
+            let t0 = ti * PREFILL_QUERY_TILE;
+            let rows = out.len() / (nh * hd);
+            // Keys this tile can see: up to and including its last token.
+            let keys = t0 + rows;
+            scores.resize(rows * keys, 0f32);
+            for head in 0..nh {
+                let kvh = head / group;
+                let qh = Mat::new(&q[(t0 * nh + head) * hd..], rows, hd, nh * hd, 1);
+                let kh = Mat::new(&k[kvh * hd..], keys, hd, nkv * hd, 1);
+                let vh = Mat::new(&v[kvh * hd..], keys, hd, nkv * hd, 1);
+                gemm(
+                    scale,
+                    qh,
+                    kh.t(),
+                    0.0,
+                    MatMut::new(scores, rows, keys, keys, 1),
+                );
+                for (i, row) in scores.chunks_exact_mut(keys).enumerate() {
+                    let visible = t0 + i + 1;
+                    let (seen, future) = row.split_at_mut(visible);
+                    let m = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut sum = 0f32;
+                    for s in seen.iter_mut() {
+                        *s = (*s - m).exp();
+                        sum += *s;
+                    }
+                    let inv = 1.0 / sum;
+                    seen.iter_mut().for_each(|s| *s *= inv);
+                    future.fill(0.0);
+                }
+                gemm(
+                    1.0,
+                    Mat::rows(scores, rows, keys),
+                    vh,
+                    0.0,
+                    MatMut::new(&mut out[head * hd..], rows, hd, nh * hd, 1),
+                );
+            }
+        });
+    attn
 }
 
 #[cfg(test)]
@@ -551,5 +589,45 @@ mod tests {
         .unwrap();
         assert!(matches!(m.prefill(&[1, 999]), Err(ModelError::Input(_))));
         assert!(matches!(m.prefill(&[]), Err(ModelError::Input(_))));
+    }
+
+    #[test]
+    fn tiled_causal_attention_equals_the_definition() {
+        // More tokens than one query tile, GQA groups of 3, a prompt not a tile multiple.
+        let (n, nh, nkv, hd) = (PREFILL_QUERY_TILE * 2 + 9, 6, 2, 8);
+        let val = |i: usize, s: usize| (((i * 31 + s * 17) % 23) as f32 - 11.0) * 0.05;
+        let q: Vec<f32> = (0..n * nh * hd).map(|i| val(i, 1)).collect();
+        let k: Vec<f32> = (0..n * nkv * hd).map(|i| val(i, 2)).collect();
+        let v: Vec<f32> = (0..n * nkv * hd).map(|i| val(i, 3)).collect();
+        let scale = 0.3;
+        let got = causal_attention(&q, &k, &v, n, nh, nkv, hd, scale);
+        for t in 0..n {
+            for head in 0..nh {
+                let kvh = head / (nh / nkv);
+                let qv = &q[(t * nh + head) * hd..][..hd];
+                let s: Vec<f64> = (0..=t)
+                    .map(|j| {
+                        let kv = &k[(j * nkv + kvh) * hd..][..hd];
+                        qv.iter()
+                            .zip(kv)
+                            .map(|(a, b)| f64::from(a * b))
+                            .sum::<f64>()
+                            * f64::from(scale)
+                    })
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                for d in 0..hd {
+                    let want: f64 = (0..=t)
+                        .map(|j| (s[j] - m).exp() / z * f64::from(v[(j * nkv + kvh) * hd + d]))
+                        .sum();
+                    let g = got[(t * nh + head) * hd + d];
+                    assert!(
+                        (f64::from(g) - want).abs() < 1e-5,
+                        "t {t} head {head} d {d}"
+                    );
+                }
+            }
+        }
     }
 }
