@@ -388,3 +388,107 @@ async fn framing_errors_are_refused_and_any_frame_split_is_accepted() {
     assert_eq!(raw_push(&s, tiny, &[]).await, Ok);
     assert!(load(&s).await.host_kv_bytes_used > 0);
 }
+
+/// Starts a push that sends `sent` of its messages and then goes silent (stream kept open);
+/// returns the sender (keep it alive to keep the stream open) and the call's final status.
+async fn stalled_push(
+    s: &Served,
+    msgs: Vec<pb::PushKvRequest>,
+    sent: usize,
+) -> (
+    tokio::sync::mpsc::Sender<pb::PushKvRequest>,
+    tokio::task::JoinHandle<tonic::Code>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(msgs.len().max(1));
+    for m in msgs.into_iter().take(sent) {
+        tx.try_send(m).unwrap();
+    }
+    let ch = s.channel().await;
+    let call = tokio::spawn(async move {
+        let mut c = pb::kv_transfer_client::KvTransferClient::new(ch);
+        let mut st = match c
+            .push_kv(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+        {
+            Ok(r) => r.into_inner(),
+            Err(e) => return e.code(),
+        };
+        loop {
+            match st.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => return tonic::Code::Ok,
+                Err(e) => return e.code(),
+            }
+        }
+    });
+    (tx, call)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_pusher_is_ended_by_the_idle_timeout_dropkv_or_cancel() {
+    let s = Served::start(&["--push-idle-timeout", "1"]);
+    assert_eq!(send(&s, msgs("keep", 30)).await, tonic::Code::Ok);
+    let before = load(&s).await.host_kv_bytes_used;
+    let held = |l: &pb::LoadReport| l.host_kv_bytes_used > before;
+    let back = |l: &pb::LoadReport| l.host_kv_bytes_used == before;
+
+    // Header only, then silence: the idle timeout ends it.
+    let (_tx, call) = stalled_push(&s, msgs("idle", 100), 1).await;
+    assert!(held(&wait_load(&s, held).await), "the header reserves");
+    let t0 = std::time::Instant::now();
+    assert_eq!(call.await.unwrap(), tonic::Code::DeadlineExceeded);
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(wait_load(&s, back).await.host_kv_bytes_used, before);
+
+    // Half its chunks, then silence: DropKv ends it at once, ABORTED, and says what it freed.
+    let (_tx, call) = stalled_push(&s, msgs("dropped", 100), 4).await;
+    let mid = wait_load(&s, held).await.host_kv_bytes_used;
+    let mut c = pb::kv_transfer_client::KvTransferClient::new(s.channel().await);
+    let r = c
+        .drop_kv(pb::DropKvRequest {
+            request_id: "dropped".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.dropped);
+    assert_eq!(r.bytes_freed, mid - before);
+    assert_eq!(call.await.unwrap(), tonic::Code::Aborted);
+    assert_eq!(wait_load(&s, back).await.host_kv_bytes_used, before);
+
+    // Cancel ends a stalled push CANCELLED.
+    let (_tx, call) = stalled_push(&s, msgs("cancelled", 100), 2).await;
+    wait_load(&s, held).await;
+    let mut d = pb::decode_client::DecodeClient::new(s.channel().await);
+    let r = d
+        .cancel(pb::CancelRequest {
+            request_id: "cancelled".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.cancelled);
+    assert_eq!(call.await.unwrap(), tonic::Code::Cancelled);
+    assert_eq!(wait_load(&s, back).await.host_kv_bytes_used, before);
+
+    // Nothing held under an id: not dropped. The id is free again for a new push.
+    let r = c
+        .drop_kv(pb::DropKvRequest {
+            request_id: "keep".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.dropped && r.bytes_freed == before);
+    assert_eq!(send(&s, msgs("dropped", 30)).await, tonic::Code::Ok);
+
+    let m = s.metrics_text();
+    for outcome in ["idle_timeout", "dropped", "cancelled", "committed"] {
+        assert!(
+            m.contains(&format!(
+                "decode_node_kv_push_ends_total{{outcome=\"{outcome}\"}}"
+            )),
+            "{outcome} missing from metrics"
+        );
+    }
+}

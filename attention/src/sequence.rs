@@ -216,6 +216,9 @@ impl SeqAttention {
     ) -> Vec<usize> {
         let st = &self.heads[layer * self.geom.num_kv_heads + head];
         let n = self.num_blocks();
+        if layer < cfg.dense_layers {
+            return (0..n).collect();
+        }
         let gq = GroupQuery::with(q_group, self.geom.head_dim, cfg.group_score);
         let scores: Vec<f32> = (0..n)
             .map(|b| {
@@ -280,7 +283,11 @@ impl SeqAttention {
                     } else {
                         (1..start).map(score).collect()
                     };
-                    let k = budget.saturating_sub(device.len());
+                    let k = if layer < cfg.dense_layers {
+                        rest.len()
+                    } else {
+                        budget.saturating_sub(device.len())
+                    };
                     if k < rest.len() {
                         rest.select_nth_unstable_by(k, |a, b| b.1.total_cmp(&a.1));
                         rest.truncate(k);

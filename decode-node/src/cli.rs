@@ -81,20 +81,25 @@ pub struct ModelArgs {
     pub exact: bool,
     /// Accuracy guard (`scout`): a layer whose predicted query has a cosine below this with
     /// the real one redoes its selection and CPU part with the real query (-1: never).
-    #[arg(long, env = "DECODE_NODE_GUARD_MIN_COSINE", default_value_t = 0.9)]
+    #[arg(long, env = "DECODE_NODE_GUARD_MIN_COSINE", default_value_t = 0.95)]
     pub guard_min_cosine: f32,
     /// Accuracy guard (`scout`): the first N layers attend with the real query from the start
     /// (no layer-ahead), where a layer's input changes most and prediction is poor.
     #[arg(long, env = "DECODE_NODE_GUARD_REAL_QUERY_LAYERS", default_value_t = 3)]
     pub guard_real_query_layers: u32,
-    /// How a GQA group's query heads combine into one block score for selection: `sum` of
-    /// their Quest bounds, or the `max` (a block one head needs is not outvoted).
-    #[arg(long, env = "DECODE_NODE_GROUP_SCORE", default_value = "sum", value_parser = ["sum", "max"])]
+    /// How a GQA group's query heads combine into one block score for selection: the `max`
+    /// of their Quest bounds (a block one head needs is not outvoted), or their `sum`. Max
+    /// kept more of full's answers on SmolLM2 at both block sizes measured.
+    #[arg(long, env = "DECODE_NODE_GROUP_SCORE", default_value = "max", value_parser = ["sum", "max"])]
     pub group_score: String,
     /// Newest tokens always selected in sparse modes, besides the sink (whole blocks; at least
     /// the newest block).
     #[arg(long, env = "DECODE_NODE_LOCAL_WINDOW", default_value_t = 0)]
     pub local_window: u32,
+    /// The first N layers attend every block in sparse modes (their attention is broad; a
+    /// top-k there loses most). The blocks beyond the device's go to the CPU part.
+    #[arg(long, env = "DECODE_NODE_DENSE_LAYERS", default_value_t = 0)]
+    pub dense_layers: u32,
     /// Turn the accuracy guard off (the paper's behaviour: every prediction is used).
     #[arg(long, env = "DECODE_NODE_NO_GUARD")]
     pub no_guard: bool,
@@ -130,6 +135,13 @@ pub struct ServeArgs {
     /// Seconds committed KV waits for its Generate before it is freed.
     #[arg(long, env = "DECODE_NODE_KV_LEASE", default_value_t = 60.0)]
     pub kv_lease: f64,
+    /// Seconds a push may go without a message (its header included) before it is ended
+    /// DEADLINE_EXCEEDED and everything it holds is freed.
+    #[arg(long, env = "DECODE_NODE_PUSH_IDLE_TIMEOUT", default_value_t = 10.0, value_parser = parse_seconds)]
+    pub push_idle_timeout: f64,
+    /// Seconds a whole push may take from its stream's start to its commit.
+    #[arg(long, env = "DECODE_NODE_PUSH_DEADLINE", default_value_t = 300.0, value_parser = parse_seconds)]
+    pub push_deadline: f64,
     /// Requests decoded together at most.
     #[arg(long, env = "DECODE_NODE_MAX_BATCH", default_value_t = 64)]
     pub max_batch: u32,
@@ -345,6 +357,18 @@ pub struct MakeModelArgs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+}
+
+/// Parses a positive duration in seconds (at most a day).
+pub fn parse_seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number of seconds: {e}"))?;
+    if !(v > 0.0 && v <= 86_400.0) {
+        return Err(format!("{s} s is outside (0, 86400]"));
+    }
+    Ok(v)
 }
 
 /// Parses a byte count with an optional K/M/G (decimal) or Ki/Mi/Gi (binary) suffix.

@@ -38,9 +38,15 @@ pub enum Error {
     /// Waiting for a request's KV took longer than allowed.
     #[error("KV for request {0:?} did not arrive in time")]
     Timeout(String),
-    /// The push or the request was cancelled (DropKv, Cancel, client gone).
+    /// The push or the request was cancelled (Cancel, client gone).
     #[error("request {0:?} was cancelled")]
     Cancelled(String),
+    /// `DropKv` ended the request's push while it was in flight.
+    #[error("request {0:?} was dropped (DropKv) while its KV was being pushed")]
+    Dropped(String),
+    /// The push sent nothing for longer than the idle timeout, or outlived its deadline.
+    #[error("{0}")]
+    PushTimeout(String),
     /// The node is draining and admits no new work.
     #[error("node is draining")]
     Draining,
@@ -58,6 +64,8 @@ impl Error {
             Error::NotFound(_) => Code::NotFound,
             Error::Timeout(_) => Code::DeadlineExceeded,
             Error::Cancelled(_) => Code::Cancelled,
+            Error::Dropped(_) => Code::Aborted,
+            Error::PushTimeout(_) => Code::DeadlineExceeded,
             Error::Draining => Code::Unavailable,
         }
     }

@@ -44,12 +44,12 @@ pub mod wire;
 
 pub use error::{Error, code_label};
 pub use ingest::{CommittedKv, Ingest, MAX_REQUEST_ID_LEN, PromptInfo, validate_header};
-pub use metrics::{CodeLabel, IngestMetrics};
+pub use metrics::{CodeLabel, IngestMetrics, OutcomeLabel};
 pub use payload::Payload;
 pub use pool::{Block, HostPool, PoolUsage, Reservation};
-pub use registry::{PushSlot, Registry};
+pub use registry::{Dropped, PushSlot, Registry, StopReason};
 pub use route::KvTransferRoute;
-pub use service::{ACK_EVERY_BYTES, KvTransferService};
+pub use service::{ACK_EVERY_BYTES, KvTransferService, PushLimits};
 
 use attention::BlockGeometry;
 

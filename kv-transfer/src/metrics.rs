@@ -13,6 +13,14 @@ pub struct CodeLabel {
     pub code: String,
 }
 
+/// Label of `kv_push_ends_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// How the push ended (`committed`, `idle_timeout`, `deadline`, `dropped`, `cancelled`,
+    /// `client_gone`, `refused`, `incomplete`).
+    pub outcome: String,
+}
+
 /// Handles to the ingest metrics (cheap clones of shared counters).
 #[derive(Debug, Clone)]
 pub struct IngestMetrics {
@@ -26,6 +34,8 @@ pub struct IngestMetrics {
     pub push_duration: Histogram,
     /// Committed KV freed because no Generate claimed it in time.
     pub leases_expired: Counter,
+    /// Push streams ended, by how.
+    pub ends: Family<OutcomeLabel, Counter>,
 }
 
 impl Default for IngestMetrics {
@@ -39,6 +49,7 @@ impl Default for IngestMetrics {
                 60.0,
             ]),
             leases_expired: Counter::default(),
+            ends: Family::default(),
         }
     }
 }
@@ -48,6 +59,15 @@ impl IngestMetrics {
     pub fn error(&self, code: &str) {
         self.errors
             .get_or_create(&CodeLabel { code: code.into() })
+            .inc();
+    }
+
+    /// Counts one push stream ended with `outcome`.
+    pub fn push_end(&self, outcome: &str) {
+        self.ends
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            })
             .inc();
     }
 
@@ -77,6 +97,11 @@ impl IngestMetrics {
             "kv_leases_expired",
             "Committed KV freed because no Generate claimed it within the lease",
             self.leases_expired.clone(),
+        );
+        r.register(
+            "kv_push_ends",
+            "PushKv streams ended, by outcome (committed, idle_timeout, deadline, dropped, cancelled, client_gone, refused, incomplete)",
+            self.ends.clone(),
         );
     }
 }

@@ -7,11 +7,11 @@
 //! lease for committed KV, the caller's timeout for a claim.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 
 use crate::Error;
 use crate::ingest::CommittedKv;
@@ -19,11 +19,89 @@ use crate::metrics::IngestMetrics;
 
 type Waiter = oneshot::Sender<Box<CommittedKv>>;
 
+/// Why a push in flight was told to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// `DropKv`: the stream ends ABORTED.
+    Dropped,
+    /// `Decode.Cancel`: the stream ends CANCELLED.
+    Cancelled,
+}
+
+impl StopReason {
+    /// The error the push's stream ends with.
+    pub fn error(self, id: &str) -> Error {
+        match self {
+            StopReason::Dropped => Error::Dropped(id.into()),
+            StopReason::Cancelled => Error::Cancelled(id.into()),
+        }
+    }
+}
+
+/// Shared by a push in flight and the registry: a stop request that wakes the push at
+/// once (a stalled client sends nothing that would let it notice), and the bytes it holds.
+#[derive(Debug, Default)]
+struct PushControl {
+    /// 0: running; else a [`StopReason`] + 1.
+    stop: AtomicU8,
+    wake: Notify,
+    held: AtomicU64,
+}
+
+impl PushControl {
+    fn reason(&self) -> Option<StopReason> {
+        match self.stop.load(Ordering::Acquire) {
+            0 => None,
+            1 => Some(StopReason::Dropped),
+            _ => Some(StopReason::Cancelled),
+        }
+    }
+
+    fn stop(&self, why: StopReason) {
+        let code = match why {
+            StopReason::Dropped => 1,
+            StopReason::Cancelled => 2,
+        };
+        // The first reason wins; `notify_one` keeps a permit, so a push that is not
+        // waiting yet still wakes.
+        let _ = self
+            .stop
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+        self.wake.notify_one();
+    }
+}
+
+/// What [`Registry::drop_kv`] and [`Registry::cancel`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dropped {
+    /// Committed KV, freed now (bytes).
+    Committed(u64),
+    /// A push in flight, told to stop; it frees what it holds (bytes) as it ends.
+    Push(u64),
+    /// Only a `Generate` waiting for KV that never came; it fails. Nothing was held.
+    Waiter,
+}
+
+impl Dropped {
+    /// Bytes of host KV freed.
+    pub fn bytes(self) -> u64 {
+        match self {
+            Dropped::Committed(b) | Dropped::Push(b) => b,
+            Dropped::Waiter => 0,
+        }
+    }
+
+    /// True when memory was held (and so is freed).
+    pub fn freed(self) -> bool {
+        !matches!(self, Dropped::Waiter)
+    }
+}
+
 #[derive(Debug)]
 enum Entry {
-    /// A push is in flight; the flag tells it to stop (DropKv).
+    /// A push is in flight; `control` tells it to stop (DropKv, Cancel).
     Ingesting {
-        cancelled: Arc<AtomicBool>,
+        control: Arc<PushControl>,
         waiter: Option<Waiter>,
     },
     Committed {
@@ -47,26 +125,50 @@ pub struct Registry {
 pub struct PushSlot {
     registry: Registry,
     id: String,
-    cancelled: Arc<AtomicBool>,
+    control: Arc<PushControl>,
     done: bool,
 }
 
 impl PushSlot {
-    /// True once `DropKv` asked this push to stop.
-    pub fn is_cancelled(&self) -> bool {
-        self.cancelled.load(Ordering::Acquire)
+    /// Why the push was asked to stop, if it was.
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        self.control.reason()
+    }
+
+    /// Resolves once `DropKv` or `Cancel` asks this push to stop.
+    pub async fn stopped(&self) -> StopReason {
+        loop {
+            if let Some(why) = self.control.reason() {
+                return why;
+            }
+            self.control.wake.notified().await;
+        }
+    }
+
+    /// Records the host KV bytes the push holds (what a `DropKv` reports freed).
+    pub fn set_held(&self, bytes: u64) {
+        self.control.held.store(bytes, Ordering::Release);
+    }
+
+    /// Removes this push's own entry (a later push of the same id has its own control).
+    fn take_own(&self, map: &mut HashMap<String, Entry>) -> Option<Option<Waiter>> {
+        match map.get(&self.id) {
+            Some(Entry::Ingesting { control, .. }) if Arc::ptr_eq(control, &self.control) => {}
+            _ => return None,
+        }
+        match map.remove(&self.id) {
+            Some(Entry::Ingesting { waiter, .. }) => Some(waiter),
+            _ => None,
+        }
     }
 
     /// Publishes the committed KV: to a waiting `Generate` if any, else under the lease.
     pub fn commit(mut self, kv: CommittedKv) -> Result<(), Error> {
         self.done = true;
         let mut map = self.registry.lock();
-        let waiter = match map.remove(&self.id) {
-            Some(Entry::Ingesting { waiter, .. }) => waiter,
-            _ => None,
-        };
-        if self.cancelled.load(Ordering::Acquire) {
-            return Err(Error::Cancelled(self.id.clone()));
+        let waiter = self.take_own(&mut map).flatten();
+        if let Some(why) = self.control.reason() {
+            return Err(why.error(&self.id));
         }
         let mut kv = Box::new(kv);
         if let Some(tx) = waiter {
@@ -88,7 +190,7 @@ impl Drop for PushSlot {
             return;
         }
         let mut map = self.registry.lock();
-        if let Some(Entry::Ingesting { waiter, .. }) = map.remove(&self.id) {
+        if let Some(waiter) = self.take_own(&mut map) {
             // A waiting Generate keeps waiting: the prefill node may retry the push.
             if let Some(tx) = waiter.filter(|tx| !tx.is_closed()) {
                 map.insert(self.id.clone(), Entry::Waiting(tx));
@@ -141,18 +243,18 @@ impl Registry {
             Some(Entry::Waiting(tx)) => Some(tx),
             None => None,
         };
-        let cancelled = Arc::new(AtomicBool::new(false));
+        let control = Arc::new(PushControl::default());
         map.insert(
             id.into(),
             Entry::Ingesting {
-                cancelled: cancelled.clone(),
+                control: control.clone(),
                 waiter,
             },
         );
         Ok(PushSlot {
             registry: self.clone(),
             id: id.into(),
-            cancelled,
+            control,
             done: false,
         })
     }
@@ -165,22 +267,27 @@ impl Registry {
             match map.remove(id) {
                 Some(Entry::Committed { kv, .. }) => return Ok(kv),
                 Some(Entry::Ingesting {
-                    cancelled,
+                    control,
                     waiter: None,
-                }) => {
+                }) if control.reason().is_none() => {
                     map.insert(
                         id.into(),
                         Entry::Ingesting {
-                            cancelled,
+                            control,
                             waiter: Some(tx),
                         },
                     );
+                }
+                // Its push was dropped or cancelled and is ending: there will be no KV.
+                Some(e @ Entry::Ingesting { .. }) => {
+                    map.insert(id.into(), e);
+                    return Err(Error::NotFound(id.into()));
                 }
                 // A Generate that went away left its waiter behind: take its place.
                 Some(Entry::Waiting(old)) if old.is_closed() => {
                     map.insert(id.into(), Entry::Waiting(tx));
                 }
-                Some(e @ (Entry::Waiting(_) | Entry::Ingesting { .. })) => {
+                Some(e @ Entry::Waiting(_)) => {
                     map.insert(id.into(), e);
                     return Err(Error::AlreadyExists(format!(
                         "{id} (a Generate already waits for it)"
@@ -202,11 +309,11 @@ impl Registry {
                     Some(Entry::Committed { kv, .. }) => Ok(kv),
                     // Nothing arrived at all: the id is unknown here.
                     Some(Entry::Waiting(_)) | None => Err(Error::NotFound(id.into())),
-                    Some(Entry::Ingesting { cancelled, .. }) => {
+                    Some(Entry::Ingesting { control, .. }) => {
                         map.insert(
                             id.into(),
                             Entry::Ingesting {
-                                cancelled,
+                                control,
                                 waiter: None,
                             },
                         );
@@ -217,25 +324,37 @@ impl Registry {
         }
     }
 
-    /// Frees `id`'s committed KV, tells its push to stop, or fails its waiting `Generate`.
-    /// Returns the bytes freed now.
-    pub fn drop_kv(&self, id: &str) -> Result<u64, Error> {
+    /// `DropKv`: frees `id`'s committed KV, or ends its push in flight (ABORTED) — which
+    /// frees what it holds at once, however silent its client — or fails its waiting
+    /// `Generate`.
+    pub fn drop_kv(&self, id: &str) -> Result<Dropped, Error> {
+        self.stop(id, StopReason::Dropped)
+    }
+
+    /// `Cancel`: as [`Registry::drop_kv`], but a push in flight ends CANCELLED.
+    pub fn cancel(&self, id: &str) -> Result<Dropped, Error> {
+        self.stop(id, StopReason::Cancelled)
+    }
+
+    fn stop(&self, id: &str, why: StopReason) -> Result<Dropped, Error> {
         let mut map = self.lock();
         match map.remove(id) {
-            Some(Entry::Committed { kv, .. }) => Ok(kv.bytes()),
-            Some(Entry::Ingesting { cancelled, .. }) => {
-                cancelled.store(true, Ordering::Release);
-                // Dropping the waiter tells a waiting Generate it was cancelled.
+            Some(Entry::Committed { kv, .. }) => Ok(Dropped::Committed(kv.bytes())),
+            Some(Entry::Ingesting { control, .. }) => {
+                let held = control.held.load(Ordering::Acquire);
+                control.stop(why);
+                // The entry stays until the push task has ended and freed (so the id is
+                // not reused meanwhile); dropping the waiter fails a waiting Generate.
                 map.insert(
                     id.into(),
                     Entry::Ingesting {
-                        cancelled,
+                        control,
                         waiter: None,
                     },
                 );
-                Ok(0)
+                Ok(Dropped::Push(held))
             }
-            Some(Entry::Waiting(_)) => Ok(0),
+            Some(Entry::Waiting(_)) => Ok(Dropped::Waiter),
             None => Err(Error::NotFound(id.into())),
         }
     }
@@ -356,16 +475,55 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn drop_kv_cancels_a_push_in_flight() {
+    async fn drop_kv_stops_a_push_in_flight_and_reports_what_it_held() {
         let (reg, pool) = setup(60_000);
         let slot = reg.begin_push("d").unwrap();
-        assert_eq!(reg.drop_kv("d"), Ok(0));
-        assert!(slot.is_cancelled());
+        slot.set_held(4096);
+        // A push that is not waiting yet still wakes: the stop leaves a permit.
+        assert_eq!(reg.drop_kv("d"), Ok(Dropped::Push(4096)));
+        assert_eq!(
+            tokio::time::timeout(Duration::from_secs(1), slot.stopped()).await,
+            Ok(StopReason::Dropped)
+        );
+        // The id stays busy until the push has ended.
+        assert!(matches!(reg.begin_push("d"), Err(Error::AlreadyExists(_))));
         assert!(matches!(
             slot.commit(committed(&pool, "d")),
-            Err(Error::Cancelled(_))
+            Err(Error::Dropped(_))
         ));
         assert_eq!(pool.usage().used, 0);
         assert!(reg.begin_push("d").is_ok());
+    }
+
+    #[tokio::test]
+    async fn cancel_wakes_a_waiting_push_and_a_late_slot_leaves_the_new_push_alone() {
+        let (reg, _pool) = setup(60_000);
+        let old = reg.begin_push("e").unwrap();
+        let waiting = tokio::spawn(async move {
+            let why = old.stopped().await;
+            (why, old)
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(reg.cancel("e"), Ok(Dropped::Push(0)));
+        let (why, old) = waiting.await.unwrap();
+        assert_eq!(why, StopReason::Cancelled);
+        // A second stop keeps the first reason.
+        assert_eq!(reg.drop_kv("e"), Ok(Dropped::Push(0)));
+        assert_eq!(old.stop_reason(), Some(StopReason::Cancelled));
+        drop(old);
+        let new = reg.begin_push("e").unwrap();
+        assert_eq!(new.stop_reason(), None);
+        assert_eq!(reg.drop_kv("nobody"), Err(Error::NotFound("nobody".into())));
+    }
+
+    #[tokio::test]
+    async fn dropping_a_waiting_generate_frees_nothing() {
+        let (reg, _pool) = setup(60_000);
+        let r2 = reg.clone();
+        let waiter = tokio::spawn(async move { r2.claim("w", Duration::from_secs(5)).await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let d = reg.drop_kv("w").unwrap();
+        assert_eq!((d, d.freed(), d.bytes()), (Dropped::Waiter, false, 0));
+        assert!(matches!(waiter.await.unwrap(), Err(Error::Cancelled(_))));
     }
 }

@@ -1,6 +1,6 @@
 //! The `KvTransfer` gRPC service over the pool and the registry.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use decode_node_proto::v1::kv_transfer_server::KvTransfer;
 use decode_node_proto::v1::{DropKvRequest, DropKvResponse, PushKvRequest, PushKvResponse};
@@ -11,12 +11,31 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::ingest::Ingest;
 use crate::pool::HostPool;
-use crate::registry::{PushSlot, Registry};
+use crate::registry::{PushSlot, Registry, StopReason};
 use crate::wire::PushMessage;
 use crate::{Error, KvLayout, code_label};
 
 /// Acknowledge at least this often (payload bytes).
 pub const ACK_EVERY_BYTES: u64 = 8 << 20;
+
+/// How long a push may take: a client that goes silent, or trickles, gives back what it
+/// holds instead of keeping it for as long as its stream stays open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushLimits {
+    /// Longest wait for the next message (the header included).
+    pub idle: Duration,
+    /// Longest a whole push may take, from its stream's start to the commit.
+    pub deadline: Duration,
+}
+
+impl Default for PushLimits {
+    fn default() -> Self {
+        Self {
+            idle: Duration::from_secs(10),
+            deadline: Duration::from_secs(300),
+        }
+    }
+}
 
 /// `KvTransfer` implementation.
 #[derive(Debug, Clone)]
@@ -24,15 +43,51 @@ pub struct KvTransferService {
     layout: KvLayout,
     pool: HostPool,
     registry: Registry,
+    limits: PushLimits,
 }
 
 impl KvTransferService {
-    /// A service storing into `pool` and publishing to `registry`.
+    /// A service storing into `pool` and publishing to `registry`, with default limits.
     pub fn new(layout: KvLayout, pool: HostPool, registry: Registry) -> Self {
         Self {
             layout,
             pool,
             registry,
+            limits: PushLimits::default(),
+        }
+    }
+
+    /// The same service with other push limits.
+    pub fn with_limits(mut self, limits: PushLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+}
+
+/// How a push ended: the `outcome` label of `kv_push_ends_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PushEnd {
+    Committed,
+    IdleTimeout,
+    Deadline,
+    Dropped,
+    Cancelled,
+    ClientGone,
+    Refused,
+    Incomplete,
+}
+
+impl PushEnd {
+    fn label(self) -> &'static str {
+        match self {
+            PushEnd::Committed => "committed",
+            PushEnd::IdleTimeout => "idle_timeout",
+            PushEnd::Deadline => "deadline",
+            PushEnd::Dropped => "dropped",
+            PushEnd::Cancelled => "cancelled",
+            PushEnd::ClientGone => "client_gone",
+            PushEnd::Refused => "refused",
+            PushEnd::Incomplete => "incomplete",
         }
     }
 }
@@ -74,6 +129,7 @@ impl KvTransferService {
             (PushMessage::Header(h), None) => {
                 let slot = self.registry.begin_push(&h.request_id)?;
                 let ingest = Ingest::begin(&self.layout, &self.pool, &h)?;
+                slot.set_held(ingest.bytes_held());
                 *state = Some(Push {
                     slot,
                     ingest,
@@ -89,8 +145,8 @@ impl KvTransferService {
                 "the first message of a push must be a KvHeader".into(),
             )),
             (PushMessage::Chunk(c), Some(p)) => {
-                if p.slot.is_cancelled() {
-                    return Err(Error::Cancelled(p.ingest.request_id().into()));
+                if let Some(why) = p.slot.stop_reason() {
+                    return Err(why.error(p.ingest.request_id()));
                 }
                 p.ingest.chunk(&c)?;
                 let m = self.registry.metrics();
@@ -135,60 +191,125 @@ impl KvTransferService {
 
     /// Runs one push to its end: feeds `inbound` through [`Self::step`] and sends acks, or the
     /// error that ended it, to `tx`. Whatever the push held is freed when this returns
-    /// without a commit.
+    /// without a commit: a client that stalls past the idle timeout or the deadline, or whose
+    /// request is dropped or cancelled meanwhile, is cut off at once.
     pub(crate) async fn run_push<S>(
         &self,
-        mut inbound: S,
+        inbound: S,
         tx: mpsc::Sender<Result<PushKvResponse, Status>>,
     ) where
         S: Stream<Item = Result<PushMessage, Inbound>> + Unpin,
     {
+        let end = self.push_loop(inbound, &tx).await;
+        let m = self.registry.metrics();
+        m.push_end(end.0.label());
+        if let Some(status) = end.1 {
+            tracing::debug!(outcome = end.0.label(), %status, "push ended");
+            m.error(code_label(status.code()));
+            let _ = tx.send(Err(status)).await;
+        }
+    }
+
+    /// The push's state machine against its client, the clock and the registry; returns how
+    /// it ended and the status to send, if any.
+    async fn push_loop<S>(
+        &self,
+        mut inbound: S,
+        tx: &mpsc::Sender<Result<PushKvResponse, Status>>,
+    ) -> (PushEnd, Option<Status>)
+    where
+        S: Stream<Item = Result<PushMessage, Inbound>> + Unpin,
+    {
+        let limits = self.limits;
+        let deadline = tokio::time::Instant::now() + limits.deadline;
         let mut state: Option<Push> = None;
-        let mut committed = false;
-        while let Some(msg) = inbound.next().await {
-            let msg = match msg {
-                Ok(m) => m,
-                Err(Inbound::Broken(why)) => {
+        loop {
+            let next = {
+                let stop = async {
+                    match &state {
+                        Some(p) => p.slot.stopped().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    next = inbound.next() => next,
+                    why = stop => {
+                        let id = state.as_ref().map_or("", |p| p.ingest.request_id());
+                        let end = match why {
+                            StopReason::Dropped => PushEnd::Dropped,
+                            StopReason::Cancelled => PushEnd::Cancelled,
+                        };
+                        return (end, Some(why.error(id).into()));
+                    }
+                    () = tokio::time::sleep(limits.idle) => {
+                        let e = Error::PushTimeout(format!(
+                            "no PushKv message for {:?} (push idle timeout); the push is dropped",
+                            limits.idle
+                        ));
+                        return (PushEnd::IdleTimeout, Some(e.into()));
+                    }
+                    () = tokio::time::sleep_until(deadline) => {
+                        let e = Error::PushTimeout(format!(
+                            "push not committed within {:?} (push deadline); it is dropped",
+                            limits.deadline
+                        ));
+                        return (PushEnd::Deadline, Some(e.into()));
+                    }
+                }
+            };
+            let msg = match next {
+                None => {
+                    // Half-closed without a commit: nothing was published, everything is freed.
+                    let e = Error::Invalid("push stream ended before KvCommit".into());
+                    return (PushEnd::Incomplete, Some(e.into()));
+                }
+                Some(Ok(m)) => m,
+                Some(Err(Inbound::Broken(why))) => {
                     // The client broke the stream: drop everything it held.
                     tracing::debug!(%why, "push stream broke");
                     self.registry.metrics().error("cancelled");
-                    return;
+                    return (PushEnd::ClientGone, None);
                 }
-                Err(Inbound::Refused(status)) => {
-                    tracing::debug!(%status, "push refused");
-                    self.registry.metrics().error(code_label(status.code()));
-                    let _ = tx.send(Err(status)).await;
-                    return;
-                }
+                Some(Err(Inbound::Refused(status))) => return (PushEnd::Refused, Some(status)),
             };
-            if committed {
-                let e = Error::Invalid("message after KvCommit".into());
-                self.registry.metrics().error(e.code_label());
-                let _ = tx.send(Err(e.into())).await;
-                return;
-            }
             match self.step(&mut state, msg) {
                 Ok(Some(ack)) => {
-                    committed = ack.committed;
-                    if tx.send(Ok(ack)).await.is_err() && !committed {
+                    let committed = ack.committed;
+                    let sent = tx.send(Ok(ack)).await.is_ok();
+                    if committed {
+                        return self.after_commit(&mut inbound).await;
+                    }
+                    if !sent {
                         self.registry.metrics().error("cancelled");
-                        return;
+                        return (PushEnd::ClientGone, None);
                     }
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::debug!(error = %e, "push refused");
-                    self.registry.metrics().error(e.code_label());
-                    let _ = tx.send(Err(e.into())).await;
-                    return;
+                    let end = match e {
+                        Error::Dropped(_) => PushEnd::Dropped,
+                        Error::Cancelled(_) => PushEnd::Cancelled,
+                        _ => PushEnd::Refused,
+                    };
+                    return (end, Some(e.into()));
                 }
             }
         }
-        if !committed {
-            // Half-closed without a commit: nothing was published, everything is freed.
-            let e = Error::Invalid("push stream ended before KvCommit".into());
-            self.registry.metrics().error(e.code_label());
-            let _ = tx.send(Err(e.into())).await;
+    }
+
+    /// After the commit the client may only close its side; a further message is an error
+    /// (the KV stays committed). Waits at most the idle timeout.
+    async fn after_commit<S>(&self, inbound: &mut S) -> (PushEnd, Option<Status>)
+    where
+        S: Stream<Item = Result<PushMessage, Inbound>> + Unpin,
+    {
+        match tokio::time::timeout(self.limits.idle, inbound.next()).await {
+            Ok(Some(Ok(_))) => (
+                PushEnd::Committed,
+                Some(Error::Invalid("message after KvCommit".into()).into()),
+            ),
+            Ok(Some(Err(Inbound::Refused(status)))) => (PushEnd::Committed, Some(status)),
+            _ => (PushEnd::Committed, None),
         }
     }
 }
@@ -219,10 +340,10 @@ impl KvTransfer for KvTransferService {
         req: Request<DropKvRequest>,
     ) -> Result<Response<DropKvResponse>, Status> {
         let id = req.into_inner().request_id;
-        let freed = self.registry.drop_kv(&id)?;
+        let d = self.registry.drop_kv(&id)?;
         Ok(Response::new(DropKvResponse {
-            dropped: true,
-            bytes_freed: freed,
+            dropped: d.freed(),
+            bytes_freed: d.bytes(),
         }))
     }
 }

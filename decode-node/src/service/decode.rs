@@ -186,7 +186,7 @@ impl Decode for DecodeService {
                 .engine
                 .send(Control::Cancel(id.clone(), "client"));
         }
-        let held = self.state.registry.drop_kv(&id).is_ok();
+        let held = self.state.registry.cancel(&id).is_ok();
         Ok(Response::new(pb::CancelResponse {
             cancelled: running || held,
         }))

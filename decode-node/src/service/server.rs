@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use decode_node_proto::v1::decode_server::DecodeServer;
 use decode_node_proto::v1::kv_transfer_server::KvTransferServer;
-use kv_transfer::{HostPool, KvTransferRoute, KvTransferService, Registry};
+use kv_transfer::{HostPool, KvTransferRoute, KvTransferService, PushLimits, Registry};
 use tokio::sync::oneshot;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
@@ -109,7 +109,11 @@ pub async fn serve(
         .context("gRPC reflection")?;
 
     let auth = BearerCheck::new(token);
-    let kv = KvTransferService::new(node.layout.clone(), pool.clone(), registry.clone());
+    let kv = KvTransferService::new(node.layout.clone(), pool.clone(), registry.clone())
+        .with_limits(PushLimits {
+            idle: Duration::from_secs_f64(args.push_idle_timeout),
+            deadline: Duration::from_secs_f64(args.push_deadline),
+        });
     // PushKv is served from the HTTP/2 frames without joining them; DropKv by tonic.
     let kv_svc = tonic::service::interceptor::InterceptedService::new(
         KvTransferRoute::new(
@@ -244,6 +248,8 @@ impl InProcess {
             host_kv_prefault: false,
             device_kv_bytes,
             kv_lease: 60.0,
+            push_idle_timeout: 10.0,
+            push_deadline: 300.0,
             max_batch: 8,
             drain_timeout: 1.0,
             auth_token_file: None,
