@@ -54,6 +54,19 @@ impl Default for IngestMetrics {
     }
 }
 
+/// Every `outcome` of `kv_push_ends_total`, rendered from the start (at 0) so dashboards and
+/// alerts see the series before the first push of each kind ends.
+pub const PUSH_OUTCOMES: [&str; 8] = [
+    "committed",
+    "idle_timeout",
+    "deadline",
+    "dropped",
+    "cancelled",
+    "client_gone",
+    "refused",
+    "incomplete",
+];
+
 impl IngestMetrics {
     /// Counts one refused push.
     pub fn error(&self, code: &str) {
@@ -73,6 +86,11 @@ impl IngestMetrics {
 
     /// Registers every metric (names without prefix; counters get `_total`).
     pub fn register(&self, r: &mut Registry) {
+        for outcome in PUSH_OUTCOMES {
+            self.ends.get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            });
+        }
         r.register(
             "kv_ingest_bytes",
             "KV payload bytes accepted by PushKv",

@@ -457,6 +457,7 @@ mod tests {
         bs: usize,
         q_group: &[f32],
         budget_blocks: usize,
+        group_max: bool,
     ) -> Vec<usize> {
         let nb = n.div_ceil(bs);
         if nb <= budget_blocks {
@@ -464,8 +465,9 @@ mod tests {
         }
         let mut scored: Vec<(f32, usize)> = (1..nb - 1)
             .map(|b| {
-                let mut s = 0f32;
+                let mut s = if group_max { f32::NEG_INFINITY } else { 0.0 };
                 for q in q_group.chunks_exact(d) {
+                    let mut head = 0f32;
                     for (c, qd) in q.iter().enumerate() {
                         let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
                         for t in b * bs..((b + 1) * bs).min(n) {
@@ -473,8 +475,9 @@ mod tests {
                             lo = lo.min(x);
                             hi = hi.max(x);
                         }
-                        s += (qd * lo).max(qd * hi);
+                        head += (qd * lo).max(qd * hi);
                     }
+                    s = if group_max { s.max(head) } else { s + head };
                 }
                 (s, b)
             })
@@ -580,6 +583,7 @@ mod tests {
                         bs,
                         qg,
                         cfg.budget_blocks(bs),
+                        cfg.group_score == attention::GroupScore::Max,
                     );
                     assert_eq!(p.selected(), want, "layer {layer} head {h}: selection");
                     assert!(
@@ -668,6 +672,17 @@ mod tests {
                     min_cosine: 0.3,
                     real_query_layers: 2,
                 },
+                ..scout()
+            },
+            3,
+        );
+    }
+
+    #[test]
+    fn scout_step_equals_its_definition_with_group_sum() {
+        check(
+            AttentionConfig {
+                group_score: attention::GroupScore::Sum,
                 ..scout()
             },
             3,
