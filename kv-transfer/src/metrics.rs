@@ -56,7 +56,7 @@ impl Default for IngestMetrics {
 
 /// Every `outcome` of `kv_push_ends_total`, rendered from the start (at 0) so dashboards and
 /// alerts see the series before the first push of each kind ends.
-pub const PUSH_OUTCOMES: [&str; 8] = [
+pub(crate) const PUSH_OUTCOMES: [&str; 8] = [
     "committed",
     "idle_timeout",
     "deadline",
@@ -87,7 +87,7 @@ impl IngestMetrics {
     /// Registers every metric (names without prefix; counters get `_total`).
     pub fn register(&self, r: &mut Registry) {
         for outcome in PUSH_OUTCOMES {
-            self.ends.get_or_create(&OutcomeLabel {
+            let _ = self.ends.get_or_create(&OutcomeLabel {
                 outcome: outcome.into(),
             });
         }
