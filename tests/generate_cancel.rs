@@ -14,7 +14,7 @@ async fn cancel_and_disconnect_free_kv_and_count() {
     push(&s, &prompt_kv("k1", &prompt(30, 1))).await.unwrap();
     let mut c = pb::decode_client::DecodeClient::new(s.channel().await);
     let mut stream = c
-        .generate(gen_req("k1", 100_000))
+        .generate(gen_req("k1", 20_000))
         .await
         .unwrap()
         .into_inner();
@@ -42,7 +42,7 @@ async fn cancel_and_disconnect_free_kv_and_count() {
     // Client disconnect mid-stream.
     push(&s, &prompt_kv("k2", &prompt(30, 2))).await.unwrap();
     let mut stream = c
-        .generate(gen_req("k2", 100_000))
+        .generate(gen_req("k2", 20_000))
         .await
         .unwrap()
         .into_inner();
@@ -87,4 +87,58 @@ async fn cancel_and_disconnect_free_kv_and_count() {
         .into_inner()
         .cancelled
     );
+}
+
+/// Admission reserves what a request can use (its prompt plus max_new_tokens, in blocks),
+/// not the whole budget: a huge sparse budget still admits a short request. One that can
+/// never fit is refused at once naming the sizes; client numbers out of range are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_counts_what_a_request_can_use_and_numbers_are_clamped() {
+    let s = Served::start(&[
+        "--attention",
+        "scout",
+        "--budget-tokens",
+        "1000000",
+        "--device-kv-bytes",
+        "1Mi",
+    ]);
+    let p = prompt(24, 3);
+    push(&s, &prompt_kv("short", &p)).await.unwrap();
+    let (ids, _) = generate(&s, gen_req("short", 8)).await.expect("admitted");
+    assert_eq!(ids, reference_greedy(&p, 8));
+
+    // 4000 tokens of device KV for one request cannot fit in 1 MiB: refused at once.
+    push(&s, &prompt_kv("long", &prompt(2000, 3)))
+        .await
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let e = generate(&s, gen_req("long", 2000)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{}", e.message());
+    assert!(e.message().contains("never fit"), "{}", e.message());
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(
+        wait_load(&s, |l| l.host_kv_bytes_used == 0)
+            .await
+            .host_kv_bytes_used,
+        0
+    );
+
+    let bad = [
+        ("kv_timeout_ms", {
+            let mut r = gen_req("x", 4);
+            r.kv_timeout_ms = 3_600_000;
+            r
+        }),
+        ("stop_token_ids", {
+            let mut r = gen_req("x", 4);
+            r.stop_token_ids = vec![1; 65];
+            r
+        }),
+        ("max_new_tokens", gen_req("x", 1_000_000)),
+    ];
+    for (what, r) in bad {
+        let e = generate(&s, r).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{what}");
+        assert!(e.message().contains(what), "{what}: {}", e.message());
+    }
 }

@@ -492,3 +492,84 @@ async fn a_stalled_pusher_is_ended_by_the_idle_timeout_dropkv_or_cancel() {
         );
     }
 }
+
+/// 256 pushes each stalled right after its header: no more than `--max-push-streams` are in
+/// flight, the rest are refused at once, the stalled ones end by the idle timeout, and the
+/// pool returns to its start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_streams_are_capped_and_stalled_headers_free_everything() {
+    let s = Served::start(&["--max-push-streams", "16", "--push-idle-timeout", "3"]);
+    let before = load(&s).await.host_kv_bytes_used;
+    let mut open = Vec::new();
+    for i in 0..256 {
+        open.push(stalled_push(&s, msgs(&format!("s{i}"), 64), 1).await);
+    }
+    let mut per_code = std::collections::BTreeMap::<String, usize>::new();
+    for (tx, call) in open {
+        let code = call.await.unwrap();
+        drop(tx);
+        *per_code.entry(format!("{code:?}")).or_default() += 1;
+    }
+    let exhausted = per_code.get("ResourceExhausted").copied().unwrap_or(0);
+    let timed_out = per_code.get("DeadlineExceeded").copied().unwrap_or(0);
+    assert_eq!(exhausted + timed_out, 256, "{per_code:?}");
+    // Each admitted push holds its stream for the 3 s idle timeout; opening all 256 takes
+    // far less, so at most a second wave of 16 got in.
+    assert!((16..=32).contains(&timed_out), "{per_code:?}");
+    let back = |l: &pb::LoadReport| l.host_kv_bytes_used == before;
+    assert_eq!(wait_load(&s, back).await.host_kv_bytes_used, before);
+    // The cap frees with its pushes: a new one goes through.
+    assert_eq!(send(&s, msgs("after", 30)).await, tonic::Code::Ok);
+}
+
+/// A header larger than any prompt this model can take is refused before it is decoded,
+/// whether sent at once or as repeated header fields that prost would merge; ids longer
+/// than allowed are refused, and what an error echoes of a client's string is clipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_headers_and_ids_are_refused_and_echoes_are_clipped() {
+    use prost::Message;
+    let s = Served::start(&[]);
+    let header = |ids: usize| {
+        let mut m = msgs("big", 30).remove(0);
+        if let Some(Item::Header(h)) = &mut m.item {
+            h.prompt_token_ids = vec![300; ids];
+            h.num_tokens = ids as u32;
+        }
+        m.encode_to_vec()
+    };
+    // Once: 100k token ids (the tiny model's context is 32k: a header of ~170 KB at most).
+    let one = framed(0, &header(100_000));
+    assert_eq!(
+        raw_push(&s, vec![one], &[]).await,
+        tonic::Code::InvalidArgument
+    );
+    // Twice 50k ids (100 KB each), each half under the limit, together over it.
+    let twice = [header(50_000), header(50_000)].concat();
+    assert_eq!(
+        raw_push(&s, vec![framed(0, &twice)], &[]).await,
+        tonic::Code::InvalidArgument
+    );
+    assert_eq!(load(&s).await.host_kv_bytes_used, 0);
+
+    let mut c = pb::kv_transfer_client::KvTransferClient::new(s.channel().await);
+    let e = c
+        .drop_kv(pb::DropKvRequest {
+            request_id: "x".repeat(10_000),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().len() < 200, "{}", e.message());
+    let e = c
+        .drop_kv(pb::DropKvRequest {
+            request_id: "y".repeat(256),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    assert!(
+        e.message().len() <= kv_transfer::MAX_ECHO + 32,
+        "{}",
+        e.message()
+    );
+}

@@ -63,3 +63,49 @@ async fn metrics_expose_every_required_name() {
     );
     assert!(text.contains("decode_node_generation_tokens_total 3"));
 }
+
+/// SIGTERM with KV committed but not yet generated from: a Generate for it is still served
+/// during the drain, while new pushes and Generates for KV the node does not hold are
+/// refused; KV nobody claims is dropped at the drain timeout, logged by id, and the node
+/// exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_serves_committed_kv_until_the_drain_timeout() {
+    let mut s = Served::start(&["--drain-timeout", "3"]);
+    let p = prompt(20, 4);
+    push(&s, &prompt_kv("kept", &p)).await.unwrap();
+    push(&s, &prompt_kv("orphan", &prompt(20, 5)))
+        .await
+        .unwrap();
+    s.sigterm();
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while http_get(s.metrics, "/health").0 != 503 && std::time::Instant::now() < end {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let t0 = std::time::Instant::now();
+    let (ids, fin) = generate(&s, gen_req("kept", 8))
+        .await
+        .expect("committed KV is served");
+    assert_eq!(fin.reason, pb::FinishReason::Length as i32);
+    assert_eq!(ids, reference_greedy(&p, 8));
+    let e = generate(&s, gen_req("never-pushed", 8)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    let e = push(&s, &prompt_kv("late", &prompt(8, 2)))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    let status = s
+        .wait(std::time::Duration::from_secs(20))
+        .expect("exits after the drain timeout");
+    assert!(status.success(), "{status:?}");
+    assert!(
+        t0.elapsed() >= std::time::Duration::from_millis(1500),
+        "the drain waited for the unclaimed KV"
+    );
+    let log = s.log.lock().unwrap().join("\n");
+    let dropped: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("KV never generated from is dropped"))
+        .collect();
+    assert_eq!(dropped.len(), 1, "{log}");
+    assert!(dropped[0].contains("orphan"), "{}", dropped[0]);
+}

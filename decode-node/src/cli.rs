@@ -142,6 +142,14 @@ pub struct ServeArgs {
     /// Seconds a whole push may take from its stream's start to its commit.
     #[arg(long, env = "DECODE_NODE_PUSH_DEADLINE", default_value_t = 300.0, value_parser = parse_seconds)]
     pub push_deadline: f64,
+    /// Pushes in flight at once; one more is refused RESOURCE_EXHAUSTED. Push buffers hold at
+    /// most this many times (--max-push-message + the 16 MiB HTTP/2 stream window).
+    #[arg(long, env = "DECODE_NODE_MAX_PUSH_STREAMS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub max_push_streams: u32,
+    /// Largest gRPC message of a push (a KvChunk; bytes, suffixes as above): what one push
+    /// stream may make the node buffer besides its HTTP/2 window.
+    #[arg(long, env = "DECODE_NODE_MAX_PUSH_MESSAGE", default_value = "64Mi", value_parser = parse_bytes)]
+    pub max_push_message: u64,
     /// Requests decoded together at most.
     #[arg(long, env = "DECODE_NODE_MAX_BATCH", default_value_t = 64)]
     pub max_batch: u32,

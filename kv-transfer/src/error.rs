@@ -2,6 +2,22 @@
 
 use tonic::{Code, Status};
 
+/// Longest client-supplied string echoed in an error message (bytes).
+pub const MAX_ECHO: usize = 128;
+
+/// `s` cut to at most [`MAX_ECHO`] bytes on a character boundary, marked when cut: a client
+/// cannot make our errors, logs or metrics as large as what it sent.
+pub fn clip(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.len() <= MAX_ECHO {
+        return s.into();
+    }
+    let mut end = MAX_ECHO - 3;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end]).into()
+}
+
 /// What can go wrong in the pool, an ingest or a claim.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum Error {
@@ -20,7 +36,11 @@ pub enum Error {
     #[error("{0}")]
     Invalid(String),
     /// The push does not match this node's model or KV layout; names the field.
-    #[error("{field} mismatch: node has {expected}, push has {got}")]
+    #[error(
+        "{field} mismatch: node has {}, push has {}",
+        clip(expected),
+        clip(got)
+    )]
     Mismatch {
         /// The header field that differs.
         field: &'static str,
@@ -30,19 +50,19 @@ pub enum Error {
         got: String,
     },
     /// The request id already holds KV (or is being pushed) on this node.
-    #[error("request {0:?} already exists on this node")]
+    #[error("request {:?} already exists on this node", clip(.0))]
     AlreadyExists(String),
     /// No KV for this request id.
-    #[error("no KV for request {0:?}")]
+    #[error("no KV for request {:?}", clip(.0))]
     NotFound(String),
     /// Waiting for a request's KV took longer than allowed.
-    #[error("KV for request {0:?} did not arrive in time")]
+    #[error("KV for request {:?} did not arrive in time", clip(.0))]
     Timeout(String),
     /// The push or the request was cancelled (Cancel, client gone).
-    #[error("request {0:?} was cancelled")]
+    #[error("request {:?} was cancelled", clip(.0))]
     Cancelled(String),
     /// `DropKv` ended the request's push while it was in flight.
-    #[error("request {0:?} was dropped (DropKv) while its KV was being pushed")]
+    #[error("request {:?} was dropped (DropKv) while its KV was being pushed", clip(.0))]
     Dropped(String),
     /// The push sent nothing for longer than the idle timeout, or outlived its deadline.
     #[error("{0}")]
@@ -102,5 +122,26 @@ pub fn code_label(code: Code) -> &'static str {
 impl From<Error> for Status {
     fn from(e: Error) -> Self {
         Status::new(e.code(), e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn echoed_strings_are_clipped_on_a_char_boundary() {
+        assert_eq!(clip("short"), "short");
+        let long = "é".repeat(200);
+        let c = clip(&long);
+        assert!(c.len() <= MAX_ECHO && c.ends_with("..."), "{}", c.len());
+        let e = Error::NotFound("x".repeat(10_000));
+        assert!(e.to_string().len() < MAX_ECHO + 32, "{e}");
+        let m = Error::Mismatch {
+            field: "model_id",
+            expected: "m".into(),
+            got: "g".repeat(1 << 20),
+        };
+        assert!(Status::from(m).message().len() < 2 * MAX_ECHO + 64);
     }
 }

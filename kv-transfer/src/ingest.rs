@@ -256,9 +256,13 @@ pub fn validate_header(layout: &KvLayout, h: &KvHeader) -> Result<PromptInfo, Er
 impl Ingest {
     /// Validates `header` and reserves and takes every block the prompt needs.
     pub fn begin(layout: &KvLayout, pool: &HostPool, header: &KvHeader) -> Result<Self, Error> {
-        let info = validate_header(layout, header)?;
+        Self::with_info(layout, pool, validate_header(layout, header)?)
+    }
+
+    /// Reserves and takes every block of a prompt whose header [`validate_header`] accepted.
+    pub fn with_info(layout: &KvLayout, pool: &HostPool, info: PromptInfo) -> Result<Self, Error> {
         let geom = layout.geom;
-        let n = header.num_tokens as usize;
+        let n = info.prompt_token_ids.len();
         let per_layer = geom.blocks_for(n);
         let mut r = pool.reserve(per_layer * layout.num_layers)?;
         let blocks = (0..layout.num_layers)

@@ -42,14 +42,14 @@ mod route;
 mod service;
 pub mod wire;
 
-pub use error::{Error, code_label};
+pub use error::{Error, MAX_ECHO, clip, code_label};
 pub use ingest::{CommittedKv, Ingest, MAX_REQUEST_ID_LEN, PromptInfo, validate_header};
 pub use metrics::{CodeLabel, IngestMetrics, OutcomeLabel};
 pub use payload::Payload;
 pub use pool::{Block, HostPool, PoolUsage, Reservation};
 pub use registry::{Dropped, PushSlot, Registry, StopReason};
 pub use route::KvTransferRoute;
-pub use service::{ACK_EVERY_BYTES, KvTransferService, PushLimits};
+pub use service::{ACK_EVERY_BYTES, KvTransferService, PushLimits, check_request_id};
 
 use attention::BlockGeometry;
 
@@ -66,4 +66,13 @@ pub struct KvLayout {
     pub vocab_size: usize,
     /// Prompt plus generated tokens at most.
     pub max_context: usize,
+}
+
+impl KvLayout {
+    /// Largest encoded `KvHeader` a push may send: its token ids (at most 5 bytes each, a
+    /// prompt shorter than the context) and its strings, with room for field tags. A bigger
+    /// header is refused before it is decoded.
+    pub fn max_header_bytes(&self) -> usize {
+        4096 + self.model_id.len() + MAX_REQUEST_ID_LEN + 5 * self.max_context
+    }
 }

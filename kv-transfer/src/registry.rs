@@ -369,6 +369,43 @@ impl Registry {
         n
     }
 
+    /// True when `id` has KV committed or a push of it in flight: what a `Generate` may
+    /// still be served from while the node drains.
+    pub fn holds(&self, id: &str) -> bool {
+        matches!(
+            self.lock().get(id),
+            Some(Entry::Committed { .. } | Entry::Ingesting { .. })
+        )
+    }
+
+    /// Requests with KV committed or being pushed: what a drain waits for.
+    pub fn pending(&self) -> usize {
+        self.lock()
+            .values()
+            .filter(|e| matches!(e, Entry::Committed { .. } | Entry::Ingesting { .. }))
+            .count()
+    }
+
+    /// The end of a drain: frees every committed KV nobody claimed and stops every push in
+    /// flight (ABORTED); returns each request dropped and the bytes it held.
+    pub fn drop_all(&self) -> Vec<(String, u64)> {
+        let mut map = self.lock();
+        let mut out = Vec::new();
+        map.retain(|id, e| match e {
+            Entry::Committed { kv, .. } => {
+                out.push((id.clone(), kv.bytes()));
+                false
+            }
+            Entry::Ingesting { control, .. } => {
+                out.push((id.clone(), control.held.load(Ordering::Acquire)));
+                control.stop(StopReason::Dropped);
+                true
+            }
+            Entry::Waiting(_) => false,
+        });
+        out
+    }
+
     /// Committed requests nobody has claimed yet.
     pub fn committed_unclaimed(&self) -> usize {
         self.lock()

@@ -25,7 +25,7 @@ use tower_service::Service;
 use crate::payload::Payload;
 use crate::service::{Inbound, KvTransferService};
 use crate::wire::{
-    GRPC_PREFIX_LEN, PUSH_KV_PATH, PushMessage, decode_push_request, encode_message,
+    GRPC_PREFIX_LEN, PUSH_KV_PATH, PushMessage, decode_push_request_limited, encode_message,
 };
 
 /// The `KvTransfer` service with a zero-copy `PushKv`; `inner` serves the other methods.
@@ -79,9 +79,10 @@ fn serve_push(
     req: http::Request<Body>,
     max_message: usize,
 ) -> http::Response<Body> {
-    if let Err(s) = svc.admit() {
-        return s.into_http();
-    }
+    let permit = match svc.admit() {
+        Ok(p) => p,
+        Err(s) => return s.into_http(),
+    };
     if let Some(enc) = req.headers().get("grpc-encoding")
         && enc != "identity"
     {
@@ -95,10 +96,14 @@ fn serve_push(
         body: req.into_body(),
         buf: Frames::default(),
         max_message,
+        max_header: svc.max_header_bytes(),
         done: false,
     };
     let (tx, rx) = mpsc::channel(8);
-    tokio::spawn(async move { svc.run_push(inbound, tx).await });
+    tokio::spawn(async move {
+        svc.run_push(inbound, tx).await;
+        drop(permit);
+    });
     let mut res = http::Response::new(Body::new(Acks { rx, done: false }));
     res.headers_mut().insert(
         CONTENT_TYPE,
@@ -212,6 +217,7 @@ struct Messages<B> {
     body: B,
     buf: Frames,
     max_message: usize,
+    max_header: usize,
     done: bool,
 }
 
@@ -234,7 +240,8 @@ where
                     return Poll::Ready(Some(Err(Inbound::Refused(s))));
                 }
                 Ok(Some(msg)) => {
-                    let m = decode_push_request(&msg).map_err(|e| Inbound::Refused(e.into()));
+                    let m = decode_push_request_limited(&msg, this.max_header)
+                        .map_err(|e| Inbound::Refused(e.into()));
                     return Poll::Ready(Some(m));
                 }
                 Ok(None) => {}

@@ -1,15 +1,16 @@
 //! The `KvTransfer` gRPC service over the pool and the registry.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use decode_node_proto::v1::kv_transfer_server::KvTransfer;
 use decode_node_proto::v1::{DropKvRequest, DropKvResponse, PushKvRequest, PushKvResponse};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::ingest::Ingest;
+use crate::ingest::{Ingest, validate_header};
 use crate::pool::HostPool;
 use crate::registry::{PushSlot, Registry, StopReason};
 use crate::wire::PushMessage;
@@ -26,6 +27,9 @@ pub struct PushLimits {
     pub idle: Duration,
     /// Longest a whole push may take, from its stream's start to the commit.
     pub deadline: Duration,
+    /// Pushes in flight at once; one more is refused RESOURCE_EXHAUSTED at its start. With
+    /// the message limit this bounds what push streams can make the node buffer.
+    pub max_streams: usize,
 }
 
 impl Default for PushLimits {
@@ -33,6 +37,7 @@ impl Default for PushLimits {
         Self {
             idle: Duration::from_secs(10),
             deadline: Duration::from_secs(300),
+            max_streams: 64,
         }
     }
 }
@@ -44,23 +49,33 @@ pub struct KvTransferService {
     pool: HostPool,
     registry: Registry,
     limits: PushLimits,
+    /// One permit per push in flight.
+    streams: Arc<Semaphore>,
 }
 
 impl KvTransferService {
     /// A service storing into `pool` and publishing to `registry`, with default limits.
     pub fn new(layout: KvLayout, pool: HostPool, registry: Registry) -> Self {
+        let limits = PushLimits::default();
         Self {
             layout,
             pool,
             registry,
-            limits: PushLimits::default(),
+            limits,
+            streams: Arc::new(Semaphore::new(limits.max_streams)),
         }
     }
 
     /// The same service with other push limits.
     pub fn with_limits(mut self, limits: PushLimits) -> Self {
         self.limits = limits;
+        self.streams = Arc::new(Semaphore::new(limits.max_streams));
         self
+    }
+
+    /// Largest `KvHeader` accepted (encoded bytes).
+    pub(crate) fn max_header_bytes(&self) -> usize {
+        self.layout.max_header_bytes()
     }
 }
 
@@ -127,8 +142,11 @@ impl KvTransferService {
                 "empty PushKvRequest (no header, chunk or commit)".into(),
             )),
             (PushMessage::Header(h), None) => {
-                let slot = self.registry.begin_push(&h.request_id)?;
-                let ingest = Ingest::begin(&self.layout, &self.pool, &h)?;
+                // The whole header is checked before the id is taken or a byte reserved.
+                let info = validate_header(&self.layout, &h)?;
+                drop(h);
+                let slot = self.registry.begin_push(&info.request_id)?;
+                let ingest = Ingest::with_info(&self.layout, &self.pool, info)?;
                 slot.set_held(ingest.bytes_held());
                 *state = Some(Push {
                     slot,
@@ -180,13 +198,22 @@ impl KvTransferService {
         self.registry.metrics().error(code_label(code));
     }
 
-    /// Refuses a push up front while draining.
-    pub(crate) fn admit(&self) -> Result<(), Status> {
+    /// Admits a push: refused up front while draining, or when `max_streams` pushes are
+    /// already in flight. The permit is held until the push has ended and freed.
+    pub(crate) fn admit(&self) -> Result<OwnedSemaphorePermit, Status> {
         if self.registry.is_draining() {
             self.registry.metrics().error("unavailable");
             return Err(Error::Draining.into());
         }
-        Ok(())
+        Arc::clone(&self.streams).try_acquire_owned().map_err(|_| {
+            let m = self.registry.metrics();
+            m.error("resource_exhausted");
+            m.push_end(PushEnd::Refused.label());
+            Status::resource_exhausted(format!(
+                "{} pushes are in flight, this node's limit (--max-push-streams); retry later",
+                self.limits.max_streams
+            ))
+        })
     }
 
     /// Runs one push to its end: feeds `inbound` through [`Self::step`] and sends acks, or the
@@ -314,6 +341,18 @@ impl KvTransferService {
     }
 }
 
+/// A request id from a client: 1 to [`crate::MAX_REQUEST_ID_LEN`] bytes.
+pub fn check_request_id(id: &str) -> Result<(), Status> {
+    if id.is_empty() || id.len() > crate::MAX_REQUEST_ID_LEN {
+        return Err(Status::invalid_argument(format!(
+            "request_id must be 1..={} bytes, got {}",
+            crate::MAX_REQUEST_ID_LEN,
+            id.len()
+        )));
+    }
+    Ok(())
+}
+
 #[tonic::async_trait]
 impl KvTransfer for KvTransferService {
     type PushKvStream = ReceiverStream<Result<PushKvResponse, Status>>;
@@ -324,14 +363,17 @@ impl KvTransfer for KvTransferService {
         &self,
         req: Request<Streaming<PushKvRequest>>,
     ) -> Result<Response<Self::PushKvStream>, Status> {
-        self.admit()?;
+        let permit = self.admit()?;
         let inbound = req.into_inner().map(|m| {
             m.map(PushMessage::from)
                 .map_err(|s| Inbound::Broken(s.to_string()))
         });
         let (tx, rx) = mpsc::channel(8);
         let this = self.clone();
-        tokio::spawn(async move { this.run_push(inbound, tx).await });
+        tokio::spawn(async move {
+            this.run_push(inbound, tx).await;
+            drop(permit);
+        });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -340,6 +382,7 @@ impl KvTransfer for KvTransferService {
         req: Request<DropKvRequest>,
     ) -> Result<Response<DropKvResponse>, Status> {
         let id = req.into_inner().request_id;
+        check_request_id(&id)?;
         let d = self.registry.drop_kv(&id)?;
         Ok(Response::new(DropKvResponse {
             dropped: d.freed(),

@@ -244,7 +244,14 @@ fn merge_chunk(c: &mut Chunk, p: &Payload) -> Result<(), Error> {
 
 /// Decodes one `PushKvRequest` (a whole gRPC message, without its 5-byte prefix).
 pub fn decode_push_request(msg: &Payload) -> Result<PushMessage, Error> {
+    decode_push_request_limited(msg, usize::MAX)
+}
+
+/// As [`decode_push_request`], refusing a header of more than `max_header` encoded bytes (all
+/// its occurrences in the message together, as prost merges them) before decoding it.
+pub fn decode_push_request_limited(msg: &Payload, max_header: usize) -> Result<PushMessage, Error> {
     let mut item = PushMessage::Empty;
+    let mut header_bytes = 0usize;
     let mut cur = Cursor::new(msg);
     let prost_err = |e: prost::DecodeError| malformed(e);
     while cur.left > 0 {
@@ -252,7 +259,14 @@ pub fn decode_push_request(msg: &Payload) -> Result<PushMessage, Error> {
         match field {
             1 => {
                 expect(wt, WireType::LengthDelimited, "PushKvRequest.header")?;
-                let b = cur.len_delimited()?.to_bytes();
+                let p = cur.len_delimited()?;
+                header_bytes = header_bytes.saturating_add(p.len());
+                if header_bytes > max_header {
+                    return Err(Error::Invalid(format!(
+                        "KvHeader of {header_bytes} bytes or more is over this node's limit of {max_header} bytes"
+                    )));
+                }
+                let b = p.to_bytes();
                 match &mut item {
                     PushMessage::Header(h) => h.merge(b).map_err(prost_err)?,
                     _ => item = PushMessage::Header(KvHeader::decode(b).map_err(prost_err)?),

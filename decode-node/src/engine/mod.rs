@@ -354,12 +354,14 @@ impl StepLoop {
 
     fn shutdown(&mut self) {
         for job in std::mem::take(&mut self.waiting) {
+            tracing::warn!(request_id = %kv_transfer::clip(&job.spec.request_id), "shutdown: a request waiting for admission is refused UNAVAILABLE");
             let _ = job
                 .spec
                 .events
                 .send(Event::Error(EngineError::ShuttingDown));
         }
         for r in std::mem::take(&mut self.running) {
+            tracing::warn!(request_id = %kv_transfer::clip(&r.job.request_id), generated = r.generated, "shutdown: a running request is ended CANCELLED");
             self.retire(r, FinishReason::Cancelled, Some("shutdown"));
         }
     }
@@ -395,13 +397,13 @@ impl StepLoop {
         });
     }
 
-    /// Device bytes a request may hold at most under the current mode.
+    /// Device bytes a request may hold at most under the current mode: what it can ever
+    /// attend (its prompt, the token fed first and `max_new` more, in whole blocks), capped by
+    /// the resident blocks a sparse mode keeps per head — never more than it can use.
     fn device_need(&self, kv: &CommittedKv, max_new: u32) -> u64 {
         let g = kv.geometry();
-        let per_head = match self.cfg.attention.mode {
-            Mode::Full => g.blocks_for(kv.num_tokens() + max_new as usize),
-            _ => self.cfg.attention.device_blocks_per_head.max(2),
-        };
+        let can_attend = g.blocks_for(kv.num_tokens() + max_new as usize + 1);
+        let per_head = can_attend.min(self.cfg.attention.resident_blocks_per_head());
         (per_head * g.head_bytes() * g.num_kv_heads * kv.num_layers()) as u64
     }
 
@@ -434,10 +436,11 @@ impl StepLoop {
             let fits_device = device_used + device_need <= self.cfg.device_kv_bytes;
             let can_run = self.running.len() < self.cfg.max_batch && fits_device && keep.is_empty();
             // One growth block per layer covers the token fed first; then max_new more.
+            let grow_blocks = job.kv.blocks_to_grow(max_new as usize + 1);
+            let host_need = (grow_blocks * job.kv.geometry().block_bytes()) as u64;
+            let host_room = self.pool.usage().capacity.saturating_sub(job.kv.bytes());
             let grow = if can_run {
-                self.pool
-                    .reserve(job.kv.blocks_to_grow(max_new as usize + 1))
-                    .ok()
+                self.pool.reserve(grow_blocks).ok()
             } else {
                 None
             };
@@ -447,7 +450,8 @@ impl StepLoop {
                     self.start(job, device_need, now);
                 }
                 None if now.duration_since(job.spec.arrived) > timeout
-                    || device_need > self.cfg.device_kv_bytes =>
+                    || device_need > self.cfg.device_kv_bytes
+                    || host_need > host_room =>
                 {
                     self.metrics
                         .requests
@@ -456,8 +460,16 @@ impl StepLoop {
                         })
                         .inc();
                     let _ = job.spec.events.send(Event::Error(EngineError::Exhausted(format!(
-                        "request {} needs {device_need} bytes of device KV and host KV for {max_new} tokens; not available (device capacity {})",
-                        job.spec.request_id, self.cfg.device_kv_bytes
+                        "request {:?} needs {device_need} bytes of device KV (capacity {}) and {host_need} more bytes of host KV for {max_new} new tokens (host capacity {}, {} held by its prompt); {}",
+                        kv_transfer::clip(&job.spec.request_id),
+                        self.cfg.device_kv_bytes,
+                        self.pool.usage().capacity,
+                        job.kv.bytes(),
+                        if device_need > self.cfg.device_kv_bytes || host_need > host_room {
+                            "it can never fit on this node"
+                        } else {
+                            "not available within the queue timeout"
+                        }
                     ))));
                 }
                 None => keep.push_back(job),

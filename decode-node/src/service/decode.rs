@@ -16,6 +16,10 @@ use crate::model::Sampling;
 
 /// Default wait for a request's KV when `kv_timeout_ms` is 0.
 pub const DEFAULT_KV_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest wait for a request's KV a client may ask for.
+pub const MAX_KV_TIMEOUT: Duration = Duration::from_secs(600);
+/// Most stop tokens one request may name.
+pub const MAX_STOP_TOKENS: usize = 64;
 
 /// Shared state of the node's services.
 #[derive(Debug, Clone)]
@@ -111,12 +115,28 @@ fn to_response(ev: Event) -> Result<pb::GenerateResponse, Status> {
 }
 
 /// Checks a request before anything is waited for.
-fn validate(r: &pb::GenerateRequest, vocab: u32) -> Result<Sampling, Status> {
-    if r.request_id.is_empty() || r.request_id.len() > kv_transfer::MAX_REQUEST_ID_LEN {
-        return Err(Status::invalid_argument("request_id must be 1..=256 bytes"));
+fn validate(r: &pb::GenerateRequest, info: &pb::ModelInfo) -> Result<Sampling, Status> {
+    let vocab = info.vocab_size;
+    kv_transfer::check_request_id(&r.request_id)?;
+    if r.max_new_tokens == 0 || r.max_new_tokens > info.max_context {
+        return Err(Status::invalid_argument(format!(
+            "max_new_tokens must be within 1..={} (the model's context), got {}",
+            info.max_context, r.max_new_tokens
+        )));
     }
-    if r.max_new_tokens == 0 {
-        return Err(Status::invalid_argument("max_new_tokens must be > 0"));
+    if u64::from(r.kv_timeout_ms) > MAX_KV_TIMEOUT.as_millis() as u64 {
+        return Err(Status::invalid_argument(format!(
+            "kv_timeout_ms must be at most {} (0 = the default of {} s), got {}",
+            MAX_KV_TIMEOUT.as_millis(),
+            DEFAULT_KV_TIMEOUT.as_secs(),
+            r.kv_timeout_ms
+        )));
+    }
+    if r.stop_token_ids.len() > MAX_STOP_TOKENS {
+        return Err(Status::invalid_argument(format!(
+            "at most {MAX_STOP_TOKENS} stop_token_ids, got {}",
+            r.stop_token_ids.len()
+        )));
     }
     if let Some(bad) = r.stop_token_ids.iter().find(|t| **t >= vocab) {
         return Err(Status::invalid_argument(format!(
@@ -152,15 +172,19 @@ impl Decode for DecodeService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let arrived = Instant::now();
         let st = self.state.clone();
-        if st.registry.is_draining() {
-            return Err(Status::unavailable("node is draining"));
-        }
         let r = req.into_inner();
-        let sampling = validate(&r, st.info.vocab_size)?;
+        let sampling = validate(&r, &st.info)?;
+        // A draining node still serves the KV it was given (committed or arriving).
+        if st.registry.is_draining() && !st.registry.holds(&r.request_id) {
+            return Err(Status::unavailable(
+                "node is draining: only requests whose KV it holds are served",
+            ));
+        }
         let id = r.request_id.clone();
         if !st.active().insert(id.clone()) {
             return Err(Status::already_exists(format!(
-                "request {id:?} is already generating"
+                "request {:?} is already generating",
+                kv_transfer::clip(&id)
             )));
         }
         let timeout = match r.kv_timeout_ms {
@@ -180,6 +204,7 @@ impl Decode for DecodeService {
         req: Request<pb::CancelRequest>,
     ) -> Result<Response<pb::CancelResponse>, Status> {
         let id = req.into_inner().request_id;
+        kv_transfer::check_request_id(&id)?;
         let running = self.state.active().contains(&id);
         if running {
             self.state

@@ -23,8 +23,8 @@ use crate::engine::{Control, Engine, EngineConfig};
 use crate::metrics::Metrics;
 use crate::node::Node;
 
-/// Largest gRPC message accepted by KvTransfer (a chunk).
-pub const MAX_PUSH_MESSAGE: usize = 64 << 20;
+/// Largest `--max-push-message` (tonic and HTTP/2 framing use u32 lengths).
+pub const MAX_PUSH_MESSAGE_LIMIT: u64 = 1 << 30;
 /// Largest gRPC message accepted by Decode.
 pub const MAX_DECODE_MESSAGE: usize = 1 << 20;
 
@@ -108,18 +108,25 @@ pub async fn serve(
         .build_v1()
         .context("gRPC reflection")?;
 
+    anyhow::ensure!(
+        (1 << 10..=MAX_PUSH_MESSAGE_LIMIT).contains(&args.max_push_message),
+        "--max-push-message {} is outside 1 KiB..=1 GiB",
+        args.max_push_message
+    );
+    let max_push_message = args.max_push_message as usize;
     let auth = BearerCheck::new(token);
     let kv = KvTransferService::new(node.layout.clone(), pool.clone(), registry.clone())
         .with_limits(PushLimits {
             idle: Duration::from_secs_f64(args.push_idle_timeout),
             deadline: Duration::from_secs_f64(args.push_deadline),
+            max_streams: args.max_push_streams as usize,
         });
     // PushKv is served from the HTTP/2 frames without joining them; DropKv by tonic.
     let kv_svc = tonic::service::interceptor::InterceptedService::new(
         KvTransferRoute::new(
             kv.clone(),
-            KvTransferServer::new(kv).max_decoding_message_size(MAX_PUSH_MESSAGE),
-            MAX_PUSH_MESSAGE,
+            KvTransferServer::new(kv).max_decoding_message_size(max_push_message),
+            max_push_message,
         ),
         auth.clone(),
     );
@@ -190,13 +197,17 @@ pub async fn serve(
             health
                 .set_not_serving::<KvTransferServer<KvTransferService>>()
                 .await;
+            // Generates for KV already here are still served, until the drain timeout.
             let end = Instant::now() + drain_timeout;
             loop {
                 let idle = state.active.lock().map(|a| a.is_empty()).unwrap_or(true);
-                if idle || Instant::now() >= end {
+                if (idle && registry.pending() == 0) || Instant::now() >= end {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            for (id, bytes) in registry.drop_all() {
+                tracing::warn!(request_id = %kv_transfer::clip(&id), bytes, "drain timeout: KV never generated from is dropped");
             }
             engine.send(Control::Shutdown);
             // Let the streams carry their last events out.
@@ -250,6 +261,8 @@ impl InProcess {
             kv_lease: 60.0,
             push_idle_timeout: 10.0,
             push_deadline: 300.0,
+            max_push_streams: 64,
+            max_push_message: 64 << 20,
             max_batch: 8,
             drain_timeout: 1.0,
             auth_token_file: None,
