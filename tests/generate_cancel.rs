@@ -26,6 +26,7 @@ async fn cancel_and_disconnect_free_kv_and_count() {
     let r = c
         .cancel(pb::CancelRequest {
             request_id: "k1".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -70,7 +71,8 @@ async fn cancel_and_disconnect_free_kv_and_count() {
     assert!(load(&s).await.host_kv_bytes_used > 0);
     assert!(
         c.cancel(pb::CancelRequest {
-            request_id: "k3".into()
+            request_id: "k3".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -80,7 +82,8 @@ async fn cancel_and_disconnect_free_kv_and_count() {
     assert_eq!(load(&s).await.host_kv_bytes_used, 0);
     assert!(
         !c.cancel(pb::CancelRequest {
-            request_id: "nope".into()
+            request_id: "nope".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -141,4 +144,45 @@ async fn admission_counts_what_a_request_can_use_and_numbers_are_clamped() {
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{what}");
         assert!(e.message().contains(what), "{what}: {}", e.message());
     }
+}
+
+/// A Cancel that arrives before its Generate has KV (so before the job reaches the engine)
+/// ends that Generate CANCELLED; a Generate whose client went away leaves no waiter behind;
+/// a retry of the same id then works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_before_submit_and_a_gone_waiter_leave_the_id_usable() {
+    let s = Served::start(&[]);
+    let mut c = pb::decode_client::DecodeClient::new(s.channel().await);
+    let mut waiting = c.generate(gen_req("early", 4)).await.unwrap().into_inner();
+    wait_load(&s, |_| true).await;
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let r = c
+        .cancel(pb::CancelRequest {
+            request_id: "early".into(),
+            lease: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.cancelled);
+    let e = waiting.message().await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Cancelled, "{e}");
+
+    // A client that gives up while waiting: its waiter goes with it.
+    let gone = c.generate(gen_req("early", 4)).await.unwrap().into_inner();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    drop(gone);
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+
+    let p = prompt(24, 8);
+    push(&s, &prompt_kv("early", &p)).await.unwrap();
+    let (ids, fin) = generate(&s, gen_req("early", 4)).await.unwrap();
+    assert_eq!(fin.reason, pb::FinishReason::Length as i32);
+    assert_eq!(ids, reference_greedy(&p, 4));
+    assert_eq!(
+        wait_load(&s, |l| l.host_kv_bytes_used == 0)
+            .await
+            .host_kv_bytes_used,
+        0
+    );
 }

@@ -152,6 +152,7 @@ async fn every_error_code_and_nothing_leaks() {
     let r = c
         .drop_kv(pb::DropKvRequest {
             request_id: "g".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -159,7 +160,8 @@ async fn every_error_code_and_nothing_leaks() {
     assert!(r.dropped && r.bytes_freed > 0);
     assert_eq!(
         c.drop_kv(pb::DropKvRequest {
-            request_id: "g".into()
+            request_id: "g".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err()
@@ -250,6 +252,7 @@ async fn concurrent_pushers_exhaust_the_pool_cleanly() {
         let _ = c
             .drop_kv(pb::DropKvRequest {
                 request_id: format!("p{i}"),
+                ..Default::default()
             })
             .await;
     }
@@ -447,6 +450,7 @@ async fn a_stalled_pusher_is_ended_by_the_idle_timeout_dropkv_or_cancel() {
     let r = c
         .drop_kv(pb::DropKvRequest {
             request_id: "dropped".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -463,6 +467,7 @@ async fn a_stalled_pusher_is_ended_by_the_idle_timeout_dropkv_or_cancel() {
     let r = d
         .cancel(pb::CancelRequest {
             request_id: "cancelled".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -475,6 +480,7 @@ async fn a_stalled_pusher_is_ended_by_the_idle_timeout_dropkv_or_cancel() {
     let r = c
         .drop_kv(pb::DropKvRequest {
             request_id: "keep".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -555,6 +561,7 @@ async fn oversized_headers_and_ids_are_refused_and_echoes_are_clipped() {
     let e = c
         .drop_kv(pb::DropKvRequest {
             request_id: "x".repeat(10_000),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -563,6 +570,7 @@ async fn oversized_headers_and_ids_are_refused_and_echoes_are_clipped() {
     let e = c
         .drop_kv(pb::DropKvRequest {
             request_id: "y".repeat(256),
+            ..Default::default()
         })
         .await
         .unwrap_err();

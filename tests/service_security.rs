@@ -92,7 +92,25 @@ async fn tls_and_mutual_tls() {
         &p("srv.key"),
         "--tls-client-ca",
         &p("ca.pem"),
+        "--tls-handshake-timeout",
+        "1",
     ]);
+    // A client that connects and never starts its handshake is cut off at the timeout.
+    {
+        use std::io::Read;
+        let mut raw = std::net::TcpStream::connect(s.grpc).unwrap();
+        raw.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        let mut buf = [0u8; 16];
+        let n = raw.read(&mut buf).unwrap_or(0);
+        assert_eq!(n, 0, "the server closes, sending nothing");
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            t0.elapsed()
+        );
+    }
     let url = format!("https://localhost:{}", s.grpc.port());
     let base = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(ca_cert.pem()))
@@ -132,4 +150,160 @@ fn tempdir(tag: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("decode-node-test-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// Runs a Generate with `token` to its end: the token ids, or the status.
+async fn generate_as(
+    ch: &Channel,
+    token: &str,
+    req: pb::GenerateRequest,
+) -> Result<Vec<u32>, tonic::Status> {
+    let mut c = decode_node::client::decode_client(ch.clone(), Some(token.into()));
+    let mut stream = c.generate(req).await?.into_inner();
+    let mut ids = Vec::new();
+    while let Some(m) = stream.message().await? {
+        if let Some(pb::generate_response::Event::Token(t)) = m.event {
+            ids.push(t.id);
+        }
+    }
+    Ok(ids)
+}
+
+/// Roles per token, and the lease fence: with `--require-lease`, only the holder of a push's
+/// lease may generate from, cancel or drop its KV; a wrong lease leaves the KV in place; a
+/// re-push after a drop is a new epoch whose KV is never mixed with the old stream's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn roles_and_leases_fence_who_may_use_a_request() {
+    use tonic::Code::{Aborted, PermissionDenied};
+    let dir = tempdir("lease");
+    let tok = dir.join("tokens");
+    std::fs::write(&tok, "# prefill side\np1 push\ng1 generate\n").unwrap();
+    let s = Served::start(&[
+        "--auth-token-file",
+        tok.to_str().unwrap(),
+        "--require-lease",
+    ]);
+    let ch = s.channel().await;
+    let push_as = |token: &str| kv_transfer::client::PushOptions {
+        auth_token: Some(token.into()),
+        retries: 0,
+        chunk_tokens: 16,
+    };
+    let p = prompt(40, 9);
+    let kv = prompt_kv("r", &p);
+    // Roles: a generate token cannot push, a push token cannot generate.
+    let e = kv_transfer::client::push_kv(ch.clone(), &kv, &push_as("g1"), |_| {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), PermissionDenied);
+    let ack = kv_transfer::client::push_kv(ch.clone(), &kv, &push_as("p1"), |_| {})
+        .await
+        .unwrap();
+    assert!(ack.committed && ack.lease.len() == 32, "{ack:?}");
+    let req = |lease: &str| pb::GenerateRequest {
+        lease: lease.into(),
+        ..gen_req("r", 6)
+    };
+    let e = generate_as(&ch, "p1", req(&ack.lease)).await.unwrap_err();
+    assert_eq!(e.code(), PermissionDenied);
+    // No lease, or a wrong one: refused, and the KV stays.
+    for lease in ["", "0123456789abcdef0123456789abcdef"] {
+        let e = generate_as(&ch, "g1", req(lease)).await.unwrap_err();
+        assert_eq!(e.code(), PermissionDenied, "{lease:?}");
+        let mut kc = pb::kv_transfer_client::KvTransferClient::with_interceptor(
+            ch.clone(),
+            kv_transfer::client::BearerAuth(Some("p1".into())),
+        );
+        let e = kc
+            .drop_kv(pb::DropKvRequest {
+                request_id: "r".into(),
+                lease: lease.into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), PermissionDenied, "{lease:?}");
+    }
+    assert!(load_as(&ch).await.host_kv_bytes_used > 0);
+    let ids = generate_as(&ch, "g1", req(&ack.lease)).await.unwrap();
+    assert_eq!(ids, reference_greedy(&p, 6));
+
+    // Epochs: an old push of "e" (another prompt's KV) is dropped half way; the re-push
+    // commits under a new lease; the old stream's late chunks go nowhere.
+    let old = prompt_kv("e", &prompt(64, 1));
+    let mut msgs = kv_transfer::client::push_messages(&old, 16).into_iter();
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    for m in msgs.by_ref().take(3) {
+        tx.send(m).await.unwrap();
+    }
+    let mut kc = pb::kv_transfer_client::KvTransferClient::with_interceptor(
+        ch.clone(),
+        kv_transfer::client::BearerAuth(Some("p1".into())),
+    );
+    let mut old_stream = kc
+        .push_kv(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = old_stream.message().await.unwrap().unwrap();
+    assert_eq!(first.lease.len(), 32, "the header's ack carries the lease");
+    let d = kc
+        .drop_kv(pb::DropKvRequest {
+            request_id: "e".into(),
+            lease: first.lease.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(d.dropped);
+    let mut end = None;
+    while end.is_none() {
+        match old_stream.message().await {
+            Ok(Some(_)) => {}
+            Ok(None) => end = Some(tonic::Code::Ok),
+            Err(e) => end = Some(e.code()),
+        }
+    }
+    assert_eq!(end, Some(Aborted));
+    let pe = prompt(64, 2);
+    let new =
+        kv_transfer::client::push_kv(ch.clone(), &prompt_kv("e", &pe), &push_as("p1"), |_| {})
+            .await
+            .unwrap();
+    assert_ne!(new.lease, first.lease);
+    for m in msgs {
+        let _ = tx.send(m).await;
+    }
+    drop(tx);
+    let e = generate_as(
+        &ch,
+        "g1",
+        pb::GenerateRequest {
+            lease: first.lease.clone(),
+            ..gen_req("e", 6)
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), PermissionDenied, "the old epoch's lease is dead");
+    let ids = generate_as(
+        &ch,
+        "g1",
+        pb::GenerateRequest {
+            lease: new.lease,
+            ..gen_req("e", 6)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, reference_greedy(&pe, 6));
+    let back = load_as(&ch).await;
+    assert_eq!(back.host_kv_bytes_used, 0);
+}
+
+async fn load_as(ch: &Channel) -> pb::LoadReport {
+    decode_node::client::decode_client(ch.clone(), Some("g1".into()))
+        .get_load(pb::GetLoadRequest {})
+        .await
+        .unwrap()
+        .into_inner()
 }

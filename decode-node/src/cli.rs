@@ -156,7 +156,13 @@ pub struct ServeArgs {
     /// Seconds to finish running requests after SIGTERM before exiting.
     #[arg(long, env = "DECODE_NODE_DRAIN_TIMEOUT", default_value_t = 30.0)]
     pub drain_timeout: f64,
-    /// File holding the bearer token every RPC but health must carry.
+    /// Generate, Cancel and DropKv must present the lease their push was given
+    /// (PushKvResponse.lease, passed on by the orchestrator); otherwise PERMISSION_DENIED.
+    #[arg(long, env = "DECODE_NODE_REQUIRE_LEASE")]
+    pub require_lease: bool,
+    /// File of bearer tokens every RPC but health must carry: one per line, `TOKEN` (every
+    /// role) or `TOKEN ROLE[,ROLE]` with roles `push` (KvTransfer), `generate` (Decode) and
+    /// `admin` (both); `#` starts a comment.
     #[arg(long, env = "DECODE_NODE_AUTH_TOKEN_FILE")]
     pub auth_token_file: Option<PathBuf>,
     /// TLS certificate chain (PEM).
@@ -165,6 +171,9 @@ pub struct ServeArgs {
     /// TLS private key (PEM).
     #[arg(long, env = "DECODE_NODE_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// Seconds a TLS client may take to finish its handshake before the connection is closed.
+    #[arg(long, env = "DECODE_NODE_TLS_HANDSHAKE_TIMEOUT", default_value_t = 10.0, value_parser = parse_seconds)]
+    pub tls_handshake_timeout: f64,
     /// CA (PEM) whose client certificates are required (mTLS).
     #[arg(long, env = "DECODE_NODE_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
@@ -222,6 +231,9 @@ pub struct GenerateArgs {
     /// Milliseconds to wait for the KV push (0 = server default).
     #[arg(long, default_value_t = 0)]
     pub kv_timeout_ms: u32,
+    /// The push's lease (logged by `prefill`); required when the node runs --require-lease.
+    #[arg(long)]
+    pub lease: Option<String>,
     /// Print token ids, not text.
     #[arg(long)]
     pub ids: bool,

@@ -114,6 +114,7 @@ pub async fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
     tracing::info!(
         bytes = ack.bytes_received,
         chunks = ack.chunks_received,
+        lease = %ack.lease,
         "pushed"
     );
     println!("{id}");
@@ -136,6 +137,7 @@ pub async fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         stop_token_ids: Vec::new(),
         ignore_eos: args.ignore_eos,
         kv_timeout_ms: args.kv_timeout_ms,
+        lease: args.lease.clone().unwrap_or_default(),
     };
     let mut stdout = std::io::stdout();
     let ids = args.ids;

@@ -67,6 +67,9 @@ pub enum Error {
     /// The push sent nothing for longer than the idle timeout, or outlived its deadline.
     #[error("{0}")]
     PushTimeout(String),
+    /// The request's lease was required and missing, or given and wrong.
+    #[error("request {:?}: its push's lease is missing or wrong", clip(.0))]
+    Lease(String),
     /// The node is draining and admits no new work.
     #[error("node is draining")]
     Draining,
@@ -86,6 +89,7 @@ impl Error {
             Error::Cancelled(_) => Code::Cancelled,
             Error::Dropped(_) => Code::Aborted,
             Error::PushTimeout(_) => Code::DeadlineExceeded,
+            Error::Lease(_) => Code::PermissionDenied,
             Error::Draining => Code::Unavailable,
         }
     }

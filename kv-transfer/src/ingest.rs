@@ -41,12 +41,19 @@ pub struct CommittedKv {
     digests: Vec<HeadDigests>,
     /// Blocks promised for decode growth (see [`CommittedKv::grow`]).
     growth: Option<Reservation>,
+    /// The push's lease (set when the registry publishes it).
+    pub(crate) lease: String,
 }
 
 impl CommittedKv {
     /// Tokens held.
     pub fn num_tokens(&self) -> usize {
         self.num_tokens
+    }
+
+    /// The lease of the push that brought this KV (empty before it is published).
+    pub fn lease(&self) -> &str {
+        &self.lease
     }
 
     /// Layers.
@@ -506,6 +513,7 @@ impl Ingest {
             blocks: self.blocks,
             digests: self.digests,
             growth: None,
+            lease: String::new(),
         })
     }
 }

@@ -46,6 +46,30 @@ struct PushControl {
     stop: AtomicU8,
     wake: Notify,
     held: AtomicU64,
+    /// The push's lease: what a Generate, Cancel or DropKv of it presents.
+    lease: String,
+}
+
+/// 128 random bits in hex: a lease nobody can guess from ids or timing.
+fn new_lease() -> String {
+    let mut b = [0u8; 16];
+    // No OS randomness is a broken host; a lease from the clock still fences epochs.
+    if getrandom::fill(&mut b).is_err() {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        b = t.to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Compares without an early exit, so timing does not reveal a prefix of the lease.
+fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
 }
 
 impl PushControl {
@@ -118,6 +142,7 @@ pub struct Registry {
     lease: Duration,
     metrics: IngestMetrics,
     draining: Arc<AtomicBool>,
+    require_lease: bool,
 }
 
 /// Holds a request id for a push in flight; frees the id when dropped uncommitted.
@@ -143,6 +168,11 @@ impl PushSlot {
             }
             self.control.wake.notified().await;
         }
+    }
+
+    /// The push's lease, for its client (an ack after the header, and the commit's).
+    pub fn lease(&self) -> &str {
+        &self.control.lease
     }
 
     /// Records the host KV bytes the push holds (what a `DropKv` reports freed).
@@ -171,6 +201,7 @@ impl PushSlot {
             return Err(why.error(&self.id));
         }
         let mut kv = Box::new(kv);
+        kv.lease = self.control.lease.clone();
         if let Some(tx) = waiter {
             match tx.send(kv) {
                 Ok(()) => return Ok(()),
@@ -207,7 +238,23 @@ impl Registry {
             lease,
             metrics,
             draining: Arc::default(),
+            require_lease: false,
         }
+    }
+
+    /// The same registry, requiring every Generate, Cancel and DropKv to present its push's
+    /// lease (`--require-lease`). A lease that is given is checked either way.
+    pub fn with_require_lease(mut self, on: bool) -> Self {
+        self.require_lease = on;
+        self
+    }
+
+    /// PERMISSION_DENIED unless `given` may act on a request whose lease is `have`.
+    pub fn fence(&self, id: &str, have: &str, given: &str) -> Result<(), Error> {
+        if (self.require_lease || !given.is_empty()) && !same(have, given) {
+            return Err(Error::Lease(id.into()));
+        }
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
@@ -243,7 +290,10 @@ impl Registry {
             Some(Entry::Waiting(tx)) => Some(tx),
             None => None,
         };
-        let control = Arc::new(PushControl::default());
+        let control = Arc::new(PushControl {
+            lease: new_lease(),
+            ..PushControl::default()
+        });
         map.insert(
             id.into(),
             Entry::Ingesting {
@@ -261,9 +311,25 @@ impl Registry {
 
     /// Takes the committed KV of `id`, waiting up to `timeout` for its push to commit.
     pub async fn claim(&self, id: &str, timeout: Duration) -> Result<Box<CommittedKv>, Error> {
-        let rx = {
+        self.claim_leased(id, timeout, "").await
+    }
+
+    /// [`Registry::claim`] presenting `lease` (empty: none): KV of another lease stays where
+    /// it is and the claim is refused PERMISSION_DENIED.
+    pub async fn claim_leased(
+        &self,
+        id: &str,
+        timeout: Duration,
+        lease: &str,
+    ) -> Result<Box<CommittedKv>, Error> {
+        let mut rx = {
             let mut map = self.lock();
             let (tx, rx) = oneshot::channel();
+            match map.get(id) {
+                Some(Entry::Committed { kv, .. }) => self.fence(id, &kv.lease, lease)?,
+                Some(Entry::Ingesting { control, .. }) => self.fence(id, &control.lease, lease)?,
+                _ => {}
+            }
             match map.remove(id) {
                 Some(Entry::Committed { kv, .. }) => return Ok(kv),
                 Some(Entry::Ingesting {
@@ -299,10 +365,16 @@ impl Registry {
             }
             rx
         };
-        match tokio::time::timeout(timeout, rx).await {
+        let got = match tokio::time::timeout(timeout, &mut rx).await {
             Ok(Ok(kv)) => Ok(kv),
             Ok(Err(_)) => Err(Error::Cancelled(id.into())),
             Err(_) => {
+                // A commit may hand the KV over right as the timeout fires: close the
+                // channel, then take what was sent, so the KV is neither lost nor dropped.
+                rx.close();
+                if let Ok(kv) = rx.try_recv() {
+                    return self.check_handed(id, kv, lease);
+                }
                 let mut map = self.lock();
                 match map.remove(id) {
                     // The commit raced the timeout: take it after all.
@@ -321,23 +393,47 @@ impl Registry {
                     }
                 }
             }
+        };
+        self.check_handed(id, got?, lease)
+    }
+
+    /// KV handed to a claim that waited for its push: if its lease is not the one the claim
+    /// presented, it goes back under its own lease and the claim is refused.
+    fn check_handed(
+        &self,
+        id: &str,
+        kv: Box<CommittedKv>,
+        lease: &str,
+    ) -> Result<Box<CommittedKv>, Error> {
+        if let Err(e) = self.fence(id, &kv.lease, lease) {
+            let deadline = Instant::now() + self.lease;
+            self.lock()
+                .insert(id.into(), Entry::Committed { kv, deadline });
+            return Err(e);
         }
+        Ok(kv)
     }
 
     /// `DropKv`: frees `id`'s committed KV, or ends its push in flight (ABORTED) — which
     /// frees what it holds at once, however silent its client — or fails its waiting
     /// `Generate`.
     pub fn drop_kv(&self, id: &str) -> Result<Dropped, Error> {
-        self.stop(id, StopReason::Dropped)
+        self.stop(id, StopReason::Dropped, "")
     }
 
     /// `Cancel`: as [`Registry::drop_kv`], but a push in flight ends CANCELLED.
     pub fn cancel(&self, id: &str) -> Result<Dropped, Error> {
-        self.stop(id, StopReason::Cancelled)
+        self.stop(id, StopReason::Cancelled, "")
     }
 
-    fn stop(&self, id: &str, why: StopReason) -> Result<Dropped, Error> {
+    /// [`Registry::drop_kv`] or [`Registry::cancel`] presenting `lease` (empty: none).
+    pub fn stop(&self, id: &str, why: StopReason, lease: &str) -> Result<Dropped, Error> {
         let mut map = self.lock();
+        match map.get(id) {
+            Some(Entry::Committed { kv, .. }) => self.fence(id, &kv.lease, lease)?,
+            Some(Entry::Ingesting { control, .. }) => self.fence(id, &control.lease, lease)?,
+            _ => {}
+        }
         match map.remove(id) {
             Some(Entry::Committed { kv, .. }) => Ok(Dropped::Committed(kv.bytes())),
             Some(Entry::Ingesting { control, .. }) => {
@@ -562,5 +658,71 @@ mod tests {
         let d = reg.drop_kv("w").unwrap();
         assert_eq!((d, d.freed(), d.bytes()), (Dropped::Waiter, false, 0));
         assert!(matches!(waiter.await.unwrap(), Err(Error::Cancelled(_))));
+    }
+
+    /// A commit landing as a waiting claim times out: the KV ends with the claim or stays
+    /// committed for a retry, never lost in between.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_commit_racing_a_claim_timeout_never_loses_the_kv() {
+        let (reg, pool) = setup(60_000);
+        for i in 0..200u64 {
+            let id = format!("race{i}");
+            let slot = reg.begin_push(&id).unwrap();
+            let kv = committed(&pool, &id);
+            let r2 = reg.clone();
+            let id2 = id.clone();
+            let claim =
+                tokio::spawn(async move { r2.claim(&id2, Duration::from_micros(500)).await });
+            // Land the commit around the timeout, earlier or later by turns.
+            std::thread::sleep(Duration::from_micros(300 + (i % 5) * 100));
+            slot.commit(kv).unwrap();
+            match claim.await.unwrap() {
+                Ok(kv) => drop(kv),
+                Err(e) => {
+                    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e}");
+                    assert_eq!(reg.committed_unclaimed(), 1, "round {i}: the KV stays");
+                    reg.drop_kv(&id).unwrap();
+                }
+            }
+            let u = pool.usage();
+            assert_eq!((u.used, u.reserved), (0, 0), "round {i}");
+        }
+    }
+
+    /// A lease, once given, fences claims and drops: a wrong one is refused and leaves the
+    /// KV where it was; the right one works.
+    #[tokio::test]
+    async fn a_wrong_lease_is_refused_and_leaves_the_kv() {
+        let (reg, pool) = setup(60_000);
+        let reg = reg.with_require_lease(true);
+        let slot = reg.begin_push("l").unwrap();
+        let lease = slot.lease().to_string();
+        slot.commit(committed(&pool, "l")).unwrap();
+        for wrong in ["", "x", &"0".repeat(32)] {
+            let e = reg.claim_leased("l", Duration::from_millis(5), wrong).await;
+            assert_eq!(e.unwrap_err().code(), tonic::Code::PermissionDenied);
+            let e = reg.stop("l", StopReason::Dropped, wrong).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied);
+            assert_eq!(reg.committed_unclaimed(), 1);
+        }
+        let kv = reg
+            .claim_leased("l", Duration::from_millis(5), &lease)
+            .await
+            .unwrap();
+        assert_eq!(kv.lease(), lease);
+        // A claim that waits for a push is handed the KV only under its own lease.
+        let r2 = reg.clone();
+        let waiter =
+            tokio::spawn(async move { r2.claim_leased("w", Duration::from_secs(5), "bad").await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let slot = reg.begin_push("w").unwrap();
+        slot.commit(committed(&pool, "w")).unwrap();
+        let e = waiter.await.unwrap().unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert_eq!(
+            reg.committed_unclaimed(),
+            1,
+            "the KV went back under its lease"
+        );
     }
 }

@@ -136,6 +136,7 @@ impl KvTransferService {
             bytes_received: p.ingest.bytes_received,
             chunks_received: p.ingest.chunks_received,
             committed,
+            lease: p.slot.lease().to_string(),
         };
         match (msg, state.as_mut()) {
             (PushMessage::Empty, _) => Err(Error::Invalid(
@@ -148,13 +149,16 @@ impl KvTransferService {
                 let slot = self.registry.begin_push(&info.request_id)?;
                 let ingest = Ingest::with_info(&self.layout, &self.pool, info)?;
                 slot.set_held(ingest.bytes_held());
-                *state = Some(Push {
+                let p = Push {
                     slot,
                     ingest,
                     started: Instant::now(),
                     acked_bytes: 0,
-                });
-                Ok(None)
+                };
+                // The first ack carries the lease, so the orchestrator has it before the commit.
+                let first = ack(&p, false);
+                *state = Some(p);
+                Ok(Some(first))
             }
             (PushMessage::Header(_), Some(_)) => {
                 Err(Error::Invalid("second KvHeader in one push".into()))
@@ -381,9 +385,11 @@ impl KvTransfer for KvTransferService {
         &self,
         req: Request<DropKvRequest>,
     ) -> Result<Response<DropKvResponse>, Status> {
-        let id = req.into_inner().request_id;
-        check_request_id(&id)?;
-        let d = self.registry.drop_kv(&id)?;
+        let req = req.into_inner();
+        check_request_id(&req.request_id)?;
+        let d = self
+            .registry
+            .stop(&req.request_id, StopReason::Dropped, &req.lease)?;
         Ok(Response::new(DropKvResponse {
             dropped: d.freed(),
             bytes_freed: d.bytes(),

@@ -139,11 +139,14 @@ def push_kv(target, request_id: str, past_key_values, prompt_token_ids: Sequence
 
 def generate(target, request_id: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 0.0,
              top_k: int = 0, seed: int = 0, stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
-             kv_timeout_ms: int = 0, token: Optional[str] = None) -> Iterator[decode_pb2.Token]:
-    """Yields tokens as they stream; the generator's return value is the `Finish` event."""
+             kv_timeout_ms: int = 0, lease: str = "", token: Optional[str] = None) -> Iterator[decode_pb2.Token]:
+    """Yields tokens as they stream; the generator's return value is the `Finish` event.
+
+    `lease` is the push's `PushKvResponse.lease`; a node run with --require-lease refuses without it.
+    """
     req = decode_pb2.GenerateRequest(
         request_id=request_id, max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos, kv_timeout_ms=kv_timeout_ms,
+        ignore_eos=ignore_eos, kv_timeout_ms=kv_timeout_ms, lease=lease,
         sampling=decode_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
     stub = decode_pb2_grpc.DecodeStub(_channel(target))
     try:

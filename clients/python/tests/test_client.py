@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -21,11 +22,10 @@ BIN = os.environ.get("DECODE_NODE_BIN", os.path.join(ROOT, "target", "debug", "d
 GOLDEN = os.path.join(ROOT, "tests", "golden", "qwen3")
 
 
-@pytest.fixture(scope="module")
-def node():
+def serve(*extra):
     proc = subprocess.Popen(
         [BIN, "--log-format", "json", "serve", "--model", GOLDEN, "--attention", "full",
-         "--grpc-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"],
+         "--grpc-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", *extra],
         stderr=subprocess.PIPE, text=True)
     found = {}
     ready = threading.Event()
@@ -45,6 +45,16 @@ def node():
     yield found["grpc"]
     proc.terminate()
     proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def node():
+    yield from serve()
+
+
+@pytest.fixture(scope="module")
+def leased_node():
+    yield from serve("--require-lease")
 
 
 def golden():
@@ -81,7 +91,6 @@ def test_hf_layout_push_and_pool_returns_to_zero(node):
 
 
 def test_f16_push_is_converted_and_errors_carry_codes(node):
-    import grpc
     g, layers = golden()
     prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
     push_kv(node, "py-f16", layers, prompt, greedy[0], dtype=common_pb2.DTYPE_F16)
@@ -103,3 +112,18 @@ def test_torch_tensors_when_torch_is_installed(node):
     prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
     push_kv(node, "py-torch", tl, prompt, greedy[0])
     assert [t.id for t in generate(node, "py-torch", max_new_tokens=4, ignore_eos=True)] == greedy[1:5]
+
+
+def test_a_node_requiring_leases_serves_only_the_pushs_holder(leased_node):
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    ack = push_kv(leased_node, "py-lease", layers, prompt, greedy[0])
+    assert len(ack.lease) == 32
+    with pytest.raises(DecodeNodeError) as e:
+        generate_all(leased_node, "py-lease", max_new_tokens=2, ignore_eos=True)
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(DecodeNodeError) as e:
+        generate_all(leased_node, "py-lease", max_new_tokens=2, ignore_eos=True, lease="0" * 32)
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    tokens, _ = generate_all(leased_node, "py-lease", max_new_tokens=3, ignore_eos=True, lease=ack.lease)
+    assert [t.id for t in tokens] == greedy[1:4]

@@ -288,6 +288,7 @@ async fn ingest(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
                     .map_err(|s| anyhow::anyhow!("push: {s}"))?;
                 dc.cancel(pb::CancelRequest {
                     request_id: kv.header.request_id.clone(),
+                    lease: String::new(),
                 })
                 .await?;
             }
@@ -831,6 +832,7 @@ async fn soak_one(target: String, info: pb::ModelInfo, i: u64) -> SoakOutcome {
                         let _ = dc
                             .cancel(pb::CancelRequest {
                                 request_id: id.clone(),
+                                lease: String::new(),
                             })
                             .await;
                         out.code = "cancelled";

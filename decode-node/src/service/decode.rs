@@ -1,17 +1,19 @@
 //! The `Decode` gRPC service: the gRPC layer only sees the engine's event stream.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use decode_node_proto::v1 as pb;
 use decode_node_proto::v1::decode_server::Decode;
-use kv_transfer::{HostPool, Registry};
+use kv_transfer::{HostPool, Registry, StopReason};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::engine::{Control, Engine, EngineError, Event, FinishReason, Job, JobSpec};
+use crate::engine::{
+    Control, Engine, EngineError, Event, FinishReason, Job, JobSpec, RequestStats,
+};
 use crate::model::Sampling;
 
 /// Default wait for a request's KV when `kv_timeout_ms` is 0.
@@ -35,11 +37,20 @@ pub struct NodeState {
     /// Device KV capacity.
     pub device_kv_bytes: u64,
     /// Requests with a live Generate stream.
-    pub active: Arc<Mutex<HashSet<String>>>,
+    pub active: Arc<Mutex<HashMap<String, Active>>>,
+}
+
+/// A live Generate, as Cancel sees it.
+#[derive(Debug, Clone, Default)]
+pub struct Active {
+    /// The lease it presented; once it holds the KV, the KV's own.
+    lease: String,
+    /// A Cancel came before the job reached the engine.
+    cancelled: bool,
 }
 
 impl NodeState {
-    fn active(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+    fn active(&self) -> std::sync::MutexGuard<'_, HashMap<String, Active>> {
         self.active.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -181,7 +192,8 @@ impl Decode for DecodeService {
             ));
         }
         let id = r.request_id.clone();
-        if !st.active().insert(id.clone()) {
+        let mut active = st.active();
+        if active.contains_key(&id) {
             return Err(Status::already_exists(format!(
                 "request {:?} is already generating",
                 kv_transfer::clip(&id)
@@ -191,6 +203,14 @@ impl Decode for DecodeService {
             0 => DEFAULT_KV_TIMEOUT,
             ms => Duration::from_millis(ms as u64),
         };
+        active.insert(
+            id.clone(),
+            Active {
+                lease: r.lease.clone(),
+                cancelled: false,
+            },
+        );
+        drop(active);
         let (out_tx, out_rx) = mpsc::channel(64);
         tokio::spawn(async move {
             run_generate(&st, r, sampling, timeout, arrived, out_tx).await;
@@ -203,15 +223,31 @@ impl Decode for DecodeService {
         &self,
         req: Request<pb::CancelRequest>,
     ) -> Result<Response<pb::CancelResponse>, Status> {
-        let id = req.into_inner().request_id;
+        let req = req.into_inner();
+        let id = req.request_id;
         kv_transfer::check_request_id(&id)?;
-        let running = self.state.active().contains(&id);
-        if running {
-            self.state
-                .engine
-                .send(Control::Cancel(id.clone(), "client"));
-        }
-        let held = self.state.registry.cancel(&id).is_ok();
+        let reg = &self.state.registry;
+        let running = {
+            // Under the lock a Generate submits under: the job is either not submitted yet
+            // (and sees the flag) or queued before this Cancel reaches the engine.
+            let mut active = self.state.active();
+            match active.get_mut(&id) {
+                Some(a) => {
+                    reg.fence(&id, &a.lease, &req.lease).map_err(Status::from)?;
+                    a.cancelled = true;
+                    self.state
+                        .engine
+                        .send(Control::Cancel(id.clone(), "client"));
+                    true
+                }
+                None => false,
+            }
+        };
+        let held = match reg.stop(&id, StopReason::Cancelled, &req.lease) {
+            Ok(_) => true,
+            Err(e @ kv_transfer::Error::Lease(_)) => return Err(e.into()),
+            Err(_) => false,
+        };
         Ok(Response::new(pb::CancelResponse {
             cancelled: running || held,
         }))
@@ -257,7 +293,7 @@ async fn run_generate(
 ) {
     let id = r.request_id.clone();
     let kv = tokio::select! {
-        kv = st.registry.claim(&id, timeout) => kv,
+        kv = st.registry.claim_leased(&id, timeout, &r.lease) => kv,
         () = out.closed() => return,
     };
     let kv = match kv {
@@ -277,11 +313,38 @@ async fn run_generate(
         arrived,
         events: ev_tx,
     };
-    if !st.engine.send(Control::Submit(Job { kv, spec })) {
-        let _ = out
-            .send(Err(Status::unavailable("the engine has stopped")))
-            .await;
-        return;
+    let submitted = {
+        let mut active = st.active();
+        let a = active.entry(id.clone()).or_default();
+        // From here a Cancel is checked against the KV's own lease.
+        a.lease = kv.lease().to_string();
+        if a.cancelled {
+            None
+        } else {
+            Some(st.engine.send(Control::Submit(Job { kv, spec })))
+        }
+    };
+    match submitted {
+        Some(true) => {}
+        Some(false) => {
+            let _ = out
+                .send(Err(Status::unavailable("the engine has stopped")))
+                .await;
+            return;
+        }
+        // Cancelled while it waited for its KV: the KV is freed here, as the engine would.
+        None => {
+            let fin = Event::Finish {
+                reason: FinishReason::Cancelled,
+                generated: 0,
+                stats: RequestStats {
+                    total_seconds: arrived.elapsed().as_secs_f64(),
+                    ..RequestStats::default()
+                },
+            };
+            let _ = out.send(to_response(fin)).await;
+            return;
+        }
     }
     loop {
         tokio::select! {

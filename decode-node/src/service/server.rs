@@ -15,7 +15,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic_health::ServingStatus;
 
-use super::auth::BearerCheck;
+use super::auth::{BearerCheck, Role, Tokens};
 use super::decode::{DecodeService, NodeState};
 use super::http::{HttpState, router};
 use crate::cli::ServeArgs;
@@ -49,13 +49,11 @@ pub async fn serve(
     ready: Option<oneshot::Sender<Bound>>,
 ) -> anyhow::Result<()> {
     let node = Node::build(&args.model)?;
-    let token = match &args.auth_token_file {
+    let tokens = match &args.auth_token_file {
         Some(p) => {
             let t = String::from_utf8(read(p, "auth token file")?)
                 .context("auth token file is not UTF-8")?;
-            let t = t.trim().to_string();
-            anyhow::ensure!(!t.is_empty(), "auth token file {} is empty", p.display());
-            Some(t)
+            Some(Tokens::parse(&t).with_context(|| format!("auth token file {}", p.display()))?)
         }
         None => None,
     };
@@ -71,7 +69,8 @@ pub async fn serve(
     let registry = Registry::new(
         Duration::from_secs_f64(args.kv_lease.max(0.0)),
         metrics.ingest.clone(),
-    );
+    )
+    .with_require_lease(args.require_lease);
     let sweeper = registry.spawn_lease_sweeper(Duration::from_millis(250));
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let (engine, engine_thread) = Engine::start(
@@ -114,7 +113,7 @@ pub async fn serve(
         args.max_push_message
     );
     let max_push_message = args.max_push_message as usize;
-    let auth = BearerCheck::new(token);
+    let auth = BearerCheck::new(tokens);
     let kv = KvTransferService::new(node.layout.clone(), pool.clone(), registry.clone())
         .with_limits(PushLimits {
             idle: Duration::from_secs_f64(args.push_idle_timeout),
@@ -128,12 +127,12 @@ pub async fn serve(
             KvTransferServer::new(kv).max_decoding_message_size(max_push_message),
             max_push_message,
         ),
-        auth.clone(),
+        auth.for_role(Role::Push),
     );
     let decode_svc = tonic::service::interceptor::InterceptedService::new(
         DecodeServer::new(DecodeService::new(state.clone()))
             .max_decoding_message_size(MAX_DECODE_MESSAGE),
-        auth.clone(),
+        auth.for_role(Role::Generate),
     );
     let reflection = tonic::service::interceptor::InterceptedService::new(reflection, auth);
 
@@ -142,12 +141,22 @@ pub async fn serve(
         .initial_connection_window_size(Some(64 << 20))
         // Large frames: KV chunks are megabytes, and per-frame overhead dominated at 16 KiB.
         .max_frame_size(Some(1 << 20))
-        .http2_keepalive_interval(Some(Duration::from_secs(30)));
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        // A peer that stops answering pings is dropped with all it holds.
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        // Rapid-reset floods: streams a client opens and resets before we accept them, and
+        // streams we must reset for its errors, end the connection (GOAWAY) past these.
+        .http2_max_pending_accept_reset_streams(Some(32))
+        .http2_max_local_error_reset_streams(Some(256))
+        .max_concurrent_streams(Some(256))
+        .http2_max_header_list_size(Some(64 << 10));
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
-        let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
-            read(cert, "TLS certificate")?,
-            read(key, "TLS key")?,
-        ));
+        let mut tls = ServerTlsConfig::new()
+            .identity(Identity::from_pem(
+                read(cert, "TLS certificate")?,
+                read(key, "TLS key")?,
+            ))
+            .timeout(Duration::from_secs_f64(args.tls_handshake_timeout));
         if let Some(ca) = &args.tls_client_ca {
             tls = tls.client_ca_root(Certificate::from_pem(read(ca, "client CA")?));
         }
@@ -157,7 +166,8 @@ pub async fn serve(
     // Nodelay must be set on the incoming stream: it is ignored on a pre-bound listener.
     let incoming = TcpIncoming::bind(args.grpc_addr)
         .map_err(|e| anyhow::anyhow!("binding gRPC address {}: {e}", args.grpc_addr))?
-        .with_nodelay(Some(true));
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(60)));
     let grpc_addr = incoming.local_addr().context("gRPC local address")?;
     let http_listener = tokio::net::TcpListener::bind(args.metrics_addr)
         .await
@@ -265,9 +275,11 @@ impl InProcess {
             max_push_message: 64 << 20,
             max_batch: 8,
             drain_timeout: 1.0,
+            require_lease: false,
             auth_token_file: None,
             tls_cert: None,
             tls_key: None,
+            tls_handshake_timeout: 10.0,
             tls_client_ca: None,
         }
     }
