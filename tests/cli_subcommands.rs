@@ -156,3 +156,35 @@ fn bench_fidelity_reports_each_case_against_full() {
     }
     assert!(case("scout b64 guard")["tokens_per_s"].as_f64().unwrap() > 0.0);
 }
+
+/// A short `bench soak`: requests with random cancels, killed pushes and gone orchestrators,
+/// and a fault every second (stalled push, bad CRC, DropKv mid-push, pusher gone, wrong lease,
+/// waiter gone) each answered with its code; the pool comes back to its start byte for byte.
+#[test]
+fn bench_soak_answers_every_fault_and_returns_the_pool() {
+    let out = bin()
+        .args([
+            "bench",
+            "soak",
+            "--json",
+            "--model",
+            "tiny",
+            "--duration",
+            "7s",
+            "--rate",
+            "10",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["pool_leaked_bytes"], 0, "{v}");
+    assert_eq!(v["faults_failed"], 0, "{v}");
+    // Every kind of fault ran at least once (six kinds, one a second, seven seconds).
+    assert_eq!(v["faults"].as_object().unwrap().len(), 6, "{v}");
+    assert!(v["outcomes"]["ok"].as_u64().unwrap() > 0, "{v}");
+}

@@ -307,3 +307,44 @@ async fn load_as(ch: &Channel) -> pb::LoadReport {
         .unwrap()
         .into_inner()
 }
+
+/// HTTP/2 rapid reset (CVE-2023-44487): a client that opens streams and resets them at once, as
+/// fast as it can, gets its connection closed well before it has sent 20 000; other clients are
+/// served throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rapid_reset_flood_loses_its_connection_and_nobody_else_notices() {
+    let s = Served::start(&[]);
+    let tcp = tokio::net::TcpStream::connect(s.grpc).await.unwrap();
+    let (mut sr, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let mut sent = 0;
+    for _ in 0..20_000 {
+        let req = http::Request::post(format!("http://{}/decode_node.v1.Decode/GetLoad", s.grpc))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        let ready = match sr.ready().await {
+            Ok(r) => r,
+            Err(_) => break,
+        };
+        sr = ready;
+        match sr.send_request(req, false) {
+            Ok((_resp, mut stream)) => stream.send_reset(h2::Reason::CANCEL),
+            Err(_) => break,
+        }
+        sent += 1;
+        // Let the frames go out in bursts, as a flood would.
+        if sent % 64 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(10), conn).await;
+    assert!(
+        sent < 20_000 || matches!(ended, Ok(Ok(Err(_)))),
+        "the flood went on unchecked: {sent} streams opened and reset, connection {ended:?}"
+    );
+    // The node still serves everyone else.
+    let l = load(&s).await;
+    assert_eq!(l.running + l.waiting, 0);
+}

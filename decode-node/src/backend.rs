@@ -18,7 +18,7 @@ use std::sync::Arc;
 use attention::{BlockGeometry, KvSource, Partial};
 use kv_transfer::HostPool;
 
-use crate::model::weights::Tensor;
+use crate::tensor::Tensor;
 
 /// Why a backend op failed (only device backends fail).
 #[derive(Debug, thiserror::Error)]

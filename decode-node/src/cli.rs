@@ -272,62 +272,154 @@ pub struct SelftestArgs {
     pub tokens: u32,
 }
 
-/// `bench`.
+/// `bench`: one subcommand per bench, each with its own flags.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// What to measure: `kernels`, `ingest`, `decode`, `step`, `recall-profile`, `soak`,
-    /// `fidelity` (accuracy of each mode and budget against `full` on a real model: passkey
-    /// retrieval and teacher-forced agreement, with speed).
-    #[arg(value_parser = ["kernels", "ingest", "decode", "step", "recall-profile", "soak", "fidelity"])]
-    pub what: String,
-    /// Print JSON instead of a table.
+    /// The bench to run.
+    #[command(subcommand)]
+    pub bench: Bench,
+}
+
+/// The benches. Each prints its figures as ratios against a bound measured in the same run.
+#[derive(Debug, Clone, Subcommand)]
+pub enum Bench {
+    /// Sparse attention kernels against this machine's memory bandwidth, per thread count.
+    Kernels(KernelsBench),
+    /// Loopback PushKv throughput against memcpy, one or several concurrent pushes.
+    Ingest(IngestBench),
+    /// Tokens/s and TTFT of each attention mode at each context length, through `serve`.
+    Decode(DecodeBench),
+    /// One batched decode step's dense work (projections, norms, MLP; attention reduced to
+    /// the token itself) against the weights' memory-bandwidth bound, in process.
+    Step(StepBench),
+    /// Each layer's CPU share over a decode, to write a recall profile for `--recall-profile`.
+    RecallProfile(RecallProfileBench),
+    /// Pushers and generators at a fixed rate with a fault injected every second; the pool
+    /// must come back to its start byte for byte, RSS is reported.
+    Soak(SoakBench),
+    /// Accuracy of each mode and budget against `full` on a real model: passkey retrieval
+    /// and teacher-forced agreement on real text, with speed.
+    Fidelity(FidelityBench),
+}
+
+/// Flags every bench has.
+#[derive(Debug, Clone, Args)]
+pub struct BenchCommon {
+    /// Print JSON only (no table on stderr).
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Context lengths for `decode`, e.g. `8k,32k`.
-    #[arg(long, default_value = "2k")]
-    pub context: String,
+}
+
+/// `bench kernels`.
+#[derive(Debug, Clone, Args)]
+pub struct KernelsBench {
+    #[command(flatten)]
+    pub common: BenchCommon,
     /// Seconds to spend per measurement.
     #[arg(long, default_value_t = 1.0)]
     pub seconds: f64,
-    /// How long `soak` runs (e.g. `10m`, `90s`).
-    #[arg(long, default_value = "60s")]
-    pub duration: String,
-    /// Requests started per second by `soak`.
-    #[arg(long, default_value_t = 20.0)]
-    pub rate: f64,
-    /// Threads for `kernels`.
+    /// Thread counts to measure, e.g. `1,2`.
     #[arg(long, default_value = "1,2")]
     pub threads: String,
-    /// Attention modes for `decode`, compared in one run.
-    #[arg(long, default_value = "full,hgca,recall,scout")]
-    pub modes: String,
-    /// Concurrent requests for `decode`.
-    #[arg(long, default_value_t = 1)]
-    pub batch: u32,
-    /// Tokens generated per request for `decode`.
-    #[arg(long, default_value_t = 32)]
-    pub tokens: u32,
-    /// GiB to push for `ingest`.
+}
+
+/// `bench ingest`.
+#[derive(Debug, Clone, Args)]
+pub struct IngestBench {
+    #[command(flatten)]
+    pub common: BenchCommon,
+    /// GiB to push.
     #[arg(long, default_value_t = 1.0)]
     pub gib: f64,
-    /// Concurrent pushes for `ingest`, as from several prefill nodes (each its own request).
+    /// Concurrent pushes, as from several prefill nodes (each its own request).
     #[arg(long, default_value_t = 1)]
     pub streams: u32,
-    /// Budgets (tokens per layer and KV head) for `fidelity`, e.g. `256,512,1024`.
+}
+
+/// `bench decode`.
+#[derive(Debug, Clone, Args)]
+pub struct DecodeBench {
+    #[command(flatten)]
+    pub common: BenchCommon,
+    /// Context lengths, e.g. `8k,32k`.
+    #[arg(long, default_value = "2k")]
+    pub context: String,
+    /// Attention modes, compared in one run.
+    #[arg(long, default_value = "full,hgca,recall,scout")]
+    pub modes: String,
+    /// Concurrent requests.
+    #[arg(long, default_value_t = 1)]
+    pub batch: u32,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 32)]
+    pub tokens: u32,
+}
+
+/// `bench step`.
+#[derive(Debug, Clone, Args)]
+pub struct StepBench {
+    #[command(flatten)]
+    pub common: BenchCommon,
+    /// Requests in the batch (batch 1 is always measured too).
+    #[arg(long, default_value_t = 1)]
+    pub batch: u32,
+    /// Seconds to spend measuring.
+    #[arg(long, default_value_t = 1.0)]
+    pub seconds: f64,
+}
+
+/// `bench recall-profile`.
+#[derive(Debug, Clone, Args)]
+pub struct RecallProfileBench {
+    #[command(flatten)]
+    pub common: BenchCommon,
+    /// Context length, e.g. `2k`.
+    #[arg(long, default_value = "2k")]
+    pub context: String,
+    /// Decode steps profiled.
+    #[arg(long, default_value_t = 32)]
+    pub tokens: u32,
+}
+
+/// `bench soak`.
+#[derive(Debug, Clone, Args)]
+pub struct SoakBench {
+    #[command(flatten)]
+    pub common: BenchCommon,
+    /// How long it runs (e.g. `10m`, `90s`).
+    #[arg(long, default_value = "60s")]
+    pub duration: String,
+    /// Requests started per second.
+    #[arg(long, default_value_t = 20.0)]
+    pub rate: f64,
+}
+
+/// `bench fidelity`.
+#[derive(Debug, Clone, Args)]
+pub struct FidelityBench {
+    #[command(flatten)]
+    pub common: BenchCommon,
+    /// Passkey context lengths, e.g. `2k,3800`.
+    #[arg(long, default_value = "2k")]
+    pub context: String,
+    /// Attention modes compared against `full`.
+    #[arg(long, default_value = "full,hgca,recall,scout")]
+    pub modes: String,
+    /// Budgets (tokens per layer and KV head), e.g. `256,512,1024`.
     #[arg(long, default_value = "512")]
     pub budgets: String,
-    /// Passkey prompts per context length for `fidelity` (fixed seeds, spread in depth).
+    /// Passkey prompts per context length (fixed seeds, spread in depth).
     #[arg(long, default_value_t = 5)]
     pub prompts: usize,
-    /// Teacher-forced positions on real text for `fidelity`.
+    /// Teacher-forced positions on real text.
     #[arg(long, default_value_t = 256)]
     pub forced: usize,
-    /// Accuracy guard for `scout` in `fidelity`: `on`, `off` or `both` (compared).
+    /// Accuracy guard for `scout`: `on`, `off` or `both` (compared).
     #[arg(long, default_value = "both", value_parser = ["on", "off", "both"])]
     pub guard: String,
-    /// Print each passkey answer (`fidelity`).
+    /// Print each passkey answer.
     #[arg(long)]
     pub verbose: bool,
 }

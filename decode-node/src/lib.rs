@@ -15,3 +15,4 @@ pub mod metrics;
 pub mod model;
 pub mod node;
 pub mod service;
+pub mod tensor;

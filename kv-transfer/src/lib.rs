@@ -31,6 +31,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod client;
+mod committed;
 mod crc;
 mod error;
 mod ingest;
@@ -42,8 +43,9 @@ mod route;
 mod service;
 pub mod wire;
 
+pub use committed::CommittedKv;
 pub use error::{Error, MAX_ECHO, clip, code_label};
-pub use ingest::{CommittedKv, Ingest, MAX_REQUEST_ID_LEN, PromptInfo, validate_header};
+pub use ingest::{Ingest, MAX_REQUEST_ID_LEN, PromptInfo, validate_header};
 pub use metrics::{CodeLabel, IngestMetrics, OutcomeLabel};
 pub use payload::Payload;
 pub use pool::{Block, HostPool, PoolUsage, Reservation};

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, oneshot};
 
 use crate::Error;
-use crate::ingest::CommittedKv;
+use crate::committed::CommittedKv;
 use crate::metrics::IngestMetrics;
 
 type Waiter = oneshot::Sender<Box<CommittedKv>>;
@@ -332,10 +332,11 @@ impl Registry {
             }
             match map.remove(id) {
                 Some(Entry::Committed { kv, .. }) => return Ok(kv),
-                Some(Entry::Ingesting {
-                    control,
-                    waiter: None,
-                }) if control.reason().is_none() => {
+                // No live waiter (none, or one whose Generate went away): this claim waits.
+                Some(Entry::Ingesting { control, waiter })
+                    if control.reason().is_none()
+                        && waiter.as_ref().is_none_or(oneshot::Sender::is_closed) =>
+                {
                     map.insert(
                         id.into(),
                         Entry::Ingesting {
@@ -343,6 +344,22 @@ impl Registry {
                             waiter: Some(tx),
                         },
                     );
+                }
+                // Another Generate waits for this push.
+                Some(Entry::Ingesting {
+                    control,
+                    waiter: Some(w),
+                }) if control.reason().is_none() => {
+                    map.insert(
+                        id.into(),
+                        Entry::Ingesting {
+                            control,
+                            waiter: Some(w),
+                        },
+                    );
+                    return Err(Error::AlreadyExists(format!(
+                        "{id} (a Generate already waits for it)"
+                    )));
                 }
                 // Its push was dropped or cancelled and is ending: there will be no KV.
                 Some(e @ Entry::Ingesting { .. }) => {
@@ -605,6 +622,27 @@ mod tests {
             .commit(committed(&pool, "c"))
             .unwrap();
         assert!(waiter.await.unwrap().is_ok());
+    }
+
+    #[tokio::test]
+    async fn one_live_waiter_per_push_and_a_gone_one_gives_way() {
+        let (reg, pool) = setup(60_000);
+        let slot = reg.begin_push("w").unwrap();
+        let r2 = reg.clone();
+        let first = tokio::spawn(async move { r2.claim("w", Duration::from_secs(5)).await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // A second Generate while the first waits on the push in flight: refused, and the
+        // push is left alone.
+        let second = reg.claim("w", Duration::from_millis(10)).await;
+        assert!(matches!(second, Err(Error::AlreadyExists(_))), "{second:?}");
+        // The first goes away: the next one takes its place and gets the KV.
+        first.abort();
+        let _ = first.await;
+        let r3 = reg.clone();
+        let third = tokio::spawn(async move { r3.claim("w", Duration::from_secs(5)).await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        slot.commit(committed(&pool, "w")).unwrap();
+        assert_eq!(third.await.unwrap().unwrap().info.request_id, "w");
     }
 
     #[tokio::test]

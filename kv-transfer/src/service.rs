@@ -9,6 +9,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::ingest::{Ingest, validate_header};
 use crate::pool::HostPool;
@@ -146,6 +147,8 @@ impl KvTransferService {
                 // The whole header is checked before the id is taken or a byte reserved.
                 let info = validate_header(&self.layout, &h)?;
                 drop(h);
+                tracing::Span::current()
+                    .record("request_id", crate::clip(&info.request_id).as_ref());
                 let slot = self.registry.begin_push(&info.request_id)?;
                 let ingest = Ingest::with_info(&self.layout, &self.pool, info)?;
                 slot.set_held(ingest.bytes_held());
@@ -191,7 +194,11 @@ impl KvTransferService {
                     .metrics()
                     .push_duration
                     .observe(p.started.elapsed().as_secs_f64());
-                tracing::debug!(request_id = %reply.request_id, bytes = reply.bytes_received, "kv committed");
+                tracing::info!(
+                    bytes = reply.bytes_received,
+                    seconds = p.started.elapsed().as_secs_f64(),
+                    "kv committed"
+                );
                 Ok(Some(reply))
             }
         }
@@ -231,11 +238,20 @@ impl KvTransferService {
     ) where
         S: Stream<Item = Result<PushMessage, Inbound>> + Unpin,
     {
-        let end = self.push_loop(inbound, &tx).await;
+        // The request id is recorded once the header is accepted.
+        let span = tracing::info_span!("push", request_id = tracing::field::Empty);
+        let end = self.push_loop(inbound, &tx).instrument(span.clone()).await;
         let m = self.registry.metrics();
         m.push_end(end.0.label());
         if let Some(status) = end.1 {
-            tracing::debug!(outcome = end.0.label(), %status, "push ended");
+            span.in_scope(|| {
+                tracing::info!(
+                    outcome = end.0.label(),
+                    code = ?status.code(),
+                    message = status.message(),
+                    "push ended"
+                )
+            });
             m.error(code_label(status.code()));
             let _ = tx.send(Err(status)).await;
         }

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use super::gemm::{Mat, MatMut, gemm};
 use super::{Backend, BackendError};
-use crate::model::weights::Tensor;
+use crate::tensor::Tensor;
 
 /// The CPU backend: rayon across output rows (few inputs) or input tiles (many).
 #[derive(Debug, Default, Clone, Copy)]

@@ -28,7 +28,7 @@ use cudarc::driver::{
 use kv_transfer::HostPool;
 
 use super::{Backend, BackendError, DeviceKv, LinearOut};
-use crate::model::weights::Tensor;
+use crate::tensor::Tensor;
 
 /// Why CUDA cannot be used.
 #[derive(Debug, thiserror::Error)]

@@ -20,7 +20,7 @@ use kv_transfer::{CommittedKv, HostPool};
 use serde_json::json;
 
 use super::{parse_list, parse_tokens};
-use crate::cli::BenchArgs;
+use crate::cli::FidelityBench;
 use crate::client::{ingest_local, prefill_kv};
 use crate::engine::SoloDecoder;
 use crate::model::random::SplitMix;
@@ -50,7 +50,7 @@ struct Case {
 
 /// The configurations: `full` first (the reference), then each sparse mode at each budget;
 /// `scout` with the guard on and off when `--guard both`.
-fn cases(args: &BenchArgs, base: &AttentionConfig, block: usize) -> anyhow::Result<Vec<Case>> {
+fn cases(args: &FidelityBench, base: &AttentionConfig, block: usize) -> anyhow::Result<Vec<Case>> {
     let budgets: Vec<usize> = parse_list(&args.budgets, "--budgets")?;
     let guards: Vec<bool> = match args.guard.as_str() {
         "on" => vec![true],
@@ -219,8 +219,8 @@ fn run_case(
 }
 
 /// `bench fidelity`.
-pub(super) fn fidelity(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
-    let node = Node::build(&args.model)?;
+pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value> {
+    let node = Node::build(&args.common.model)?;
     let geom = node.layout.geom;
     let cases = cases(args, &node.attention, geom.block_size)?;
     let contexts: Vec<usize> = args
@@ -293,7 +293,7 @@ pub(super) fn fidelity(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
                     .zip(want.iter())
                     .filter(|(a, b)| a == b)
                     .count();
-                if !args.json && args.verbose {
+                if !args.common.json && args.verbose {
                     eprintln!(
                         "passkey ctx={ctx} prompt {p} key {key} {:<20} {answer:?}",
                         case.label
@@ -334,19 +334,19 @@ pub(super) fn fidelity(args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
             tally_speed(t, &run);
         }
         for (c, case) in cases.iter().enumerate() {
-            let row = report(&format!("{ctx}"), case, &t_ctx[c], args.json);
+            let row = report(&format!("{ctx}"), case, &t_ctx[c], args.common.json);
             rows.push(row);
             merge(&mut tallies[c], &t_ctx[c]);
         }
     }
     if contexts.len() > 1 {
         for (c, case) in cases.iter().enumerate() {
-            rows.push(report("all", case, &tallies[c], args.json));
+            rows.push(report("all", case, &tallies[c], args.common.json));
         }
     }
     Ok(json!({
         "bench": "fidelity",
-        "model": args.model.model,
+        "model": args.common.model.model,
         "block_size": geom.block_size,
         "prompts": args.prompts,
         "forced_tokens": forced,

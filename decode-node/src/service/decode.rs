@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 use decode_node_proto::v1 as pb;
 use decode_node_proto::v1::decode_server::Decode;
 use kv_transfer::{HostPool, Registry, StopReason};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::engine::{
     Control, Engine, EngineError, Event, FinishReason, Job, JobSpec, RequestStats,
@@ -40,14 +41,24 @@ pub struct NodeState {
     pub active: Arc<Mutex<HashMap<String, Active>>>,
 }
 
-/// A live Generate, as Cancel sees it.
+/// The stream a Generate's events go out on.
+type Out = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
+
+/// A live Generate, as Cancel and a retry of its id see it.
 #[derive(Debug, Clone, Default)]
 pub struct Active {
     /// The lease it presented; once it holds the KV, the KV's own.
     lease: String,
     /// A Cancel came before the job reached the engine.
     cancelled: bool,
+    /// Its client's stream: closed once the client has gone.
+    client: Option<Out>,
+    /// Ends (its sender is dropped) once its task has ended and removed this entry.
+    ended: Option<watch::Receiver<()>>,
 }
+
+/// How long a retry waits for the task of a Generate whose client has gone to end.
+const GONE_TASK_WAIT: Duration = Duration::from_secs(5);
 
 impl NodeState {
     fn active(&self) -> std::sync::MutexGuard<'_, HashMap<String, Active>> {
@@ -72,8 +83,10 @@ fn engine_status(e: &EngineError) -> Status {
     match e {
         EngineError::Exhausted(m) => Status::resource_exhausted(m.clone()),
         EngineError::ShuttingDown => Status::unavailable("the node is shutting down"),
-        EngineError::Model(m) => Status::invalid_argument(m.clone()),
-        EngineError::Internal(m) => Status::internal(m.clone()),
+        EngineError::Input(m) => Status::invalid_argument(m.clone()),
+        // The device failed under this node: another node may serve the request.
+        EngineError::Device(_) => Status::unavailable(e.to_string()),
+        EngineError::Attention(_) | EngineError::Internal(_) => Status::internal(e.to_string()),
     }
 }
 
@@ -192,30 +205,25 @@ impl Decode for DecodeService {
             ));
         }
         let id = r.request_id.clone();
-        let mut active = st.active();
-        if active.contains_key(&id) {
-            return Err(Status::already_exists(format!(
-                "request {:?} is already generating",
-                kv_transfer::clip(&id)
-            )));
-        }
         let timeout = match r.kv_timeout_ms {
             0 => DEFAULT_KV_TIMEOUT,
             ms => Duration::from_millis(ms as u64),
         };
-        active.insert(
-            id.clone(),
-            Active {
-                lease: r.lease.clone(),
-                cancelled: false,
-            },
-        );
-        drop(active);
         let (out_tx, out_rx) = mpsc::channel(64);
-        tokio::spawn(async move {
-            run_generate(&st, r, sampling, timeout, arrived, out_tx).await;
-            st.active().remove(&id);
-        });
+        let ended = take_id(&st, &id, &r.lease, &out_tx).await?;
+        let span = tracing::info_span!(
+            "generate",
+            request_id = %kv_transfer::clip(&id),
+            prompt_tokens = tracing::field::Empty
+        );
+        tokio::spawn(
+            async move {
+                run_generate(&st, r, sampling, timeout, arrived, out_tx).await;
+                st.active().remove(&id);
+                drop(ended);
+            }
+            .instrument(span),
+        );
         Ok(Response::new(ReceiverStream::new(out_rx)))
     }
 
@@ -281,6 +289,50 @@ impl Decode for DecodeService {
     }
 }
 
+/// Makes `id` this Generate's; the returned sender is dropped when its task ends. An id whose
+/// Generate is live is ALREADY_EXISTS; one whose client has gone is taken once that
+/// Generate's task has let go of it (a retry right after a disconnect works).
+async fn take_id(
+    st: &NodeState,
+    id: &str,
+    lease: &str,
+    client: &Out,
+) -> Result<watch::Sender<()>, Status> {
+    let taken = || {
+        Status::already_exists(format!(
+            "request {:?} is already generating",
+            kv_transfer::clip(id)
+        ))
+    };
+    for _ in 0..2 {
+        let gone = {
+            let mut active = st.active();
+            match active.get(id) {
+                None => {
+                    let (ended_tx, ended_rx) = watch::channel(());
+                    active.insert(
+                        id.to_string(),
+                        Active {
+                            lease: lease.to_string(),
+                            cancelled: false,
+                            client: Some(client.clone()),
+                            ended: Some(ended_rx),
+                        },
+                    );
+                    return Ok(ended_tx);
+                }
+                Some(a) if a.client.as_ref().is_some_and(Out::is_closed) => a.ended.clone(),
+                Some(_) => return Err(taken()),
+            }
+        };
+        if let Some(mut ended) = gone {
+            // Err once the sender is dropped: the task has ended.
+            let _ = tokio::time::timeout(GONE_TASK_WAIT, ended.changed()).await;
+        }
+    }
+    Err(taken())
+}
+
 /// Waits for the KV, hands the job to the engine and forwards its events; cancels the job
 /// when the client goes away.
 async fn run_generate(
@@ -312,7 +364,9 @@ async fn run_generate(
         ignore_eos: r.ignore_eos,
         arrived,
         events: ev_tx,
+        span: tracing::Span::current(),
     };
+    tracing::Span::current().record("prompt_tokens", kv.info.prompt_token_ids.len());
     let submitted = {
         let mut active = st.active();
         let a = active.entry(id.clone()).or_default();
@@ -363,6 +417,40 @@ async fn run_generate(
                 st.engine.send(Control::Cancel(id.clone(), "disconnect"));
                 return;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::Code;
+
+    use super::*;
+
+    #[test]
+    fn engine_errors_map_to_codes_a_client_can_act_on() {
+        let table = [
+            (
+                EngineError::Exhausted("full".into()),
+                Code::ResourceExhausted,
+            ),
+            (EngineError::ShuttingDown, Code::Unavailable),
+            (
+                EngineError::Input("token 99999".into()),
+                Code::InvalidArgument,
+            ),
+            // A failing device is the node's fault, never the request's.
+            (EngineError::Device("ECC error".into()), Code::Unavailable),
+            (
+                EngineError::Attention("CPU part lost".into()),
+                Code::Internal,
+            ),
+            (EngineError::Internal("bug".into()), Code::Internal),
+        ];
+        for (e, want) in table {
+            let s = engine_status(&e);
+            assert_eq!(s.code(), want, "{e:?}");
+            assert!(!s.message().is_empty(), "{e:?}");
         }
     }
 }

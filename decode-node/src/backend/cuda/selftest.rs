@@ -13,7 +13,7 @@ use kv_transfer::HostPool;
 use super::{CudaBackend, Shared, dtype_code};
 use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv};
 use crate::model::random::SplitMix;
-use crate::model::weights::Tensor;
+use crate::tensor::Tensor;
 
 /// One kernel's verdict.
 #[derive(Debug, Clone)]

@@ -1,0 +1,117 @@
+//! `bench decode`: tokens/s per attention mode and context length through a node on
+//! loopback, as a ratio to `full` in the same run.
+
+use super::*; // the shared helpers and imports of `bench`
+
+/// Decode throughput per attention mode and context length, ratio to `full` in the same run.
+pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Value> {
+    let contexts: Vec<usize> = args
+        .context
+        .split(',')
+        .map(parse_tokens)
+        .collect::<Result<_, _>>()?;
+    let modes: Vec<String> = args
+        .modes
+        .split(',')
+        .map(|m| m.trim().to_string())
+        .collect();
+    let mut rows = Vec::new();
+    for &ctx in &contexts {
+        let mut full_tps = None;
+        // Generated once per context (Bytes clones share it), pushed to each mode's node.
+        let mut prompts = Vec::new();
+        for mode in &modes {
+            let mut m = args.common.model.clone();
+            m.attention = mode.clone();
+            let node_device = m.device.clone();
+            // Room for the whole context of every request on the host, and on the device in
+            // `full` (the other modes hold their budget there).
+            let kv_bytes = kv_bytes_for(&args.common.model, ctx + args.tokens as usize + 64)?
+                * u64::from(args.batch.max(1));
+            let host = kv_bytes + (kv_bytes >> 4) + (64 << 20);
+            let device = if mode == "full" { host } else { 4 << 30 };
+            let node = start_node(m, host, device, args.batch.max(1), 600.0, false).await?;
+            let target = node.target();
+            let info = model_info(&target).await?;
+            anyhow::ensure!(
+                (ctx as u32) < info.max_context,
+                "context {ctx} exceeds the model's {}",
+                info.max_context
+            );
+            let ch = client::connect(&target).await?;
+            if prompts.is_empty() {
+                for b in 0..args.batch.max(1) {
+                    prompts.push(synthetic_kv(&info, &format!("d{b}"), ctx, b as u64 + 1));
+                }
+            }
+            for kv in &prompts {
+                client::push(ch.clone(), kv, None, |_| {}).await?;
+            }
+            let t = Instant::now();
+            let mut gens = Vec::new();
+            for b in 0..args.batch.max(1) {
+                let req = pb::GenerateRequest {
+                    request_id: format!("d{b}"),
+                    sampling: Some(pb::SamplingParams::default()),
+                    max_new_tokens: args.tokens.max(1),
+                    ignore_eos: true,
+                    ..Default::default()
+                };
+                let ch = ch.clone();
+                gens.push(tokio::spawn(async move {
+                    let mut first = None;
+                    let out = client::generate(ch, None, req, |_| {
+                        first.get_or_insert_with(Instant::now);
+                    })
+                    .await;
+                    out.map(|o| (o, first))
+                }));
+            }
+            let mut tokens = 0u64;
+            let mut cpu = 0f64;
+            let mut hit = 0f64;
+            let mut wait = 0f64;
+            let mut last_first = t;
+            for g in gens {
+                let (out, first) = g.await??;
+                last_first = last_first.max(first.unwrap_or(t));
+                tokens += out.ids.len() as u64;
+                let s = out.finish.and_then(|f| f.stats).unwrap_or_default();
+                cpu += s.cpu_attention_ratio;
+                hit += s.prediction_hit_ratio;
+                wait += s.device_wait_seconds;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            // Steady decode: tokens after every request's first, over the time after it. The
+            // first token carries the one-off fill of the device (all of it in `full`).
+            let first_token_s = last_first.duration_since(t).as_secs_f64();
+            let after = (secs - first_token_s).max(1e-9);
+            let tps = tokens.saturating_sub(u64::from(args.batch.max(1))) as f64 / after;
+            // The step thread serves the whole batch: its waits add up against wall time.
+            let device_wait_share = wait / secs;
+            node.stop().await?;
+            if mode == "full" {
+                full_tps = Some(tps);
+            }
+            let nb = args.batch.max(1) as f64;
+            let row = json!({
+                "context": ctx, "mode": mode, "batch": args.batch, "tokens_per_s": tps,
+                "first_token_s": first_token_s, "device": node_device,
+                "ratio_to_full": full_tps.map(|f| tps / f),
+                "cpu_share": cpu / nb, "prediction_hit_ratio": hit / nb, "device_wait_share": device_wait_share,
+            });
+            if !args.common.json {
+                eprintln!(
+                    "decode ctx={ctx} {mode:>6}: {tps:8.1} tok/s, x{:.2} of full, first token {:.3} s, CPU share {:.1}%, hit {:.1}%, device waits {:.1}%",
+                    full_tps.map_or(f64::NAN, |f| tps / f),
+                    first_token_s,
+                    cpu / nb * 100.0,
+                    hit / nb * 100.0,
+                    device_wait_share * 100.0
+                );
+            }
+            rows.push(row);
+        }
+    }
+    Ok(json!({ "bench": "decode", "results": rows }))
+}

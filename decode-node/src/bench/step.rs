@@ -1,0 +1,89 @@
+//! `bench step`: one decode step's dense work against the weights' bandwidth bound.
+
+use super::*; // the shared helpers and imports of `bench`
+
+/// Attention over the token itself only: the step's cost is then the weights it streams.
+#[derive(Debug)]
+struct SelfOnly {
+    group: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl crate::model::DecodeAttention for SelfOnly {
+    fn attend(
+        &mut self,
+        _layer: usize,
+        _q: &[f32],
+        _k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), crate::model::ModelError> {
+        let d = self.head_dim;
+        let heads = self.group * self.num_kv_heads;
+        for (i, o) in out.chunks_exact_mut(d).enumerate() {
+            let (b, h) = (i / heads, i % heads);
+            let at = (b * self.num_kv_heads + h / self.group) * d;
+            o.copy_from_slice(&v[at..at + d]);
+        }
+        Ok(())
+    }
+}
+
+/// One decode step of the model: tokens/s and weight bytes streamed per second ÷ read
+/// bandwidth measured in the same run (all cores).
+pub(super) fn step(args: &StepBench) -> anyhow::Result<serde_json::Value> {
+    let node = crate::node::Node::build(&args.common.model)?;
+    let m = &node.model.model;
+    let cfg = &m.cfg;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The bound: the device's own memory where weights live there, else host read bandwidth.
+    let bw = match m.backend().memory_bandwidth() {
+        Some(bw) => bw,
+        None => {
+            let buf: Vec<f32> = (0..(512usize << 20) / 4).map(|i| (i % 7) as f32).collect();
+            read_bandwidth(&buf, threads, 1.0)
+        }
+    };
+    let mut rows = Vec::new();
+    for batch in [1usize, args.batch.max(1) as usize] {
+        let mut attn = SelfOnly {
+            group: cfg.num_heads / cfg.num_kv_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
+        let tokens = vec![1u32; batch];
+        let positions = vec![8usize; batch];
+        // Warm-up step maps the weights in.
+        m.decode_step(&tokens, &positions, &mut attn)?;
+        let mut steps = 0u32;
+        let t = Instant::now();
+        while steps == 0 || t.elapsed().as_secs_f64() < args.seconds {
+            m.decode_step(&tokens, &positions, &mut attn)?;
+            steps += 1;
+        }
+        let per_step = t.elapsed().as_secs_f64() / steps as f64;
+        let gbps = m.weight_bytes() as f64 / per_step;
+        if !args.common.json {
+            eprintln!(
+                "step batch={batch}: {:.3} s/step, {:.2} tokens/s, weights {:.2} GB/s / read {:.2} GB/s = {:.2}",
+                per_step,
+                batch as f64 / per_step,
+                gbps / 1e9,
+                bw / 1e9,
+                gbps / bw
+            );
+        }
+        rows.push(json!({
+            "batch": batch, "seconds_per_step": per_step, "tokens_per_s": batch as f64 / per_step,
+            "weight_bytes": m.weight_bytes(), "weights_gb_per_s": gbps / 1e9, "read_gb_per_s": bw / 1e9,
+            "ratio": gbps / bw, "threads": threads,
+        }));
+        if args.batch <= 1 {
+            break;
+        }
+    }
+    Ok(
+        json!({ "bench": "step", "model_id": m.model_id, "device": m.backend().name(), "results": rows }),
+    )
+}

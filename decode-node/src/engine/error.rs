@@ -1,0 +1,76 @@
+//! Why a request could not run, by layer: the service maps each to one gRPC code.
+
+use crate::backend::BackendError;
+use crate::model::ModelError;
+
+/// Why a job failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    /// Host or device KV cannot hold the request: it can never fit, or waited too long.
+    #[error("{0}")]
+    Exhausted(String),
+    /// The engine is shutting down.
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+    /// The model refused the request's input (a token id out of range, the context full).
+    #[error("{0}")]
+    Input(String),
+    /// The device or one of its libraries failed: this node cannot serve the step.
+    #[error("device error: {0}")]
+    Device(String),
+    /// The attention engine failed (a CPU part lost, KV that could not be appended).
+    #[error("attention failed: {0}")]
+    Attention(String),
+    /// A bug in the node; the request cannot go on.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<ModelError> for EngineError {
+    fn from(e: ModelError) -> Self {
+        match e {
+            ModelError::Input(m) => EngineError::Input(m),
+            ModelError::Attention(m) => EngineError::Attention(m),
+            ModelError::Backend(BackendError::DeviceFull(m)) => {
+                EngineError::Exhausted(format!("device KV memory is full: {m}"))
+            }
+            ModelError::Backend(b @ (BackendError::Device(_) | BackendError::Unsupported(_))) => {
+                EngineError::Device(b.to_string())
+            }
+            // Loading errors cannot happen in a step; if one does, it is ours.
+            e @ (ModelError::Io(..) | ModelError::Config(_) | ModelError::Weights(_)) => {
+                EngineError::Internal(e.to_string())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_errors_keep_their_layer() {
+        let cases = [
+            (ModelError::Input("token 99999".into()), "Input"),
+            (ModelError::Attention("lost".into()), "Attention"),
+            (
+                ModelError::Backend(BackendError::Device("ECC".into())),
+                "Device",
+            ),
+            (
+                ModelError::Backend(BackendError::Unsupported("hd 512".into())),
+                "Device",
+            ),
+            (
+                ModelError::Backend(BackendError::DeviceFull("arena".into())),
+                "Exhausted",
+            ),
+            (ModelError::Weights("w".into()), "Internal"),
+        ];
+        for (m, want) in cases {
+            let e = EngineError::from(m);
+            assert!(format!("{e:?}").starts_with(want), "{e:?} is not {want}");
+        }
+    }
+}

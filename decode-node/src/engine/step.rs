@@ -1,0 +1,280 @@
+//! One step of the batch, phase by phase: the forward pass ([`StepLoop::forward`]: attention
+//! for every request and the model's projections), then per request the new KV appended,
+//! a token sampled and streamed, and its end decided ([`StepLoop::emit`]), the step's figures
+//! recorded, and finished requests retired.
+
+use std::time::{Duration, Instant};
+
+use attention::Mode;
+
+use super::attend::{AttnTiming, BatchAttention, SeqSlot, Shape};
+use super::running::{Latency, Running};
+use super::{EngineError, Event, FinishReason, LoadSnapshot, StepLoop, solo};
+use crate::metrics::{OutcomeLabel, ReasonLabel};
+
+/// One f32 row per layer (a token's K or V).
+type LayerRows = Vec<Vec<f32>>;
+
+/// What the forward pass of a step gives back.
+struct Forward {
+    /// `[batch][vocab]` logits.
+    logits: Vec<f32>,
+    /// Per request: the new token's K and V rows, and the seconds the device waited on its
+    /// CPU attention.
+    new_kv: Vec<(LayerRows, LayerRows, f64)>,
+    /// Seconds in the model (attention included).
+    model_s: f64,
+    timing: AttnTiming,
+}
+
+/// How a request's step ended: still running, finished, or failed.
+type Outcome = Option<Result<FinishReason, EngineError>>;
+
+impl StepLoop {
+    /// One decode step of every running request.
+    pub(super) fn step(&mut self) {
+        let t0 = Instant::now();
+        let fwd = match self.forward() {
+            Ok(f) => f,
+            Err(e) => return self.fail_batch(e),
+        };
+        let now = Instant::now();
+        let outcomes = self.emit(&fwd, now);
+        self.record(t0, now, &fwd);
+        self.retire_finished(outcomes);
+    }
+
+    /// Attention and the model's projections for the whole batch.
+    fn forward(&mut self) -> Result<Forward, EngineError> {
+        let cfg = &self.model.model.cfg;
+        let (nl, nkv, hd) = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim);
+        let shape = Shape {
+            num_heads: cfg.num_heads,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            scale: self.model.model.attn_scale(),
+        };
+        let tokens: Vec<u32> = self.running.iter().map(|r| r.next_token).collect();
+        let positions: Vec<usize> = self.running.iter().map(|r| r.kv.num_tokens()).collect();
+        let slots = self
+            .running
+            .iter_mut()
+            .map(|r| SeqSlot {
+                kv: &r.kv,
+                seq: &mut r.seq,
+                dev: r.dev.as_mut(),
+                new_k: vec![vec![0.0; nkv * hd]; nl],
+                new_v: vec![vec![0.0; nkv * hd]; nl],
+                device_wait: 0.0,
+            })
+            .collect();
+        let mut batch = BatchAttention::new(&self.cfg.attention, shape, &self.cpu_pool, slots);
+        let t = Instant::now();
+        let result = self
+            .model
+            .model
+            .decode_step(&tokens, &positions, &mut batch);
+        let model_s = t.elapsed().as_secs_f64();
+        for g in &batch.guard_checks {
+            self.metrics.observe_guard(g.layer, g.cosine, g.fell_back);
+        }
+        let timing = batch.timing;
+        let new_kv = batch
+            .slots
+            .into_iter()
+            .map(|s| (s.new_k, s.new_v, s.device_wait))
+            .collect();
+        Ok(Forward {
+            logits: result?,
+            new_kv,
+            model_s,
+            timing,
+        })
+    }
+
+    /// A step that failed for the whole batch ends every running request with its error.
+    fn fail_batch(&mut self, e: EngineError) {
+        tracing::error!(error = %e, batch = self.running.len(), "decode step failed; its requests end");
+        for r in std::mem::take(&mut self.running) {
+            self.count_outcome("error");
+            r.job
+                .span
+                .in_scope(|| tracing::warn!(error = %e, "ended by a failed step"));
+            let _ = r.job.events.send(Event::Error(e.clone()));
+        }
+    }
+
+    /// Per request: appends the step's KV, samples and streams a token, decides its end.
+    fn emit(&mut self, fwd: &Forward, now: Instant) -> Vec<Outcome> {
+        let cfg = &self.model.model.cfg;
+        let vocab = cfg.vocab_size;
+        let mut out = Vec::with_capacity(self.running.len());
+        for (i, (r, (ks, vs, wait))) in self.running.iter_mut().zip(&fwd.new_kv).enumerate() {
+            r.device_wait += wait;
+            // Append this step's KV (the token just fed) to the host pool and the digests.
+            if let Err(e) = solo::append_step(&mut r.kv, &mut r.seq, &self.cfg.attention, ks, vs) {
+                // Growth was reserved at admission, so this is a bug, not a full context: say so.
+                r.job
+                    .span
+                    .in_scope(|| tracing::error!(error = %e, "appending KV failed"));
+                out.push(Some(Err(EngineError::Internal(format!(
+                    "appending KV: {e}"
+                )))));
+                continue;
+            }
+            let s = *r.seq.stats();
+            self.metrics.add_attention(
+                s.selected_tokens - r.seen.selected_tokens,
+                s.cpu_tokens - r.seen.cpu_tokens,
+                s.prediction_hits - r.seen.prediction_hits,
+                s.prediction_total - r.seen.prediction_total,
+            );
+            self.metrics
+                .recall_blocks
+                .inc_by(s.recall_blocks - r.seen.recall_blocks);
+            self.metrics
+                .recall_bytes
+                .inc_by(s.recall_bytes - r.seen.recall_bytes);
+            r.seen = s;
+
+            let (tok, logprob) = r.sampler.sample(&fwd.logits[i * vocab..(i + 1) * vocab]);
+            let text = r.text.step(&self.model.tokenizer, tok);
+            let index = r.generated;
+            match r.token_at(now) {
+                Latency::First(s) => self.metrics.ttft.observe(s),
+                Latency::Next(s) => self.metrics.itl.observe(s),
+            }
+            self.metrics.generation_tokens.inc();
+            let sent = r.job.events.send(Event::Token {
+                index,
+                id: tok,
+                text,
+                logprob,
+            });
+            if sent.is_err() {
+                out.push(Some(Ok(FinishReason::Cancelled)));
+                continue;
+            }
+            r.next_token = tok;
+            out.push(r.stop_reason(tok, cfg).map(Ok));
+        }
+        out
+    }
+
+    /// The step's figures: duration, batch size, the tokens/s window.
+    fn record(&mut self, t0: Instant, now: Instant, fwd: &Forward) {
+        let step_s = t0.elapsed().as_secs_f64();
+        self.metrics.step_duration.observe(step_s);
+        let device_wait: f64 = fwd.new_kv.iter().map(|x| x.2).sum();
+        self.metrics.device_wait_seconds.inc_by(device_wait);
+        let t = &fwd.timing;
+        let attn_s = t.ahead + t.plan + t.device + t.finish;
+        tracing::debug!(
+            batch = self.running.len(),
+            step_s,
+            model_s = fwd.model_s,
+            attn_ahead_s = t.ahead,
+            attn_plan_s = t.plan,
+            attn_device_s = t.device,
+            attn_cpu_wait_s = device_wait,
+            attn_finish_s = t.finish,
+            projections_s = fwd.model_s - attn_s,
+            "step"
+        );
+        self.metrics.batch_size.set(self.running.len() as i64);
+        self.recent.push_back((now, self.running.len()));
+        while self
+            .recent
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > Duration::from_secs(5))
+        {
+            self.recent.pop_front();
+        }
+    }
+
+    /// Retires the requests whose step ended them (`outcomes` is in batch order).
+    fn retire_finished(&mut self, outcomes: Vec<Outcome>) {
+        for (i, outcome) in outcomes.into_iter().enumerate().rev() {
+            let Some(outcome) = outcome else { continue };
+            let r = self.running.swap_remove(i);
+            match outcome {
+                Ok(reason) => {
+                    let why = (reason == FinishReason::Cancelled).then_some("disconnect");
+                    self.retire(r, reason, why);
+                }
+                Err(e) => {
+                    self.count_outcome("error");
+                    let _ = r.job.events.send(Event::Error(e));
+                }
+            }
+        }
+    }
+
+    fn count_outcome(&self, outcome: &str) {
+        self.metrics
+            .requests
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            })
+            .inc();
+    }
+
+    /// Ends `r` with `reason`; dropping it frees its pool blocks and growth reservation.
+    pub(super) fn retire(&self, r: Running, reason: FinishReason, cancel_reason: Option<&str>) {
+        let stats = r.stats(Instant::now());
+        r.job.span.in_scope(|| {
+            tracing::info!(
+                reason = reason.label(),
+                generated = r.generated,
+                ttft_s = stats.first_token_seconds,
+                total_s = stats.total_seconds,
+                cpu_attention_ratio = stats.cpu_attention_ratio,
+                "finished"
+            )
+        });
+        self.metrics.e2e.observe(stats.total_seconds);
+        self.count_outcome(reason.label());
+        if let Some(why) = cancel_reason {
+            self.metrics
+                .cancellations
+                .get_or_create(&ReasonLabel { reason: why.into() })
+                .inc();
+        }
+        let _ = r.job.events.send(Event::Finish {
+            reason,
+            generated: r.generated,
+            stats,
+        });
+    }
+
+    /// Publishes the load figures `GetLoad` and the gauges read.
+    pub(super) fn publish_load(&mut self) {
+        let now = Instant::now();
+        let tokens: usize = self.recent.iter().map(|(_, n)| n).sum();
+        let span = self
+            .recent
+            .front()
+            .map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64());
+        let device_bytes: u64 = self
+            .running
+            .iter()
+            .map(|r| match self.cfg.attention.mode {
+                Mode::Full => r.kv.bytes().min(r.device_need),
+                _ => r.seq.device_bytes() as u64,
+            })
+            .sum();
+        let snap = LoadSnapshot {
+            running: self.running.len() as u32,
+            waiting: self.waiting.len() as u32,
+            device_bytes,
+            tokens_per_second: if span > 0.0 {
+                tokens as f64 / span
+            } else {
+                0.0
+            },
+        };
+        self.metrics.running.set(snap.running as i64);
+        self.metrics.waiting.set(snap.waiting as i64);
+        *self.load.lock().unwrap_or_else(|p| p.into_inner()) = snap;
+    }
+}

@@ -1,0 +1,220 @@
+//! The engine driven as the service drives it, without a server: jobs in, events out, on the
+//! embedded `tiny` model. Tokens are checked against greedy decoding by full prefills (the
+//! model's definition), and the pool against its start.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use kv_transfer::{HostPool, KvLayout};
+use tokio::sync::mpsc;
+
+use super::*;
+use crate::client::{ingest_local, prefill_kv};
+use crate::metrics::Metrics;
+use crate::model::{LoadedModel, Sampling, sampling};
+use crate::node::Node;
+
+#[derive(Parser)]
+struct Args {
+    #[command(flatten)]
+    model: crate::cli::ModelArgs,
+}
+
+struct Rig {
+    model: Arc<LoadedModel>,
+    layout: KvLayout,
+    pool: HostPool,
+    engine: Engine,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Rig {
+    fn start(max_batch: usize, device_kv_bytes: u64) -> Self {
+        let args = Args::parse_from(["t", "--model", "tiny", "--attention", "full"]);
+        let node = Node::build(&args.model).unwrap();
+        let pool = HostPool::new(node.layout.geom, 64 << 20).unwrap();
+        let cfg = EngineConfig {
+            attention: node.attention.clone(),
+            max_batch,
+            device_kv_bytes,
+            queue_timeout: Duration::from_secs(30),
+            cpu_threads: 1,
+        };
+        let (engine, thread) =
+            Engine::start(node.model.clone(), pool.clone(), cfg, Metrics::new()).unwrap();
+        Self {
+            model: node.model,
+            layout: node.layout,
+            pool,
+            engine,
+            thread: Some(thread),
+        }
+    }
+
+    fn prompt(seed: u32) -> Vec<u32> {
+        (0..40 + seed).map(|i| (i * 31 + seed * 7) % 250).collect()
+    }
+
+    /// Submits a greedy job for `prompt`; returns its event stream.
+    fn submit(&self, id: &str, prompt: &[u32], max_new: u32) -> mpsc::UnboundedReceiver<Event> {
+        let kv = prefill_kv(&self.model, prompt, id, self.layout.geom.dtype).unwrap();
+        let committed = ingest_local(&self.layout, &self.pool, &kv).unwrap();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let job = Job {
+            kv: Box::new(committed),
+            spec: JobSpec {
+                request_id: id.into(),
+                sampling: Sampling::default(),
+                max_new_tokens: max_new,
+                stop_ids: Vec::new(),
+                ignore_eos: true,
+                arrived: Instant::now(),
+                events: tx,
+                span: tracing::Span::none(),
+            },
+        };
+        assert!(self.engine.send(Control::Submit(job)));
+        rx
+    }
+
+    /// Greedy tokens after `prompt` by full prefills: the token the prefill picks first, then
+    /// `n` more, each the argmax of a prefill over everything before it.
+    fn reference(&self, prompt: &[u32], n: usize) -> Vec<u32> {
+        let mut ctx = prompt.to_vec();
+        for _ in 0..=n {
+            let logits = self.model.model.prefill(&ctx).unwrap().logits;
+            ctx.push(sampling::argmax(&logits) as u32);
+        }
+        ctx[prompt.len() + 1..].to_vec()
+    }
+
+    fn wait_pool_empty(&self) {
+        let t = Instant::now();
+        while self.pool.usage().used + self.pool.usage().reserved > 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "{:?}",
+                self.pool.usage()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        self.engine.send(Control::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Every event of a stream: (token ids, the last event).
+fn drain(rx: &mut mpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Event) {
+    let mut ids = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Token { id, .. } => ids.push(id),
+            last => return (ids, last),
+        }
+    }
+    panic!("the stream ended without a last event");
+}
+
+#[test]
+fn more_requests_than_the_batch_all_stream_their_greedy_tokens() {
+    let rig = Rig::start(2, 1 << 30);
+    let prompts: Vec<Vec<u32>> = (0..3).map(Rig::prompt).collect();
+    let mut streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| rig.submit(&format!("r{i}"), p, 6))
+        .collect();
+    for (p, rx) in prompts.iter().zip(&mut streams) {
+        let (ids, last) = drain(rx);
+        assert_eq!(ids, rig.reference(p, 6));
+        match last {
+            Event::Finish {
+                reason, generated, ..
+            } => assert_eq!((reason, generated), (FinishReason::Length, 6)),
+            e => panic!("{e:?}"),
+        }
+    }
+    rig.wait_pool_empty();
+}
+
+#[test]
+fn cancels_end_waiting_and_running_requests_and_free_their_kv() {
+    let rig = Rig::start(1, 1 << 30);
+    let mut a = rig.submit("a", &Rig::prompt(1), 100_000);
+    let mut b = rig.submit("b", &Rig::prompt(2), 4);
+    // `a` runs (it streams), `b` waits behind it: cancel `b` first, then `a`.
+    assert!(matches!(a.blocking_recv(), Some(Event::Token { .. })));
+    rig.engine.send(Control::Cancel("b".into(), "cancel"));
+    let (ids, last) = drain(&mut b);
+    assert!(ids.is_empty());
+    assert!(matches!(
+        last,
+        Event::Finish {
+            reason: FinishReason::Cancelled,
+            generated: 0,
+            ..
+        }
+    ));
+    rig.engine.send(Control::Cancel("a".into(), "cancel"));
+    let (_, last) = drain(&mut a);
+    assert!(matches!(
+        last,
+        Event::Finish {
+            reason: FinishReason::Cancelled,
+            ..
+        }
+    ));
+    rig.wait_pool_empty();
+    assert_eq!(rig.engine.load().running + rig.engine.load().waiting, 0);
+}
+
+#[test]
+fn a_request_that_can_never_fit_is_refused_at_once() {
+    // Less device KV than one request's prompt.
+    let rig = Rig::start(4, 1024);
+    let mut rx = rig.submit("big", &Rig::prompt(3), 8);
+    let t = Instant::now();
+    match drain(&mut rx) {
+        (ids, Event::Error(EngineError::Exhausted(m))) => {
+            assert!(ids.is_empty());
+            assert!(
+                m.contains("never fit") && m.contains("capacity 1024"),
+                "{m}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(5));
+    rig.wait_pool_empty();
+}
+
+#[test]
+fn shutdown_cancels_the_running_and_refuses_the_waiting() {
+    let mut rig = Rig::start(1, 1 << 30);
+    let mut a = rig.submit("a", &Rig::prompt(4), 100_000);
+    let mut b = rig.submit("b", &Rig::prompt(5), 4);
+    assert!(matches!(a.blocking_recv(), Some(Event::Token { .. })));
+    rig.engine.send(Control::Shutdown);
+    rig.thread.take().unwrap().join().unwrap();
+    assert!(matches!(
+        drain(&mut a).1,
+        Event::Finish {
+            reason: FinishReason::Cancelled,
+            ..
+        }
+    ));
+    assert_eq!(drain(&mut b).1, Event::Error(EngineError::ShuttingDown));
+    rig.wait_pool_empty();
+    assert!(
+        !rig.engine.send(Control::Shutdown),
+        "the engine has stopped"
+    );
+}
