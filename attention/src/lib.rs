@@ -45,7 +45,9 @@ mod kernel_avx2;
 #[cfg(target_arch = "x86_64")]
 mod kernel_avx512;
 mod merge;
+mod plan;
 mod policy;
+mod residency;
 mod select;
 mod sequence;
 

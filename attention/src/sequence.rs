@@ -10,12 +10,11 @@ use crate::block::{BlockGeometry, HeadBlock};
 use crate::digest::{GroupQuery, HeadDigests};
 use crate::kernel::{Scratch, attend_blocks};
 use crate::merge::Partial;
+use crate::plan::{self, PARALLEL_SELECT_BLOCKS};
 use crate::policy::{AttentionConfig, Mode, RecallPolicy};
+use crate::residency::Residency;
 use crate::select::select_top_k;
 use rayon::prelude::*;
-
-/// Blocks per head from which selection runs heads in parallel.
-const PARALLEL_SELECT_BLOCKS: usize = 256;
 
 /// Read access to one sequence's KV blocks (the host pool implements it).
 pub trait KvSource: Sync {
@@ -86,13 +85,7 @@ fn ratio(a: u64, b: u64) -> f64 {
 #[derive(Debug, Clone)]
 struct HeadState {
     digests: HeadDigests,
-    resident: Vec<bool>,
-    /// The resident blocks (eviction scans these, not every block of a long context).
-    resident_list: Vec<usize>,
-    last_used: Vec<u64>,
-    n_resident: usize,
-    /// Blocks recalled after the last step, resident from the next plan of this layer.
-    pending: Vec<usize>,
+    res: Residency,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -132,11 +125,7 @@ impl SeqAttention {
                 let n = d.len();
                 HeadState {
                     digests: d,
-                    resident: vec![false; n],
-                    resident_list: Vec::new(),
-                    last_used: vec![0; n],
-                    n_resident: 0,
-                    pending: Vec::new(),
+                    res: Residency::new(n),
                 }
             })
             .collect();
@@ -167,7 +156,7 @@ impl SeqAttention {
 
     /// Blocks resident on the device, over all layers and heads.
     pub fn resident_blocks(&self) -> usize {
-        self.heads.iter().map(|h| h.n_resident).sum()
+        self.heads.iter().map(|h| h.res.count()).sum()
     }
 
     /// Bytes of device KV this sequence holds (resident blocks only).
@@ -185,13 +174,11 @@ impl SeqAttention {
             let st = &mut self.heads[layer * self.geom.num_kv_heads + h];
             if st.digests.len() <= blk {
                 st.digests.push_empty();
-                st.resident.push(false);
-                st.last_used.push(self.step);
+                st.res.push(self.step);
             }
             st.digests.update(blk, &keys[h * d..(h + 1) * d]);
-            if !st.resident[blk] {
-                make_resident(st, blk, self.step, cfg.resident_blocks_per_head());
-            }
+            st.res
+                .make_resident(blk, self.step, cfg.resident_blocks_per_head());
         }
     }
 
@@ -244,7 +231,7 @@ impl SeqAttention {
         let step = self.step;
         // Selections first, heads in parallel when the context is long enough to pay for it:
         // scoring every block of every head is the step thread's largest job in sparse modes.
-        let mut sels: Vec<Vec<usize>> = match cfg.mode {
+        let sels: Vec<Vec<usize>> = match cfg.mode {
             Mode::Recall | Mode::Scout => {
                 let this = &*self;
                 let one =
@@ -259,73 +246,31 @@ impl SeqAttention {
         };
         let first = !self.layers[layer].initialised;
         self.layers[layer].initialised = true;
+        let dense = layer < cfg.dense_layers;
         let mut plans = Vec::with_capacity(hk);
         for h in 0..hk {
-            let qg = &q[h * per_head..(h + 1) * per_head];
+            let st = &mut self.heads[layer * hk + h];
             let plan = match cfg.mode {
-                Mode::Full => HeadPlan {
-                    device: (0..n).collect(),
-                    cpu: Vec::new(),
-                },
-                Mode::Hgca => {
-                    // Sink and a recent window of half the budget dense on the device; top-k of
-                    // the rest, with the other half of the budget, on the CPU.
-                    let budget = cfg.budget_blocks(bs);
-                    let window = (budget / 2).max(1);
-                    let start = n.saturating_sub(window).max(1).min(n);
-                    let mut device: Vec<usize> = (0..n.min(1)).chain(start..n).collect();
-                    device.dedup();
-                    let st = &self.heads[layer * hk + h];
-                    let gq = GroupQuery::with(qg, self.geom.head_dim, cfg.group_score);
-                    let score = |b: usize| (b, st.digests.score(&gq, b));
-                    let mut rest: Vec<(usize, f32)> = if start >= PARALLEL_SELECT_BLOCKS {
-                        (1..start).into_par_iter().map(score).collect()
-                    } else {
-                        (1..start).map(score).collect()
-                    };
-                    let k = if layer < cfg.dense_layers {
-                        rest.len()
-                    } else {
-                        budget.saturating_sub(device.len())
-                    };
-                    if k < rest.len() {
-                        rest.select_nth_unstable_by(k, |a, b| b.1.total_cmp(&a.1));
-                        rest.truncate(k);
-                    }
-                    let mut cpu: Vec<usize> = rest.into_iter().map(|x| x.0).collect();
-                    cpu.sort_unstable();
-                    HeadPlan { device, cpu }
-                }
+                Mode::Full => plan::full(n),
+                Mode::Hgca => plan::hgca(
+                    cfg,
+                    &st.digests,
+                    &q[h * per_head..(h + 1) * per_head],
+                    self.geom.head_dim,
+                    bs,
+                    n,
+                    dense,
+                ),
                 Mode::Recall | Mode::Scout => {
-                    let sel = std::mem::take(&mut sels[h]);
-                    let st = &mut self.heads[layer * hk + h];
-                    for b in std::mem::take(&mut st.pending) {
-                        if b < st.resident.len() && !st.resident[b] {
-                            make_resident(st, b, step, cap);
-                        }
+                    // The first plan fills the device with the prompt's top-k (sink and recent
+                    // block included); recall mode fetches whatever is missing, every step.
+                    let fill = first || cfg.mode == Mode::Recall;
+                    let (p, fetched) = plan::by_residency(&mut st.res, &sels[h], step, cap, fill);
+                    if !first {
+                        self.stats.recall_blocks += fetched;
+                        self.stats.recall_bytes += fetched * self.geom.head_bytes() as u64;
                     }
-                    // Selected now: never evicted to make room during this step.
-                    for &b in &sel {
-                        st.last_used[b] = step;
-                    }
-                    if first || cfg.mode == Mode::Recall {
-                        // First step: fill the device with the prompt's top-k (with sink and
-                        // recent block). Recall mode fetches whatever is missing, every step.
-                        let mut fetched = 0u64;
-                        for &b in &sel {
-                            if !st.resident[b] {
-                                make_resident(st, b, step, cap);
-                                fetched += 1;
-                            }
-                        }
-                        if !first {
-                            self.stats.recall_blocks += fetched;
-                            self.stats.recall_bytes += fetched * self.geom.head_bytes() as u64;
-                        }
-                    }
-                    let (device, cpu): (Vec<usize>, Vec<usize>) =
-                        sel.iter().partition(|b| st.resident[**b]);
-                    HeadPlan { device, cpu }
+                    p
                 }
             };
             plans.push(plan);
@@ -377,7 +322,7 @@ impl SeqAttention {
         let hk = self.geom.num_kv_heads;
         for (h, p) in plans.iter().enumerate() {
             let st = &mut self.heads[layer * hk + h];
-            st.pending.extend(p.cpu.iter().copied());
+            st.res.schedule(p.cpu.iter().copied());
             self.stats.recall_blocks += p.cpu.len() as u64;
             self.stats.recall_bytes += (p.cpu.len() * self.geom.head_bytes()) as u64;
         }
@@ -386,7 +331,9 @@ impl SeqAttention {
     /// Blocks of (`layer`, `head`) scheduled for recall by [`SeqAttention::finish_layer`],
     /// resident from the next plan of `layer`: a device copies them now.
     pub fn pending(&self, layer: usize, head: usize) -> &[usize] {
-        &self.heads[layer * self.geom.num_kv_heads + head].pending
+        self.heads[layer * self.geom.num_kv_heads + head]
+            .res
+            .pending()
     }
 
     /// Records how well the predicted selection matched the real one, and the query cosine.
@@ -449,33 +396,6 @@ pub fn recall_intervals(history: &[Vec<f32>], threshold: f32) -> Vec<u32> {
             steps.max(1) as u32
         })
         .collect()
-}
-
-/// Marks `b` resident, evicting the least recently used block (never the sink or the
-/// newest) when the head is at capacity.
-fn make_resident(st: &mut HeadState, b: usize, step: u64, cap: usize) {
-    if st.n_resident >= cap {
-        let newest = st.resident.len() - 1;
-        let victim = st
-            .resident_list
-            .iter()
-            .enumerate()
-            .filter(|&(_, &i)| i != 0 && i != newest && i != b && st.last_used[i] < step)
-            .min_by_key(|&(_, &i)| (st.last_used[i], i))
-            .map(|(at, _)| at);
-        match victim {
-            Some(at) => {
-                let v = st.resident_list.swap_remove(at);
-                st.resident[v] = false;
-                st.n_resident -= 1;
-            }
-            None => return,
-        }
-    }
-    st.resident[b] = true;
-    st.resident_list.push(b);
-    st.last_used[b] = step;
-    st.n_resident += 1;
 }
 
 /// Which head a query belongs to, the query itself and its softmax scale.

@@ -168,136 +168,152 @@ impl Metrics {
             process_start: FloatGauge::default(),
             registry: Arc::new(Registry::default()),
         };
-        {
-            let r = root.sub_registry_with_prefix("decode_node");
-            r.register(
-                "requests",
-                "Finished requests by outcome",
-                m.requests.clone(),
-            );
-            r.register(
-                "time_to_first_token_seconds",
-                "Generate arrival to first token",
-                m.ttft.clone(),
-            );
-            r.register(
-                "inter_token_latency_seconds",
-                "Time between consecutive tokens",
-                m.itl.clone(),
-            );
-            r.register(
-                "e2e_request_latency_seconds",
-                "Generate arrival to finish",
-                m.e2e.clone(),
-            );
-            r.register(
-                "request_queue_time_seconds",
-                "Time waiting for admission",
-                m.queue_time.clone(),
-            );
-            r.register(
-                "generation_tokens",
-                "Tokens generated",
-                m.generation_tokens.clone(),
-            );
-            r.register(
-                "num_requests_running",
-                "Requests decoding",
-                m.running.clone(),
-            );
-            r.register(
-                "num_requests_waiting",
-                "Requests waiting for admission",
-                m.waiting.clone(),
-            );
-            r.register(
-                "batch_size",
-                "Requests in the last decode step",
-                m.batch_size.clone(),
-            );
-            r.register(
-                "cancellations",
-                "Cancelled requests by reason",
-                m.cancellations.clone(),
-            );
-            r.register(
-                "host_kv_bytes",
-                "Host KV pool bytes by state",
-                m.host_kv_bytes.clone(),
-            );
-            r.register(
-                "device_kv_bytes",
-                "Device KV bytes by state",
-                m.device_kv_bytes.clone(),
-            );
-            r.register(
-                "attention_cpu_ratio",
-                "Share of selected KV tokens attended on the CPU",
-                m.attention_cpu_ratio.clone(),
-            );
-            r.register(
-                "recall_blocks",
-                "KV blocks recalled to the device",
-                m.recall_blocks.clone(),
-            );
-            r.register(
-                "recall_bytes",
-                "KV bytes recalled to the device",
-                m.recall_bytes.clone(),
-            );
-            r.register(
-                "device_wait_seconds",
-                "Seconds the device side waited on CPU attention",
-                m.device_wait_seconds.clone(),
-            );
-            r.register(
-                "step_duration_seconds",
-                "Seconds per decode step",
-                m.step_duration.clone(),
-            );
-            r.register(
-                "query_prediction_hit_ratio",
-                "Share of the real top-k selection found by the predicted query",
-                m.query_prediction_hit_ratio.clone(),
-            );
-            r.register(
-                "query_prediction_cosine",
-                "Cosine of the layer-ahead predicted query with the real one, per layer",
-                m.query_cosine.clone(),
-            );
-            r.register(
-                "prediction_guard_fallbacks",
-                "Layers whose layer-ahead CPU part was redone with the real query, per layer",
-                m.guard_fallbacks.clone(),
-            );
-            m.ingest.register(r);
+        let r = root.sub_registry_with_prefix("decode_node");
+        m.register_decode(r);
+        m.ingest.register(r);
+        m.register_process(&mut root);
+        m.create_labels();
+        Self {
+            registry: Arc::new(root),
+            ..m
         }
+    }
+
+    /// The node's own metrics, under the `decode_node_` prefix.
+    fn register_decode(&self, r: &mut Registry) {
+        r.register(
+            "requests",
+            "Finished requests by outcome",
+            self.requests.clone(),
+        );
+        r.register(
+            "time_to_first_token_seconds",
+            "Generate arrival to first token",
+            self.ttft.clone(),
+        );
+        r.register(
+            "inter_token_latency_seconds",
+            "Time between consecutive tokens",
+            self.itl.clone(),
+        );
+        r.register(
+            "e2e_request_latency_seconds",
+            "Generate arrival to finish",
+            self.e2e.clone(),
+        );
+        r.register(
+            "request_queue_time_seconds",
+            "Time waiting for admission",
+            self.queue_time.clone(),
+        );
+        r.register(
+            "generation_tokens",
+            "Tokens generated",
+            self.generation_tokens.clone(),
+        );
+        r.register(
+            "num_requests_running",
+            "Requests decoding",
+            self.running.clone(),
+        );
+        r.register(
+            "num_requests_waiting",
+            "Requests waiting for admission",
+            self.waiting.clone(),
+        );
+        r.register(
+            "batch_size",
+            "Requests in the last decode step",
+            self.batch_size.clone(),
+        );
+        r.register(
+            "cancellations",
+            "Cancelled requests by reason",
+            self.cancellations.clone(),
+        );
+        r.register(
+            "host_kv_bytes",
+            "Host KV pool bytes by state",
+            self.host_kv_bytes.clone(),
+        );
+        r.register(
+            "device_kv_bytes",
+            "Device KV bytes by state",
+            self.device_kv_bytes.clone(),
+        );
+        r.register(
+            "attention_cpu_ratio",
+            "Share of selected KV tokens attended on the CPU",
+            self.attention_cpu_ratio.clone(),
+        );
+        r.register(
+            "recall_blocks",
+            "KV blocks recalled to the device",
+            self.recall_blocks.clone(),
+        );
+        r.register(
+            "recall_bytes",
+            "KV bytes recalled to the device",
+            self.recall_bytes.clone(),
+        );
+        r.register(
+            "device_wait_seconds",
+            "Seconds the device side waited on CPU attention",
+            self.device_wait_seconds.clone(),
+        );
+        r.register(
+            "step_duration_seconds",
+            "Seconds per decode step",
+            self.step_duration.clone(),
+        );
+        r.register(
+            "query_prediction_hit_ratio",
+            "Share of the real top-k selection found by the predicted query",
+            self.query_prediction_hit_ratio.clone(),
+        );
+        r.register(
+            "query_prediction_cosine",
+            "Cosine of the layer-ahead predicted query with the real one, per layer",
+            self.query_cosine.clone(),
+        );
+        r.register(
+            "prediction_guard_fallbacks",
+            "Layers whose layer-ahead CPU part was redone with the real query, per layer",
+            self.guard_fallbacks.clone(),
+        );
+    }
+
+    /// The standard process metrics (no prefix).
+    fn register_process(&self, root: &mut Registry) {
         root.register(
             "process_resident_memory_bytes",
             "Resident memory",
-            m.process_rss.clone(),
+            self.process_rss.clone(),
         );
         root.register(
             "process_cpu_seconds",
             "User and system CPU seconds",
-            m.process_cpu.clone(),
+            self.process_cpu.clone(),
         );
         root.register(
             "process_open_fds",
             "Open file descriptors",
-            m.process_fds.clone(),
+            self.process_fds.clone(),
         );
         root.register(
             "process_start_time_seconds",
             "Start time since the epoch",
-            m.process_start.clone(),
+            self.process_start.clone(),
         );
         let start = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
-        m.process_start.set(start);
-        // Every label value we emit exists from the start, so rate() works from the first
-        // scrape (an empty family is not exported at all).
+        self.process_start.set(start);
+    }
+
+    /// Creates every label value we emit, so rate() works from the first scrape (an empty
+    /// family is not exported at all).
+    fn create_labels(&self) {
         for outcome in [
             "length",
             "stop",
@@ -307,12 +323,12 @@ impl Metrics {
             "rejected",
             "error",
         ] {
-            let _ = m.requests.get_or_create(&OutcomeLabel {
+            let _ = self.requests.get_or_create(&OutcomeLabel {
                 outcome: outcome.into(),
             });
         }
         for reason in ["client", "disconnect", "shutdown"] {
-            let _ = m.cancellations.get_or_create(&ReasonLabel {
+            let _ = self.cancellations.get_or_create(&ReasonLabel {
                 reason: reason.into(),
             });
         }
@@ -324,14 +340,10 @@ impl Metrics {
             "cancelled",
             "unavailable",
         ] {
-            let _ = m
+            let _ = self
                 .ingest
                 .errors
                 .get_or_create(&kv_transfer::CodeLabel { code: code.into() });
-        }
-        Self {
-            registry: Arc::new(root),
-            ..m
         }
     }
 

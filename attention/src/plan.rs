@@ -1,0 +1,135 @@
+//! One planner per attention mode: how a (layer, KV head)'s blocks split between the device
+//! and the CPU this step. Each is a function of the head's digests or residency alone, so it
+//! is tested on its own; [`crate::SeqAttention::plan_layer`] picks one by mode.
+
+use rayon::prelude::*;
+
+use crate::digest::{GroupQuery, HeadDigests};
+use crate::policy::AttentionConfig;
+use crate::residency::Residency;
+use crate::sequence::HeadPlan;
+
+/// Blocks per head from which a scan over blocks runs in parallel.
+pub(crate) const PARALLEL_SELECT_BLOCKS: usize = 256;
+
+/// `full`: every one of the `n` blocks on the device.
+pub(crate) fn full(n: usize) -> HeadPlan {
+    HeadPlan {
+        device: (0..n).collect(),
+        cpu: Vec::new(),
+    }
+}
+
+/// `hgca`: the sink and a recent window of half the budget dense on the device; the top-k of
+/// the rest by digest score, with the other half of the budget, on the CPU (all of the rest in
+/// a dense layer).
+pub(crate) fn hgca(
+    cfg: &AttentionConfig,
+    digests: &HeadDigests,
+    q_group: &[f32],
+    head_dim: usize,
+    block_size: usize,
+    n: usize,
+    dense: bool,
+) -> HeadPlan {
+    let budget = cfg.budget_blocks(block_size);
+    let window = (budget / 2).max(1);
+    let start = n.saturating_sub(window).max(1).min(n);
+    let mut device: Vec<usize> = (0..n.min(1)).chain(start..n).collect();
+    device.dedup();
+    let gq = GroupQuery::with(q_group, head_dim, cfg.group_score);
+    let score = |b: usize| (b, digests.score(&gq, b));
+    let mut rest: Vec<(usize, f32)> = if start >= PARALLEL_SELECT_BLOCKS {
+        (1..start).into_par_iter().map(score).collect()
+    } else {
+        (1..start).map(score).collect()
+    };
+    let k = if dense {
+        rest.len()
+    } else {
+        budget.saturating_sub(device.len())
+    };
+    if k < rest.len() {
+        rest.select_nth_unstable_by(k, |a, b| b.1.total_cmp(&a.1));
+        rest.truncate(k);
+    }
+    let mut cpu: Vec<usize> = rest.into_iter().map(|x| x.0).collect();
+    cpu.sort_unstable();
+    HeadPlan { device, cpu }
+}
+
+/// `recall` and `scout`: the selection `sel` split by residency. Recalled blocks scheduled at
+/// the last step become resident first; the first plan fills the device with the selection,
+/// and `fetch_missing` (recall mode) fetches whatever is missing at every step. Returns the
+/// plan and the blocks fetched by this plan.
+pub(crate) fn by_residency(
+    res: &mut Residency,
+    sel: &[usize],
+    step: u64,
+    cap: usize,
+    fill: bool,
+) -> (HeadPlan, u64) {
+    res.apply_pending(step, cap);
+    // Selected now: never evicted to make room during this step.
+    for &b in sel {
+        res.touch(b, step);
+    }
+    let mut fetched = 0u64;
+    if fill {
+        for &b in sel {
+            if !res.is_resident(b) && res.make_resident(b, step, cap) {
+                fetched += 1;
+            }
+        }
+    }
+    let (device, cpu) = sel.iter().partition(|b| res.is_resident(**b));
+    (HeadPlan { device, cpu }, fetched)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::AttentionConfig;
+
+    #[test]
+    fn full_puts_everything_on_the_device() {
+        assert_eq!(full(3).device, vec![0, 1, 2]);
+        assert!(full(3).cpu.is_empty());
+    }
+
+    #[test]
+    fn by_residency_fills_once_then_splits_by_what_is_resident() {
+        let mut res = Residency::new(10);
+        // First plan: the selection is fetched up to the cap; what does not fit stays on the CPU.
+        let (p, fetched) = by_residency(&mut res, &[0, 3, 5, 9], 0, 3, true);
+        assert_eq!(fetched, 3);
+        assert_eq!((p.device.len(), p.cpu.len()), (3, 1));
+        // Later plans only split; a scheduled recall lands before the split.
+        res.schedule([p.cpu[0]]);
+        let (p2, fetched) = by_residency(&mut res, &[0, 3, 5, 9], 1, 4, false);
+        assert_eq!(fetched, 0);
+        assert_eq!(p2.device, vec![0, 3, 5, 9]);
+        assert!(p2.cpu.is_empty());
+    }
+
+    #[test]
+    fn hgca_window_on_the_device_and_top_k_of_the_rest_on_the_cpu() {
+        let cfg = AttentionConfig {
+            budget_tokens: 64,
+            ..AttentionConfig::scout(16)
+        };
+        let (d, n) = (4, 10);
+        let mut digests = HeadDigests::new(n, d);
+        for b in 0..n {
+            // Block 4 has the largest keys along the query.
+            let k = if b == 4 { [9.0; 4] } else { [0.1; 4] };
+            digests.update(b, &k);
+        }
+        let p = hgca(&cfg, &digests, &[1.0; 4], d, 16, n, false);
+        // Budget 4 blocks: window 2 (8, 9) plus the sink on the device, 1 more on the CPU.
+        assert_eq!(p.device, vec![0, 8, 9]);
+        assert_eq!(p.cpu, vec![4]);
+        let dense = hgca(&cfg, &digests, &[1.0; 4], d, 16, n, true);
+        assert_eq!(dense.cpu, (1..8).collect::<Vec<_>>());
+    }
+}
