@@ -10,21 +10,23 @@
 //! on the host between them. Their device kernels exist and are checked by `selftest`;
 //! keeping whole layers on the device is the next step.
 
+mod blas;
+mod driver;
 pub mod selftest;
 mod slots;
 mod store;
 
-use std::collections::HashMap;
-use std::ffi::c_void;
+use blas::{Blas, upload};
+pub(crate) use driver::{
+    DevBuf, Kernels, Shared, dev_err, dtoh_f32, dtype_code, f32_bytes, htod, launch_on,
+};
+pub use driver::{DeviceInfo, compile_kernels, probe};
+
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use attention::{BlockGeometry, KvDType};
-use cudarc::cublas::{result as blas, sys as blas_sys};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
-    result as drv, sys,
-};
+use cudarc::driver::{CudaContext, DevicePtr, result as drv};
 use kv_transfer::HostPool;
 
 use super::{Backend, BackendError, DeviceKv, LinearOut};
@@ -58,274 +60,6 @@ pub enum CudaError {
     Compile(String),
 }
 
-/// What the probe found.
-#[derive(Debug, Clone)]
-pub struct DeviceInfo {
-    /// Ordinal.
-    pub ordinal: usize,
-    /// Devices visible.
-    pub count: usize,
-}
-
-impl fmt::Display for DeviceInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "cuda:{} ({} visible)", self.ordinal, self.count)
-    }
-}
-
-/// Checks that libcuda loads and `ordinal` exists, before any other CUDA call: with dynamic
-/// loading, the first call into a missing library would panic.
-pub fn probe(ordinal: usize) -> Result<DeviceInfo, CudaError> {
-    // SAFETY: only tries to dlopen libcuda; no CUDA function is called.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(CudaError::NoDriver);
-    }
-    cudarc::driver::result::init().map_err(|e| CudaError::Driver(format!("{e:?}")))?;
-    let count = cudarc::driver::result::device::get_count()
-        .map_err(|e| CudaError::Driver(format!("{e:?}")))?;
-    let count = usize::try_from(count).unwrap_or(0);
-    if ordinal >= count {
-        return Err(CudaError::NoSuchDevice { ordinal, count });
-    }
-    Ok(DeviceInfo { ordinal, count })
-}
-
-/// Compiles the device kernels to PTX with NVRTC.
-pub fn compile_kernels() -> Result<String, CudaError> {
-    // SAFETY: only tries to dlopen libnvrtc.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(CudaError::NoNvrtc);
-    }
-    let ptx = cudarc::nvrtc::compile_ptx(attention::cuda::KERNELS_CU)
-        .map_err(|e| CudaError::Compile(format!("{e:?}")))?;
-    Ok(ptx.to_src())
-}
-
-pub(crate) fn dev_err(what: &str, e: impl fmt::Debug) -> BackendError {
-    BackendError::Device(format!("{what}: {e:?}"))
-}
-
-/// The compiled kernels.
-#[derive(Debug)]
-pub(crate) struct Kernels {
-    pub(crate) f32_to_half: CudaFunction,
-    pub(crate) split: CudaFunction,
-    pub(crate) combine: CudaFunction,
-    pub(crate) rms_norm: CudaFunction,
-    pub(crate) rope: CudaFunction,
-    pub(crate) silu_mul: CudaFunction,
-    pub(crate) quest_scores: CudaFunction,
-    pub(crate) lse2_merge: CudaFunction,
-    pub(crate) kv_append: CudaFunction,
-    pub(crate) gather_copy: CudaFunction,
-}
-
-/// What the backend and its KV store share.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) ordinal: usize,
-    pub(crate) ctx: Arc<CudaContext>,
-    /// Projections and the device part of attention, in order.
-    pub(crate) stream: Arc<CudaStream>,
-    /// Recall copies, overlapping the main stream.
-    pub(crate) recall: Arc<CudaStream>,
-    pub(crate) k: Kernels,
-}
-
-impl Shared {
-    pub(crate) fn bind(&self) -> Result<(), BackendError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| dev_err("binding the context", e))
-    }
-
-    /// Launches `f` on the main stream with raw arguments (device pointers as `u64`).
-    ///
-    /// # Safety
-    /// `args` must match the kernel's parameters in number, order and type, and every device
-    /// pointer among them must be valid for what the kernel touches.
-    pub(crate) unsafe fn launch(
-        &self,
-        f: &CudaFunction,
-        grid: (u32, u32),
-        block: u32,
-        args: &[&dyn Arg],
-    ) -> Result<(), BackendError> {
-        // SAFETY: per this function's contract.
-        unsafe { launch_on(&self.stream, f, grid, block, args) }
-    }
-}
-
-/// Launches `f` on `stream` with raw arguments (device pointers as `u64`).
-///
-/// # Safety
-/// As [`Shared::launch`].
-pub(crate) unsafe fn launch_on(
-    stream: &CudaStream,
-    f: &CudaFunction,
-    grid: (u32, u32),
-    block: u32,
-    args: &[&dyn Arg],
-) -> Result<(), BackendError> {
-    {
-        let mut b = stream.launch_builder(f);
-        for a in args {
-            a.push(&mut b);
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (grid.0.max(1), grid.1.max(1), 1),
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: per this function's contract.
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| dev_err("kernel launch", e))
-    }
-}
-
-/// A kernel argument passed by value.
-pub(crate) trait Arg {
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
-}
-
-macro_rules! impl_arg {
-    ($($t:ty),*) => {$(
-        impl Arg for $t {
-            fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-                b.arg(self);
-            }
-        }
-    )*};
-}
-impl_arg!(u64, i64, i32, f32);
-
-/// A device buffer that grows to the largest size asked of it.
-#[derive(Debug, Default)]
-pub(crate) struct DevBuf {
-    buf: Option<CudaSlice<u8>>,
-}
-
-impl DevBuf {
-    /// Device address of at least `bytes` bytes (contents undefined).
-    pub(crate) fn ptr(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        bytes: usize,
-    ) -> Result<u64, BackendError> {
-        let bytes = bytes.max(256);
-        if self.buf.as_ref().is_none_or(|b| b.len() < bytes) {
-            self.buf = None;
-            // SAFETY: contents are written before they are read by every user of `DevBuf`.
-            let b = unsafe { stream.alloc::<u8>(bytes.next_power_of_two()) }.map_err(|e| {
-                BackendError::DeviceFull(format!("{bytes} bytes of scratch: {e:?}"))
-            })?;
-            self.buf = Some(b);
-        }
-        match &self.buf {
-            Some(b) => Ok(b.device_ptr(stream).0),
-            None => Err(BackendError::Device("scratch buffer missing".into())),
-        }
-    }
-}
-
-/// Page-locked host memory for the activations crossing PCIe: copies from it are true DMA,
-/// without the driver's staging copy and the synchronisation pageable memory implies.
-#[derive(Debug)]
-pub(crate) struct Pinned {
-    ptr: *mut f32,
-    len: usize,
-}
-
-// SAFETY: the buffer is plain memory owned by this value; used under the backend's mutex.
-unsafe impl Send for Pinned {}
-
-impl Pinned {
-    const fn empty() -> Self {
-        Self {
-            ptr: std::ptr::null_mut(),
-            len: 0,
-        }
-    }
-
-    /// At least `n` floats (contents undefined until written).
-    fn get(&mut self, n: usize) -> Result<&mut [f32], BackendError> {
-        if self.len < n {
-            self.release();
-            let len = n.next_power_of_two().max(1024);
-            // SAFETY: a fresh allocation of `len` floats; PORTABLE pins it for every context.
-            let p = unsafe { drv::malloc_host(len * 4, sys::CU_MEMHOSTALLOC_PORTABLE) }
-                .map_err(|e| BackendError::DeviceFull(format!("pinned staging: {e:?}")))?;
-            self.ptr = p.cast();
-            self.len = len;
-        }
-        // SAFETY: `ptr` holds `len >= n` floats owned by us; f32 accepts any bit pattern.
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, n) })
-    }
-
-    fn release(&mut self) {
-        if !self.ptr.is_null() {
-            // SAFETY: allocated by `malloc_host`, freed once.
-            let _ = unsafe { drv::free_host(self.ptr.cast()) };
-            self.ptr = std::ptr::null_mut();
-            self.len = 0;
-        }
-    }
-}
-
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        self.release();
-    }
-}
-
-/// Copies `src` to device address `dst` on `stream` (asynchronous for page-locked memory).
-pub(crate) fn htod(dst: u64, src: &[u8], stream: &CudaStream) -> Result<(), BackendError> {
-    // SAFETY: callers pass a device range of at least `src.len()` bytes.
-    unsafe { drv::memcpy_htod_async(dst, src, stream.cu_stream()) }
-        .map_err(|e| dev_err("copy to device", e))
-}
-
-/// Copies device address `src` into `dst` and waits for it.
-pub(crate) fn dtoh_f32(dst: &mut [f32], src: u64, stream: &CudaStream) -> Result<(), BackendError> {
-    // SAFETY: callers pass a device range of at least `dst.len()` floats; the stream is
-    // synchronised before `dst` is read.
-    unsafe { drv::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
-        .map_err(|e| dev_err("copy to host", e))?;
-    stream
-        .synchronize()
-        .map_err(|e| dev_err("synchronising", e))
-}
-
-pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and any byte pattern of u8 is valid.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-}
-
-/// The state of the projections, behind one lock (one main stream).
-struct Blas {
-    handle: blas_sys::cublasHandle_t,
-    /// Device copies of weights, by the address of their host bytes.
-    weights: HashMap<(usize, usize), CudaSlice<u8>>,
-    x: DevBuf,
-    xh: DevBuf,
-    y: DevBuf,
-    /// Host side of `x` and `y`.
-    staging: Pinned,
-}
-
-// SAFETY: the cuBLAS handle is only used under the backend's mutex, from one thread at a time.
-unsafe impl Send for Blas {}
-
-impl Drop for Blas {
-    fn drop(&mut self) {
-        // SAFETY: the handle was created by `create_handle` and is destroyed once.
-        if let Err(e) = unsafe { blas::destroy_handle(self.handle) } {
-            tracing::warn!(error = ?e, "destroying the cuBLAS handle failed");
-        }
-    }
-}
-
 /// The CUDA backend of one device.
 pub struct CudaBackend {
     shared: Arc<Shared>,
@@ -345,7 +79,7 @@ impl CudaBackend {
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
         probe(ordinal)?;
         // SAFETY: only tries to dlopen libcublas.
-        if !unsafe { blas_sys::is_culib_present() } {
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::NoCublas);
         }
         let ptx = compile_kernels()?;
@@ -373,18 +107,7 @@ impl CudaBackend {
             kv_append: f("kv_append")?,
             gather_copy: f("gather_copy")?,
         };
-        let handle = blas::create_handle().map_err(|e| CudaError::Driver(format!("{e:?}")))?;
-        let blas_state = Blas {
-            handle,
-            weights: HashMap::new(),
-            x: DevBuf::default(),
-            xh: DevBuf::default(),
-            y: DevBuf::default(),
-            staging: Pinned::empty(),
-        };
-        // SAFETY: the handle is valid and the stream outlives it (both owned here).
-        unsafe { blas::set_stream(handle, stream.cu_stream() as _) }
-            .map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+        let blas_state = Blas::new(&stream)?;
         Ok(Self {
             shared: Arc::new(Shared {
                 ordinal,
@@ -440,35 +163,6 @@ impl CudaBackend {
         }
         sh.stream.synchronize().map_err(|e| dev_err("sync", e))?;
         Ok((2 * n * reps) as f64 / t.elapsed().as_secs_f64())
-    }
-}
-
-/// Uploads `w` once; returns its cache key.
-fn upload(g: &mut Blas, sh: &Shared, w: &Tensor) -> Result<(usize, usize), BackendError> {
-    let key = (w.bytes().as_ptr() as usize, w.bytes().len());
-    if let std::collections::hash_map::Entry::Vacant(slot) = g.weights.entry(key) {
-        let dev = sh
-            .stream
-            .clone_htod(w.bytes())
-            .map_err(|e| BackendError::DeviceFull(format!("weights: {e:?}")))?;
-        slot.insert(dev);
-    }
-    Ok(key)
-}
-
-fn half_type(d: KvDType) -> blas_sys::cudaDataType {
-    match d {
-        KvDType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
-        KvDType::F16 => blas_sys::cudaDataType::CUDA_R_16F,
-        KvDType::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
-    }
-}
-
-fn dtype_code(d: KvDType) -> i32 {
-    match d {
-        KvDType::F32 => 0,
-        KvDType::F16 => 1,
-        KvDType::Bf16 => 2,
     }
 }
 
@@ -548,35 +242,19 @@ impl Backend for CudaBackend {
                     }
                 },
             };
-            let (alpha, beta) = (1f32, 0f32);
-            let ty = half_type(o.w.dtype);
-            // Row-major y[batch][rows] = x[batch][cols] · w[rows][cols]ᵀ is, column-major,
-            // Y(rows×batch) = Wᵀ(rows×cols) · X(cols×batch) with W stored as (cols×rows).
-            // SAFETY: pointers are device ranges of the sizes named by m, n, k and lds.
+            // SAFETY: w_dev holds rows×cols, b_dev batch×cols of the weights' type, and y_dev
+            // room for `at` + batch×rows floats.
             unsafe {
-                blas::gemm_ex(
-                    g.handle,
-                    blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                    rows as i32,
-                    batch as i32,
-                    cols as i32,
-                    (&alpha as *const f32).cast::<c_void>(),
-                    w_dev as *const c_void,
-                    ty,
-                    cols as i32,
-                    b_dev as *const c_void,
-                    ty,
-                    cols as i32,
-                    (&beta as *const f32).cast::<c_void>(),
-                    (y_dev + (at * 4) as u64) as *mut c_void,
-                    blas_sys::cudaDataType::CUDA_R_32F,
-                    rows as i32,
-                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+                g.gemm(
+                    o.w.dtype,
+                    rows,
+                    batch,
+                    cols,
+                    w_dev,
+                    b_dev,
+                    y_dev + (at * 4) as u64,
                 )
-            }
-            .map_err(|e| dev_err("cuBLAS GemmEx", e))?;
+            }?;
             at += o.y.len();
         }
         let host = g.staging.get(x.len().max(total))?;

@@ -1,0 +1,128 @@
+//! cuBLAS projections: the handle, device copies of the weights (uploaded once), activation
+//! buffers and pinned staging, and the one GEMM shape the model needs.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+use attention::KvDType;
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::CudaSlice;
+
+use super::driver::{DevBuf, Pinned, Shared, dev_err};
+use super::{BackendError, CudaError, Tensor};
+
+/// The state of the projections, behind one lock (one main stream).
+pub(crate) struct Blas {
+    handle: blas_sys::cublasHandle_t,
+    /// Device copies of weights, by the address of their host bytes.
+    pub(crate) weights: HashMap<(usize, usize), CudaSlice<u8>>,
+    pub(crate) x: DevBuf,
+    pub(crate) xh: DevBuf,
+    pub(crate) y: DevBuf,
+    /// Host side of `x` and `y`.
+    pub(crate) staging: Pinned,
+}
+
+// SAFETY: the cuBLAS handle is only used under the backend's mutex, from one thread at a time.
+unsafe impl Send for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created by `create_handle` and is destroyed once.
+        if let Err(e) = unsafe { blas::destroy_handle(self.handle) } {
+            tracing::warn!(error = ?e, "destroying the cuBLAS handle failed");
+        }
+    }
+}
+
+impl Blas {
+    /// A cuBLAS handle issuing on `sh`'s main stream.
+    pub(crate) fn new(sh_stream: &cudarc::driver::CudaStream) -> Result<Self, CudaError> {
+        let handle = blas::create_handle().map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+        let b = Self {
+            handle,
+            weights: HashMap::new(),
+            x: DevBuf::default(),
+            xh: DevBuf::default(),
+            y: DevBuf::default(),
+            staging: Pinned::empty(),
+        };
+        // SAFETY: the handle is valid and the stream outlives it (both owned by the backend).
+        unsafe { blas::set_stream(handle, sh_stream.cu_stream() as _) }
+            .map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+        Ok(b)
+    }
+
+    /// Row-major `y[batch][rows] = x[batch][cols] · w[rows][cols]ᵀ` with `w` and `x` of
+    /// `dtype`, f32 accumulation and output.
+    ///
+    /// # Safety
+    /// `w`, `x` and `y` are device ranges of rows×cols, batch×cols (`dtype`) and batch×rows
+    /// (f32) elements.
+    #[allow(clippy::too_many_arguments)] // the GEMM's shape and operands, spelled out
+    pub(crate) unsafe fn gemm(
+        &mut self,
+        dtype: KvDType,
+        rows: usize,
+        batch: usize,
+        cols: usize,
+        w: u64,
+        x: u64,
+        y: u64,
+    ) -> Result<(), BackendError> {
+        let (alpha, beta) = (1f32, 0f32);
+        let ty = half_type(dtype);
+        // Row-major y = x · wᵀ is, column-major, Y(rows×batch) = Wᵀ(rows×cols) · X(cols×batch)
+        // with W stored as (cols×rows).
+        // SAFETY: the caller's ranges; alpha and beta live across the call.
+        unsafe {
+            blas::gemm_ex(
+                self.handle,
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                rows as i32,
+                batch as i32,
+                cols as i32,
+                (&alpha as *const f32).cast::<c_void>(),
+                w as *const c_void,
+                ty,
+                cols as i32,
+                x as *const c_void,
+                ty,
+                cols as i32,
+                (&beta as *const f32).cast::<c_void>(),
+                y as *mut c_void,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                rows as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| dev_err("cuBLAS GemmEx", e))
+    }
+}
+
+/// Uploads `w` once; returns its cache key.
+pub(crate) fn upload(
+    g: &mut Blas,
+    sh: &Shared,
+    w: &Tensor,
+) -> Result<(usize, usize), BackendError> {
+    let key = (w.bytes().as_ptr() as usize, w.bytes().len());
+    if let std::collections::hash_map::Entry::Vacant(slot) = g.weights.entry(key) {
+        let dev = sh
+            .stream
+            .clone_htod(w.bytes())
+            .map_err(|e| BackendError::DeviceFull(format!("weights: {e:?}")))?;
+        slot.insert(dev);
+    }
+    Ok(key)
+}
+
+fn half_type(d: KvDType) -> blas_sys::cudaDataType {
+    match d {
+        KvDType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+        KvDType::F16 => blas_sys::cudaDataType::CUDA_R_16F,
+        KvDType::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
+    }
+}

@@ -1,0 +1,267 @@
+//! The CUDA driver side: probing, kernel compilation (NVRTC), the context and streams shared
+//! by the backend and the KV store, device buffers, pinned host memory and copies.
+
+use std::fmt;
+use std::sync::Arc;
+
+use attention::KvDType;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    result as drv, sys,
+};
+
+use super::{BackendError, CudaError};
+
+/// What the probe found.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    /// Ordinal.
+    pub ordinal: usize,
+    /// Devices visible.
+    pub count: usize,
+}
+
+impl fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "cuda:{} ({} visible)", self.ordinal, self.count)
+    }
+}
+
+/// Checks that libcuda loads and `ordinal` exists, before any other CUDA call: with dynamic
+/// loading, the first call into a missing library would panic.
+pub fn probe(ordinal: usize) -> Result<DeviceInfo, CudaError> {
+    // SAFETY: only tries to dlopen libcuda; no CUDA function is called.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CudaError::NoDriver);
+    }
+    cudarc::driver::result::init().map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+    let count = cudarc::driver::result::device::get_count()
+        .map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+    let count = usize::try_from(count).unwrap_or(0);
+    if ordinal >= count {
+        return Err(CudaError::NoSuchDevice { ordinal, count });
+    }
+    Ok(DeviceInfo { ordinal, count })
+}
+
+/// Compiles the device kernels to PTX with NVRTC.
+pub fn compile_kernels() -> Result<String, CudaError> {
+    // SAFETY: only tries to dlopen libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    let ptx = cudarc::nvrtc::compile_ptx(attention::cuda::KERNELS_CU)
+        .map_err(|e| CudaError::Compile(format!("{e:?}")))?;
+    Ok(ptx.to_src())
+}
+
+pub(crate) fn dev_err(what: &str, e: impl fmt::Debug) -> BackendError {
+    BackendError::Device(format!("{what}: {e:?}"))
+}
+
+/// The compiled kernels.
+#[derive(Debug)]
+pub(crate) struct Kernels {
+    pub(crate) f32_to_half: CudaFunction,
+    pub(crate) split: CudaFunction,
+    pub(crate) combine: CudaFunction,
+    pub(crate) rms_norm: CudaFunction,
+    pub(crate) rope: CudaFunction,
+    pub(crate) silu_mul: CudaFunction,
+    pub(crate) quest_scores: CudaFunction,
+    pub(crate) lse2_merge: CudaFunction,
+    pub(crate) kv_append: CudaFunction,
+    pub(crate) gather_copy: CudaFunction,
+}
+
+/// What the backend and its KV store share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) ordinal: usize,
+    pub(crate) ctx: Arc<CudaContext>,
+    /// Projections and the device part of attention, in order.
+    pub(crate) stream: Arc<CudaStream>,
+    /// Recall copies, overlapping the main stream.
+    pub(crate) recall: Arc<CudaStream>,
+    pub(crate) k: Kernels,
+}
+
+impl Shared {
+    pub(crate) fn bind(&self) -> Result<(), BackendError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("binding the context", e))
+    }
+
+    /// Launches `f` on the main stream with raw arguments (device pointers as `u64`).
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number, order and type, and every device
+    /// pointer among them must be valid for what the kernel touches.
+    pub(crate) unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32),
+        block: u32,
+        args: &[&dyn Arg],
+    ) -> Result<(), BackendError> {
+        // SAFETY: per this function's contract.
+        unsafe { launch_on(&self.stream, f, grid, block, args) }
+    }
+}
+
+/// Launches `f` on `stream` with raw arguments (device pointers as `u64`).
+///
+/// # Safety
+/// As [`Shared::launch`].
+pub(crate) unsafe fn launch_on(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: (u32, u32),
+    block: u32,
+    args: &[&dyn Arg],
+) -> Result<(), BackendError> {
+    {
+        let mut b = stream.launch_builder(f);
+        for a in args {
+            a.push(&mut b);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid.0.max(1), grid.1.max(1), 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: per this function's contract.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| dev_err("kernel launch", e))
+    }
+}
+
+/// A kernel argument passed by value.
+pub(crate) trait Arg {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+macro_rules! impl_arg {
+    ($($t:ty),*) => {$(
+        impl Arg for $t {
+            fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+                b.arg(self);
+            }
+        }
+    )*};
+}
+impl_arg!(u64, i64, i32, f32);
+
+/// A device buffer that grows to the largest size asked of it.
+#[derive(Debug, Default)]
+pub(crate) struct DevBuf {
+    buf: Option<CudaSlice<u8>>,
+}
+
+impl DevBuf {
+    /// Device address of at least `bytes` bytes (contents undefined).
+    pub(crate) fn ptr(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        bytes: usize,
+    ) -> Result<u64, BackendError> {
+        let bytes = bytes.max(256);
+        if self.buf.as_ref().is_none_or(|b| b.len() < bytes) {
+            self.buf = None;
+            // SAFETY: contents are written before they are read by every user of `DevBuf`.
+            let b = unsafe { stream.alloc::<u8>(bytes.next_power_of_two()) }.map_err(|e| {
+                BackendError::DeviceFull(format!("{bytes} bytes of scratch: {e:?}"))
+            })?;
+            self.buf = Some(b);
+        }
+        match &self.buf {
+            Some(b) => Ok(b.device_ptr(stream).0),
+            None => Err(BackendError::Device("scratch buffer missing".into())),
+        }
+    }
+}
+
+/// Page-locked host memory for the activations crossing PCIe: copies from it are true DMA,
+/// without the driver's staging copy and the synchronisation pageable memory implies.
+#[derive(Debug)]
+pub(crate) struct Pinned {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; used under the backend's mutex.
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    /// No memory yet.
+    pub(crate) const fn empty() -> Self {
+        Self {
+            ptr: std::ptr::null_mut(),
+            len: 0,
+        }
+    }
+
+    /// At least `n` floats (contents undefined until written).
+    pub(crate) fn get(&mut self, n: usize) -> Result<&mut [f32], BackendError> {
+        if self.len < n {
+            self.release();
+            let len = n.next_power_of_two().max(1024);
+            // SAFETY: a fresh allocation of `len` floats; PORTABLE pins it for every context.
+            let p = unsafe { drv::malloc_host(len * 4, sys::CU_MEMHOSTALLOC_PORTABLE) }
+                .map_err(|e| BackendError::DeviceFull(format!("pinned staging: {e:?}")))?;
+            self.ptr = p.cast();
+            self.len = len;
+        }
+        // SAFETY: `ptr` holds `len >= n` floats owned by us; f32 accepts any bit pattern.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, n) })
+    }
+
+    fn release(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: allocated by `malloc_host`, freed once.
+            let _ = unsafe { drv::free_host(self.ptr.cast()) };
+            self.ptr = std::ptr::null_mut();
+            self.len = 0;
+        }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Copies `src` to device address `dst` on `stream` (asynchronous for page-locked memory).
+pub(crate) fn htod(dst: u64, src: &[u8], stream: &CudaStream) -> Result<(), BackendError> {
+    // SAFETY: callers pass a device range of at least `src.len()` bytes.
+    unsafe { drv::memcpy_htod_async(dst, src, stream.cu_stream()) }
+        .map_err(|e| dev_err("copy to device", e))
+}
+
+/// Copies device address `src` into `dst` and waits for it.
+pub(crate) fn dtoh_f32(dst: &mut [f32], src: u64, stream: &CudaStream) -> Result<(), BackendError> {
+    // SAFETY: callers pass a device range of at least `dst.len()` floats; the stream is
+    // synchronised before `dst` is read.
+    unsafe { drv::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
+        .map_err(|e| dev_err("copy to host", e))?;
+    stream
+        .synchronize()
+        .map_err(|e| dev_err("synchronising", e))
+}
+
+pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any byte pattern of u8 is valid.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// The kernels' code for a KV dtype.
+pub(crate) fn dtype_code(d: KvDType) -> i32 {
+    match d {
+        KvDType::F32 => 0,
+        KvDType::F16 => 1,
+        KvDType::Bf16 => 2,
+    }
+}
