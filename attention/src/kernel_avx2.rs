@@ -1,12 +1,14 @@
 //! AVX2 + FMA + F16C path of the CPU kernel (x86-64), chosen at run time (with AVX-512 for
 //! full 32-token blocks of GQA groups where the CPU has it: `kernel_avx512`).
 //!
-//! Per block: K^T rows are converted to f32 once into an L1-resident scratch; each query head
-//! of the group scores all tokens with four 8-lane accumulators; the softmax uses a vector
-//! `exp2` (Taylor to degree 7 on [-0.5, 0.5], error ~1e-8 relative); V rows are converted as
-//! they stream and accumulated into up to eight heads held in registers.
+//! Per block: scores come from register tiles of heads x token vectors read straight from the
+//! stored keys (each key vector converted once per tile); the softmax uses a vector `exp2`
+//! (Taylor to degree 7 on [-0.5, 0.5], error ~1e-8 relative); V rows are converted as they
+//! stream and accumulated into up to six heads held in registers. Every loop is compiled once
+//! per element type ([`Elem`]), so no branch on the type sits inside one.
 
 use std::arch::x86_64::*;
+use std::marker::PhantomData;
 
 use crate::block::BlockGeometry;
 use crate::dtype::KvDType;
@@ -18,22 +20,51 @@ pub(crate) fn available() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
-/// Loads 8 elements at `p` as f32.
-///
-/// # Safety
-/// `p` must point at 8 readable elements of `dtype`; the CPU must have AVX2 and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load8(dtype: KvDType, p: *const u8) -> __m256 {
-    // SAFETY: the caller guarantees 8 readable elements at `p`.
-    unsafe {
-        match dtype {
-            KvDType::F32 => _mm256_loadu_ps(p.cast()),
-            KvDType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-            KvDType::Bf16 => {
-                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
-            }
+/// A stored element type, loaded 8 at a time as f32. One type per [`KvDType`], so every loop
+/// of the kernel is compiled once per type with no branch on the type inside it.
+trait Elem {
+    /// Bytes per element.
+    const SIZE: usize;
+    /// Loads 8 elements at `p` as f32.
+    ///
+    /// # Safety
+    /// `p` must point at 8 readable elements; the CPU must have AVX2 and F16C.
+    unsafe fn load8(p: *const u8) -> __m256;
+}
+
+struct AsF32;
+struct AsF16;
+struct AsBf16;
+
+impl Elem for AsF32 {
+    const SIZE: usize = 4;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable elements at `p`.
+        unsafe { _mm256_loadu_ps(p.cast()) }
+    }
+}
+
+impl Elem for AsF16 {
+    const SIZE: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable elements at `p`.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+impl Elem for AsBf16 {
+    const SIZE: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable elements at `p`.
+        unsafe {
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
         }
     }
 }
@@ -91,8 +122,6 @@ pub(crate) struct State<'a> {
     pub(crate) m: &'a mut [f32],
     /// `[G]` running denominator.
     pub(crate) l: &'a mut [f32],
-    /// `[D][B]` f32 keys of the current block.
-    pub(crate) kf: &'a mut [f32],
     /// `[G][B]` scores, then weights.
     pub(crate) s: &'a mut [f32],
 }
@@ -110,91 +139,47 @@ pub(crate) unsafe fn block(
     len: usize,
     st: &mut State<'_>,
 ) {
-    let (b, d, es, dt) = (
-        geom.block_size,
-        geom.head_dim,
-        geom.dtype.size(),
-        geom.dtype,
-    );
+    // SAFETY (every arm): forwarded; the element type is the block's.
+    unsafe {
+        match geom.dtype {
+            KvDType::F32 => block_as::<AsF32>(geom, qs, bytes, len, st),
+            KvDType::F16 => block_as::<AsF16>(geom, qs, bytes, len, st),
+            KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st),
+        }
+    }
+}
+
+/// [`block`] for element type `E`.
+///
+/// # Safety
+/// As [`block`]; `E` is `geom.dtype`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_as<E: Elem>(
+    geom: &BlockGeometry,
+    qs: &[f32],
+    bytes: &[u8],
+    len: usize,
+    st: &mut State<'_>,
+) {
+    let (b, d, es, dt) = (geom.block_size, geom.head_dim, E::SIZE, geom.dtype);
     let g = qs.len() / d;
     debug_assert!(b % 8 == 0 && d % 8 == 0 && bytes.len() >= 2 * b * d * es);
     let nv = len.div_ceil(8);
     let (kt, vs) = bytes.split_at(b * d * es);
-    // Full 32-token blocks score straight from the stored keys (no f32 copy to spill L1);
-    // other shapes convert K^T rows to f32 once, only the vectors that hold valid tokens.
-    let direct = b == 32 && len == 32;
-    // AVX-512 keeps a whole group of 2..8 heads in registers (each K and V element converted
-    // once per group); its availability is cached by the detection macro.
-    let wide = direct && (2..=8).contains(&g) && crate::kernel_avx512::available();
-    if direct {
-        // SAFETY: forwarded from this function's contract; `s` holds G x 32 scores; `wide`
-        // checked the CPU.
-        let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s) };
-        if !done {
-            // SAFETY: as above.
-            unsafe { scores_direct(dt, kt, qs, d, g, st.s) };
-        }
-    } else {
-        for c in 0..d {
-            for j in 0..nv {
-                // SAFETY: (c*b + 8j + 8) <= d*b elements lie inside `kt`.
-                let v = unsafe { load8(dt, kt.as_ptr().add((c * b + 8 * j) * es)) };
-                // SAFETY: kf has d*b elements.
-                unsafe { _mm256_storeu_ps(st.kf.as_mut_ptr().add(c * b + 8 * j), v) };
-            }
-        }
+    // AVX-512 keeps a whole group of 2..8 heads in registers for full 32-token blocks (each K
+    // and V element converted once per group); its availability is cached by the detection
+    // macro.
+    let wide = b == 32 && len == 32 && (2..=8).contains(&g) && crate::kernel_avx512::available();
+    // SAFETY: forwarded from this function's contract; `s` holds G x b scores; `wide` checked
+    // the CPU.
+    let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s) };
+    if !done {
+        // SAFETY: forwarded from this function's contract; `s` holds G x b >= G x 8nv scores.
+        unsafe { scores::<E>(kt, b, d, nv, qs, g, st.s) };
     }
     let neg = _mm256_set1_ps(f32::NEG_INFINITY);
     for h in 0..g {
-        let q = &qs[h * d..(h + 1) * d];
         let sh = &mut st.s[h * b..h * b + nv * 8];
-        let mut t0 = if direct { nv } else { 0 };
-        // Full 32-token groups: eight independent FMA chains (two per vector, even and odd
-        // channels) keep both FMA ports busy despite the 4-cycle latency.
-        while nv - t0 >= 4 {
-            let mut e = [_mm256_setzero_ps(); 4];
-            let mut o = [_mm256_setzero_ps(); 4];
-            let base = st.kf.as_ptr();
-            let mut c = 0;
-            while c + 1 < d {
-                let qe = _mm256_set1_ps(q[c]);
-                let qo = _mm256_set1_ps(q[c + 1]);
-                for j in 0..4 {
-                    // SAFETY: (c+1)*b + 8*(t0+j) + 8 <= d*b.
-                    unsafe {
-                        e[j] = _mm256_fmadd_ps(
-                            qe,
-                            _mm256_loadu_ps(base.add(c * b + 8 * (t0 + j))),
-                            e[j],
-                        );
-                        o[j] = _mm256_fmadd_ps(
-                            qo,
-                            _mm256_loadu_ps(base.add((c + 1) * b + 8 * (t0 + j))),
-                            o[j],
-                        );
-                    }
-                }
-                c += 2;
-            }
-            for j in 0..4 {
-                // SAFETY: sh has nv*8 elements.
-                unsafe {
-                    _mm256_storeu_ps(sh.as_mut_ptr().add(8 * (t0 + j)), _mm256_add_ps(e[j], o[j]))
-                };
-            }
-            t0 += 4;
-        }
-        while t0 < nv {
-            let mut acc = _mm256_setzero_ps();
-            for (c, qc) in q.iter().enumerate() {
-                // SAFETY: c*b + 8*t0 + 8 <= d*b.
-                let k = unsafe { _mm256_loadu_ps(st.kf.as_ptr().add(c * b + 8 * t0)) };
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(*qc), k, acc);
-            }
-            // SAFETY: sh has nv*8 elements.
-            unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * t0), acc) };
-            t0 += 1;
-        }
         // Mask the tail of a partly filled block (its slots may hold stale bytes).
         let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
         let mut vmax = neg;
@@ -236,87 +221,166 @@ pub(crate) unsafe fn block(
     if wide && unsafe { crate::kernel_avx512::accumulate_v_dyn(g, dt, vs, d, st.s, b, st.acc) } {
         return;
     }
-    // V: up to four heads' accumulators (two 8-wide slices each) live in registers.
+    // V: a tile of up to six heads' accumulators lives in registers, so each V vector is
+    // loaded and converted once per tile (8..12 chains: fewer slices for more heads).
     let mut h0 = 0;
     while h0 < g {
-        let n = match g - h0 {
-            r if r >= 4 => 4,
-            r if r >= 2 => 2,
-            _ => 1,
-        };
+        let n = tile_heads(g - h0);
         // SAFETY: forwarded from this function's contract; heads h0..h0+n exist.
         unsafe {
             match n {
-                4 => accumulate_v::<4, 2>(dt, vs, len, b, d, h0, st),
-                2 => accumulate_v::<2, 4>(dt, vs, len, b, d, h0, st),
-                _ => accumulate_v::<1, 4>(dt, vs, len, b, d, h0, st),
+                1 => accumulate_v::<E, 1, 8>(vs, len, b, d, h0, st),
+                2 => accumulate_v::<E, 2, 4>(vs, len, b, d, h0, st),
+                3 => accumulate_v::<E, 3, 2>(vs, len, b, d, h0, st),
+                4 => accumulate_v::<E, 4, 2>(vs, len, b, d, h0, st),
+                5 => accumulate_v::<E, 5, 2>(vs, len, b, d, h0, st),
+                _ => accumulate_v::<E, 6, 2>(vs, len, b, d, h0, st),
             }
         }
         h0 += n;
     }
 }
 
-/// Scores of a full 32-token block for every query head: two heads at a time share each
-/// converted K row (eight FMA chains); a lone head splits its channels even/odd instead.
+/// Heads in the next register tile when `rest` heads are left: all of them up to six, else
+/// four. A 7- or 8-head tile has room for one vector per head only, so it spends a load per
+/// FMA, and measured ~30% slower than two 4-head tiles (`bench kernels`, G=8, Zen 3).
+fn tile_heads(rest: usize) -> usize {
+    if rest <= 6 { rest } else { 4 }
+}
+
+/// Scores of the first `nv` token vectors of a block for every query head,
+/// `s[h][t] = sum_c q[h][c] K[c][t]`, read straight from the stored keys (K is `[d][b]`). The
+/// group is cut in register tiles of `H` heads x `T` token vectors (x `P` channel phases for a
+/// lone head), sized so each tile keeps 8..12 independent FMA chains in registers and loads
+/// each key vector once for all its heads.
 ///
 /// # Safety
-/// As [`block`], with `block_size == 32`; `s` holds at least `g * 32` elements.
-#[allow(clippy::needless_range_loop)]
+/// As [`block`]; `nv * 8 <= b`; `s` holds at least `g * b` elements.
+#[allow(clippy::too_many_arguments)] // the block's shape, spelled out
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_direct(dt: KvDType, kt: &[u8], qs: &[f32], d: usize, g: usize, s: &mut [f32]) {
-    let es = dt.size();
-    let row = |c: usize| -> [__m256; 4] {
-        // SAFETY: c < d rows of 32 elements lie inside `kt` (the caller's contract).
-        unsafe {
-            let p = kt.as_ptr().add(c * 32 * es);
-            [
-                load8(dt, p),
-                load8(dt, p.add(8 * es)),
-                load8(dt, p.add(16 * es)),
-                load8(dt, p.add(24 * es)),
-            ]
-        }
+unsafe fn scores<E: Elem>(
+    kt: &[u8],
+    b: usize,
+    d: usize,
+    nv: usize,
+    qs: &[f32],
+    g: usize,
+    s: &mut [f32],
+) {
+    let t = Tile::<E> {
+        kt,
+        b,
+        d,
+        qs,
+        elem: PhantomData,
     };
-    let mut h = 0;
-    while h < g {
-        let mut a = [_mm256_setzero_ps(); 4];
-        let mut b = [_mm256_setzero_ps(); 4];
-        let pair = h + 1 < g;
-        if pair {
-            let (qa, qb) = (&qs[h * d..(h + 1) * d], &qs[(h + 1) * d..(h + 2) * d]);
-            for c in 0..d {
-                let k = row(c);
-                let (x, y) = (_mm256_set1_ps(qa[c]), _mm256_set1_ps(qb[c]));
-                for j in 0..4 {
-                    a[j] = _mm256_fmadd_ps(x, k[j], a[j]);
-                    b[j] = _mm256_fmadd_ps(y, k[j], b[j]);
-                }
-            }
-        } else {
-            let q = &qs[h * d..(h + 1) * d];
-            let mut c = 0;
-            while c + 1 < d {
-                let (ke, ko) = (row(c), row(c + 1));
-                let (x, y) = (_mm256_set1_ps(q[c]), _mm256_set1_ps(q[c + 1]));
-                for j in 0..4 {
-                    a[j] = _mm256_fmadd_ps(x, ke[j], a[j]);
-                    b[j] = _mm256_fmadd_ps(y, ko[j], b[j]);
-                }
-                c += 2;
-            }
-            for j in 0..4 {
-                a[j] = _mm256_add_ps(a[j], b[j]);
+    let mut h0 = 0;
+    while h0 < g {
+        let h = tile_heads(g - h0);
+        // SAFETY (every arm): heads h0..h0+H exist, vectors j0..j0+T lie within nv.
+        unsafe {
+            match h {
+                1 => t.run::<1, 4, 2>(h0, nv, s),
+                2 => t.run::<2, 4, 1>(h0, nv, s),
+                3 => t.run::<3, 2, 1>(h0, nv, s),
+                4 => t.run::<4, 2, 1>(h0, nv, s),
+                5 => t.run::<5, 2, 1>(h0, nv, s),
+                _ => t.run::<6, 2, 1>(h0, nv, s),
             }
         }
-        for j in 0..4 {
-            // SAFETY: s holds g*32 elements.
-            unsafe { _mm256_storeu_ps(s.as_mut_ptr().add(h * 32 + 8 * j), a[j]) };
-            if pair {
-                // SAFETY: as above, head h+1 < g.
-                unsafe { _mm256_storeu_ps(s.as_mut_ptr().add((h + 1) * 32 + 8 * j), b[j]) };
+        h0 += h;
+    }
+}
+
+/// What a score tile reads.
+struct Tile<'a, E> {
+    kt: &'a [u8],
+    b: usize,
+    d: usize,
+    qs: &'a [f32],
+    elem: PhantomData<E>,
+}
+
+impl<E: Elem> Tile<'_, E> {
+    /// Heads `h0..h0+H` over every token vector, `T` vectors at a time (then one at a time
+    /// for the rest).
+    ///
+    /// # Safety
+    /// As [`scores`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn run<const H: usize, const T: usize, const P: usize>(
+        &self,
+        h0: usize,
+        nv: usize,
+        s: &mut [f32],
+    ) {
+        let mut j0 = 0;
+        while j0 + T <= nv {
+            // SAFETY: forwarded; vectors j0..j0+T < nv.
+            unsafe { self.tile::<H, T, P>(h0, j0, s) };
+            j0 += T;
+        }
+        while j0 < nv {
+            // SAFETY: as above, one vector. Small tiles split channels for more chains.
+            unsafe {
+                if H <= 4 {
+                    self.tile::<H, 1, 2>(h0, j0, s)
+                } else {
+                    self.tile::<H, 1, 1>(h0, j0, s)
+                }
+            };
+            j0 += 1;
+        }
+    }
+
+    /// `s[h0+i][8(j0+j)..][..8]` for `i < H`, `j < T`; channels are split in `P` phases with
+    /// their own accumulators (more chains for small tiles), summed at the end.
+    ///
+    /// # Safety
+    /// As [`scores`]; `8 (j0 + T) <= b`; `d` is a multiple of `P`.
+    // Indexed loops over constant bounds keep the accumulators in registers.
+    #[allow(clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const H: usize, const T: usize, const P: usize>(
+        &self,
+        h0: usize,
+        j0: usize,
+        s: &mut [f32],
+    ) {
+        let (b, d, es) = (self.b, self.d, E::SIZE);
+        let mut acc = [[[_mm256_setzero_ps(); T]; H]; P];
+        let q = self.qs.as_ptr();
+        let k = self.kt.as_ptr();
+        let mut c = 0;
+        while c + P <= d {
+            for p in 0..P {
+                let mut kv = [_mm256_setzero_ps(); T];
+                for j in 0..T {
+                    // SAFETY: row c+p < d, vector j0+j < b/8: inside the block's keys.
+                    kv[j] = unsafe { E::load8(k.add(((c + p) * b + 8 * (j0 + j)) * es)) };
+                }
+                for i in 0..H {
+                    // SAFETY: head h0+i < g, channel c+p < d: inside `qs`.
+                    let qv = unsafe { _mm256_broadcast_ss(&*q.add((h0 + i) * d + c + p)) };
+                    for j in 0..T {
+                        acc[p][i][j] = _mm256_fmadd_ps(qv, kv[j], acc[p][i][j]);
+                    }
+                }
+            }
+            c += P;
+        }
+        for i in 0..H {
+            for j in 0..T {
+                let mut v = acc[0][i][j];
+                for p in 1..P {
+                    v = _mm256_add_ps(v, acc[p][i][j]);
+                }
+                // SAFETY: (h0+i) * b + 8 (j0+j) + 8 <= g * b.
+                unsafe { _mm256_storeu_ps(s.as_mut_ptr().add((h0 + i) * b + 8 * (j0 + j)), v) };
             }
         }
-        h += if pair { 2 } else { 1 };
     }
 }
 
@@ -329,8 +393,7 @@ unsafe fn scores_direct(dt: KvDType, kt: &[u8], qs: &[f32], d: usize, g: usize, 
 #[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn accumulate_v<const N: usize, const W: usize>(
-    dt: KvDType,
+unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
     vs: &[u8],
     len: usize,
     b: usize,
@@ -341,10 +404,10 @@ unsafe fn accumulate_v<const N: usize, const W: usize>(
     // Constant trip counts only, so every accumulator stays in a register.
     if !d.is_multiple_of(8 * W) {
         // SAFETY: forwarded; W = 1 divides any head dim that is a multiple of 8.
-        return unsafe { accumulate_v::<N, 1>(dt, vs, len, b, d, h0, st) };
+        return unsafe { accumulate_v::<E, N, 1>(vs, len, b, d, h0, st) };
     }
-    let es = dt.size();
-    let (acc_ptr, s) = (st.acc.as_mut_ptr(), &st.s[h0 * b..(h0 + N) * b]);
+    let es = E::SIZE;
+    let (acc_ptr, s) = (st.acc.as_mut_ptr(), st.s[h0 * b..(h0 + N) * b].as_ptr());
     for c0 in (0..d).step_by(8 * W) {
         let mut acc = [[_mm256_setzero_ps(); W]; N];
         for i in 0..N {
@@ -357,10 +420,11 @@ unsafe fn accumulate_v<const N: usize, const W: usize>(
             let mut v = [_mm256_setzero_ps(); W];
             for j in 0..W {
                 // SAFETY: t < len <= b rows of d elements; c0 + 8j + 8 <= d.
-                v[j] = unsafe { load8(dt, vs.as_ptr().add((t * d + c0 + 8 * j) * es)) };
+                v[j] = unsafe { E::load8(vs.as_ptr().add((t * d + c0 + 8 * j) * es)) };
             }
             for i in 0..N {
-                let p = _mm256_set1_ps(s[i * b + t]);
+                // SAFETY: i < N heads of b weights each, t < len <= b.
+                let p = unsafe { _mm256_broadcast_ss(&*s.add(i * b + t)) };
                 for j in 0..W {
                     acc[i][j] = _mm256_fmadd_ps(p, v[j], acc[i][j]);
                 }

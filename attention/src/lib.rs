@@ -45,6 +45,7 @@ mod kernel_avx2;
 #[cfg(target_arch = "x86_64")]
 mod kernel_avx512;
 mod merge;
+mod peak;
 mod plan;
 mod policy;
 mod residency;
@@ -56,6 +57,7 @@ pub use digest::{Digest, GroupQuery, GroupScore, HeadDigests};
 pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
 pub use kernel::{Scratch, attend_blocks};
 pub use merge::Partial;
+pub use peak::fma_peak;
 pub use policy::{AttentionConfig, Mode, PredictionGuard, RecallPolicy};
 pub use select::select_top_k;
 pub use sequence::{

@@ -323,6 +323,16 @@ pub struct KernelsBench {
     /// Thread counts to measure, e.g. `1,2`.
     #[arg(long, default_value = "1,2")]
     pub threads: String,
+    /// Query heads per KV head (GQA group sizes) to measure.
+    #[arg(long, default_value = "1,4,5,8")]
+    pub groups: String,
+    /// Head dims to measure.
+    #[arg(long, default_value = "64,128")]
+    pub head_dims: String,
+    /// KV bytes scanned per pass, in MiB: well above the last-level cache measures memory,
+    /// a few MiB measures the kernel's own speed.
+    #[arg(long, default_value_t = 256)]
+    pub working_set_mib: usize,
 }
 
 /// `bench ingest`.

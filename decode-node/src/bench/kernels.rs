@@ -6,14 +6,28 @@ use super::*; // the shared helpers and imports of `bench`
 /// CPU sparse attention: KV bytes scanned per second ÷ read bandwidth, per configuration.
 pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
     let threads: Vec<usize> = parse_list(&args.threads, "thread count")?;
-    let working_set = 256usize << 20;
+    let groups: Vec<usize> = parse_list(&args.groups, "group size")?;
+    let head_dims: Vec<usize> = parse_list(&args.head_dims, "head dim")?;
+    anyhow::ensure!(
+        groups
+            .iter()
+            .chain(&head_dims)
+            .all(|&x| (1..=1024).contains(&x)),
+        "group sizes and head dims must lie in 1..=1024"
+    );
+    anyhow::ensure!(
+        (1..=65536).contains(&args.working_set_mib),
+        "--working-set-mib must lie in 1..=65536"
+    );
+    let working_set = args.working_set_mib << 20;
     let buf: Vec<f32> = (0..working_set / 4).map(|i| (i % 7) as f32).collect();
     let mut rows = Vec::new();
     for &t in &threads {
         let bw = read_bandwidth(&buf, t, args.seconds.min(1.0));
+        let peak = fma_peak_threads(t, args.seconds.min(0.5));
         for dtype in [KvDType::F16, KvDType::Bf16] {
-            for g in [1usize, 4, 8] {
-                for d in [64usize, 128] {
+            for &g in &groups {
+                for &d in &head_dims {
                     let geom = BlockGeometry {
                         block_size: 32,
                         num_kv_heads: 1,
@@ -58,17 +72,25 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                         });
                         best = best.max(data.len() as f64 / start.elapsed().as_secs_f64());
                     }
+                    // Each KV byte costs G/size FMAs (every K and V element once per query head).
+                    let fmas_per_byte = g as f64 / dtype.size() as f64;
+                    let roofline = bw.min(peak / fmas_per_byte);
                     let row = json!({
                         "dtype": dtype.name(), "group": g, "head_dim": d, "threads": t,
                         "kv_gb_per_s": best / 1e9, "read_gb_per_s": bw / 1e9, "ratio": best / bw,
+                        "fma_g_per_s": peak / 1e9, "fmas_per_byte": fmas_per_byte,
+                        "roofline_gb_per_s": roofline / 1e9, "ratio_to_roofline": best / roofline,
                     });
                     if !args.common.json {
                         eprintln!(
-                            "kernels {:>4} G={g} D={d:>3} threads={t}: {:6.2} GB/s of KV / {:6.2} GB/s read = {:.2}",
+                            "kernels {:>4} G={g} D={d:>3} threads={t}: {:6.2} GB/s of KV / {:6.2} GB/s read = {:.2}; roofline {:6.2} GB/s (FMA {:.0} G/s) -> {:.2}",
                             dtype.name(),
                             best / 1e9,
                             bw / 1e9,
-                            best / bw
+                            best / bw,
+                            roofline / 1e9,
+                            peak / 1e9,
+                            best / roofline
                         );
                     }
                     rows.push(row);
@@ -76,5 +98,15 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
             }
         }
     }
-    Ok(json!({ "bench": "kernels", "goal_ratio": 0.8, "results": rows }))
+    Ok(json!({ "bench": "kernels", "goal_ratio_to_roofline": 0.8, "results": rows }))
+}
+
+/// Scalar FMAs per second of `threads` threads issuing at once.
+fn fma_peak_threads(threads: usize, seconds: f64) -> f64 {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads.max(1))
+            .map(|_| s.spawn(move || attention::fma_peak(seconds)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+    })
 }

@@ -1,0 +1,102 @@
+//! The FMA rate one thread reaches with the widest SIMD path the kernel uses on this CPU: the
+//! compute side of the CPU attention roofline (`bench kernels` puts it next to memory
+//! bandwidth). Independent accumulator chains hide the FMA latency, so this is the issue rate.
+
+use std::time::{Duration, Instant};
+
+/// Independent accumulator chains: more than latency × FMA ports on any x86 core.
+const CHAINS: usize = 12;
+
+/// Scalar FMAs per second one thread issues over `seconds` (best of a few passes).
+pub fn fma_peak(seconds: f64) -> f64 {
+    let end = Instant::now() + Duration::from_secs_f64(seconds.max(0.01));
+    let mut best = 0f64;
+    while Instant::now() < end || best == 0.0 {
+        let reps = 1 << 20;
+        let t = Instant::now();
+        let lanes = run(reps);
+        best = best.max((reps * CHAINS * lanes) as f64 / t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// `reps` rounds of `CHAINS` FMAs; returns the lanes per FMA of the path used.
+fn run(reps: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::kernel_avx512::available() {
+            // SAFETY: the CPU has AVX-512F.
+            unsafe { x86::fma512(reps) };
+            return 16;
+        }
+        if crate::kernel_avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { x86::fma256(reps) };
+            return 8;
+        }
+    }
+    portable(reps);
+    1
+}
+
+/// The portable path's rate: scalar `mul_add` chains.
+fn portable(reps: usize) {
+    let mut acc = [1f32; CHAINS];
+    let (a, b) = (
+        std::hint::black_box(0.999_f32),
+        std::hint::black_box(1e-6_f32),
+    );
+    for _ in 0..reps {
+        for x in &mut acc {
+            *x = x.mul_add(a, b);
+        }
+    }
+    std::hint::black_box(acc);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::CHAINS;
+
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn fma256(reps: usize) {
+        let a = _mm256_set1_ps(std::hint::black_box(0.999));
+        let b = _mm256_set1_ps(std::hint::black_box(1e-6));
+        let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+        for _ in 0..reps {
+            for x in &mut acc {
+                *x = _mm256_fmadd_ps(*x, a, b);
+            }
+        }
+        std::hint::black_box(acc);
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn fma512(reps: usize) {
+        let a = _mm512_set1_ps(std::hint::black_box(0.999));
+        let b = _mm512_set1_ps(std::hint::black_box(1e-6));
+        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+        for _ in 0..reps {
+            for x in &mut acc {
+                *x = _mm512_fmadd_ps(*x, a, b);
+            }
+        }
+        std::hint::black_box(acc);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_peak_is_a_plausible_rate() {
+        let p = super::fma_peak(0.02);
+        // Between a slow scalar core and a wide server core with two 16-lane FMA ports.
+        assert!((1e8..2e12).contains(&p), "{p}");
+    }
+}
