@@ -23,11 +23,51 @@ pub struct Scratch {
     l: Vec<f32>,
 }
 
+/// The implementation that runs a call's blocks, picked per call from the CPU's features
+/// (detection is cached by the standard library) and the block shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KernelPath {
+    /// Portable Rust for any CPU and shape; the SIMD paths are tested against it.
+    Scalar,
+    /// AVX2 + FMA + F16C (x86-64), with AVX-512 for full blocks where the CPU has it.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl KernelPath {
+    /// The fastest path this CPU has for blocks of `geom` (SIMD needs block size and head dim
+    /// in multiples of 8).
+    pub(crate) fn best(geom: &BlockGeometry) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if geom.block_size.is_multiple_of(8)
+            && geom.head_dim.is_multiple_of(8)
+            && crate::kernel_avx2::available()
+        {
+            return Self::Avx2;
+        }
+        let _ = geom;
+        Self::Scalar
+    }
+}
+
 /// Attends `q` (`[G][head_dim]`, unscaled) over `blocks` of one KV head.
 ///
 /// `scale` is the softmax scale (usually `1/sqrt(head_dim)`). Returns per-head normalised
 /// output and `lse2`; with no blocks the partial is empty.
 pub fn attend_blocks<'a>(
+    geom: &BlockGeometry,
+    q: &[f32],
+    scale: f32,
+    blocks: impl IntoIterator<Item = HeadBlock<'a>>,
+    scratch: &mut Scratch,
+) -> Partial {
+    attend_blocks_on(KernelPath::best(geom), geom, q, scale, blocks, scratch)
+}
+
+/// [`attend_blocks`] on a given path; `path` must be one [`KernelPath::best`] allows (or
+/// [`KernelPath::Scalar`]).
+pub(crate) fn attend_blocks_on<'a>(
+    path: KernelPath,
     geom: &BlockGeometry,
     q: &[f32],
     scale: f32,
@@ -59,7 +99,9 @@ pub fn attend_blocks<'a>(
     l.resize(g, 0.0);
 
     #[cfg(target_arch = "x86_64")]
-    let simd = b % 8 == 0 && d % 8 == 0 && crate::kernel_avx2::available();
+    let simd = path == KernelPath::Avx2 && KernelPath::best(geom) == KernelPath::Avx2;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = path;
     for blk in blocks {
         let len = blk.len.min(b);
         if len == 0 {
@@ -68,8 +110,8 @@ pub fn attend_blocks<'a>(
         #[cfg(target_arch = "x86_64")]
         if simd && blk.bytes.len() >= geom.head_bytes() {
             let mut st = crate::kernel_avx2::State { acc, m, l, s };
-            // SAFETY: `available()` checked the CPU; the block holds a whole head block and
-            // both block size and head dim are multiples of 8.
+            // SAFETY: `best` checked the CPU and that block size and head dim are multiples of
+            // 8; the block holds a whole head block.
             unsafe { crate::kernel_avx2::block(geom, qs, blk.bytes, len, &mut st) };
             continue;
         }
@@ -88,8 +130,11 @@ pub fn attend_blocks<'a>(
         }
         for h in 0..g {
             let sh = &mut s[h * b..h * b + len];
-            let bm = sh.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let m_new = m[h].max(bm);
+            // NaN (a NaN or an infinity times zero in the stored keys) is kept, not skipped
+            // as `f32::max` would: the head's output becomes NaN rather than quietly
+            // ignoring the token.
+            let bm = sh.iter().fold(f32::NEG_INFINITY, |a, &x| nan_max(a, x));
+            let m_new = nan_max(m[h], bm);
             if m_new == f32::NEG_INFINITY {
                 // Every score is -inf (only possible with infinite inputs): nothing to add.
                 sh.fill(0.0);
@@ -123,7 +168,8 @@ pub fn attend_blocks<'a>(
 
     let mut out = Partial::empty(g, d);
     for h in 0..g {
-        if l[h] > 0.0 {
+        // A NaN denominator is passed on (as NaN output), never read as "no blocks".
+        if l[h] > 0.0 || l[h].is_nan() {
             let inv = 1.0 / l[h];
             for (o, a) in out.out[h * d..(h + 1) * d]
                 .iter_mut()
@@ -135,6 +181,16 @@ pub fn attend_blocks<'a>(
         }
     }
     out
+}
+
+/// `max` that returns NaN when either side is NaN.
+#[inline]
+pub(crate) fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
 }
 
 #[cfg(test)]
@@ -255,6 +311,46 @@ pub(crate) mod tests {
             }
             for (a, b) in p.lse2.iter().zip(&rl) {
                 prop_assert!((*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 96, rng_seed: proptest::test_runner::RngSeed::Fixed(12), ..ProptestConfig::default() })]
+        /// NaN and infinities in the stored K or V (a corrupt or overflowing push) never panic
+        /// and give the same result on the SIMD path as on the scalar one: equal where both
+        /// are finite, non-finite in the same heads.
+        #[test]
+        fn non_finite_inputs_agree_with_the_scalar_path(
+            dt in prop_oneof![Just(KvDType::F32), Just(KvDType::F16), Just(KvDType::Bf16)],
+            g in prop_oneof![Just(1usize), Just(3), Just(4), Just(8)],
+            d in prop_oneof![Just(64usize), Just(8)],
+            n in 1usize..100,
+            bad in proptest::collection::vec((any::<bool>(), any::<prop::sample::Index>(), prop_oneof![Just(f32::NAN), Just(f32::INFINITY), Just(f32::NEG_INFINITY)]), 1..4),
+            seed in any::<u64>(),
+        ) {
+            let geom = BlockGeometry { block_size: 32, num_kv_heads: 1, head_dim: d, dtype: dt };
+            let q = values(seed, g * d, 2.0);
+            let mut keys = values(seed + 1, n * d, 2.0);
+            let mut vals = values(seed + 2, n * d, 1.0);
+            for (in_keys, at, x) in &bad {
+                let v = if *in_keys { &mut keys } else { &mut vals };
+                let i = at.index(v.len());
+                v[i] = *x;
+            }
+            let blocks = build_blocks(&geom, &keys, &vals);
+            let run = |path| attend_blocks_on(path, &geom, &q, 0.125, blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }), &mut Scratch::default());
+            let want = run(KernelPath::Scalar);
+            let got = run(KernelPath::best(&geom));
+            for h in 0..g {
+                let (w, o) = (&want.out[h * d..(h + 1) * d], &got.out[h * d..(h + 1) * d]);
+                let finite = |x: &[f32]| x.iter().all(|v| v.is_finite());
+                prop_assert_eq!(finite(w), finite(o), "head {}: {:?} vs {:?}", h, &w[..4.min(d)], &o[..4.min(d)]);
+                if finite(w) {
+                    for (a, b) in o.iter().zip(w) {
+                        prop_assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{} vs {}", a, b);
+                    }
+                }
             }
         }
     }

@@ -75,7 +75,8 @@ impl Elem for AsBf16 {
 fn exp2_ps(x: __m256) -> __m256 {
     let lo = _mm256_set1_ps(-126.0);
     let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, lo);
-    let x = _mm256_max_ps(x, lo);
+    // `max_ps` returns its second operand when either is NaN: NaN lanes stay NaN.
+    let x = _mm256_max_ps(lo, x);
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
     let y = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(std::f32::consts::LN_2));
     // e^y for |y| <= 0.347 by Horner.
@@ -183,6 +184,7 @@ unsafe fn block_as<E: Elem>(
         // Mask the tail of a partly filled block (its slots may hold stale bytes).
         let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
         let mut vmax = neg;
+        let mut nan = _mm256_setzero_ps();
         for j in 0..nv {
             // SAFETY: in bounds of sh.
             let mut v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
@@ -192,8 +194,15 @@ unsafe fn block_as<E: Elem>(
             // SAFETY: in bounds of sh.
             unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * j), v) };
             vmax = _mm256_max_ps(vmax, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
         }
-        let m_new = st.m[h].max(hmax(vmax));
+        // A NaN score makes the head's output NaN, as on the scalar path (`max_ps` alone
+        // would drop it).
+        let m_new = if _mm256_movemask_ps(nan) != 0 {
+            f32::NAN
+        } else {
+            crate::kernel::nan_max(st.m[h], hmax(vmax))
+        };
         if m_new == f32::NEG_INFINITY {
             sh.fill(0.0);
             continue;
