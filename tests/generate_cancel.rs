@@ -1,4 +1,5 @@
-//! Cancel and client disconnect mid-stream free the request's KV and are counted.
+//! Cancel, client disconnect and KV that turns the model's output NaN end a request mid-stream,
+//! free its KV and are counted.
 
 mod common;
 use common::*;
@@ -185,4 +186,29 @@ async fn cancel_before_submit_and_a_gone_waiter_leave_the_id_usable() {
             .host_kv_bytes_used,
         0
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_holding_nan_ends_the_request_with_data_loss_and_frees_it() {
+    let s = Served::start(&["--attention", "full"]);
+    let mut kv = prompt_kv("nan", &prompt(40, 3));
+    // One NaN key and one infinite value (f32 KV), layer 0, token 0: CRC-correct, so the
+    // push is accepted; the first step's logits turn NaN.
+    let (k, v) = &mut kv.layers[0];
+    let mut kb = k.to_vec();
+    kb[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+    let mut vb = v.to_vec();
+    vb[..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    *k = kb.into();
+    *v = vb.into();
+    push(&s, &kv).await.unwrap();
+    let err = generate(&s, gen_req("nan", 8)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
+    assert!(err.message().contains("NaN"), "{}", err.message());
+    let l = wait_load(&s, |l| l.host_kv_bytes_used == 0 && l.running == 0).await;
+    assert_eq!((l.host_kv_bytes_used, l.running), (0, 0), "KV freed");
+    // The node goes on serving clean requests.
+    push(&s, &prompt_kv("ok", &prompt(40, 3))).await.unwrap();
+    let (ids, _) = generate(&s, gen_req("ok", 8)).await.unwrap();
+    assert_eq!(ids.len(), 8);
 }

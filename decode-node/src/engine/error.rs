@@ -21,6 +21,10 @@ pub enum EngineError {
     /// The attention engine failed (a CPU part lost, KV that could not be appended).
     #[error("attention failed: {0}")]
     Attention(String),
+    /// The model's output turned NaN or infinite: the pushed KV (or the weights) hold values
+    /// no model produces. Streaming tokens sampled from it would be garbage.
+    #[error("{0}")]
+    NonFinite(String),
     /// A bug in the node; the request cannot go on.
     #[error("internal error: {0}")]
     Internal(String),

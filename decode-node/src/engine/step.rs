@@ -137,7 +137,19 @@ impl StepLoop {
                 .inc_by(s.recall_bytes - r.seen.recall_bytes);
             r.seen = s;
 
-            let (tok, logprob) = r.sampler.sample(&fwd.logits[i * vocab..(i + 1) * vocab]);
+            let logits = &fwd.logits[i * vocab..(i + 1) * vocab];
+            if let Some(bad) = logits.iter().find(|x| !x.is_finite()) {
+                r.job.span.in_scope(
+                    || tracing::warn!(value = %bad, generated = r.generated, "non-finite logits"),
+                );
+                out.push(Some(Err(EngineError::NonFinite(format!(
+                    "the model's logits hold {bad} after {} generated tokens: the pushed KV \
+                     holds NaN or infinite values",
+                    r.generated
+                )))));
+                continue;
+            }
+            let (tok, logprob) = r.sampler.sample(logits);
             let text = r.text.step(&self.model.tokenizer, tok);
             let index = r.generated;
             match r.token_at(now) {

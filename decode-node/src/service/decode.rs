@@ -87,6 +87,8 @@ fn engine_status(e: &EngineError) -> Status {
         // The device failed under this node: another node may serve the request.
         EngineError::Device(_) => Status::unavailable(e.to_string()),
         EngineError::Attention(_) | EngineError::Internal(_) => Status::internal(e.to_string()),
+        // The request's data is corrupt: retrying it as is cannot help.
+        EngineError::NonFinite(m) => Status::data_loss(m.clone()),
     }
 }
 
@@ -446,6 +448,7 @@ mod tests {
                 Code::Internal,
             ),
             (EngineError::Internal("bug".into()), Code::Internal),
+            (EngineError::NonFinite("NaN".into()), Code::DataLoss),
         ];
         for (e, want) in table {
             let s = engine_status(&e);
