@@ -188,3 +188,51 @@ fn bench_soak_answers_every_fault_and_returns_the_pool() {
     assert_eq!(v["faults"].as_object().unwrap().len(), 6, "{v}");
     assert!(v["outcomes"]["ok"].as_u64().unwrap() > 0, "{v}");
 }
+
+/// `bench kernels` measures every path asked for against a roofline from the same run.
+#[test]
+fn bench_kernels_reports_each_path_against_its_roofline() {
+    let out = bin()
+        .args([
+            "bench",
+            "kernels",
+            "--json",
+            "--threads",
+            "1",
+            "--seconds",
+            "0.02",
+            "--groups",
+            "1,4",
+            "--head-dims",
+            "64",
+            "--working-set-mib",
+            "1",
+            "--paths",
+            "best,scalar",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    // 2 dtypes x 2 groups x 2 paths.
+    assert_eq!(rows.len(), 8, "{v}");
+    assert!(rows.iter().any(|r| r["path"] == "scalar"));
+    for r in rows {
+        let (got, roof) = (
+            r["kv_gb_per_s"].as_f64().unwrap(),
+            r["roofline_gb_per_s"].as_f64().unwrap(),
+        );
+        assert!(got > 0.0 && roof > 0.0, "{r}");
+        assert!((r["ratio_to_roofline"].as_f64().unwrap() - got / roof).abs() < 1e-9);
+    }
+    let bad = bin()
+        .args(["bench", "kernels", "--paths", "neon"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+}

@@ -26,8 +26,9 @@ pub struct Scratch {
 /// The implementation that runs a call's blocks, picked per call from the CPU's features
 /// (detection is cached by the standard library) and the block shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum KernelPath {
-    /// Portable Rust for any CPU and shape; the SIMD paths are tested against it.
+pub enum KernelPath {
+    /// Portable Rust for any CPU and shape, written for the compiler to vectorise (NEON on
+    /// arm64, SSE2 on any x86-64); the SIMD paths are tested against it.
     Scalar,
     /// AVX2 + FMA + F16C (x86-64), with AVX-512 for full blocks where the CPU has it.
     #[cfg(target_arch = "x86_64")]
@@ -35,9 +36,25 @@ pub(crate) enum KernelPath {
 }
 
 impl KernelPath {
+    /// Every path this build has, the portable one first.
+    pub const ALL: &'static [Self] = &[
+        Self::Scalar,
+        #[cfg(target_arch = "x86_64")]
+        Self::Avx2,
+    ];
+
+    /// Its name in benches and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => "avx2",
+        }
+    }
+
     /// The fastest path this CPU has for blocks of `geom` (SIMD needs block size and head dim
     /// in multiples of 8).
-    pub(crate) fn best(geom: &BlockGeometry) -> Self {
+    pub fn best(geom: &BlockGeometry) -> Self {
         #[cfg(target_arch = "x86_64")]
         if geom.block_size.is_multiple_of(8)
             && geom.head_dim.is_multiple_of(8)
@@ -64,9 +81,9 @@ pub fn attend_blocks<'a>(
     attend_blocks_on(KernelPath::best(geom), geom, q, scale, blocks, scratch)
 }
 
-/// [`attend_blocks`] on a given path; `path` must be one [`KernelPath::best`] allows (or
+/// [`attend_blocks`] on a given path (a path this CPU or shape cannot run falls back to
 /// [`KernelPath::Scalar`]).
-pub(crate) fn attend_blocks_on<'a>(
+pub fn attend_blocks_on<'a>(
     path: KernelPath,
     geom: &BlockGeometry,
     q: &[f32],

@@ -55,7 +55,7 @@ mod sequence;
 pub use block::{BlockGeometry, HeadBlock, Rows, WireTokens};
 pub use digest::{Digest, GroupQuery, GroupScore, HeadDigests};
 pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
-pub use kernel::{Scratch, attend_blocks};
+pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on};
 pub use merge::Partial;
 pub use peak::fma_peak;
 pub use policy::{AttentionConfig, Mode, PredictionGuard, RecallPolicy};

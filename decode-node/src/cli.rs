@@ -333,6 +333,10 @@ pub struct KernelsBench {
     /// a few MiB measures the kernel's own speed.
     #[arg(long, default_value_t = 256)]
     pub working_set_mib: usize,
+    /// Kernel paths: `best` (what the node runs on this CPU) and/or `scalar` (the portable
+    /// path, which is what a CPU with no SIMD path of ours gets, e.g. arm64).
+    #[arg(long, default_value = "best")]
+    pub paths: String,
 }
 
 /// `bench ingest`.

@@ -2,6 +2,7 @@
 //! of the same threads, measured in the same run.
 
 use super::*; // the shared helpers and imports of `bench`
+use attention::{KernelPath, attend_blocks_on};
 
 /// CPU sparse attention: KV bytes scanned per second ÷ read bandwidth, per configuration.
 pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
@@ -20,6 +21,11 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
         "--working-set-mib must lie in 1..=65536"
     );
     let working_set = args.working_set_mib << 20;
+    let paths: Vec<String> = parse_list(&args.paths, "kernel path")?;
+    anyhow::ensure!(
+        paths.iter().all(|p| p == "best" || p == "scalar"),
+        "--paths takes `best` and/or `scalar`"
+    );
     let buf: Vec<f32> = (0..working_set / 4).map(|i| (i % 7) as f32).collect();
     let mut rows = Vec::new();
     for &t in &threads {
@@ -47,58 +53,82 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                         encode_from_f32(dtype, &vals, blk);
                     }
                     let q: Vec<f32> = (0..g * d).map(|i| (i % 5) as f32 * 0.1).collect();
-                    let per = nblocks.div_ceil(t);
-                    let mut best = 0f64;
-                    let end = Instant::now() + Duration::from_secs_f64(args.seconds);
-                    while Instant::now() < end || best == 0.0 {
-                        let start = Instant::now();
-                        std::thread::scope(|s| {
-                            for part in data.chunks(per * hb) {
-                                let q = &q;
-                                s.spawn(move || {
-                                    let mut scratch = Scratch::default();
-                                    let blocks = part
-                                        .chunks_exact(hb)
-                                        .map(|b| HeadBlock { bytes: b, len: 32 });
-                                    std::hint::black_box(attend_blocks(
-                                        &geom,
-                                        q,
-                                        0.1,
-                                        blocks,
-                                        &mut scratch,
-                                    ));
-                                });
-                            }
+                    for name in &paths {
+                        let path = match name.as_str() {
+                            "scalar" => KernelPath::Scalar,
+                            _ => KernelPath::best(&geom),
+                        };
+                        let best = scan_rate(&geom, path, &q, &data, t, args.seconds);
+                        // Each KV byte costs G/size FMAs (every K and V element once per
+                        // query head).
+                        let fmas_per_byte = g as f64 / dtype.size() as f64;
+                        let roofline = bw.min(peak / fmas_per_byte);
+                        let row = json!({
+                            "dtype": dtype.name(), "group": g, "head_dim": d, "threads": t,
+                            "path": path.name(),
+                            "kv_gb_per_s": best / 1e9, "read_gb_per_s": bw / 1e9, "ratio": best / bw,
+                            "fma_g_per_s": peak / 1e9, "fmas_per_byte": fmas_per_byte,
+                            "roofline_gb_per_s": roofline / 1e9, "ratio_to_roofline": best / roofline,
                         });
-                        best = best.max(data.len() as f64 / start.elapsed().as_secs_f64());
+                        if !args.common.json {
+                            eprintln!(
+                                "kernels {:>4} G={g} D={d:>3} threads={t} {:>6}: {:6.2} GB/s of KV / {:6.2} GB/s read = {:.2}; roofline {:6.2} GB/s (FMA {:.0} G/s) -> {:.2}",
+                                dtype.name(),
+                                path.name(),
+                                best / 1e9,
+                                bw / 1e9,
+                                best / bw,
+                                roofline / 1e9,
+                                peak / 1e9,
+                                best / roofline
+                            );
+                        }
+                        rows.push(row);
                     }
-                    // Each KV byte costs G/size FMAs (every K and V element once per query head).
-                    let fmas_per_byte = g as f64 / dtype.size() as f64;
-                    let roofline = bw.min(peak / fmas_per_byte);
-                    let row = json!({
-                        "dtype": dtype.name(), "group": g, "head_dim": d, "threads": t,
-                        "kv_gb_per_s": best / 1e9, "read_gb_per_s": bw / 1e9, "ratio": best / bw,
-                        "fma_g_per_s": peak / 1e9, "fmas_per_byte": fmas_per_byte,
-                        "roofline_gb_per_s": roofline / 1e9, "ratio_to_roofline": best / roofline,
-                    });
-                    if !args.common.json {
-                        eprintln!(
-                            "kernels {:>4} G={g} D={d:>3} threads={t}: {:6.2} GB/s of KV / {:6.2} GB/s read = {:.2}; roofline {:6.2} GB/s (FMA {:.0} G/s) -> {:.2}",
-                            dtype.name(),
-                            best / 1e9,
-                            bw / 1e9,
-                            best / bw,
-                            roofline / 1e9,
-                            peak / 1e9,
-                            best / roofline
-                        );
-                    }
-                    rows.push(row);
                 }
             }
         }
     }
     Ok(json!({ "bench": "kernels", "goal_ratio_to_roofline": 0.8, "results": rows }))
+}
+
+/// The best KV bytes per second over `seconds` of `threads` threads attending their share of
+/// `data` (whole head blocks of `geom`) on `path`.
+fn scan_rate(
+    geom: &BlockGeometry,
+    path: KernelPath,
+    q: &[f32],
+    data: &[u8],
+    threads: usize,
+    seconds: f64,
+) -> f64 {
+    let hb = geom.head_bytes();
+    let per = (data.len() / hb).div_ceil(threads.max(1)).max(1);
+    let mut best = 0f64;
+    let end = Instant::now() + Duration::from_secs_f64(seconds);
+    while Instant::now() < end || best == 0.0 {
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            for part in data.chunks(per * hb) {
+                s.spawn(move || {
+                    let blocks = part
+                        .chunks_exact(hb)
+                        .map(|b| HeadBlock { bytes: b, len: 32 });
+                    let mut scratch = Scratch::default();
+                    std::hint::black_box(attend_blocks_on(
+                        path,
+                        geom,
+                        q,
+                        0.1,
+                        blocks,
+                        &mut scratch,
+                    ));
+                });
+            }
+        });
+        best = best.max(data.len() as f64 / start.elapsed().as_secs_f64());
+    }
+    best
 }
 
 /// Scalar FMAs per second of `threads` threads issuing at once.

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use attention::{BlockGeometry, HeadBlock, KvDType, Scratch, attend_blocks, encode_from_f32};
+use attention::{BlockGeometry, HeadBlock, KvDType, Scratch, encode_from_f32};
 use bytes::Bytes;
 use decode_node_proto::v1 as pb;
 use kv_transfer::client::{PromptKv, PushOptions, push_kv};
