@@ -1,5 +1,6 @@
 //! 32 concurrent requests with mixed prompt and output lengths all finish with the right
-//! token counts, and the pool returns to empty.
+//! token counts (CPU parts spread over a 3-thread CPU-attention pool), and the pool returns
+//! to empty.
 
 mod common;
 use common::*;
@@ -13,7 +14,16 @@ async fn thirty_two_mixed_requests_finish_with_exact_counts() {
         "16",
         "--budget-tokens",
         "64",
+        "--cpu-attention-threads",
+        "3",
     ]);
+    let started = s.log.lock().unwrap().join("\n");
+    assert!(
+        started
+            .lines()
+            .any(|l| l.contains("CPU-attention pool") && l.contains("\"threads\":3")),
+        "{started}"
+    );
     let s = &s;
     let jobs = (0..32u64).map(|i| async move {
         let id = format!("c{i}");

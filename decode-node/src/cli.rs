@@ -153,6 +153,11 @@ pub struct ServeArgs {
     /// Requests decoded together at most.
     #[arg(long, env = "DECODE_NODE_MAX_BATCH", default_value_t = 64)]
     pub max_batch: u32,
+    /// Threads of the CPU-attention pool (the CPU part of sparse attention). 0: a quarter of
+    /// the cores, at least one (the rest run the model on `--device cpu`). On a GPU host the
+    /// CPU part often decides scout's speed: give it most cores there.
+    #[arg(long, env = "DECODE_NODE_CPU_ATTENTION_THREADS", default_value_t = 0)]
+    pub cpu_attention_threads: usize,
     /// Seconds to finish running requests after SIGTERM before exiting.
     #[arg(long, env = "DECODE_NODE_DRAIN_TIMEOUT", default_value_t = 30.0)]
     pub drain_timeout: f64,

@@ -83,6 +83,10 @@ impl Engine {
             .thread_name(|i| format!("cpu-attn-{i}"))
             .build()
             .map_err(std::io::Error::other)?;
+        tracing::info!(
+            threads = cpu_pool.current_num_threads(),
+            "CPU-attention pool"
+        );
         let device_kv = model
             .model
             .backend()

@@ -81,7 +81,10 @@ pub async fn serve(
             max_batch: args.max_batch.max(1) as usize,
             device_kv_bytes: args.device_kv_bytes,
             queue_timeout: Duration::from_secs(60),
-            cpu_threads: (cpus / 4).max(1),
+            cpu_threads: match args.cpu_attention_threads {
+                0 => (cpus / 4).max(1),
+                n => n.min(1024),
+            },
         },
         metrics.clone(),
     )
@@ -274,6 +277,7 @@ impl InProcess {
             max_push_streams: 64,
             max_push_message: 64 << 20,
             max_batch: 8,
+            cpu_attention_threads: 0,
             drain_timeout: 1.0,
             require_lease: false,
             auth_token_file: None,
