@@ -1,8 +1,9 @@
 //! The store path of an ingest, without transport: `Ingest::chunk` writing bf16 KV into a
-//! prefaulted pool (CRC check, K transposed with the digest folded in, V rows copied).
+//! prefaulted pool (CRC check, K transposed with the digest folded in, V rows copied), then
+//! each stage alone over the same bytes, and memcpy of them as the bound.
 //! `cargo bench -p kv-transfer --bench store`
 
-use attention::{BlockGeometry, KvDType};
+use attention::{BlockGeometry, KvDType, Rows};
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use decode_node_proto::v1::{DType, KvHeader};
@@ -80,6 +81,74 @@ fn store(c: &mut Criterion) {
             })
         });
     }
+    g.finish();
+    stages(c, &geom, &kv);
+}
+
+/// Each stage of the store path alone over one layer's K and V: memcpy of the same bytes
+/// (the bound), CRC-32C, K transposed into blocks with the digest folded in, V rows copied.
+fn stages(c: &mut Criterion, geom: &BlockGeometry, kv: &PromptKv) {
+    let (k, v) = &kv.layers[0];
+    let (hk, d, es, bs) = (
+        geom.num_kv_heads,
+        geom.head_dim,
+        geom.dtype.size(),
+        geom.block_size,
+    );
+    let row = hk * d * es;
+    let tokens = k.len() / row;
+    let nblocks = tokens.div_ceil(bs);
+    let mut blocks = vec![0u8; nblocks * geom.block_bytes()];
+    let (mut min, mut max) = (vec![0f32; d], vec![0f32; d]);
+    let mut g = c.benchmark_group("store stages");
+    g.throughput(Throughput::Bytes((k.len() + v.len()) as u64));
+    let mut dst = vec![0u8; k.len() + v.len()];
+    g.bench_function("memcpy K+V", |b| {
+        b.iter(|| {
+            dst[..k.len()].copy_from_slice(k);
+            dst[k.len()..].copy_from_slice(v);
+        })
+    });
+    g.bench_function("crc32c K+V", |b| {
+        b.iter(|| {
+            let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+            d.update(k);
+            d.update(v);
+            d.finalize()
+        })
+    });
+    g.throughput(Throughput::Bytes(k.len() as u64));
+    g.bench_function("K transpose + digest", |b| {
+        b.iter(|| {
+            for (bi, blk) in blocks.chunks_exact_mut(geom.block_bytes()).enumerate() {
+                let n = bs.min(tokens - bi * bs);
+                for h in 0..hk {
+                    let rows = Rows {
+                        bytes: &k[bi * bs * row + h * d * es..],
+                        stride: row,
+                        n,
+                    };
+                    geom.copy_keys_digest(blk, h, 0, rows, (&mut min, &mut max));
+                }
+            }
+        })
+    });
+    g.throughput(Throughput::Bytes(v.len() as u64));
+    g.bench_function("V rows copy", |b| {
+        b.iter(|| {
+            for (bi, blk) in blocks.chunks_exact_mut(geom.block_bytes()).enumerate() {
+                let n = bs.min(tokens - bi * bs);
+                for h in 0..hk {
+                    let rows = Rows {
+                        bytes: &v[bi * bs * row + h * d * es..],
+                        stride: row,
+                        n,
+                    };
+                    geom.copy_value_rows(blk, h, 0, rows);
+                }
+            }
+        })
+    });
     g.finish();
 }
 
