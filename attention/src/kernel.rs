@@ -119,17 +119,25 @@ pub fn attend_blocks_on<'a>(
     let simd = path == KernelPath::Avx2 && KernelPath::best(geom) == KernelPath::Avx2;
     #[cfg(not(target_arch = "x86_64"))]
     let _ = path;
-    for blk in blocks {
+    let mut blocks = blocks.into_iter().peekable();
+    while let Some(blk) = blocks.next() {
         let len = blk.len.min(b);
         if len == 0 {
             continue;
         }
         #[cfg(target_arch = "x86_64")]
         if simd && blk.bytes.len() >= geom.head_bytes() {
+            // A group of 2+ heads computes long enough per block for the next block's bytes
+            // to be fetched meanwhile; one head is memory-bound and the hardware keeps up.
+            let next = match blocks.peek() {
+                Some(n) if g >= 2 => &n.bytes[..geom.head_bytes().min(n.bytes.len())],
+                _ => &[],
+            };
+            let pf = crate::kernel_avx2::Prefetch::new(next);
             let mut st = crate::kernel_avx2::State { acc, m, l, s };
             // SAFETY: `best` checked the CPU and that block size and head dim are multiples of
             // 8; the block holds a whole head block.
-            unsafe { crate::kernel_avx2::block(geom, qs, blk.bytes, len, &mut st) };
+            unsafe { crate::kernel_avx2::block(geom, qs, blk.bytes, len, &mut st, &pf) };
             continue;
         }
         let (kt, vs) = blk.bytes.split_at(b * d * es);

@@ -8,6 +8,7 @@
 //! per element type ([`Elem`]), so no branch on the type sits inside one.
 
 use std::arch::x86_64::*;
+use std::cell::Cell;
 use std::marker::PhantomData;
 
 use crate::block::BlockGeometry;
@@ -115,6 +116,35 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Prefetches of the next block, one 64-byte line per call, spread over this block's inner
+/// loops: its bytes arrive while this block computes, without a burst that would fill the
+/// line-fill buffers ahead of this block's own loads (a whole-block burst measured slower).
+pub(crate) struct Prefetch<'a> {
+    next: &'a [u8],
+    off: Cell<usize>,
+}
+
+impl<'a> Prefetch<'a> {
+    /// Prefetches of `next` (empty: none).
+    pub(crate) fn new(next: &'a [u8]) -> Self {
+        Self {
+            next,
+            off: Cell::new(0),
+        }
+    }
+
+    /// Requests the next line, if any is left.
+    #[inline]
+    fn line(&self) {
+        let off = self.off.get();
+        if off < self.next.len() {
+            // SAFETY: a prefetch is a hint and never faults; the address lies inside `next`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.next.as_ptr().add(off).cast()) };
+            self.off.set(off + 64);
+        }
+    }
+}
+
 /// Running softmax state of a group over the blocks seen so far.
 pub(crate) struct State<'a> {
     /// `[G][D]` unnormalised output.
@@ -139,13 +169,14 @@ pub(crate) unsafe fn block(
     bytes: &[u8],
     len: usize,
     st: &mut State<'_>,
+    pf: &Prefetch<'_>,
 ) {
     // SAFETY (every arm): forwarded; the element type is the block's.
     unsafe {
         match geom.dtype {
-            KvDType::F32 => block_as::<AsF32>(geom, qs, bytes, len, st),
-            KvDType::F16 => block_as::<AsF16>(geom, qs, bytes, len, st),
-            KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st),
+            KvDType::F32 => block_as::<AsF32>(geom, qs, bytes, len, st, pf),
+            KvDType::F16 => block_as::<AsF16>(geom, qs, bytes, len, st, pf),
+            KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st, pf),
         }
     }
 }
@@ -161,6 +192,7 @@ unsafe fn block_as<E: Elem>(
     bytes: &[u8],
     len: usize,
     st: &mut State<'_>,
+    pf: &Prefetch<'_>,
 ) {
     let (b, d, es, dt) = (geom.block_size, geom.head_dim, E::SIZE, geom.dtype);
     let g = qs.len() / d;
@@ -176,7 +208,7 @@ unsafe fn block_as<E: Elem>(
     let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s) };
     if !done {
         // SAFETY: forwarded from this function's contract; `s` holds G x b >= G x 8nv scores.
-        unsafe { scores::<E>(kt, b, d, nv, qs, g, st.s) };
+        unsafe { scores::<E>(kt, b, d, nv, qs, g, st.s, pf) };
     }
     let neg = _mm256_set1_ps(f32::NEG_INFINITY);
     for h in 0..g {
@@ -238,12 +270,12 @@ unsafe fn block_as<E: Elem>(
         // SAFETY: forwarded from this function's contract; heads h0..h0+n exist.
         unsafe {
             match n {
-                1 => accumulate_v::<E, 1, 8>(vs, len, b, d, h0, st),
-                2 => accumulate_v::<E, 2, 4>(vs, len, b, d, h0, st),
-                3 => accumulate_v::<E, 3, 2>(vs, len, b, d, h0, st),
-                4 => accumulate_v::<E, 4, 2>(vs, len, b, d, h0, st),
-                5 => accumulate_v::<E, 5, 2>(vs, len, b, d, h0, st),
-                _ => accumulate_v::<E, 6, 2>(vs, len, b, d, h0, st),
+                1 => accumulate_v::<E, 1, 8>(vs, len, b, d, h0, st, pf),
+                2 => accumulate_v::<E, 2, 4>(vs, len, b, d, h0, st, pf),
+                3 => accumulate_v::<E, 3, 2>(vs, len, b, d, h0, st, pf),
+                4 => accumulate_v::<E, 4, 2>(vs, len, b, d, h0, st, pf),
+                5 => accumulate_v::<E, 5, 2>(vs, len, b, d, h0, st, pf),
+                _ => accumulate_v::<E, 6, 2>(vs, len, b, d, h0, st, pf),
             }
         }
         h0 += n;
@@ -275,12 +307,14 @@ unsafe fn scores<E: Elem>(
     qs: &[f32],
     g: usize,
     s: &mut [f32],
+    pf: &Prefetch<'_>,
 ) {
     let t = Tile::<E> {
         kt,
         b,
         d,
         qs,
+        pf,
         elem: PhantomData,
     };
     let mut h0 = 0;
@@ -307,6 +341,7 @@ struct Tile<'a, E> {
     b: usize,
     d: usize,
     qs: &'a [f32],
+    pf: &'a Prefetch<'a>,
     elem: PhantomData<E>,
 }
 
@@ -364,6 +399,7 @@ impl<E: Elem> Tile<'_, E> {
         let k = self.kt.as_ptr();
         let mut c = 0;
         while c + P <= d {
+            self.pf.line();
             for p in 0..P {
                 let mut kv = [_mm256_setzero_ps(); T];
                 for j in 0..T {
@@ -409,11 +445,12 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
     d: usize,
     h0: usize,
     st: &mut State<'_>,
+    pf: &Prefetch<'_>,
 ) {
     // Constant trip counts only, so every accumulator stays in a register.
     if !d.is_multiple_of(8 * W) {
         // SAFETY: forwarded; W = 1 divides any head dim that is a multiple of 8.
-        return unsafe { accumulate_v::<E, N, 1>(vs, len, b, d, h0, st) };
+        return unsafe { accumulate_v::<E, N, 1>(vs, len, b, d, h0, st, pf) };
     }
     let es = E::SIZE;
     let (acc_ptr, s) = (st.acc.as_mut_ptr(), st.s[h0 * b..(h0 + N) * b].as_ptr());
@@ -426,6 +463,7 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
             }
         }
         for t in 0..len {
+            pf.line();
             let mut v = [_mm256_setzero_ps(); W];
             for j in 0..W {
                 // SAFETY: t < len <= b rows of d elements; c0 + 8j + 8 <= d.
