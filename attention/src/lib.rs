@@ -59,7 +59,7 @@ pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on};
 pub use merge::Partial;
 pub use peak::fma_peak;
 pub use policy::{AttentionConfig, Mode, PredictionGuard, RecallPolicy};
-pub use select::select_top_k;
+pub use select::{select_spans, select_top_k};
 pub use sequence::{
     HeadPlan, HeadQuery, KvSource, SeqAttention, SeqStats, attend_head, cosine, recall_intervals,
 };

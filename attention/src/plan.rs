@@ -49,11 +49,7 @@ pub(crate) fn hgca(
     } else {
         budget.saturating_sub(device.len())
     };
-    if k < rest.len() {
-        rest.select_nth_unstable_by(k, |a, b| b.1.total_cmp(&a.1));
-        rest.truncate(k);
-    }
-    let mut cpu: Vec<usize> = rest.into_iter().map(|x| x.0).collect();
+    let mut cpu = crate::select::best_blocks(&mut rest, k, cfg.select_spans.then_some(start));
     cpu.sort_unstable();
     HeadPlan { device, cpu }
 }

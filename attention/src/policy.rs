@@ -78,6 +78,9 @@ pub struct AttentionConfig {
     pub group_score: GroupScore,
     /// Newest tokens always selected (whole blocks; at least the newest block).
     pub local_window_tokens: usize,
+    /// Each block chosen by score brings the block after it (at the same budget), so a span
+    /// that crosses a block boundary stays whole.
+    pub select_spans: bool,
     /// The first layers attend every block in sparse modes (device part over resident
     /// blocks, CPU part over the rest): their attention is broad, not sparse, so a top-k
     /// there costs most of the accuracy (Quest leaves its first two layers dense too).
@@ -142,6 +145,7 @@ impl AttentionConfig {
             guard: PredictionGuard::default(),
             group_score: GroupScore::Max,
             local_window_tokens: 0,
+            select_spans: false,
             dense_layers: 0,
             device_blocks_per_head: budget_tokens.div_ceil(block_size),
         }

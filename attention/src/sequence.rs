@@ -13,7 +13,7 @@ use crate::merge::Partial;
 use crate::plan::{self, PARALLEL_SELECT_BLOCKS};
 use crate::policy::{AttentionConfig, Mode, RecallPolicy};
 use crate::residency::Residency;
-use crate::select::select_top_k;
+use crate::select::select_spans;
 use rayon::prelude::*;
 
 /// Read access to one sequence's KV blocks (the host pool implements it).
@@ -217,7 +217,12 @@ impl SeqAttention {
             })
             .collect();
         let bs = self.geom.block_size;
-        select_top_k(&scores, cfg.budget_blocks(bs), cfg.local_blocks(bs))
+        select_spans(
+            &scores,
+            cfg.budget_blocks(bs),
+            cfg.local_blocks(bs),
+            cfg.select_spans,
+        )
     }
 
     /// Plans `layer`: for each KV head, the blocks the device and the CPU attend, given

@@ -96,6 +96,10 @@ pub struct ModelArgs {
     /// the newest block).
     #[arg(long, env = "DECODE_NODE_LOCAL_WINDOW", default_value_t = 0)]
     pub local_window: u32,
+    /// Each block chosen by score in sparse modes brings the block after it, at the same
+    /// budget: a number or name that crosses a block boundary stays whole, in fewer places.
+    #[arg(long, env = "DECODE_NODE_SELECT_SPANS")]
+    pub select_spans: bool,
     /// The first N layers attend every block in sparse modes (their attention is broad; a
     /// top-k there loses most). The blocks beyond the device's go to the CPU part.
     #[arg(long, env = "DECODE_NODE_DENSE_LAYERS", default_value_t = 0)]

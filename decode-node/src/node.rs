@@ -162,6 +162,7 @@ impl Node {
             group_score: GroupScore::parse(&args.group_score)
                 .with_context(|| format!("--group-score {:?}", args.group_score))?,
             local_window_tokens: args.local_window as usize,
+            select_spans: args.select_spans,
             dense_layers: args.dense_layers as usize,
             device_blocks_per_head: match args.device_blocks {
                 0 => budget_tokens.div_ceil(block_size),
