@@ -236,3 +236,40 @@ fn bench_kernels_reports_each_path_against_its_roofline() {
         .unwrap();
     assert!(!bad.status.success());
 }
+
+/// `bench decode` on the CPU reports the bytes a step moves against read bandwidth.
+#[test]
+fn bench_decode_reports_traffic_against_read_bandwidth() {
+    let out = bin()
+        .args([
+            "bench",
+            "decode",
+            "--json",
+            "--context",
+            "64",
+            "--modes",
+            "full,scout",
+            "--tokens",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{v}");
+    for r in rows {
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        // The weights plus the KV the step attends.
+        assert!(r["bytes_per_token"].as_f64().unwrap() > 0.0, "{r}");
+        let (gbps, bw) = (
+            r["gb_per_s"].as_f64().unwrap(),
+            r["read_gb_per_s"].as_f64().unwrap(),
+        );
+        assert!((r["ratio_to_read_bandwidth"].as_f64().unwrap() - gbps / bw).abs() < 1e-9);
+    }
+}

@@ -1,5 +1,6 @@
 //! `bench decode`: tokens/s per attention mode and context length through a node on
-//! loopback, as a ratio to `full` in the same run.
+//! loopback, as a ratio to `full` in the same run; on the CPU, also the bytes a step moves
+//! (weights + KV attended) per second as a ratio to read bandwidth measured in the same run.
 
 use super::*; // the shared helpers and imports of `bench`
 
@@ -15,6 +16,20 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
         .split(',')
         .map(|m| m.trim().to_string())
         .collect();
+    // On the CPU the step streams the weights and the KV it attends from host memory: the
+    // bound is the read bandwidth of all cores. (A device's bound is its own memory.)
+    let cfg = model_config(&args.common.model)?;
+    let cpu_bound = if args.common.model.device == "cpu" {
+        let weights = crate::node::Node::build(&args.common.model)?
+            .model
+            .model
+            .weight_bytes();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let buf: Vec<f32> = (0..(512usize << 20) / 4).map(|i| (i % 7) as f32).collect();
+        Some((weights, read_bandwidth(&buf, threads, 1.0)))
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     for &ctx in &contexts {
         let mut full_tps = None;
@@ -26,8 +41,8 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let node_device = m.device.clone();
             // Room for the whole context of every request on the host, and on the device in
             // `full` (the other modes hold their budget there).
-            let kv_bytes = kv_bytes_for(&args.common.model, ctx + args.tokens as usize + 64)?
-                * u64::from(args.batch.max(1));
+            let kv_bytes =
+                kv_bytes_for(&cfg, ctx + args.tokens as usize + 64) * u64::from(args.batch.max(1));
             let host = kv_bytes + (kv_bytes >> 4) + (64 << 20);
             let device = if mode == "full" { host } else { 4 << 30 };
             let node = start_node(m, host, device, args.batch.max(1), 600.0, false).await?;
@@ -94,11 +109,38 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 full_tps = Some(tps);
             }
             let nb = args.batch.max(1) as f64;
+            // Bytes a step moves: the weights once for the batch, and each request's KV over
+            // the tokens it attends (its mean context in `full`, at most the budget otherwise).
+            let traffic = cpu_bound.map(|(weights, bw)| {
+                let mean_ctx = ctx as f64 + f64::from(args.tokens) / 2.0;
+                let attended = if mode == "full" {
+                    mean_ctx
+                } else {
+                    mean_ctx.min(f64::from(args.common.model.budget_tokens))
+                };
+                let kv_es = if info.kv_dtype == pb::DType::DtypeF32 as i32 {
+                    4.0
+                } else {
+                    2.0
+                };
+                let kv_per_token = 2.0
+                    * f64::from(info.num_layers)
+                    * f64::from(info.num_kv_heads)
+                    * f64::from(info.head_dim)
+                    * kv_es;
+                let step_bytes = weights as f64 + nb * attended * kv_per_token;
+                let gbps = step_bytes * tps / nb;
+                (step_bytes / nb, gbps, bw)
+            });
             let row = json!({
                 "context": ctx, "mode": mode, "batch": args.batch, "tokens_per_s": tps,
                 "first_token_s": first_token_s, "device": node_device,
                 "ratio_to_full": full_tps.map(|f| tps / f),
                 "cpu_share": cpu / nb, "prediction_hit_ratio": hit / nb, "device_wait_share": device_wait_share,
+                "bytes_per_token": traffic.map(|t| t.0),
+                "gb_per_s": traffic.map(|t| t.1 / 1e9),
+                "read_gb_per_s": traffic.map(|t| t.2 / 1e9),
+                "ratio_to_read_bandwidth": traffic.map(|t| t.1 / t.2),
             });
             if !args.common.json {
                 eprintln!(
@@ -109,6 +151,15 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                     hit / nb * 100.0,
                     device_wait_share * 100.0
                 );
+                if let Some((per_token, gbps, bw)) = traffic {
+                    eprintln!(
+                        "decode ctx={ctx} {mode:>6}: {:.1} MB moved per token, {:.2} GB/s / {:.2} GB/s read = {:.2}",
+                        per_token / 1e6,
+                        gbps / 1e9,
+                        bw / 1e9,
+                        gbps / bw
+                    );
+                }
             }
             rows.push(row);
         }

@@ -173,12 +173,20 @@ fn parse_tokens(s: &str) -> anyhow::Result<usize> {
 }
 
 /// Bytes of KV for `tokens` tokens of `model` in its own dtype (f32 where it names none).
-fn kv_bytes_for(model: &crate::cli::ModelArgs, tokens: usize) -> anyhow::Result<u64> {
-    let cfg = if model.model == "tiny" {
-        crate::model::random::tiny().0
-    } else {
-        crate::model::ModelConfig::from_dir(std::path::Path::new(&model.model))?
-    };
+fn kv_bytes_for(cfg: &crate::model::ModelConfig, tokens: usize) -> u64 {
     let es = KvDType::parse(&cfg.torch_dtype).map_or(4, |d| d.size());
-    Ok((tokens * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * es) as u64)
+    (tokens * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * es) as u64
+}
+
+/// The configuration of `model` (`tiny`, a HF directory or a GGUF file, which is read whole:
+/// its configuration comes with its tensors).
+fn model_config(model: &crate::cli::ModelArgs) -> anyhow::Result<crate::model::ModelConfig> {
+    let path = std::path::Path::new(&model.model);
+    Ok(if model.model == "tiny" {
+        crate::model::random::tiny().0
+    } else if crate::model::gguf::is_gguf(path) {
+        crate::model::gguf::load(path)?.cfg
+    } else {
+        crate::model::ModelConfig::from_dir(path)?
+    })
 }
