@@ -92,6 +92,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         y: &mut [f32],
     ) -> Result<(), BackendError>;
 
+    /// True when the ops run on rayon's global pool from the calling thread (the CPU backend):
+    /// a model step is then best run on one of that pool's threads. A device backend's ops
+    /// must stay on the thread its context is bound to.
+    fn parallel_on_rayon(&self) -> bool {
+        false
+    }
+
     /// Makes `w` ready for [`Backend::linear`] ahead of the first step (a device backend
     /// uploads it now rather than inside a request's first token).
     fn prepare(&self, _w: &Tensor) -> Result<(), BackendError> {

@@ -1,7 +1,8 @@
 //! The CPU backend: what CI tests, and the model executor wherever no device is given.
 //!
-//! A projection of a few rows (a decode step) is memory-bound: each task widens a slice of
-//! weight rows to f32 once and runs every input against them. A projection of many rows (a
+//! A projection of a few rows (a decode step) is memory-bound: each task runs every input
+//! against a slice of weight rows, read as stored and widened in registers (AVX2; elsewhere
+//! widened to f32 once per task). A projection of many rows (a
 //! prefill) is compute-bound: the weight is widened once and multiplied with a blocked GEMM,
 //! tiles of inputs in parallel.
 
@@ -47,16 +48,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `out[r * batch + b] = rows[r] · x[b]` for the task's `n` widened rows: AVX2 + FMA register
-/// tiles where the CPU has them (the portable loop compiles for baseline x86-64: SSE, no FMA).
+/// `out[r * batch + b] = rows[r] · x[b]` for `n` widened rows.
 fn rows_times_inputs(rows: &[f32], n: usize, x: &[f32], batch: usize, inp: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if inp.is_multiple_of(8) && rows_avx2::available() {
-        // SAFETY: `available` checked the CPU; `inp` is a multiple of 8; the slices hold
-        // `n` rows, `batch` inputs and `n * batch` outputs (the caller's shapes).
-        unsafe { rows_avx2::rows_times_inputs(rows, n, x, batch, inp, out) };
-        return;
-    }
     for bi in 0..batch {
         let xb = &x[bi * inp..(bi + 1) * inp];
         for (ri, row) in rows.chunks_exact(inp).take(n).enumerate() {
@@ -65,23 +58,48 @@ fn rows_times_inputs(rows: &[f32], n: usize, x: &[f32], batch: usize, inp: usize
     }
 }
 
+/// Whether this CPU runs the row path from the stored weights (AVX2 + FMA + F16C, x86-64),
+/// for rows of `inp` elements.
+fn direct_rows(inp: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return inp.is_multiple_of(8) && rows_avx2::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
 /// `y = x · wᵀ + bias` one weight row at a time (few inputs).
 fn linear_rows(x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mut [f32]) {
     let (out, inp) = (w.rows(), w.cols());
-    // Computed transposed ([out][batch]) so each task owns a contiguous slice. A task
-    // widens its rows to f32 once, then runs every input against them.
+    let direct = direct_rows(inp);
+    let row_bytes = inp * w.dtype.size();
+    // Computed transposed ([out][batch]) so each task owns a contiguous slice. A task runs
+    // every input against its rows: read as stored and widened in registers where the CPU
+    // allows, else widened to f32 once into a scratch.
     let mut yt = vec![0f32; out * batch];
     yt.par_chunks_mut(ROWS_PER_TASK * batch)
         .enumerate()
         .for_each_init(
-            || vec![0f32; ROWS_PER_TASK * inp],
+            || vec![0f32; if direct { 0 } else { ROWS_PER_TASK * inp }],
             |rows, (ci, chunk)| {
                 let r0 = ci * ROWS_PER_TASK;
                 let n = chunk.len() / batch;
-                for (ri, row) in rows.chunks_exact_mut(inp).take(n).enumerate() {
-                    w.row_f32(r0 + ri, row);
+                if direct {
+                    #[cfg(target_arch = "x86_64")]
+                    {
+                        let bytes = &w.bytes()[r0 * row_bytes..(r0 + n) * row_bytes];
+                        // SAFETY: `direct_rows` checked the CPU and that `inp` is a multiple
+                        // of 8; `bytes` holds `n` rows, `x` `batch` inputs and `chunk`
+                        // `n * batch` outputs.
+                        unsafe {
+                            rows_avx2::rows_times_inputs(w.dtype, bytes, n, x, batch, inp, chunk)
+                        };
+                    }
+                } else {
+                    for (ri, row) in rows.chunks_exact_mut(inp).take(n).enumerate() {
+                        w.row_f32(r0 + ri, row);
+                    }
+                    rows_times_inputs(rows, n, x, batch, inp, chunk);
                 }
-                rows_times_inputs(rows, n, x, batch, inp, chunk);
                 if let Some(b) = bias {
                     for (ri, c) in chunk.chunks_exact_mut(batch).enumerate() {
                         c.iter_mut().for_each(|v| *v += b[r0 + ri]);
@@ -132,6 +150,10 @@ impl Backend for CpuBackend {
         "cpu".into()
     }
 
+    fn parallel_on_rayon(&self) -> bool {
+        true
+    }
+
     fn linear(
         &self,
         x: &[f32],
@@ -153,17 +175,27 @@ impl Backend for CpuBackend {
 
 #[cfg(test)]
 mod tests {
+    use attention::{KvDType, encode_from_f32};
+
     use super::*;
 
     fn check_linear(out: usize, inp: usize, batch: usize) {
+        check_linear_in(KvDType::F32, out, inp, batch);
+    }
+
+    /// Against a naive product over the weights as stored (widened exactly).
+    fn check_linear_in(dtype: KvDType, out: usize, inp: usize, batch: usize) {
         let wv: Vec<f32> = (0..out * inp)
             .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
             .collect();
+        let mut bytes = vec![0u8; out * inp * dtype.size()];
+        encode_from_f32(dtype, &wv, &mut bytes);
+        let w = Tensor::from_bytes(vec![out, inp], dtype, bytes);
+        let wv = w.to_f32();
         let x: Vec<f32> = (0..batch * inp)
             .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2)
             .collect();
         let bias: Vec<f32> = (0..out).map(|i| i as f32 * 0.01).collect();
-        let w = Tensor::from_f32(vec![out, inp], &wv);
         let mut y = vec![f32::NAN; batch * out];
         CpuBackend
             .linear(&x, batch, &w, Some(&bias), &mut y)
@@ -177,7 +209,7 @@ mod tests {
                 let got = y[b * out + o];
                 assert!(
                     (got - want).abs() < 1e-4,
-                    "batch {batch}: [{b}][{o}] {got} vs {want}"
+                    "{dtype:?} batch {batch}: [{b}][{o}] {got} vs {want}"
                 );
             }
         }
@@ -188,8 +220,11 @@ mod tests {
         check_linear(37, 19, 3);
         // Head dims the AVX2 tiles take (multiples of 8), every tile remainder of rows and
         // inputs.
-        for batch in 1..=9 {
-            check_linear(37, 64, batch);
+        // Weights read as stored (f16, bf16) too.
+        for dtype in [KvDType::F32, KvDType::F16, KvDType::Bf16] {
+            for batch in 1..=9 {
+                check_linear_in(dtype, 37, 64, batch);
+            }
         }
     }
 

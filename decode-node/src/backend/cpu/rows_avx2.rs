@@ -1,70 +1,160 @@
 //! AVX2 + FMA inner loop of the CPU backend's row path (x86-64), chosen at run time: a task's
-//! widened weight rows against every input of the batch, in register tiles of two rows by four
-//! inputs, so each row vector is loaded once per four inputs and each input vector once per two
-//! rows (eight FMA chains). The portable loop compiles for baseline x86-64 (SSE, no FMA).
+//! weight rows, read in their stored dtype and widened in registers (no f32 copy of the
+//! weights), against every input of the batch in register tiles, so each weight vector is
+//! loaded once per tile of inputs and each input vector once per tile of rows. Few inputs get
+//! tall tiles (four rows) so a batch of one still keeps four FMA chains in flight.
 
 use std::arch::x86_64::*;
 
+use attention::KvDType;
+
 /// True when this CPU can run [`rows_times_inputs`].
 pub(super) fn available() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
 }
 
-/// `out[r * batch + b] = rows[r] · x[b]` for `n` rows and `batch` inputs of `inp` values.
+/// `out[r * batch + b] = row[r] · x[b]` for `n` weight rows of `inp` elements of `dtype`
+/// (little-endian bytes in `rows`) and `batch` f32 inputs.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA ([`available`]); `inp` a multiple of 8; `rows` holds
-/// `n * inp`, `x` `batch * inp` and `out` `n * batch` values.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must pass [`available`]; `inp` a multiple of 8; `rows` holds `n * inp` elements,
+/// `x` `batch * inp` values and `out` `n * batch`.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn rows_times_inputs(
-    rows: &[f32],
+    dtype: KvDType,
+    rows: &[u8],
     n: usize,
     x: &[f32],
     batch: usize,
     inp: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(inp.is_multiple_of(8) && rows.len() >= n * inp && x.len() >= batch * inp);
-    debug_assert!(out.len() >= n * batch);
-    let t = Tiles {
-        rows,
-        x,
-        batch,
-        inp,
-    };
-    let mut r = 0;
-    while r < n {
-        let nr = (n - r).min(2);
-        let mut b = 0;
-        while b < batch {
-            let nb = (batch - b).min(4);
-            // SAFETY (every arm): rows r..r+R < n and inputs b..b+I < batch; forwarded.
-            unsafe {
-                match (nr, nb) {
-                    (2, 4) => t.tile::<2, 4>(r, b, out),
-                    (2, 3) => t.tile::<2, 3>(r, b, out),
-                    (2, 2) => t.tile::<2, 2>(r, b, out),
-                    (2, _) => t.tile::<2, 1>(r, b, out),
-                    (_, 4) => t.tile::<1, 4>(r, b, out),
-                    (_, 3) => t.tile::<1, 3>(r, b, out),
-                    (_, 2) => t.tile::<1, 2>(r, b, out),
-                    _ => t.tile::<1, 1>(r, b, out),
-                }
-            }
-            b += nb;
+    debug_assert!(inp.is_multiple_of(8) && rows.len() >= n * inp * dtype.size());
+    debug_assert!(x.len() >= batch * inp && out.len() >= n * batch);
+    // SAFETY: forwarded.
+    unsafe {
+        match dtype {
+            KvDType::F32 => tiles::<F32>(rows, n, x, batch, inp, out),
+            KvDType::F16 => tiles::<F16>(rows, n, x, batch, inp, out),
+            KvDType::Bf16 => tiles::<Bf16>(rows, n, x, batch, inp, out),
         }
-        r += nr;
     }
 }
 
-struct Tiles<'a> {
-    rows: &'a [f32],
-    x: &'a [f32],
+/// A stored weight element type: eight of them widened to f32 lanes.
+trait Weight {
+    const SIZE: usize;
+    /// # Safety
+    /// `p` points at eight readable elements; the CPU has AVX2 and F16C.
+    unsafe fn load8(p: *const u8) -> __m256;
+}
+
+struct F32;
+struct F16;
+struct Bf16;
+
+impl Weight for F32 {
+    const SIZE: usize = 4;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_loadu_ps(p.cast()) }
+    }
+}
+
+impl Weight for F16 {
+    const SIZE: usize = 2;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+impl Weight for Bf16 {
+    const SIZE: usize = 2;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // bf16 is the top half of an f32: zero-extend each to 32 bits and shift it up.
+        // SAFETY: the caller's contract.
+        unsafe {
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        }
+    }
+}
+
+/// # Safety
+/// As [`rows_times_inputs`], with `W` the rows' element type.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tiles<W: Weight>(
+    rows: &[u8],
+    n: usize,
+    x: &[f32],
+    batch: usize,
+    inp: usize,
+    out: &mut [f32],
+) {
+    let t = Tiles {
+        rows: rows.as_ptr(),
+        x: x.as_ptr(),
+        batch,
+        inp,
+    };
+    // SAFETY (every call): rows r..r+R <= n and inputs b..b+I <= batch; the rest forwarded.
+    unsafe {
+        if batch <= 2 {
+            let mut r = 0;
+            while r + 4 <= n {
+                match batch {
+                    2 => t.tile::<W, 4, 2>(r, 0, out),
+                    _ => t.tile::<W, 4, 1>(r, 0, out),
+                }
+                r += 4;
+            }
+            while r < n {
+                match batch {
+                    2 => t.tile::<W, 1, 2>(r, 0, out),
+                    _ => t.tile::<W, 1, 1>(r, 0, out),
+                }
+                r += 1;
+            }
+            return;
+        }
+        let mut r = 0;
+        while r < n {
+            let nr = (n - r).min(2);
+            let mut b = 0;
+            while b < batch {
+                let nb = (batch - b).min(4);
+                match (nr, nb) {
+                    (2, 4) => t.tile::<W, 2, 4>(r, b, out),
+                    (2, 3) => t.tile::<W, 2, 3>(r, b, out),
+                    (2, 2) => t.tile::<W, 2, 2>(r, b, out),
+                    (2, _) => t.tile::<W, 2, 1>(r, b, out),
+                    (_, 4) => t.tile::<W, 1, 4>(r, b, out),
+                    (_, 3) => t.tile::<W, 1, 3>(r, b, out),
+                    (_, 2) => t.tile::<W, 1, 2>(r, b, out),
+                    _ => t.tile::<W, 1, 1>(r, b, out),
+                }
+                b += nb;
+            }
+            r += nr;
+        }
+    }
+}
+
+struct Tiles {
+    rows: *const u8,
+    x: *const f32,
     batch: usize,
     inp: usize,
 }
 
-impl Tiles<'_> {
+impl Tiles {
     /// Rows `r0..r0+R` against inputs `b0..b0+I`.
     ///
     /// # Safety
@@ -72,20 +162,24 @@ impl Tiles<'_> {
     // Indexed loops over constant bounds keep the accumulators in registers.
     #[allow(clippy::needless_range_loop)]
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile<const R: usize, const I: usize>(&self, r0: usize, b0: usize, out: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<W: Weight, const R: usize, const I: usize>(
+        &self,
+        r0: usize,
+        b0: usize,
+        out: &mut [f32],
+    ) {
         let inp = self.inp;
-        let (rp, xp) = (self.rows.as_ptr(), self.x.as_ptr());
         let mut acc = [[_mm256_setzero_ps(); I]; R];
         for c in (0..inp).step_by(8) {
             let mut w = [_mm256_setzero_ps(); R];
             for r in 0..R {
                 // SAFETY: row r0+r < n, c + 8 <= inp.
-                w[r] = unsafe { _mm256_loadu_ps(rp.add((r0 + r) * inp + c)) };
+                w[r] = unsafe { W::load8(self.rows.add(((r0 + r) * inp + c) * W::SIZE)) };
             }
             for i in 0..I {
                 // SAFETY: input b0+i < batch, c + 8 <= inp.
-                let xv = unsafe { _mm256_loadu_ps(xp.add((b0 + i) * inp + c)) };
+                let xv = unsafe { _mm256_loadu_ps(self.x.add((b0 + i) * inp + c)) };
                 for r in 0..R {
                     acc[r][i] = _mm256_fmadd_ps(w[r], xv, acc[r][i]);
                 }
