@@ -171,7 +171,18 @@ impl Tiles {
     ) {
         let inp = self.inp;
         let mut acc = [[_mm256_setzero_ps(); I]; R];
+        let row_bytes = inp * W::SIZE;
         for c in (0..inp).step_by(8) {
+            // The next tile's rows (the R rows after these, contiguous) are fetched while
+            // this one computes: a tile reads only a row's few lines per stream, too short
+            // for the hardware prefetcher to ramp up. A prefetch never faults, so the address
+            // may run past the weights (hence `wrapping_add`).
+            if (c * W::SIZE) % 64 == 0 {
+                for r in 0..R {
+                    let at = ((r0 + r) * inp + c) * W::SIZE + R * row_bytes;
+                    _mm_prefetch::<_MM_HINT_T0>(self.rows.wrapping_add(at).cast());
+                }
+            }
             let mut w = [_mm256_setzero_ps(); R];
             for r in 0..R {
                 // SAFETY: row r0+r < n, c + 8 <= inp.
