@@ -106,7 +106,6 @@ pub(crate) struct BatchAttention<'a> {
     /// Per sequence, the CPU parts started ahead: at most two, since layer `i + 1`'s is started
     /// before layer `i` (whose own was started during layer `i - 1`) attends.
     ahead: Vec<Vec<Ahead>>,
-    scratch: Scratch,
     pub(crate) timing: AttnTiming,
     /// This step's guard checks, for the per-layer metrics.
     pub(crate) guard_checks: Vec<GuardCheck>,
@@ -115,9 +114,57 @@ pub(crate) struct BatchAttention<'a> {
     plan_log: Vec<(usize, Vec<HeadPlan>, bool)>,
 }
 
-/// Runs the CPU part: every head's `plan.cpu` blocks with `q`, heads in parallel on the
-/// current rayon pool (the CPU attention pool: this runs inside one of its tasks). Heads not
-/// started when `cancel` is set come back empty.
+/// Blocks per task when a part's blocks are split across threads: a model with few KV heads
+/// (SmolLM2 has 3) would otherwise leave threads idle or wait on the last head.
+const BLOCKS_PER_TASK: usize = 16;
+
+/// Attention of each head's `blocks` with `q`, on the current rayon pool: every head's list
+/// in runs of [`BLOCKS_PER_TASK`], all runs in parallel, merged per head in list order (so
+/// the result does not depend on the thread count). Runs not started when `cancel` is set
+/// are skipped; the caller then discards the result.
+fn attend_lists(
+    kv: &CommittedKv,
+    shape: Shape,
+    layer: usize,
+    lists: &[&[usize]],
+    q: &[f32],
+    cancel: Option<&AtomicBool>,
+) -> Vec<Partial> {
+    let per = q.len() / shape.num_kv_heads;
+    let group = per / shape.head_dim;
+    let runs: Vec<(usize, &[usize])> = lists
+        .iter()
+        .enumerate()
+        .flat_map(|(h, l)| l.chunks(BLOCKS_PER_TASK).map(move |r| (h, r)))
+        .collect();
+    let partials: Vec<Option<Partial>> = runs
+        .par_iter()
+        .map_init(Scratch::default, |scratch, &(h, blocks)| {
+            if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                return None;
+            }
+            let hq = HeadQuery {
+                layer,
+                head: h,
+                q: &q[h * per..(h + 1) * per],
+                scale: shape.scale,
+            };
+            Some(attend_head(kv.geometry(), kv, hq, blocks, scratch))
+        })
+        .collect();
+    let mut parts: Vec<Partial> = (0..lists.len())
+        .map(|_| Partial::empty(group, shape.head_dim))
+        .collect();
+    for (&(h, _), p) in runs.iter().zip(&partials) {
+        if let Some(p) = p {
+            parts[h].merge_from(p);
+        }
+    }
+    parts
+}
+
+/// Runs the CPU part: every head's `plan.cpu` blocks with `q`, on the current rayon pool
+/// (the CPU attention pool: this runs inside one of its tasks).
 fn cpu_part(
     kv: &CommittedKv,
     shape: Shape,
@@ -126,23 +173,8 @@ fn cpu_part(
     q: &[f32],
     cancel: &AtomicBool,
 ) -> Vec<Partial> {
-    let per = q.len() / shape.num_kv_heads;
-    plans
-        .par_iter()
-        .enumerate()
-        .map_init(Scratch::default, |scratch, (h, p)| {
-            if cancel.load(Ordering::Relaxed) {
-                return Partial::empty(0, 0);
-            }
-            let hq = HeadQuery {
-                layer,
-                head: h,
-                q: &q[h * per..(h + 1) * per],
-                scale: shape.scale,
-            };
-            attend_head(kv.geometry(), kv, hq, &p.cpu, scratch)
-        })
-        .collect()
+    let lists: Vec<&[usize]> = plans.iter().map(|p| p.cpu.as_slice()).collect();
+    attend_lists(kv, shape, layer, &lists, q, Some(cancel))
 }
 
 impl<'a> BatchAttention<'a> {
@@ -159,7 +191,6 @@ impl<'a> BatchAttention<'a> {
             cpu_pool,
             slots,
             ahead: (0..n).map(|_| Vec::with_capacity(2)).collect(),
-            scratch: Scratch::default(),
             timing: AttnTiming::default(),
             guard_checks: Vec::new(),
             #[cfg(test)]
@@ -317,24 +348,12 @@ impl DecodeAttention for BatchAttention<'_> {
             let t_dev = Instant::now();
             self.timing.plan += (t_dev - t_plan).as_secs_f64();
             let kv = self.slots[b].kv;
+            let lists: Vec<&[usize]> = plans.iter().map(|p| p.device.as_slice()).collect();
             let mut parts: Vec<Partial> = match self.slots[b].dev.as_deref_mut() {
-                Some(dev) => {
-                    let lists: Vec<&[usize]> = plans.iter().map(|p| p.device.as_slice()).collect();
-                    dev.attend(kv.as_ref(), layer, &lists, qb, scale)?
-                }
-                None => plans
-                    .iter()
-                    .enumerate()
-                    .map(|(h, p)| {
-                        let hq = HeadQuery {
-                            layer,
-                            head: h,
-                            q: &qb[h * group * head_dim..(h + 1) * group * head_dim],
-                            scale,
-                        };
-                        attend_head(kv.geometry(), kv.as_ref(), hq, &p.device, &mut self.scratch)
-                    })
-                    .collect(),
+                Some(dev) => dev.attend(kv.as_ref(), layer, &lists, qb, scale)?,
+                // No device memory: the "device" blocks are attended from the host pool, on
+                // the pool this step runs on.
+                None => attend_lists(kv, self.shape, layer, &lists, qb, None),
             };
             for (h, part) in parts.iter_mut().enumerate() {
                 part.merge_from(&self_partial(
