@@ -20,9 +20,9 @@ pub(crate) fn full(n: usize) -> HeadPlan {
     }
 }
 
-/// `hgca`: the sink and a recent window of half the budget dense on the device; the top-k of
-/// the rest by digest score, with the other half of the budget, on the CPU (all of the rest in
-/// a dense layer).
+/// `hgca`: the sink and a recent window dense on the device (the local window where one is
+/// configured, else half the budget); the top-k of the rest by digest score, with what is left
+/// of the budget, on the CPU (all of the rest in a dense layer).
 pub(crate) fn hgca(
     cfg: &AttentionConfig,
     digests: &HeadDigests,
@@ -33,7 +33,12 @@ pub(crate) fn hgca(
     dense: bool,
 ) -> HeadPlan {
     let budget = cfg.budget_blocks(block_size);
-    let window = (budget / 2).max(1);
+    let window = if cfg.local_window_tokens > 0 {
+        cfg.local_blocks(block_size)
+    } else {
+        budget / 2
+    }
+    .clamp(1, budget.saturating_sub(1).max(1));
     let start = n.saturating_sub(window).max(1).min(n);
     let mut device: Vec<usize> = (0..n.min(1)).chain(start..n).collect();
     device.dedup();
@@ -127,5 +132,25 @@ mod tests {
         assert_eq!(p.cpu, vec![4]);
         let dense = hgca(&cfg, &digests, &[1.0; 4], d, 16, n, true);
         assert_eq!(dense.cpu, (1..8).collect::<Vec<_>>());
+        // A local window of one block leaves two blocks of the budget to the top-k.
+        let narrow = AttentionConfig {
+            local_window_tokens: 16,
+            ..cfg.clone()
+        };
+        for b in 0..n {
+            let k = if b == 6 { [5.0; 4] } else { [0.0; 4] };
+            digests.update(b, &k);
+        }
+        let p = hgca(&narrow, &digests, &[1.0; 4], d, 16, n, false);
+        assert_eq!(p.device, vec![0, 9]);
+        assert_eq!(p.cpu, vec![4, 6]);
+        // A window past the budget is cut to what the budget holds besides the sink.
+        let wide = AttentionConfig {
+            local_window_tokens: 1000,
+            ..cfg
+        };
+        let p = hgca(&wide, &digests, &[1.0; 4], d, 16, n, false);
+        assert_eq!(p.device, vec![0, 7, 8, 9]);
+        assert!(p.cpu.is_empty());
     }
 }

@@ -93,7 +93,8 @@ pub struct ModelArgs {
     #[arg(long, env = "DECODE_NODE_GROUP_SCORE", default_value = "max", value_parser = ["sum", "max"])]
     pub group_score: String,
     /// Newest tokens always selected in sparse modes, besides the sink (whole blocks; at least
-    /// the newest block).
+    /// the newest block). In `hgca` this is the dense window on the device (0: half the
+    /// budget), and the top-k gets the rest of the budget.
     #[arg(long, env = "DECODE_NODE_LOCAL_WINDOW", default_value_t = 0)]
     pub local_window: u32,
     /// Each block chosen by score in sparse modes brings the block after it, at the same
