@@ -1,9 +1,51 @@
-//! Command line of `decode-node`. Every flag also reads `DECODE_NODE_<FLAG>` from the environment.
+//! Command line of `decode-node`. Every flag of every subcommand also reads
+//! `DECODE_NODE_<FLAG>` from the environment ([`command`] adds what the derives do not name),
+//! and switches take `1/0`, `true/false`, `yes/no`, `on/off` there.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::builder::BoolishValueParser;
+use clap::{ArgAction, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+
+/// The environment variable a flag reads: `DECODE_NODE_` and the long name in capitals.
+pub fn env_name(long: &str) -> String {
+    format!("DECODE_NODE_{}", long.to_uppercase().replace('-', "_"))
+}
+
+/// The whole command tree, every flag given its environment variable and every switch a
+/// value parser that takes the usual spellings of true and false (clap's own takes only
+/// `true`/`false`, so `DECODE_NODE_EXACT=1` stopped start-up).
+pub fn command() -> clap::Command {
+    fn with_env(cmd: clap::Command) -> clap::Command {
+        cmd.mut_args(|a| {
+            let Some(long) = a.get_long().map(str::to_owned) else {
+                return a;
+            };
+            let a = if a.get_env().is_none() {
+                a.env(env_name(&long))
+            } else {
+                a
+            };
+            if matches!(a.get_action(), ArgAction::SetTrue) {
+                a.value_parser(BoolishValueParser::new())
+            } else {
+                a
+            }
+        })
+        .mut_subcommands(with_env)
+    }
+    with_env(Cli::command())
+}
+
+impl Cli {
+    /// Parses the process's arguments and environment through [`command`]; exits with
+    /// clap's message on an error, as `Parser::parse` does.
+    pub fn parse_with_env() -> Self {
+        let matches = command().get_matches();
+        Self::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    }
+}
 
 /// Decode node for prefill–decode disaggregated LLM serving.
 ///
@@ -537,11 +579,78 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
 
     #[test]
     fn cli_is_consistent() {
-        Cli::command().debug_assert();
+        command().debug_assert();
+    }
+
+    /// Every flag of every subcommand, with its path (`bench decode --tokens`).
+    fn flags(cmd: &clap::Command, path: &str, out: &mut Vec<(String, clap::Arg)>) {
+        for a in cmd.get_arguments() {
+            if a.get_long().is_some() {
+                out.push((path.to_owned(), a.clone()));
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            flags(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+
+    #[test]
+    fn every_flag_reads_its_environment_variable() {
+        let mut cmd = command();
+        cmd.build();
+        let mut all = Vec::new();
+        flags(&cmd, "decode-node", &mut all);
+        assert!(all.len() > 100, "only {} flags found", all.len());
+        let mut missing = Vec::new();
+        for (path, a) in &all {
+            let long = a.get_long().unwrap_or_default();
+            if matches!(long, "help" | "version") {
+                continue;
+            }
+            let want = env_name(long);
+            if a.get_env().and_then(|e| e.to_str()) != Some(want.as_str()) {
+                missing.push(format!("{path} --{long}: {:?}, want {want}", a.get_env()));
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "flags without their variable:\n{}",
+            missing.join("\n")
+        );
+    }
+
+    #[test]
+    fn switches_take_the_usual_spellings_from_the_environment() {
+        for (value, want) in [("1", true), ("yes", true), ("true", true), ("on", true)]
+            .into_iter()
+            .chain([
+                ("0", false),
+                ("no", false),
+                ("false", false),
+                ("off", false),
+            ])
+        {
+            // The process environment is shared by the tests: a name of this test's own
+            // stands in for DECODE_NODE_EXACT.
+            // SAFETY: no other test reads or writes this variable.
+            unsafe { std::env::set_var("DECODE_NODE_TEST_SWITCH", value) };
+            let m = command()
+                .mut_subcommand("serve", |s| {
+                    s.mut_arg("exact", |a| a.env("DECODE_NODE_TEST_SWITCH"))
+                })
+                .try_get_matches_from(["decode-node", "serve"])
+                .unwrap_or_else(|e| panic!("DECODE_NODE_TEST_SWITCH={value}: {e}"));
+            let cli = Cli::from_arg_matches(&m).unwrap();
+            let Command::Serve(a) = cli.command else {
+                panic!("not serve")
+            };
+            assert_eq!(a.model.exact, want, "{value}");
+        }
+        // SAFETY: as above.
+        unsafe { std::env::remove_var("DECODE_NODE_TEST_SWITCH") };
     }
 
     #[test]

@@ -2,7 +2,6 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use decode_node::cli::{Cli, Command};
 use decode_node::commands;
 
@@ -33,7 +32,7 @@ fn tune_allocator() {
 
 fn main() -> ExitCode {
     tune_allocator();
-    let cli = Cli::parse();
+    let cli = Cli::parse_with_env();
     init_tracing(&cli.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
