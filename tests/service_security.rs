@@ -81,6 +81,8 @@ async fn tls_and_mutual_tls() {
         ("ca.pem", ca_cert.pem()),
         ("srv.pem", srv_cert),
         ("srv.key", srv_key),
+        ("cli.pem", cli_cert.clone()),
+        ("cli.key", cli_key.clone()),
     ] {
         std::fs::write(dir.join(name), body).unwrap();
     }
@@ -144,6 +146,61 @@ async fn tls_and_mutual_tls() {
         .unwrap()
         .into_inner();
     assert_eq!(info.block_size, 32);
+
+    // The reference tools reach the same node: `prefill` and `generate` with the CA and a
+    // client identity; without the CA an https target is a clear error.
+    let tls_flags = [
+        "--tls-ca-cert",
+        &p("ca.pem"),
+        "--tls-client-cert",
+        &p("cli.pem"),
+        "--tls-client-key",
+        &p("cli.key"),
+    ];
+    let target = format!("https://localhost:{}", s.grpc.port());
+    let run = |args: &[&str]| {
+        let out = common::bin().args(args).output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let prefill = [
+        "prefill",
+        "--target",
+        &target,
+        "--prompt-tokens",
+        "8",
+        "--request-id",
+        "tls-cli",
+    ];
+    let (ok, out, err) = run(&[&prefill[..], &tls_flags].concat());
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "tls-cli");
+    let generate = [
+        "generate",
+        "--target",
+        &target,
+        "--request-id",
+        "tls-cli",
+        "--max-new-tokens",
+        "3",
+        "--ids",
+        "--ignore-eos",
+    ];
+    let (ok, out, err) = run(&[&generate[..], &tls_flags].concat());
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().count(), 3, "{out}");
+    let (ok, _, err) = run(&prefill);
+    assert!(!ok && err.contains("--tls-ca-cert"), "{err}");
+    let plain = format!("http://localhost:{}", s.grpc.port());
+    let (ok, _, err) = run(&[
+        &["prefill", "--target", &plain, "--prompt-tokens", "8"][..],
+        &tls_flags,
+    ]
+    .concat());
+    assert!(!ok && err.contains("not https://"), "{err}");
 }
 
 fn tempdir(tag: &str) -> std::path::PathBuf {

@@ -251,6 +251,28 @@ pub struct PrefillArgs {
     /// File holding the bearer token.
     #[arg(long, env = "DECODE_NODE_AUTH_TOKEN_FILE")]
     pub auth_token_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: ClientTlsArgs,
+}
+
+/// How `prefill` and `generate` reach a node that serves TLS (`serve --tls-cert`): an
+/// `https://` target and the CA that signed the node's certificate.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ClientTlsArgs {
+    /// CA certificate (PEM) that signed the node's certificate; needed for an `https://`
+    /// target.
+    #[arg(long)]
+    pub tls_ca_cert: Option<PathBuf>,
+    /// This client's certificate (PEM), for a node that requires one (`serve
+    /// --tls-client-ca`); with `--tls-client-key`.
+    #[arg(long, requires = "tls_client_key")]
+    pub tls_client_cert: Option<PathBuf>,
+    /// This client's private key (PEM).
+    #[arg(long, requires = "tls_client_cert")]
+    pub tls_client_key: Option<PathBuf>,
+    /// Name to verify the node's certificate against (default: the target's host).
+    #[arg(long)]
+    pub tls_domain: Option<String>,
 }
 
 /// `generate`.
@@ -292,6 +314,8 @@ pub struct GenerateArgs {
     /// File holding the bearer token.
     #[arg(long, env = "DECODE_NODE_AUTH_TOKEN_FILE")]
     pub auth_token_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: ClientTlsArgs,
 }
 
 /// `demo`.

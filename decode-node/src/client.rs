@@ -6,14 +6,52 @@ use attention::{KvDType, encode_from_f32};
 use bytes::Bytes;
 use decode_node_proto::v1 as pb;
 use kv_transfer::client::{BearerAuth, PromptKv, PushOptions, push_kv};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+use crate::cli::ClientTlsArgs;
 
 use crate::model::{LoadedModel, sampling};
 
 /// Connects to `target` (`http://host:port`).
 pub async fn connect(target: &str) -> anyhow::Result<Channel> {
-    let ep = Endpoint::from_shared(target.to_string())
+    connect_with(target, &ClientTlsArgs::default()).await
+}
+
+/// The TLS settings for `target`: none for `http://`; for `https://`, the CA to trust (this
+/// client has no built-in roots: a node's certificate comes from the operator's own CA), an
+/// optional client identity and the name to verify.
+fn client_tls(target: &str, tls: &ClientTlsArgs) -> anyhow::Result<Option<ClientTlsConfig>> {
+    let read =
+        |p: &std::path::Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    let given =
+        tls.tls_ca_cert.is_some() || tls.tls_client_cert.is_some() || tls.tls_domain.is_some();
+    if !target.starts_with("https://") {
+        anyhow::ensure!(
+            !given,
+            "TLS flags were given but the target {target:?} is not https://"
+        );
+        return Ok(None);
+    }
+    let ca = tls.tls_ca_cert.as_deref().with_context(|| {
+        format!("the target {target:?} is https://: give --tls-ca-cert, the CA that signed the node's certificate")
+    })?;
+    let mut cfg = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(ca)?));
+    if let (Some(cert), Some(key)) = (&tls.tls_client_cert, &tls.tls_client_key) {
+        cfg = cfg.identity(Identity::from_pem(read(cert)?, read(key)?));
+    }
+    if let Some(d) = &tls.tls_domain {
+        cfg = cfg.domain_name(d.clone());
+    }
+    Ok(Some(cfg))
+}
+
+/// Connects to `target` (`http://` or `https://host:port`) with `tls`.
+pub async fn connect_with(target: &str, tls: &ClientTlsArgs) -> anyhow::Result<Channel> {
+    let mut ep = Endpoint::from_shared(target.to_string())
         .with_context(|| format!("bad target URL {target:?}"))?;
+    if let Some(cfg) = client_tls(target, tls)? {
+        ep = ep.tls_config(cfg).context("TLS configuration")?;
+    }
     ep.tcp_nodelay(true)
         .initial_stream_window_size(Some(16 << 20))
         .initial_connection_window_size(Some(64 << 20))

@@ -100,7 +100,7 @@ pub async fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
         }
         b
     });
-    let channel = client::connect(&args.target).await?;
+    let channel = client::connect_with(&args.target, &args.tls).await?;
     let token = client::read_token(args.auth_token_file.as_deref())?;
     let ack = client::push(channel, &kv, token, |n| {
         if let Some(b) = &bar {
@@ -123,7 +123,7 @@ pub async fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
 
 /// `generate`: streams a generation to stdout.
 pub async fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
-    let channel = client::connect(&args.target).await?;
+    let channel = client::connect_with(&args.target, &args.tls).await?;
     let token = client::read_token(args.auth_token_file.as_deref())?;
     let req = pb::GenerateRequest {
         request_id: args.request_id.clone(),
