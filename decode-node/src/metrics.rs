@@ -399,7 +399,7 @@ impl Metrics {
                 .nth(1)
                 .and_then(|x| x.parse::<i64>().ok())
         {
-            self.process_rss.set(rss_pages * 4096);
+            self.process_rss.set(rss_pages * page_size());
         }
         if let Ok(stat) = std::fs::read_to_string("/proc/self/stat")
             && let Some(rest) = stat.rsplit_once(')').map(|x| x.1)
@@ -410,7 +410,7 @@ impl Metrics {
                 && let (Ok(u), Ok(s)) = (u.parse::<f64>(), s.parse::<f64>())
             {
                 // A counter only goes up: add what the kernel counted since the last scrape.
-                let total = (u + s) / 100.0;
+                let total = (u + s) / clock_ticks_per_second();
                 let seen = self.process_cpu.get();
                 if total > seen {
                     self.process_cpu.inc_by(total - seen);
@@ -421,6 +421,20 @@ impl Metrics {
             self.process_fds.set(d.count() as i64);
         }
     }
+}
+
+/// Bytes per page of `/proc/self/statm` (4 KiB on x86-64, often 64 KiB on arm64).
+fn page_size() -> i64 {
+    // SAFETY: sysconf only reads a system constant.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 { p as i64 } else { 4096 }
+}
+
+/// Ticks per second of `/proc/self/stat`'s CPU times (USER_HZ; 100 on most kernels).
+fn clock_ticks_per_second() -> f64 {
+    // SAFETY: sysconf only reads a system constant.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 { t as f64 } else { 100.0 }
 }
 
 /// Every metric name the design card requires (as exposed).
@@ -459,6 +473,14 @@ pub const REQUIRED: &[&str] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn renders_openmetrics_text() {
+        // The /metrics content type says OpenMetrics: the body must be that format.
+        let body = Metrics::new().render();
+        assert!(body.ends_with("# EOF\n"), "{body}");
+        assert!(page_size() >= 4096 && clock_ticks_per_second() >= 1.0);
+    }
 
     #[test]
     fn renders_every_required_name() {

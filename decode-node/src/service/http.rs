@@ -35,7 +35,8 @@ async fn metrics(axum::extract::State(s): axum::extract::State<HttpState>) -> im
     (
         [(
             header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            // prometheus-client writes OpenMetrics text (it ends with `# EOF`).
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
         s.metrics.render(),
     )
