@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use attention::Mode;
+use rayon::prelude::*;
 
 use super::attend::{AttnTiming, BatchAttention, SeqSlot, Shape};
 use super::running::{Latency, Running};
@@ -108,6 +109,20 @@ impl StepLoop {
     fn emit(&mut self, fwd: &Forward, now: Instant) -> Vec<Outcome> {
         let cfg = &self.model.model.cfg;
         let vocab = cfg.vocab_size;
+        // Every request's token first, in parallel: a sampled token costs passes over the
+        // whole vocabulary (softmax, log-probability), one request after another at batch 64.
+        // Non-finite logits are not sampled; the loop below ends their request.
+        let picks: Vec<Option<(u32, f32)>> = self
+            .running
+            .par_iter_mut()
+            .zip(fwd.logits.par_chunks(vocab))
+            .map(|(r, logits)| {
+                logits
+                    .iter()
+                    .all(|x| x.is_finite())
+                    .then(|| r.sampler.sample(logits))
+            })
+            .collect();
         let mut out = Vec::with_capacity(self.running.len());
         for (i, (r, (ks, vs, wait))) in self.running.iter_mut().zip(&fwd.new_kv).enumerate() {
             r.device_wait += wait;
@@ -137,8 +152,13 @@ impl StepLoop {
                 .inc_by(s.recall_bytes - r.seen.recall_bytes);
             r.seen = s;
 
-            let logits = &fwd.logits[i * vocab..(i + 1) * vocab];
-            if let Some(bad) = logits.iter().find(|x| !x.is_finite()) {
+            let Some((tok, logprob)) = picks[i] else {
+                let logits = &fwd.logits[i * vocab..(i + 1) * vocab];
+                let bad = logits
+                    .iter()
+                    .find(|x| !x.is_finite())
+                    .copied()
+                    .unwrap_or(f32::NAN);
                 r.job.span.in_scope(
                     || tracing::warn!(value = %bad, generated = r.generated, "non-finite logits"),
                 );
@@ -148,8 +168,7 @@ impl StepLoop {
                     r.generated
                 )))));
                 continue;
-            }
-            let (tok, logprob) = r.sampler.sample(logits);
+            };
             let text = r.text.step(&self.model.tokenizer, tok);
             let index = r.generated;
             match r.token_at(now) {

@@ -66,45 +66,78 @@ impl Sampler {
         let tok = if p.temperature <= 0.0 || !p.temperature.is_finite() {
             argmax(logits)
         } else {
-            let mut idx: Vec<usize> = (0..logits.len()).collect();
-            idx.sort_unstable_by(|a, b| logits[*b].total_cmp(&logits[*a]));
-            if p.top_k > 0 {
-                idx.truncate(p.top_k);
-            }
-            let m = logits[idx[0]];
-            let mut w: Vec<f64> = idx
-                .iter()
-                .map(|i| (((logits[*i] - m) / p.temperature) as f64).exp())
-                .collect();
-            let total: f64 = w.iter().sum();
-            if p.top_p > 0.0 && p.top_p < 1.0 {
-                let mut acc = 0.0;
-                let mut keep = w.len();
-                for (j, x) in w.iter().enumerate() {
-                    acc += x / total;
-                    if acc >= p.top_p as f64 {
-                        keep = j + 1;
-                        break;
-                    }
-                }
-                w.truncate(keep);
-                idx.truncate(keep);
-            }
-            let total: f64 = w.iter().sum();
-            let mut r = self.rng.next_f64() * total;
-            let mut pick = idx[idx.len() - 1];
-            for (j, x) in w.iter().enumerate() {
-                if r < *x {
-                    pick = idx[j];
-                    break;
-                }
-                r -= x;
-            }
-            pick
+            self.sample_tempered(logits)
         };
         (tok as u32, logprob(logits, tok))
     }
+
+    /// Temperature, top-k and top-p sampling. Walks the tokens from the most likely down
+    /// until the random draw falls in one; only the head of that order is sorted (the best
+    /// [`SORTED_HEAD`] by partial selection), the whole vocabulary only when the draw or the
+    /// nucleus reaches past it (rare: the head holds nearly all the mass of a trained
+    /// model). Same tokens as a full sort for the same seed.
+    fn sample_tempered(&mut self, logits: &[f32]) -> usize {
+        let p = self.params;
+        let n = logits.len();
+        debug_assert!(n > 0, "an empty vocabulary");
+        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]);
+        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let weight = |i: usize| (((logits[i] - m) / p.temperature) as f64).exp();
+        let keep = if p.top_k > 0 { p.top_k.min(n) } else { n };
+        let mut idx: Vec<usize> = (0..n).collect();
+        let head = keep.min(SORTED_HEAD);
+        if head < n {
+            idx.select_nth_unstable_by(head - 1, by_logit);
+        }
+        idx[..head].sort_unstable_by(by_logit);
+        // The mass the draw is scaled by: the top-k's, or everything's.
+        let total: f64 = if keep < n {
+            if keep > head {
+                idx[head..].select_nth_unstable_by(keep - head - 1, by_logit);
+            }
+            idx[..keep].iter().map(|&i| weight(i)).sum()
+        } else {
+            (0..n).map(weight).sum()
+        };
+        let nucleus = p.top_p > 0.0 && p.top_p < 1.0;
+        // Walks `order` (sorted, most likely first) and returns the pick, or None when the
+        // draw or the nucleus needs tokens past its end.
+        let walk = |order: &[usize], r: f64| -> Option<usize> {
+            let mut acc = 0.0;
+            let mut kept = 0.0;
+            // The nucleus: the shortest prefix whose mass reaches top_p.
+            let mut len = order.len();
+            if nucleus {
+                len = order.iter().position(|&i| {
+                    acc += weight(i) / total;
+                    acc >= p.top_p as f64
+                })? + 1;
+                kept = order[..len].iter().map(|&i| weight(i)).sum();
+            }
+            let mut r = if nucleus { r * kept } else { r * total };
+            for &i in &order[..len] {
+                let w = weight(i);
+                if r < w {
+                    return Some(i);
+                }
+                r -= w;
+            }
+            // Past the end of the nucleus (rounding) the last token is the pick; past the
+            // end of a head, the rest of the order is needed.
+            (nucleus || len == keep).then(|| order[len - 1])
+        };
+        let r = self.rng.next_f64();
+        if let Some(t) = walk(&idx[..head], r) {
+            return t;
+        }
+        idx[..keep].sort_unstable_by(by_logit);
+        walk(&idx[..keep], r).unwrap_or(idx[keep - 1])
+    }
 }
+
+/// Tokens sorted by partial selection before sampling walks them (see
+/// [`Sampler::sample_tempered`]).
+const SORTED_HEAD: usize = 256;
 
 #[cfg(test)]
 mod tests {
@@ -145,5 +178,70 @@ mod tests {
         assert_eq!(nucleus.sample(&logits).0, 1);
         let lp = logprob(&logits, 1);
         assert!(lp < 0.0 && lp > -1.0);
+    }
+
+    /// The sampler as it was before partial selection: the whole vocabulary sorted.
+    fn full_sort_pick(p: Sampling, logits: &[f32], r: f64) -> usize {
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_unstable_by(|a, b| logits[*b].total_cmp(&logits[*a]));
+        if p.top_k > 0 {
+            idx.truncate(p.top_k);
+        }
+        let m = logits[idx[0]];
+        let mut w: Vec<f64> = idx
+            .iter()
+            .map(|i| (((logits[*i] - m) / p.temperature) as f64).exp())
+            .collect();
+        let total: f64 = w.iter().sum();
+        if p.top_p > 0.0 && p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = w.len();
+            for (j, x) in w.iter().enumerate() {
+                acc += x / total;
+                if acc >= p.top_p as f64 {
+                    keep = j + 1;
+                    break;
+                }
+            }
+            w.truncate(keep);
+            idx.truncate(keep);
+        }
+        let total: f64 = w.iter().sum();
+        let mut r = r * total;
+        for (j, x) in w.iter().enumerate() {
+            if r < *x {
+                return idx[j];
+            }
+            r -= x;
+        }
+        idx[idx.len() - 1]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+        /// Partial selection picks what a full sort picks, for the same draw: flat and
+        /// peaked vocabularies larger and smaller than the sorted head, every mix of
+        /// top-k and top-p.
+        #[test]
+        fn partial_selection_picks_what_a_full_sort_picks(
+            n in 1usize..2000,
+            seed in 0u64..1000,
+            spread in 0.1f32..30.0,
+            temperature in 0.05f32..3.0,
+            top_k in proptest::prop_oneof![proptest::strategy::Just(0usize), 1usize..600],
+            top_p in proptest::prop_oneof![proptest::strategy::Just(0.0f32), 0.01f32..1.0],
+        ) {
+            let mut g = SplitMix(seed);
+            let logits: Vec<f32> = (0..n).map(|_| (g.next_f64() as f32 - 0.5) * spread).collect();
+            let p = Sampling { temperature, top_k, top_p, seed };
+            let mut s = Sampler::new(p);
+            for _ in 0..4 {
+                // The draw the sampler is about to make.
+                let r = s.rng.clone().next_f64();
+                let want = full_sort_pick(p, &logits, r);
+                let (got, _) = s.sample(&logits);
+                proptest::prop_assert_eq!(got as usize, want);
+            }
+        }
     }
 }
