@@ -42,7 +42,7 @@ async fn sigterm_finishes_running_requests_then_exits_zero() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_expose_every_required_name() {
-    let s = Served::start(&[]);
+    let s = Served::start(&["--served-model-name", "tiny-chat"]);
     assert_eq!(http_get(s.metrics, "/health").0, 200);
     push(&s, &prompt_kv("m1", &prompt(20, 1))).await.unwrap();
     generate(&s, gen_req("m1", 3)).await.unwrap();
@@ -62,6 +62,21 @@ async fn metrics_expose_every_required_name() {
         "{text}"
     );
     assert!(text.contains("decode_node_generation_tokens_total 3"));
+    assert!(
+        text.contains("decode_node_prompt_tokens_total 20"),
+        "{text}"
+    );
+    let info = text
+        .lines()
+        .find(|l| l.starts_with("decode_node_model_info{"))
+        .unwrap_or_else(|| panic!("no model info in {text}"));
+    assert!(
+        info.contains("served_model_name=\"tiny-chat\"")
+            && info.contains(&format!("model_id=\"{}\"", tiny().model.model_id))
+            && info.contains("device=\"cpu\"")
+            && info.ends_with(" 1"),
+        "{info}"
+    );
 }
 
 /// SIGTERM with KV committed but not yet generated from: a Generate for it is still served

@@ -160,6 +160,10 @@ pub struct ModelArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// The name routers and dashboards know the model by, exported as the
+    /// `served_model_name` label of `decode_node_model_info` (default: the model's id).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
     /// gRPC listen address (KvTransfer, Decode, health, reflection).
     #[arg(long, env = "DECODE_NODE_GRPC_ADDR", default_value = "127.0.0.1:50051")]
     pub grpc_addr: SocketAddr,

@@ -16,6 +16,19 @@ use prometheus_client::registry::Registry;
 
 use kv_transfer::IngestMetrics;
 
+/// What this node serves (the labels of `decode_node_model_info`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelInfoLabels {
+    /// The model's id (what KV pushes must name).
+    pub model_id: String,
+    /// The name routers and dashboards know it by (`--served-model-name`).
+    pub served_model_name: String,
+    /// `scout`, `full`, `hgca` or `recall`.
+    pub attention: String,
+    /// `cpu` or `cuda:N`.
+    pub device: String,
+}
+
 /// `outcome` label.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
@@ -57,9 +70,11 @@ const TTFT_BUCKETS: [f64; 17] = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0,
 ];
-/// vLLM's inter-token latency buckets (seconds).
-const ITL_BUCKETS: [f64; 15] = [
+/// vLLM's inter-token latency buckets (seconds), and past 1 s: a large batch or a model
+/// on the CPU backend can take longer per token.
+const ITL_BUCKETS: [f64; 18] = [
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0,
+    2.5, 5.0, 10.0,
 ];
 /// Request-level latency buckets (seconds).
 const E2E_BUCKETS: [f64; 14] = [
@@ -81,6 +96,10 @@ pub struct Metrics {
     pub queue_time: Histogram,
     /// Tokens generated.
     pub generation_tokens: Counter,
+    /// Prompt tokens of the requests admitted to decode.
+    pub prompt_tokens: Counter,
+    /// 1, labelled with what this node serves.
+    pub model_info: Family<ModelInfoLabels, Gauge>,
     /// Requests decoding.
     pub running: Gauge,
     /// Requests admitted to the engine queue but not yet decoding.
@@ -143,6 +162,8 @@ impl Metrics {
             e2e: hist(&E2E_BUCKETS),
             queue_time: hist(&E2E_BUCKETS),
             generation_tokens: Counter::default(),
+            prompt_tokens: Counter::default(),
+            model_info: Family::default(),
             running: Gauge::default(),
             waiting: Gauge::default(),
             batch_size: Gauge::default(),
@@ -210,6 +231,16 @@ impl Metrics {
             "generation_tokens",
             "Tokens generated",
             self.generation_tokens.clone(),
+        );
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of the requests admitted to decode",
+            self.prompt_tokens.clone(),
+        );
+        r.register(
+            "model_info",
+            "What this node serves (always 1)",
+            self.model_info.clone(),
         );
         r.register(
             "num_requests_running",
@@ -445,6 +476,7 @@ pub const REQUIRED: &[&str] = &[
     "decode_node_e2e_request_latency_seconds",
     "decode_node_request_queue_time_seconds",
     "decode_node_generation_tokens_total",
+    "decode_node_prompt_tokens_total",
     "decode_node_num_requests_running",
     "decode_node_num_requests_waiting",
     "decode_node_batch_size",

@@ -331,6 +331,9 @@ impl StepLoop {
     fn start(&mut self, job: Job, device_need: u64, now: Instant) {
         let queue = now.duration_since(job.spec.arrived).as_secs_f64();
         self.metrics.queue_time.observe(queue);
+        self.metrics
+            .prompt_tokens
+            .inc_by(job.kv.info.prompt_token_ids.len() as u64);
         job.spec.span.in_scope(|| {
             tracing::debug!(
                 mode = self.cfg.attention.mode.name(),

@@ -20,7 +20,7 @@ use super::decode::{DecodeService, NodeState};
 use super::http::{HttpState, router};
 use crate::cli::ServeArgs;
 use crate::engine::{Control, Engine, EngineConfig};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ModelInfoLabels};
 use crate::node::Node;
 
 /// Largest `--max-push-message` (tonic and HTTP/2 framing use u32 lengths).
@@ -58,6 +58,19 @@ pub async fn serve(
         None => None,
     };
     let metrics = Metrics::new();
+    let served_model_name = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| node.layout.model_id.clone());
+    metrics
+        .model_info
+        .get_or_create(&ModelInfoLabels {
+            model_id: node.layout.model_id.clone(),
+            served_model_name: served_model_name.clone(),
+            attention: node.attention.mode.name().to_string(),
+            device: node.model.model.backend().name(),
+        })
+        .set(1);
     let pool = HostPool::with_prefault(node.layout.geom, args.host_kv_bytes, args.host_kv_prefault)
         .context("host KV pool")?;
     anyhow::ensure!(
@@ -266,6 +279,7 @@ impl InProcess {
     ) -> ServeArgs {
         ServeArgs {
             model,
+            served_model_name: None,
             grpc_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             host_kv_bytes,
