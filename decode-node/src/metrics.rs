@@ -110,6 +110,9 @@ pub struct Metrics {
     pub cancellations: Family<ReasonLabel, Counter>,
     /// Host pool bytes by state.
     pub host_kv_bytes: Family<StateLabel, Gauge>,
+    /// The fuller of the host pool (used + reserved) and the device KV, as a fraction: what
+    /// a router's endpoint picker reads as KV-cache utilization.
+    pub kv_cache_usage: FloatGauge,
     /// Device KV bytes by state.
     pub device_kv_bytes: Family<StateLabel, Gauge>,
     /// Share of selected tokens attended on the CPU (cumulative).
@@ -169,6 +172,7 @@ impl Metrics {
             batch_size: Gauge::default(),
             cancellations: Family::default(),
             host_kv_bytes: Family::default(),
+            kv_cache_usage: FloatGauge::default(),
             device_kv_bytes: Family::default(),
             attention_cpu_ratio: FloatGauge::default(),
             recall_blocks: Counter::default(),
@@ -231,6 +235,11 @@ impl Metrics {
             "generation_tokens",
             "Tokens generated",
             self.generation_tokens.clone(),
+        );
+        r.register(
+            "kv_cache_usage_ratio",
+            "Fraction of KV memory in use: the fuller of the host pool (used + reserved) and the device KV",
+            self.kv_cache_usage.clone(),
         );
         r.register(
             "prompt_tokens",

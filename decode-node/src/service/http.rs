@@ -32,6 +32,17 @@ async fn metrics(axum::extract::State(s): axum::extract::State<HttpState>) -> im
         s.engine.load().device_bytes,
     );
     Metrics::set_bytes(&s.metrics.device_kv_bytes, "capacity", s.device_kv_bytes);
+    let fraction = |used: u64, cap: u64| {
+        if cap > 0 {
+            used as f64 / cap as f64
+        } else {
+            0.0
+        }
+    };
+    s.metrics.kv_cache_usage.set(
+        fraction(u.used + u.reserved, u.capacity)
+            .max(fraction(s.engine.load().device_bytes, s.device_kv_bytes)),
+    );
     (
         [(
             header::CONTENT_TYPE,
