@@ -13,61 +13,13 @@ use std::marker::PhantomData;
 
 use crate::block::BlockGeometry;
 use crate::dtype::KvDType;
+use crate::widen_avx2::{AsBf16, AsF16, AsF32, Elem};
 
 /// True when this CPU can run the path.
 pub(crate) fn available() -> bool {
     is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
-}
-
-/// A stored element type, loaded 8 at a time as f32. One type per [`KvDType`], so every loop
-/// of the kernel is compiled once per type with no branch on the type inside it.
-trait Elem {
-    /// Bytes per element.
-    const SIZE: usize;
-    /// Loads 8 elements at `p` as f32.
-    ///
-    /// # Safety
-    /// `p` must point at 8 readable elements; the CPU must have AVX2 and F16C.
-    unsafe fn load8(p: *const u8) -> __m256;
-}
-
-struct AsF32;
-struct AsF16;
-struct AsBf16;
-
-impl Elem for AsF32 {
-    const SIZE: usize = 4;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(p: *const u8) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable elements at `p`.
-        unsafe { _mm256_loadu_ps(p.cast()) }
-    }
-}
-
-impl Elem for AsF16 {
-    const SIZE: usize = 2;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(p: *const u8) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable elements at `p`.
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
-    }
-}
-
-impl Elem for AsBf16 {
-    const SIZE: usize = 2;
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(p: *const u8) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable elements at `p`.
-        unsafe {
-            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
-        }
-    }
 }
 
 /// `2^x` per lane; lanes below -126 give 0 (exact enough: the weight underflows anyway).

@@ -51,6 +51,8 @@ mod policy;
 mod residency;
 mod select;
 mod sequence;
+#[cfg(target_arch = "x86_64")]
+pub mod widen_avx2;
 
 pub use block::{BlockGeometry, HeadBlock, Rows, WireTokens};
 pub use digest::{Digest, GroupQuery, GroupScore, HeadDigests};

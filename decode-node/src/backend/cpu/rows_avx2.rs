@@ -7,6 +7,7 @@
 use std::arch::x86_64::*;
 
 use attention::KvDType;
+use attention::widen_avx2::{AsBf16, AsF16, AsF32, Elem};
 
 /// True when this CPU can run [`rows_times_inputs`].
 pub(super) fn available() -> bool {
@@ -36,52 +37,9 @@ pub(super) unsafe fn rows_times_inputs(
     // SAFETY: forwarded.
     unsafe {
         match dtype {
-            KvDType::F32 => tiles::<F32>(rows, n, x, batch, inp, out),
-            KvDType::F16 => tiles::<F16>(rows, n, x, batch, inp, out),
-            KvDType::Bf16 => tiles::<Bf16>(rows, n, x, batch, inp, out),
-        }
-    }
-}
-
-/// A stored weight element type: eight of them widened to f32 lanes.
-trait Weight {
-    const SIZE: usize;
-    /// # Safety
-    /// `p` points at eight readable elements; the CPU has AVX2 and F16C.
-    unsafe fn load8(p: *const u8) -> __m256;
-}
-
-struct F32;
-struct F16;
-struct Bf16;
-
-impl Weight for F32 {
-    const SIZE: usize = 4;
-    #[inline(always)]
-    unsafe fn load8(p: *const u8) -> __m256 {
-        // SAFETY: the caller's contract.
-        unsafe { _mm256_loadu_ps(p.cast()) }
-    }
-}
-
-impl Weight for F16 {
-    const SIZE: usize = 2;
-    #[inline(always)]
-    unsafe fn load8(p: *const u8) -> __m256 {
-        // SAFETY: the caller's contract.
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
-    }
-}
-
-impl Weight for Bf16 {
-    const SIZE: usize = 2;
-    #[inline(always)]
-    unsafe fn load8(p: *const u8) -> __m256 {
-        // bf16 is the top half of an f32: zero-extend each to 32 bits and shift it up.
-        // SAFETY: the caller's contract.
-        unsafe {
-            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+            KvDType::F32 => tiles::<AsF32>(rows, n, x, batch, inp, out),
+            KvDType::F16 => tiles::<AsF16>(rows, n, x, batch, inp, out),
+            KvDType::Bf16 => tiles::<AsBf16>(rows, n, x, batch, inp, out),
         }
     }
 }
@@ -90,7 +48,7 @@ impl Weight for Bf16 {
 /// As [`rows_times_inputs`], with `W` the rows' element type.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tiles<W: Weight>(
+unsafe fn tiles<W: Elem>(
     rows: &[u8],
     n: usize,
     x: &[f32],
@@ -163,7 +121,7 @@ impl Tiles {
     #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<W: Weight, const R: usize, const I: usize>(
+    unsafe fn tile<W: Elem, const R: usize, const I: usize>(
         &self,
         r0: usize,
         b0: usize,
