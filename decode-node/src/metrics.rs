@@ -4,8 +4,10 @@
 //! [`Metrics::render`] refreshes the gauges that are read from state (pool bytes, process)
 //! before encoding the text format.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -81,6 +83,42 @@ const E2E_BUCKETS: [f64; 14] = [
     0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
 ];
 
+/// How far back the ratio gauges look: a ratio since start would hide today's load behind
+/// last week's.
+const RATIO_WINDOW: Duration = Duration::from_secs(60);
+
+/// Marks of the attention counters, at most one a second, spanning [`RATIO_WINDOW`]: the
+/// ratio gauges are taken over the counts since the oldest mark still needed.
+#[derive(Debug, Default)]
+struct RatioWindow {
+    marks: VecDeque<(Instant, [u64; 4])>,
+}
+
+impl RatioWindow {
+    /// The counts of the last window: `totals` less the mark at its start. `before` (the
+    /// totals before this update) becomes a mark when the newest is a second old.
+    fn since(&mut self, now: Instant, before: [u64; 4], totals: [u64; 4]) -> [u64; 4] {
+        let second = Duration::from_secs(1);
+        if self
+            .marks
+            .back()
+            .is_none_or(|(t, _)| now.saturating_duration_since(*t) >= second)
+        {
+            self.marks.push_back((now, before));
+        }
+        // The front stays the newest mark at least a window old.
+        while self
+            .marks
+            .get(1)
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) >= RATIO_WINDOW)
+        {
+            self.marks.pop_front();
+        }
+        let base = self.marks.front().map_or([0; 4], |m| m.1);
+        std::array::from_fn(|i| totals[i].saturating_sub(base[i]))
+    }
+}
+
 /// All metric handles.
 #[derive(Debug, Clone)]
 pub struct Metrics {
@@ -115,7 +153,7 @@ pub struct Metrics {
     pub kv_cache_usage: FloatGauge,
     /// Device KV bytes by state.
     pub device_kv_bytes: Family<StateLabel, Gauge>,
-    /// Share of selected tokens attended on the CPU (cumulative).
+    /// Share of selected tokens attended on the CPU (last minute; totals in the counters).
     pub attention_cpu_ratio: FloatGauge,
     /// Blocks recalled host → device.
     pub recall_blocks: Counter,
@@ -125,7 +163,7 @@ pub struct Metrics {
     pub device_wait_seconds: FloatCounter,
     /// Seconds per decode step.
     pub step_duration: Histogram,
-    /// Share of the real selection found by the predicted query (cumulative).
+    /// Share of the real selection found by the predicted query (over the last minute).
     pub query_prediction_hit_ratio: FloatGauge,
     /// Cosine of predicted and real query per layer (the lowest over its KV heads).
     pub query_cosine: Family<LayerLabel, Histogram>,
@@ -133,10 +171,15 @@ pub struct Metrics {
     pub guard_fallbacks: Family<LayerLabel, Counter>,
     /// Ingest metrics (kv-transfer).
     pub ingest: IngestMetrics,
-    selected_tokens: Arc<AtomicU64>,
-    cpu_tokens: Arc<AtomicU64>,
-    pred_hits: Arc<AtomicU64>,
-    pred_total: Arc<AtomicU64>,
+    /// KV tokens selected for attention in sparse modes.
+    pub selected_tokens: Counter,
+    /// Of those, tokens attended on the CPU.
+    pub cpu_tokens: Counter,
+    /// Blocks of the real selection the predicted query found.
+    pub prediction_hits: Counter,
+    /// Blocks of the real selection, where the prediction was sampled.
+    pub predictions: Counter,
+    ratio_window: Arc<Mutex<RatioWindow>>,
     process_rss: Gauge,
     process_cpu: FloatCounter,
     process_fds: Gauge,
@@ -183,10 +226,11 @@ impl Metrics {
             query_cosine: Family::new_with_constructor(|| hist(&COSINE_BUCKETS)),
             guard_fallbacks: Family::default(),
             ingest: IngestMetrics::default(),
-            selected_tokens: Arc::default(),
-            cpu_tokens: Arc::default(),
-            pred_hits: Arc::default(),
-            pred_total: Arc::default(),
+            selected_tokens: Counter::default(),
+            cpu_tokens: Counter::default(),
+            prediction_hits: Counter::default(),
+            predictions: Counter::default(),
+            ratio_window: Arc::default(),
             process_rss: Gauge::default(),
             process_cpu: FloatCounter::default(),
             process_fds: Gauge::default(),
@@ -283,8 +327,28 @@ impl Metrics {
         );
         r.register(
             "attention_cpu_ratio",
-            "Share of selected KV tokens attended on the CPU",
+            "Share of selected KV tokens attended on the CPU over the last minute",
             self.attention_cpu_ratio.clone(),
+        );
+        r.register(
+            "attention_selected_tokens",
+            "KV tokens selected for attention in sparse modes",
+            self.selected_tokens.clone(),
+        );
+        r.register(
+            "attention_cpu_tokens",
+            "Selected KV tokens attended on the CPU",
+            self.cpu_tokens.clone(),
+        );
+        r.register(
+            "query_prediction_hits",
+            "Blocks of the real selection the predicted query found (sampled steps)",
+            self.prediction_hits.clone(),
+        );
+        r.register(
+            "query_predictions",
+            "Blocks of the real selection on the steps the prediction was sampled",
+            self.predictions.clone(),
         );
         r.register(
             "recall_blocks",
@@ -308,7 +372,7 @@ impl Metrics {
         );
         r.register(
             "query_prediction_hit_ratio",
-            "Share of the real top-k selection found by the predicted query",
+            "Share of the real top-k selection found by the predicted query over the last minute",
             self.query_prediction_hit_ratio.clone(),
         );
         r.register(
@@ -387,16 +451,30 @@ impl Metrics {
         }
     }
 
-    /// Adds a finished layer's token counts and prediction hits to the cumulative ratios.
+    /// Adds a finished layer's token counts and prediction hits: counters and last-minute ratios.
     pub fn add_attention(&self, selected: u64, cpu: u64, pred_hits: u64, pred_total: u64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let s = self.selected_tokens.fetch_add(selected, Relaxed) + selected;
-        let c = self.cpu_tokens.fetch_add(cpu, Relaxed) + cpu;
+        self.add_attention_at(Instant::now(), [selected, cpu, pred_hits, pred_total]);
+    }
+
+    fn add_attention_at(&self, now: Instant, add: [u64; 4]) {
+        let counters = [
+            &self.selected_tokens,
+            &self.cpu_tokens,
+            &self.prediction_hits,
+            &self.predictions,
+        ];
+        let before = counters.map(|c| c.get());
+        for (c, n) in counters.iter().zip(add) {
+            c.inc_by(n);
+        }
+        let totals = counters.map(|c| c.get());
+        let Ok(mut w) = self.ratio_window.lock() else {
+            return;
+        };
+        let [s, c, h, t] = w.since(now, before, totals);
         if s > 0 {
             self.attention_cpu_ratio.set(c as f64 / s as f64);
         }
-        let h = self.pred_hits.fetch_add(pred_hits, Relaxed) + pred_hits;
-        let t = self.pred_total.fetch_add(pred_total, Relaxed) + pred_total;
         if t > 0 {
             self.query_prediction_hit_ratio.set(h as f64 / t as f64);
         }
@@ -514,6 +592,34 @@ pub const REQUIRED: &[&str] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ratios_are_taken_over_the_last_minute() {
+        let m = Metrics::new();
+        let t0 = Instant::now();
+        // A first minute all on the CPU, then a quiet hour, then a minute all on the device.
+        for i in 0..60 {
+            m.add_attention_at(t0 + Duration::from_secs(i), [100, 100, 10, 10]);
+        }
+        assert_eq!(m.attention_cpu_ratio.get(), 1.0);
+        assert_eq!(m.query_prediction_hit_ratio.get(), 1.0);
+        let later = t0 + Duration::from_secs(3600);
+        for i in 0..61 {
+            m.add_attention_at(later + Duration::from_secs(i), [100, 0, 10, 0]);
+        }
+        assert_eq!(
+            m.attention_cpu_ratio.get(),
+            0.0,
+            "the old minute has left the window"
+        );
+        assert_eq!(m.cpu_tokens.get(), 6000, "the counters keep everything");
+        assert!(m.ratio_window.lock().unwrap().marks.len() <= 62);
+        // Half and half within one window.
+        let m = Metrics::new();
+        m.add_attention_at(t0, [100, 0, 0, 0]);
+        m.add_attention_at(t0 + Duration::from_secs(30), [100, 100, 0, 0]);
+        assert_eq!(m.attention_cpu_ratio.get(), 0.5);
+    }
 
     #[test]
     fn renders_openmetrics_text() {
