@@ -65,16 +65,20 @@ fn rows_times_inputs(rows: &[f32], n: usize, x: &[f32], batch: usize, inp: usize
 /// for rows of `inp` elements.
 fn direct_rows(inp: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return inp.is_multiple_of(8) && rows_avx2::available();
+    {
+        inp.is_multiple_of(8) && rows_avx2::available()
+    }
     #[cfg(not(target_arch = "x86_64"))]
-    return false;
+    {
+        let _ = inp;
+        false
+    }
 }
 
 /// `y = x · wᵀ + bias` one weight row at a time (few inputs).
 fn linear_rows(x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mut [f32]) {
     let (out, inp) = (w.rows(), w.cols());
     let direct = direct_rows(inp);
-    let row_bytes = inp * w.dtype.size();
     // Computed transposed ([out][batch]) so each task owns a contiguous slice. A task runs
     // every input against its rows: read as stored and widened in registers where the CPU
     // allows, else widened to f32 once into a scratch.
@@ -89,6 +93,7 @@ fn linear_rows(x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mu
                 if direct {
                     #[cfg(target_arch = "x86_64")]
                     {
+                        let row_bytes = inp * w.dtype.size();
                         let bytes = &w.bytes()[r0 * row_bytes..(r0 + n) * row_bytes];
                         // SAFETY: `direct_rows` checked the CPU and that `inp` is a multiple
                         // of 8; `bytes` holds `n` rows, `x` `batch` inputs and `chunk`
