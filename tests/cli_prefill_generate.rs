@@ -111,34 +111,25 @@ fn make_model_writes_a_model_serve_loads() {
 
 #[test]
 fn recall_profile_feeds_serve() {
-    let out = bin()
-        .args([
-            "bench",
-            "recall-profile",
-            "--json",
-            "--context",
-            "300",
-            "--tokens",
-            "6",
-            "--budget-tokens",
-            "64",
-            "--block-size",
-            "16",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json(&[
+        "bench",
+        "recall-profile",
+        "--json",
+        "--context",
+        "300",
+        "--tokens",
+        "6",
+        "--budget-tokens",
+        "64",
+        "--block-size",
+        "16",
+    ]);
     let iv = v["intervals"].as_array().unwrap();
     assert_eq!(iv.len(), tiny().model.cfg.num_layers);
     assert!(iv.iter().all(|x| x.as_u64().unwrap() >= 1));
     let path =
         std::env::temp_dir().join(format!("decode-node-profile-{}.json", std::process::id()));
-    std::fs::write(&path, &out.stdout).unwrap();
+    std::fs::write(&path, v.to_string()).unwrap();
     let s = Served::start(&[
         "--recall-profile",
         path.to_str().unwrap(),

@@ -1,10 +1,7 @@
 //! The binary lists its subcommands, and explains itself.
 
-use std::process::Command;
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_decode-node"))
-}
+mod common;
+use common::{bin, run_json};
 
 #[test]
 fn help_lists_every_subcommand() {
@@ -110,36 +107,27 @@ fn cuda_device_fails_clearly_or_passes_its_selftest() {
 /// `scout` with a budget covering the whole context agrees with it on every token.
 #[test]
 fn bench_fidelity_reports_each_case_against_full() {
-    let out = bin()
-        .args([
-            "bench",
-            "fidelity",
-            "--json",
-            "--model",
-            "tiny",
-            "--context",
-            "300",
-            "--prompts",
-            "1",
-            "--forced",
-            "8",
-            "--budgets",
-            "64,4096",
-            "--modes",
-            "full,scout,hgca",
-            "--block-size",
-            "16",
-            "--guard",
-            "both",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json(&[
+        "bench",
+        "fidelity",
+        "--json",
+        "--model",
+        "tiny",
+        "--context",
+        "300",
+        "--prompts",
+        "1",
+        "--forced",
+        "8",
+        "--budgets",
+        "64,4096",
+        "--modes",
+        "full,scout,hgca",
+        "--block-size",
+        "16",
+        "--guard",
+        "both",
+    ]);
     let rows = v["results"].as_array().unwrap();
     // full, scout x2 budgets x guard on/off, hgca x2 budgets.
     assert_eq!(rows.len(), 7, "{rows:?}");
@@ -162,26 +150,17 @@ fn bench_fidelity_reports_each_case_against_full() {
 /// waiter gone) each answered with its code; the pool comes back to its start byte for byte.
 #[test]
 fn bench_soak_answers_every_fault_and_returns_the_pool() {
-    let out = bin()
-        .args([
-            "bench",
-            "soak",
-            "--json",
-            "--model",
-            "tiny",
-            "--duration",
-            "7s",
-            "--rate",
-            "10",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json(&[
+        "bench",
+        "soak",
+        "--json",
+        "--model",
+        "tiny",
+        "--duration",
+        "7s",
+        "--rate",
+        "10",
+    ]);
     assert_eq!(v["pool_leaked_bytes"], 0, "{v}");
     assert_eq!(v["faults_failed"], 0, "{v}");
     // Every kind of fault ran at least once (six kinds, one a second, seven seconds).
@@ -192,32 +171,23 @@ fn bench_soak_answers_every_fault_and_returns_the_pool() {
 /// `bench kernels` measures every path asked for against a roofline from the same run.
 #[test]
 fn bench_kernels_reports_each_path_against_its_roofline() {
-    let out = bin()
-        .args([
-            "bench",
-            "kernels",
-            "--json",
-            "--threads",
-            "1",
-            "--seconds",
-            "0.02",
-            "--groups",
-            "1,4",
-            "--head-dims",
-            "64",
-            "--working-set-mib",
-            "1",
-            "--paths",
-            "best,scalar",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json(&[
+        "bench",
+        "kernels",
+        "--json",
+        "--threads",
+        "1",
+        "--seconds",
+        "0.02",
+        "--groups",
+        "1,4",
+        "--head-dims",
+        "64",
+        "--working-set-mib",
+        "1",
+        "--paths",
+        "best,scalar",
+    ]);
     let rows = v["results"].as_array().unwrap();
     // 2 dtypes x 2 groups x 2 paths.
     assert_eq!(rows.len(), 8, "{v}");
@@ -240,26 +210,17 @@ fn bench_kernels_reports_each_path_against_its_roofline() {
 /// `bench decode` on the CPU reports the bytes a step moves against read bandwidth.
 #[test]
 fn bench_decode_reports_traffic_against_read_bandwidth() {
-    let out = bin()
-        .args([
-            "bench",
-            "decode",
-            "--json",
-            "--context",
-            "64",
-            "--modes",
-            "full,scout",
-            "--tokens",
-            "4",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_json(&[
+        "bench",
+        "decode",
+        "--json",
+        "--context",
+        "64",
+        "--modes",
+        "full,scout",
+        "--tokens",
+        "4",
+    ]);
     let rows = v["results"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{v}");
     for r in rows {

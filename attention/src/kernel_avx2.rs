@@ -11,9 +11,9 @@ use std::arch::x86_64::*;
 use std::cell::Cell;
 use std::marker::PhantomData;
 
+use crate::avx2::{AsBf16, AsF16, AsF32, Elem, hsum};
 use crate::block::BlockGeometry;
 use crate::dtype::KvDType;
-use crate::widen_avx2::{AsBf16, AsF16, AsF32, Elem};
 
 /// True when this CPU can run the path.
 pub(crate) fn available() -> bool {
@@ -57,15 +57,6 @@ fn hmax(v: __m256) -> f32 {
     let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
     _mm_cvtss_f32(m)
-}
-
-#[inline]
-#[target_feature(enable = "avx2")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-    _mm_cvtss_f32(s)
 }
 
 /// Prefetches of the next block, one 64-byte line per call, spread over this block's inner

@@ -34,6 +34,8 @@
 )]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
 mod block;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -51,8 +53,6 @@ mod policy;
 mod residency;
 mod select;
 mod sequence;
-#[cfg(target_arch = "x86_64")]
-pub mod widen_avx2;
 
 pub use block::{BlockGeometry, HeadBlock, Rows, WireTokens};
 pub use digest::{Digest, GroupQuery, GroupScore, HeadDigests};

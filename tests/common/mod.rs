@@ -19,6 +19,17 @@ pub fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_decode-node"))
 }
 
+/// Runs the binary with `args`, which must succeed, and parses its stdout as JSON.
+pub fn run_json(args: &[&str]) -> serde_json::Value {
+    let out = bin().args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// A running `decode-node serve`.
 pub struct Served {
     child: Child,

@@ -7,7 +7,7 @@
 use std::arch::x86_64::*;
 
 use attention::KvDType;
-use attention::widen_avx2::{AsBf16, AsF16, AsF32, Elem};
+use attention::avx2::{AsBf16, AsF16, AsF32, Elem, hsum};
 
 /// True when this CPU can run [`rows_times_inputs`].
 pub(super) fn available() -> bool {
@@ -160,13 +160,4 @@ impl Tiles {
             }
         }
     }
-}
-
-#[inline]
-#[target_feature(enable = "avx2")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-    _mm_cvtss_f32(s)
 }

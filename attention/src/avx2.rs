@@ -1,6 +1,6 @@
-//! Stored element types (f32, f16, bf16) widened to f32 lanes eight at a time (AVX2 + F16C,
-//! x86-64): shared by the attention kernel and the model executor's projections, which both
-//! read values as stored and widen them in registers.
+//! AVX2 pieces shared by the attention kernel and the model executor's projections (x86-64):
+//! stored element types (f32, f16, bf16) widened to f32 lanes eight at a time, since both read
+//! values as stored and widen them in registers, and the horizontal sum of a vector.
 
 use std::arch::x86_64::*;
 
@@ -57,4 +57,17 @@ impl Elem for AsBf16 {
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
         }
     }
+}
+
+/// The sum of a vector's eight lanes.
+///
+/// # Safety
+/// The CPU must have AVX2 (callable safely from code compiled with it).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
 }
