@@ -185,18 +185,17 @@ impl StepLoop {
                 if let Some(i) = self.waiting.iter().position(|j| j.spec.request_id == id)
                     && let Some(job) = self.waiting.remove(i)
                 {
-                    let s = &job.spec;
-                    self.cancelled_event(
-                        &s.events,
-                        reason,
-                        s.arrived,
-                        job.kv.info.prompt_token_ids.len(),
-                    );
+                    let (events, arrived) = (job.spec.events.clone(), job.spec.arrived);
+                    let prompt_len = job.kv.info.prompt_token_ids.len();
+                    drop(job); // frees its KV before the client hears the end
+                    self.cancelled_event(&events, reason, arrived, prompt_len);
                 }
                 if let Some(i) = self.running.iter().position(|r| r.job.request_id == id) {
                     let r = self.running.swap_remove(i);
                     self.retire(r, FinishReason::Cancelled, Some(reason));
                 }
+                // GetLoad sees the cancel now, not after the next step.
+                self.publish_load();
                 true
             }
             Control::Shutdown => {
@@ -317,10 +316,9 @@ impl StepLoop {
                         })
                         .inc();
                     let msg = why.message(&job.spec.request_id, &need, &room);
-                    let _ = job
-                        .spec
-                        .events
-                        .send(Event::Error(EngineError::Exhausted(msg)));
+                    let events = job.spec.events.clone();
+                    drop(job); // frees its KV before the client hears the refusal
+                    let _ = events.send(Event::Error(EngineError::Exhausted(msg)));
                 }
                 None => keep.push_back(job),
             }

@@ -101,7 +101,9 @@ impl StepLoop {
             r.job
                 .span
                 .in_scope(|| tracing::warn!(error = %e, "ended by a failed step"));
-            let _ = r.job.events.send(Event::Error(e.clone()));
+            let events = r.job.events.clone();
+            drop(r); // frees its KV before the client hears the end
+            let _ = events.send(Event::Error(e.clone()));
         }
     }
 
@@ -235,7 +237,9 @@ impl StepLoop {
                 }
                 Err(e) => {
                     self.count_outcome("error");
-                    let _ = r.job.events.send(Event::Error(e));
+                    let events = r.job.events.clone();
+                    drop(r);
+                    let _ = events.send(Event::Error(e));
                 }
             }
         }
@@ -271,9 +275,12 @@ impl StepLoop {
                 .get_or_create(&ReasonLabel { reason: why.into() })
                 .inc();
         }
-        let _ = r.job.events.send(Event::Finish {
+        // Free the KV before the client hears the end, so a load read after it sees it freed.
+        let (events, generated) = (r.job.events.clone(), r.generated);
+        drop(r);
+        let _ = events.send(Event::Finish {
             reason,
-            generated: r.generated,
+            generated,
             stats,
         });
     }
