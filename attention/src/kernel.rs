@@ -133,11 +133,11 @@ pub fn attend_blocks_on<'a>(
                 Some(n) if g >= 2 => &n.bytes[..geom.head_bytes().min(n.bytes.len())],
                 _ => &[],
             };
-            let pf = crate::kernel_avx2::Prefetch::new(next);
+            let mut pf = crate::kernel_avx2::Prefetch::new(next);
             let mut st = crate::kernel_avx2::State { acc, m, l, s };
             // SAFETY: `best` checked the CPU and that block size and head dim are multiples of
             // 8; the block holds a whole head block.
-            unsafe { crate::kernel_avx2::block(geom, qs, blk.bytes, len, &mut st, &pf) };
+            unsafe { crate::kernel_avx2::block(geom, qs, blk.bytes, len, &mut st, &mut pf) };
             continue;
         }
         let (kt, vs) = blk.bytes.split_at(b * d * es);

@@ -8,10 +8,9 @@
 //! per element type ([`Elem`]), so no branch on the type sits inside one.
 
 use std::arch::x86_64::*;
-use std::cell::Cell;
 use std::marker::PhantomData;
 
-use crate::avx2::{AsBf16, AsF16, AsF32, Elem, hsum};
+use crate::avx2::{AsBf16, AsF16, AsF32, Elem, deinterleave, hsum, interleave};
 use crate::block::BlockGeometry;
 use crate::dtype::KvDType;
 
@@ -62,28 +61,28 @@ fn hmax(v: __m256) -> f32 {
 /// Prefetches of the next block, one 64-byte line per call, spread over this block's inner
 /// loops: its bytes arrive while this block computes, without a burst that would fill the
 /// line-fill buffers ahead of this block's own loads (a whole-block burst measured slower).
+/// A plain value that each loop copies into a local and hands back: kept behind a shared
+/// reference (a `Cell`), the cursor went through memory every iteration, a store-to-load
+/// chain longer than a small tile's FMAs.
+#[derive(Clone, Copy)]
 pub(crate) struct Prefetch<'a> {
     next: &'a [u8],
-    off: Cell<usize>,
+    off: usize,
 }
 
 impl<'a> Prefetch<'a> {
     /// Prefetches of `next` (empty: none).
     pub(crate) fn new(next: &'a [u8]) -> Self {
-        Self {
-            next,
-            off: Cell::new(0),
-        }
+        Self { next, off: 0 }
     }
 
     /// Requests the next line, if any is left.
     #[inline]
-    fn line(&self) {
-        let off = self.off.get();
-        if off < self.next.len() {
+    fn line(&mut self) {
+        if self.off < self.next.len() {
             // SAFETY: a prefetch is a hint and never faults; the address lies inside `next`.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.next.as_ptr().add(off).cast()) };
-            self.off.set(off + 64);
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.next.as_ptr().add(self.off).cast()) };
+            self.off += 64;
         }
     }
 }
@@ -112,7 +111,7 @@ pub(crate) unsafe fn block(
     bytes: &[u8],
     len: usize,
     st: &mut State<'_>,
-    pf: &Prefetch<'_>,
+    pf: &mut Prefetch<'_>,
 ) {
     // SAFETY (every arm): forwarded; the element type is the block's.
     unsafe {
@@ -135,7 +134,7 @@ unsafe fn block_as<E: Elem>(
     bytes: &[u8],
     len: usize,
     st: &mut State<'_>,
-    pf: &Prefetch<'_>,
+    pf: &mut Prefetch<'_>,
 ) {
     let (b, d, es, dt) = (geom.block_size, geom.head_dim, E::SIZE, geom.dtype);
     let g = qs.len() / d;
@@ -153,54 +152,8 @@ unsafe fn block_as<E: Elem>(
         // SAFETY: forwarded from this function's contract; `s` holds G x b >= G x 8nv scores.
         unsafe { scores::<E>(kt, b, d, nv, qs, g, st.s, pf) };
     }
-    let neg = _mm256_set1_ps(f32::NEG_INFINITY);
-    for h in 0..g {
-        let sh = &mut st.s[h * b..h * b + nv * 8];
-        // Mask the tail of a partly filled block (its slots may hold stale bytes).
-        let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
-        let mut vmax = neg;
-        let mut nan = _mm256_setzero_ps();
-        for j in 0..nv {
-            // SAFETY: in bounds of sh.
-            let mut v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
-            let idx = _mm256_add_ps(lane, _mm256_set1_ps((8 * j) as f32));
-            let valid = _mm256_cmp_ps::<_CMP_LT_OQ>(idx, _mm256_set1_ps(len as f32));
-            v = _mm256_blendv_ps(neg, v, valid);
-            // SAFETY: in bounds of sh.
-            unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * j), v) };
-            vmax = _mm256_max_ps(vmax, v);
-            nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-        }
-        // A NaN score makes the head's output NaN, as on the scalar path (`max_ps` alone
-        // would drop it).
-        let m_new = if _mm256_movemask_ps(nan) != 0 {
-            f32::NAN
-        } else {
-            crate::kernel::nan_max(st.m[h], hmax(vmax))
-        };
-        if m_new == f32::NEG_INFINITY {
-            sh.fill(0.0);
-            continue;
-        }
-        let alpha = (st.m[h] - m_new).exp2();
-        let mb = _mm256_set1_ps(m_new);
-        let mut vsum = _mm256_setzero_ps();
-        for j in 0..nv {
-            // SAFETY: in bounds of sh.
-            let v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
-            let p = exp2_ps(_mm256_sub_ps(v, mb));
-            vsum = _mm256_add_ps(vsum, p);
-            // SAFETY: in bounds of sh.
-            unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * j), p) };
-        }
-        st.l[h] = st.l[h] * alpha + hsum(vsum);
-        st.m[h] = m_new;
-        if alpha != 1.0 {
-            for a in &mut st.acc[h * d..(h + 1) * d] {
-                *a *= alpha;
-            }
-        }
-    }
+    // SAFETY: `s` holds G x b >= G x 8nv scores; `acc`, `m`, `l` hold G heads.
+    unsafe { softmax_block(st, g, b, d, nv, len) };
     // SAFETY: `wide` checked the CPU; a full block of 32 tokens; `s` is [G][b], acc [G][d].
     if wide && unsafe { crate::kernel_avx512::accumulate_v_dyn(g, dt, vs, d, st.s, b, st.acc) } {
         return;
@@ -222,6 +175,88 @@ unsafe fn block_as<E: Elem>(
             }
         }
         h0 += n;
+    }
+}
+
+/// The online softmax over one block's scores, eight heads at a time: each head's block
+/// maximum (a NaN score makes the head's output NaN, as on the scalar path), the eight
+/// rescale factors of the running state in one vector `exp2`, then the weights in place of
+/// the scores. Only a partly filled last vector is masked (its slots may hold stale bytes).
+///
+/// # Safety
+/// AVX2 and FMA; `st.s` holds `g * b` scores with `8 * nv <= b`, `len <= 8 * nv`; `st.acc`
+/// holds `g * d` and `st.m`, `st.l` hold `g`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_block(st: &mut State<'_>, g: usize, b: usize, d: usize, nv: usize, len: usize) {
+    let neg = _mm256_set1_ps(f32::NEG_INFINITY);
+    let tail = len - 8 * (nv - 1); // valid lanes of the last vector, 1..=8
+    let tail_mask = _mm256_cmp_ps::<_CMP_LT_OQ>(
+        _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0),
+        _mm256_set1_ps(tail as f32),
+    );
+    for h0 in (0..g).step_by(8) {
+        let n = (g - h0).min(8);
+        let mut m_old = [f32::NEG_INFINITY; 8];
+        let mut m_new = [f32::NEG_INFINITY; 8];
+        for i in 0..n {
+            let sh = &mut st.s[(h0 + i) * b..(h0 + i) * b + nv * 8];
+            if tail < 8 {
+                // SAFETY: the last vector lies in `sh`.
+                unsafe {
+                    let p = sh.as_mut_ptr().add(8 * (nv - 1));
+                    _mm256_storeu_ps(p, _mm256_blendv_ps(neg, _mm256_loadu_ps(p), tail_mask));
+                }
+            }
+            let mut vmax = neg;
+            let mut nan = _mm256_setzero_ps();
+            for j in 0..nv {
+                // SAFETY: in bounds of sh.
+                let v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
+                vmax = _mm256_max_ps(vmax, v);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            }
+            m_old[i] = st.m[h0 + i];
+            m_new[i] = if _mm256_movemask_ps(nan) != 0 {
+                f32::NAN
+            } else {
+                crate::kernel::nan_max(m_old[i], hmax(vmax))
+            };
+        }
+        // -inf - -inf is NaN: such heads (no finite score yet) are skipped below.
+        let mut alpha = [0f32; 8];
+        // SAFETY: eight lanes from and into arrays of eight floats.
+        unsafe {
+            let (o, n) = (
+                _mm256_loadu_ps(m_old.as_ptr()),
+                _mm256_loadu_ps(m_new.as_ptr()),
+            );
+            _mm256_storeu_ps(alpha.as_mut_ptr(), exp2_ps(_mm256_sub_ps(o, n)));
+        }
+        for i in 0..n {
+            let h = h0 + i;
+            let sh = &mut st.s[h * b..h * b + nv * 8];
+            if m_new[i] == f32::NEG_INFINITY {
+                sh.fill(0.0);
+                continue;
+            }
+            let mb = _mm256_set1_ps(m_new[i]);
+            let mut vsum = _mm256_setzero_ps();
+            for j in 0..nv {
+                // SAFETY: in bounds of sh.
+                let v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
+                let p = exp2_ps(_mm256_sub_ps(v, mb));
+                vsum = _mm256_add_ps(vsum, p);
+                // SAFETY: in bounds of sh.
+                unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * j), p) };
+            }
+            st.l[h] = st.l[h] * alpha[i] + hsum(vsum);
+            st.m[h] = m_new[i];
+            if alpha[i] != 1.0 {
+                for x in &mut st.acc[h * d..(h + 1) * d] {
+                    *x *= alpha[i];
+                }
+            }
+        }
     }
 }
 
@@ -255,14 +290,13 @@ unsafe fn scores<E: Elem>(
     qs: &[f32],
     g: usize,
     s: &mut [f32],
-    pf: &Prefetch<'_>,
+    pf: &mut Prefetch<'_>,
 ) {
     let t = Tile::<E> {
         kt,
         b,
         d,
         qs,
-        pf,
         elem: PhantomData,
     };
     let mut h0 = 0;
@@ -271,12 +305,12 @@ unsafe fn scores<E: Elem>(
         // SAFETY (every arm): heads h0..h0+H exist, vectors j0..j0+T lie within nv.
         unsafe {
             match h {
-                1 => t.run::<1, 4, 2>(h0, nv, s),
-                2 => t.run::<2, 4, 1>(h0, nv, s),
-                3 => t.run::<3, 2, 1>(h0, nv, s),
-                4 => t.run::<4, 2, 1>(h0, nv, s),
-                5 => t.run::<5, 2, 1>(h0, nv, s),
-                _ => t.run::<6, 2, 1>(h0, nv, s),
+                1 => t.run::<1, 4, 2>(h0, nv, s, pf),
+                2 => t.run::<2, 4, 1>(h0, nv, s, pf),
+                3 => t.run::<3, 2, 1>(h0, nv, s, pf),
+                4 => t.run::<4, 2, 1>(h0, nv, s, pf),
+                5 => t.run::<5, 2, 1>(h0, nv, s, pf),
+                _ => t.run::<6, 2, 1>(h0, nv, s, pf),
             }
         }
         h0 += h;
@@ -289,7 +323,6 @@ struct Tile<'a, E> {
     b: usize,
     d: usize,
     qs: &'a [f32],
-    pf: &'a Prefetch<'a>,
     elem: PhantomData<E>,
 }
 
@@ -306,20 +339,21 @@ impl<E: Elem> Tile<'_, E> {
         h0: usize,
         nv: usize,
         s: &mut [f32],
+        pf: &mut Prefetch<'_>,
     ) {
         let mut j0 = 0;
         while j0 + T <= nv {
             // SAFETY: forwarded; vectors j0..j0+T < nv.
-            unsafe { self.tile::<H, T, P>(h0, j0, s) };
+            unsafe { self.tile::<H, T, P>(h0, j0, s, pf) };
             j0 += T;
         }
         while j0 < nv {
             // SAFETY: as above, one vector. Small tiles split channels for more chains.
             unsafe {
                 if H <= 4 {
-                    self.tile::<H, 1, 2>(h0, j0, s)
+                    self.tile::<H, 1, 2>(h0, j0, s, pf)
                 } else {
-                    self.tile::<H, 1, 1>(h0, j0, s)
+                    self.tile::<H, 1, 1>(h0, j0, s, pf)
                 }
             };
             j0 += 1;
@@ -340,19 +374,30 @@ impl<E: Elem> Tile<'_, E> {
         h0: usize,
         j0: usize,
         s: &mut [f32],
+        pf: &mut Prefetch<'_>,
     ) {
         let (b, d, es) = (self.b, self.d, E::SIZE);
+        let mut pfl = *pf; // in a register through the loop
         let mut acc = [[[_mm256_setzero_ps(); T]; H]; P];
         let q = self.qs.as_ptr();
         let k = self.kt.as_ptr();
         let mut c = 0;
         while c + P <= d {
-            self.pf.line();
+            pfl.line();
             for p in 0..P {
                 let mut kv = [_mm256_setzero_ps(); T];
-                for j in 0..T {
-                    // SAFETY: row c+p < d, vector j0+j < b/8: inside the block's keys.
-                    kv[j] = unsafe { E::load8(k.add(((c + p) * b + 8 * (j0 + j)) * es)) };
+                // SAFETY: row c+p < d, vectors j0..j0+T <= b/8: inside the block's keys.
+                let row = unsafe { k.add(((c + p) * b + 8 * j0) * es) };
+                if E::SPLIT && T.is_multiple_of(2) {
+                    for j in 0..T / 2 {
+                        // SAFETY: as above, 16 elements from vector j0+2j.
+                        (kv[2 * j], kv[2 * j + 1]) = unsafe { E::load16(row.add(16 * j * es)) };
+                    }
+                } else {
+                    for j in 0..T {
+                        // SAFETY: as above, vector j0+j.
+                        kv[j] = unsafe { E::load8(row.add(8 * j * es)) };
+                    }
                 }
                 for i in 0..H {
                     // SAFETY: head h0+i < g, channel c+p < d: inside `qs`.
@@ -364,14 +409,23 @@ impl<E: Elem> Tile<'_, E> {
             }
             c += P;
         }
+        *pf = pfl;
         for i in 0..H {
+            let mut v = [_mm256_setzero_ps(); T];
             for j in 0..T {
-                let mut v = acc[0][i][j];
+                v[j] = acc[0][i][j];
                 for p in 1..P {
-                    v = _mm256_add_ps(v, acc[p][i][j]);
+                    v[j] = _mm256_add_ps(v[j], acc[p][i][j]);
                 }
+            }
+            if E::SPLIT && T.is_multiple_of(2) {
+                for j in 0..T / 2 {
+                    (v[2 * j], v[2 * j + 1]) = interleave(v[2 * j], v[2 * j + 1]);
+                }
+            }
+            for j in 0..T {
                 // SAFETY: (h0+i) * b + 8 (j0+j) + 8 <= g * b.
-                unsafe { _mm256_storeu_ps(s.as_mut_ptr().add((h0 + i) * b + 8 * (j0 + j)), v) };
+                unsafe { _mm256_storeu_ps(s.as_mut_ptr().add((h0 + i) * b + 8 * (j0 + j)), v[j]) };
             }
         }
     }
@@ -393,7 +447,7 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
     d: usize,
     h0: usize,
     st: &mut State<'_>,
-    pf: &Prefetch<'_>,
+    pf: &mut Prefetch<'_>,
 ) {
     // Constant trip counts only, so every accumulator stays in a register.
     if !d.is_multiple_of(8 * W) {
@@ -401,21 +455,40 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
         return unsafe { accumulate_v::<E, N, 1>(vs, len, b, d, h0, st, pf) };
     }
     let es = E::SIZE;
+    let mut pfl = *pf; // in a register through the loop
     let (acc_ptr, s) = (st.acc.as_mut_ptr(), st.s[h0 * b..(h0 + N) * b].as_ptr());
     for c0 in (0..d).step_by(8 * W) {
+        // bf16 rows load as even and odd channels (one op per vector, not two): the
+        // accumulators are held in that order and put back in place around the token loop.
+        let split = E::SPLIT && W.is_multiple_of(2);
         let mut acc = [[_mm256_setzero_ps(); W]; N];
         for i in 0..N {
             for j in 0..W {
                 // SAFETY: (h0+i)*d + c0 + 8j + 8 <= G*d.
                 acc[i][j] = unsafe { _mm256_loadu_ps(acc_ptr.add((h0 + i) * d + c0 + 8 * j)) };
             }
+            if split {
+                for j in 0..W / 2 {
+                    (acc[i][2 * j], acc[i][2 * j + 1]) =
+                        deinterleave(acc[i][2 * j], acc[i][2 * j + 1]);
+                }
+            }
         }
         for t in 0..len {
-            pf.line();
+            pfl.line();
             let mut v = [_mm256_setzero_ps(); W];
-            for j in 0..W {
-                // SAFETY: t < len <= b rows of d elements; c0 + 8j + 8 <= d.
-                v[j] = unsafe { E::load8(vs.as_ptr().add((t * d + c0 + 8 * j) * es)) };
+            // SAFETY: t < len <= b rows of d elements; c0 + 8W <= d.
+            let row = unsafe { vs.as_ptr().add((t * d + c0) * es) };
+            if split {
+                for j in 0..W / 2 {
+                    // SAFETY: as above, 16 elements from channel c0 + 16j.
+                    (v[2 * j], v[2 * j + 1]) = unsafe { E::load16(row.add(16 * j * es)) };
+                }
+            } else {
+                for j in 0..W {
+                    // SAFETY: as above, 8 elements from channel c0 + 8j.
+                    v[j] = unsafe { E::load8(row.add(8 * j * es)) };
+                }
             }
             for i in 0..N {
                 // SAFETY: i < N heads of b weights each, t < len <= b.
@@ -426,10 +499,17 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
             }
         }
         for i in 0..N {
+            if split {
+                for j in 0..W / 2 {
+                    (acc[i][2 * j], acc[i][2 * j + 1]) =
+                        interleave(acc[i][2 * j], acc[i][2 * j + 1]);
+                }
+            }
             for j in 0..W {
                 // SAFETY: as the load above.
                 unsafe { _mm256_storeu_ps(acc_ptr.add((h0 + i) * d + c0 + 8 * j), acc[i][j]) };
             }
         }
     }
+    *pf = pfl;
 }
