@@ -234,3 +234,22 @@ fn bench_decode_reports_traffic_against_read_bandwidth() {
         assert!((r["ratio_to_read_bandwidth"].as_f64().unwrap() - gbps / bw).abs() < 1e-9);
     }
 }
+
+/// `bench ingest` reports the loopback rate, the store path alone and each of its stages.
+#[test]
+fn bench_ingest_reports_the_store_path_stage_by_stage() {
+    let v = run_json(&["bench", "ingest", "--json", "--gib", "0.01"]);
+    for key in ["gb_per_s", "store_gb_per_s", "memcpy_gb_per_s"] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+    let stages = &v["stages_gb_per_s"];
+    for key in ["crc32c", "value_rows", "key_transpose_digests"] {
+        assert!(stages[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+    let ratio = v["store_ratio"].as_f64().unwrap();
+    assert!(
+        (ratio - v["store_gb_per_s"].as_f64().unwrap() / v["memcpy_gb_per_s"].as_f64().unwrap())
+            .abs()
+            < 1e-9
+    );
+}

@@ -7,7 +7,7 @@
 use crc_fast::{CrcAlgorithm, Digest};
 
 /// CRC-32C of the concatenation of `parts`.
-pub(crate) fn crc32c<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
+pub fn crc32c<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
     let mut c = Crc32c::new();
     for p in parts {
         c.update(p);

@@ -44,6 +44,7 @@ mod service;
 pub mod wire;
 
 pub use committed::CommittedKv;
+pub use crc::crc32c;
 pub use error::{Error, MAX_ECHO, clip, code_label};
 pub use ingest::{Ingest, MAX_REQUEST_ID_LEN, PromptInfo, validate_header};
 pub use metrics::{CodeLabel, IngestMetrics, OutcomeLabel};

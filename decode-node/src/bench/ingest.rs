@@ -34,6 +34,103 @@ fn store_rate(model: &crate::cli::ModelArgs, kv: &PromptKv, rounds: u64) -> anyh
     Ok((rounds * bytes) as f64 / t.elapsed().as_secs_f64())
 }
 
+/// Each stage of the store path alone, in bytes/s of the bytes it handles, over the same push
+/// written `rounds` times into blocks of the pool's layout (fresh memory, as a pool's): the
+/// CRC-32C of K and V, the V rows' copy, and the K transpose with the digests folded in (bf16
+/// and f32 pools; an f16 pool converts K for its digests, which this does not time).
+struct StageRates {
+    crc: f64,
+    values: f64,
+    keys_digests: Option<f64>,
+}
+
+/// One head's tokens of one block: `n` tokens of head `h` in block `bi`, K and V from the
+/// first one's vector onward (wire layout).
+#[derive(Clone, Copy)]
+struct HeadRun<'a> {
+    h: usize,
+    n: usize,
+    bi: usize,
+    k: &'a [u8],
+    v: &'a [u8],
+}
+
+fn stage_rates(
+    model: &crate::cli::ModelArgs,
+    kv: &PromptKv,
+    rounds: u64,
+) -> anyhow::Result<StageRates> {
+    use attention::Rows;
+    let geom = crate::node::Node::build(model)?.layout.geom;
+    let (hk, d, es, bs) = (
+        geom.num_kv_heads,
+        geom.head_dim,
+        geom.dtype.size(),
+        geom.block_size,
+    );
+    let row = hk * d * es;
+    let half: u64 = kv.layers.iter().map(|(k, _)| k.len() as u64).sum();
+    let timed = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        for _ in 0..rounds {
+            f();
+        }
+        t.elapsed().as_secs_f64()
+    };
+    let crc = timed(&mut || {
+        for (k, v) in &kv.layers {
+            std::hint::black_box(kv_transfer::crc32c([&k[..], &v[..]]));
+        }
+    });
+    // Every layer's blocks, as the pool lays them out.
+    let tokens = kv.layers.first().map_or(0, |(k, _)| k.len() / row.max(1));
+    let nb = tokens.div_ceil(bs);
+    // Written (not zeroed, which the allocator may leave unmapped) so no page fault is timed.
+    let mut blocks = vec![vec![1u8; nb * geom.block_bytes()]; kv.layers.len()];
+    // Calls `f` for every (layer, block, head) with the block's bytes.
+    let mut each = |f: &mut dyn FnMut(&mut [u8], HeadRun<'_>)| {
+        for ((k, v), layer) in kv.layers.iter().zip(blocks.iter_mut()) {
+            for (bi, block) in layer.chunks_exact_mut(geom.block_bytes()).enumerate() {
+                let n = (tokens - bi * bs).min(bs);
+                for h in 0..hk {
+                    let at = bi * bs * row + h * d * es;
+                    let (k, v) = (&k[at..], &v[at..]);
+                    f(block, HeadRun { h, n, bi, k, v });
+                }
+            }
+        }
+    };
+    let values = timed(&mut || {
+        each(&mut |block, r| {
+            let rows = Rows {
+                bytes: r.v,
+                stride: row,
+                n: r.n,
+            };
+            geom.copy_value_rows(block, r.h, 0, rows);
+        })
+    });
+    let keys_digests = geom.folds_digest_in_copy().then(|| {
+        let mut digests = vec![attention::HeadDigests::new(nb, d); hk];
+        timed(&mut || {
+            each(&mut |block, r| {
+                let rows = Rows {
+                    bytes: r.k,
+                    stride: row,
+                    n: r.n,
+                };
+                geom.copy_keys_digest(block, r.h, 0, rows, digests[r.h].block_mut(r.bi));
+            })
+        })
+    });
+    let bytes = (rounds * half) as f64;
+    Ok(StageRates {
+        crc: 2.0 * bytes / crc,
+        values: bytes / values,
+        keys_digests: keys_digests.map(|s| bytes / s),
+    })
+}
+
 /// Loopback ingest: bytes/s ÷ single-thread memcpy bytes/s in the same run.
 pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Value> {
     let memcpy = memcpy_bandwidth(256 << 20, 1.0);
@@ -95,6 +192,11 @@ pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Val
         let (model, kv) = (args.common.model.clone(), kv.clone());
         tokio::task::spawn_blocking(move || store_rate(&model, &kv, rounds)).await??
     };
+    let stages = {
+        let (model, kv) = (args.common.model.clone(), kv.clone());
+        tokio::task::spawn_blocking(move || stage_rates(&model, &kv, rounds)).await??
+    };
+    let gb = |r: f64| r / 1e9;
     if !args.common.json {
         eprintln!(
             "ingest: {:.2} GB in {secs:.2}s over {streams} stream(s) = {:.2} GB/s (store alone {:.2} GB/s); memcpy {:.2} GB/s; ratio {:.3} (goal 0.25)",
@@ -104,11 +206,25 @@ pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Val
             memcpy / 1e9,
             rate / memcpy
         );
+        eprintln!(
+            "ingest stages alone: crc32c {:.2} GB/s, V rows {:.2} GB/s, K transpose + digests {}; store {:.2} GB/s = {:.3} of memcpy",
+            gb(stages.crc),
+            gb(stages.values),
+            stages
+                .keys_digests
+                .map_or("(f16: not timed)".into(), |r| format!("{:.2} GB/s", gb(r))),
+            gb(store),
+            store / memcpy
+        );
     }
     Ok(json!({
         "bench": "ingest", "bytes": rounds * push_bytes, "seconds": secs, "gb_per_s": rate / 1e9,
         "memcpy_gb_per_s": memcpy / 1e9, "ratio": rate / memcpy, "goal_ratio": 0.25,
-        "store_gb_per_s": store / 1e9, "streams": streams,
+        "store_gb_per_s": store / 1e9, "store_ratio": store / memcpy, "streams": streams,
+        "stages_gb_per_s": {
+            "crc32c": gb(stages.crc), "value_rows": gb(stages.values),
+            "key_transpose_digests": stages.keys_digests.map(gb),
+        },
         "push_bytes": push_bytes, "tokens_per_push": tokens,
     }))
 }
