@@ -139,6 +139,41 @@ async fn admission_counts_what_a_request_can_use_and_numbers_are_clamped() {
             r
         }),
         ("max_new_tokens", gen_req("x", 1_000_000)),
+        ("repetition_penalty", {
+            let mut r = gen_req("x", 4);
+            r.sampling.as_mut().unwrap().repetition_penalty = -1.0;
+            r
+        }),
+        ("presence_penalty", {
+            let mut r = gen_req("x", 4);
+            r.sampling.as_mut().unwrap().presence_penalty = 3.0;
+            r
+        }),
+        ("frequency_penalty", {
+            let mut r = gen_req("x", 4);
+            r.sampling.as_mut().unwrap().frequency_penalty = f32::NAN;
+            r
+        }),
+        ("min_tokens", {
+            let mut r = gen_req("x", 4);
+            r.min_tokens = 5;
+            r
+        }),
+        ("stop strings", {
+            let mut r = gen_req("x", 4);
+            r.stop = vec!["s".into(); 17];
+            r
+        }),
+        ("stop string", {
+            let mut r = gen_req("x", 4);
+            r.stop = vec![String::new()];
+            r
+        }),
+        ("top_logprobs", {
+            let mut r = gen_req("x", 4);
+            r.top_logprobs = 21;
+            r
+        }),
     ];
     for (what, r) in bad {
         let e = generate(&s, r).await.unwrap_err();

@@ -96,3 +96,37 @@ async fn scout_exact_with_cpu_part_equals_full_and_sparse_uses_the_cpu() {
     let text = s.metrics_text();
     assert!(text.contains("decode_node_query_prediction_hit_ratio"));
 }
+
+/// Over the wire: a stop string ends the stream before it (STOP) and every token carries the
+/// model's most likely tokens, the greedy pick first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_and_top_logprobs_over_grpc() {
+    use decode_node_proto::v1 as pb;
+    let s = Served::start(&[]);
+    let p = prompt(40, 2);
+    let want = reference_greedy(&p, 12);
+    let full = tiny().tokenizer.decode(&want);
+    let stop: String = full.chars().skip(4).take(2).collect();
+    let before = full[..full.find(&stop).unwrap()].to_string();
+    push(&s, &prompt_kv("st", &p)).await.unwrap();
+    let mut req = gen_req("st", 12);
+    req.stop = vec![stop.clone()];
+    req.top_logprobs = 2;
+    let mut c = pb::decode_client::DecodeClient::new(s.channel().await);
+    let mut stream = c.generate(req).await.unwrap().into_inner();
+    let (mut text, mut fin) = (String::new(), None);
+    while let Some(m) = stream.message().await.unwrap() {
+        match m.event {
+            Some(pb::generate_response::Event::Token(t)) => {
+                text += &t.text;
+                assert_eq!(t.top_logprobs.len(), 2);
+                assert_eq!(t.top_logprobs[0].id, t.id);
+                assert!((t.top_logprobs[0].logprob - t.logprob).abs() < 1e-5);
+            }
+            Some(pb::generate_response::Event::Finish(f)) => fin = Some(f),
+            None => {}
+        }
+    }
+    assert_eq!(text, before, "stop {stop:?} in {full:?}");
+    assert_eq!(fin.unwrap().reason, pb::FinishReason::Stop as i32);
+}

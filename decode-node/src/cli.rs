@@ -306,6 +306,22 @@ pub struct GenerateArgs {
     /// Keep going past EOS.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Repetition penalty over the prompt and output (transformers' and vLLM's; 0 or 1 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub repetition_penalty: f32,
+    /// Presence penalty over the output, in [-2, 2] (OpenAI's).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// Frequency penalty over the output, in [-2, 2] (OpenAI's).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// No EOS, stop id or stop string before this many tokens.
+    #[arg(long, default_value_t = 0)]
+    pub min_tokens: u32,
+    /// A stop string (repeat for several; comma-separated in the environment): the text ends
+    /// before the first one.
+    #[arg(long = "stop", value_delimiter = ',')]
+    pub stop: Vec<String>,
     /// Milliseconds to wait for the KV push (0 = server default).
     #[arg(long, default_value_t = 0)]
     pub kv_timeout_ms: u32,

@@ -132,12 +132,18 @@ pub async fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
             top_p: args.top_p,
             top_k: args.top_k,
             seed: args.seed,
+            repetition_penalty: args.repetition_penalty,
+            presence_penalty: args.presence_penalty,
+            frequency_penalty: args.frequency_penalty,
         }),
         max_new_tokens: args.max_new_tokens,
         stop_token_ids: Vec::new(),
         ignore_eos: args.ignore_eos,
         kv_timeout_ms: args.kv_timeout_ms,
         lease: args.lease.clone().unwrap_or_default(),
+        min_tokens: args.min_tokens,
+        stop: args.stop.clone(),
+        top_logprobs: 0,
     };
     let mut stdout = std::io::stdout();
     let ids = args.ids;

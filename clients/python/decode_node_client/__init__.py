@@ -139,15 +139,23 @@ def push_kv(target, request_id: str, past_key_values, prompt_token_ids: Sequence
 
 def generate(target, request_id: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 0.0,
              top_k: int = 0, seed: int = 0, stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
-             kv_timeout_ms: int = 0, lease: str = "", token: Optional[str] = None) -> Iterator[decode_pb2.Token]:
+             kv_timeout_ms: int = 0, lease: str = "", token: Optional[str] = None,
+             stop: Iterable[str] = (), min_tokens: int = 0, top_logprobs: int = 0,
+             repetition_penalty: float = 0.0, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0) -> Iterator[decode_pb2.Token]:
     """Yields tokens as they stream; the generator's return value is the `Finish` event.
 
     `lease` is the push's `PushKvResponse.lease`; a node run with --require-lease refuses without it.
+    `stop` strings end the text before the first one; penalties and `min_tokens` follow vLLM.
     """
     req = decode_pb2.GenerateRequest(
         request_id=request_id, max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos, kv_timeout_ms=kv_timeout_ms, lease=lease,
-        sampling=decode_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
+        ignore_eos=ignore_eos, kv_timeout_ms=kv_timeout_ms, lease=lease, stop=list(stop),
+        min_tokens=min_tokens, top_logprobs=top_logprobs,
+        sampling=decode_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                           repetition_penalty=repetition_penalty,
+                                           presence_penalty=presence_penalty,
+                                           frequency_penalty=frequency_penalty))
     stub = decode_pb2_grpc.DecodeStub(_channel(target))
     try:
         for ev in stub.Generate(req, metadata=_metadata(token)):

@@ -77,6 +77,19 @@ def test_vllm_layout_push_streams_transformers_greedy(node):
     assert finish.generated_tokens == len(greedy) - 1
 
 
+def test_top_logprobs_and_min_tokens_reach_the_node(node):
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    push_kv(node, "py-top", layers, prompt, greedy[0])
+    tokens, finish = generate_all(node, "py-top", max_new_tokens=4, ignore_eos=True, top_logprobs=3,
+                                  min_tokens=2)
+    assert [t.id for t in tokens] == greedy[1:5]
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].id == t.id for t in tokens)
+    with pytest.raises(DecodeNodeError) as e:
+        generate_all(node, "py-top-bad", max_new_tokens=2, min_tokens=3, kv_timeout_ms=50)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in str(e.value)
+
+
 def test_hf_layout_push_and_pool_returns_to_zero(node):
     g, layers = golden()
     hf = tuple((k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]) for k, v in layers)  # [1, H, T, D]

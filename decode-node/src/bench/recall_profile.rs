@@ -55,6 +55,7 @@ pub(super) fn recall_profile(args: &RecallProfileBench) -> anyhow::Result<serde_
         max_new_tokens: args.tokens.max(2),
         stop_ids: Vec::new(),
         ignore_eos: true,
+        output: Default::default(),
         arrived: Instant::now(),
         events: tx,
         span: tracing::Span::none(),

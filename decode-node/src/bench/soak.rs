@@ -173,6 +173,7 @@ fn generate_request(id: &str, lease: &str, max_new_tokens: u32, seed: u64) -> pb
             top_k: 40,
             top_p: 0.95,
             seed,
+            ..Default::default()
         }),
         max_new_tokens,
         ignore_eos: true,

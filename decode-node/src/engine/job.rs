@@ -73,6 +73,8 @@ pub enum Event {
         text: String,
         /// Log-probability under the model.
         logprob: f32,
+        /// The most likely tokens under the model, most likely first (as many as asked).
+        top_logprobs: Vec<TopLogprob>,
     },
     /// The last event of a stream.
     Finish {
@@ -85,6 +87,28 @@ pub enum Event {
     },
     /// The request could not run (the last event).
     Error(EngineError),
+}
+
+/// One of the most likely tokens at a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopLogprob {
+    /// Token id.
+    pub id: u32,
+    /// The token decoded alone.
+    pub text: String,
+    /// Log-probability under the model.
+    pub logprob: f32,
+}
+
+/// What shapes a generation's output beyond sampling.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OutputOptions {
+    /// EOS and stop ids are banned, and stop strings not matched, before this many tokens.
+    pub min_tokens: u32,
+    /// Stop strings: the text ends before the first one.
+    pub stop_strings: Vec<String>,
+    /// Most likely tokens reported per step.
+    pub top_logprobs: u32,
 }
 
 /// A generation to run: its committed KV (taken from the registry) and what to do.
@@ -109,6 +133,8 @@ pub struct JobSpec {
     pub stop_ids: Vec<u32>,
     /// Do not stop on EOS.
     pub ignore_eos: bool,
+    /// min_tokens, stop strings, top logprobs.
+    pub output: OutputOptions,
     /// When the Generate arrived.
     pub arrived: Instant,
     /// Where events go.

@@ -13,9 +13,12 @@ mod job;
 mod running;
 mod solo;
 mod step;
+mod stop_text;
 
 pub use error::EngineError;
-pub use job::{Control, Event, FinishReason, Job, JobSpec, RequestStats};
+pub use job::{
+    Control, Event, FinishReason, Job, JobSpec, OutputOptions, RequestStats, TopLogprob,
+};
 pub use solo::SoloDecoder;
 
 use std::collections::VecDeque;

@@ -7,8 +7,10 @@ use std::time::Instant;
 use attention::{SeqAttention, SeqStats};
 use kv_transfer::CommittedKv;
 
+use super::stop_text::StopText;
 use super::{FinishReason, Job, JobSpec, RequestStats};
 use crate::backend::{DeviceKv, DeviceSeq};
+use crate::model::logits::LogitsProcessor;
 use crate::model::tokenizer::{TextState, Tokenizer};
 use crate::model::{ModelConfig, Sampler};
 
@@ -20,6 +22,10 @@ pub(super) struct Running {
     pub(super) kv: Arc<CommittedKv>,
     pub(super) seq: SeqAttention,
     pub(super) sampler: Sampler,
+    /// Penalties and bans applied before the sampler picks.
+    pub(super) logits: LogitsProcessor,
+    /// Stop strings and the text held back for them.
+    pub(super) stops: StopText,
     /// The token the next step feeds.
     pub(super) next_token: u32,
     pub(super) generated: u32,
@@ -66,6 +72,13 @@ impl Running {
         Self {
             dev,
             sampler: Sampler::new(spec.sampling),
+            logits: {
+                // The prefill's token is the output's first: penalties count it.
+                let mut l = LogitsProcessor::new(&spec.sampling, &kv.info.prompt_token_ids);
+                l.observe(next_token);
+                l
+            },
+            stops: StopText::new(spec.output.stop_strings.clone()),
             job: spec,
             kv,
             seq,
@@ -93,6 +106,21 @@ impl Running {
         };
         self.last_token = now;
         l
+    }
+
+    /// Tokens it may not generate now: EOS (unless ignored) and the stop ids, before
+    /// `min_tokens`.
+    pub(super) fn banned(&self, cfg: &ModelConfig) -> Vec<u32> {
+        if self.generated >= self.job.output.min_tokens {
+            return Vec::new();
+        }
+        let eos = (!self.job.ignore_eos).then_some(&cfg.eos_token_ids[..]);
+        self.job
+            .stop_ids
+            .iter()
+            .chain(eos.into_iter().flatten())
+            .copied()
+            .collect()
     }
 
     /// Why the request ends after generating `tok`, if it does.
@@ -164,6 +192,7 @@ mod tests {
             max_new_tokens,
             stop_ids,
             ignore_eos,
+            output: Default::default(),
             arrived: Instant::now(),
             events: mpsc::unbounded_channel().0,
             span: tracing::Span::none(),

@@ -10,8 +10,9 @@ use rayon::prelude::*;
 
 use super::attend::{AttnTiming, BatchAttention, SeqSlot, Shape};
 use super::running::{Latency, Running};
-use super::{EngineError, Event, FinishReason, LoadSnapshot, StepLoop, solo};
+use super::{EngineError, Event, FinishReason, LoadSnapshot, StepLoop, TopLogprob, solo};
 use crate::metrics::{OutcomeLabel, ReasonLabel};
+use crate::model::{logits, sampling};
 
 /// One f32 row per layer (a token's K or V).
 type LayerRows = Vec<Vec<f32>>;
@@ -30,6 +31,15 @@ struct Forward {
 
 /// How a request's step ended: still running, finished, or failed.
 type Outcome = Option<Result<FinishReason, EngineError>>;
+
+/// A request's token of this step, picked in the parallel pass.
+struct Pick {
+    tok: u32,
+    /// Its log-probability under the model.
+    logprob: f32,
+    /// The most likely tokens under the model, with their log-probabilities.
+    top: Vec<(u32, f32)>,
+}
 
 impl StepLoop {
     /// One decode step of every running request.
@@ -114,15 +124,24 @@ impl StepLoop {
         // Every request's token first, in parallel: a sampled token costs passes over the
         // whole vocabulary (softmax, log-probability), one request after another at batch 64.
         // Non-finite logits are not sampled; the loop below ends their request.
-        let picks: Vec<Option<(u32, f32)>> = self
+        let mut picks: Vec<Option<Pick>> = self
             .running
             .par_iter_mut()
             .zip(fwd.logits.par_chunks(vocab))
             .map(|(r, logits)| {
-                logits
-                    .iter()
-                    .all(|x| x.is_finite())
-                    .then(|| r.sampler.sample(logits))
+                if !logits.iter().all(|x| x.is_finite()) {
+                    return None;
+                }
+                // Penalties and bans change what is picked, not the reported log-probabilities.
+                let banned = r.banned(cfg);
+                let tok = r.sampler.pick(r.logits.apply(logits, &banned));
+                r.logits.observe(tok);
+                let top = r.job.output.top_logprobs as usize;
+                Some(Pick {
+                    tok,
+                    logprob: sampling::logprob(logits, tok as usize),
+                    top: logits::top_logprobs(logits, top),
+                })
             })
             .collect();
         let mut out = Vec::with_capacity(self.running.len());
@@ -154,7 +173,7 @@ impl StepLoop {
                 .inc_by(s.recall_bytes - r.seen.recall_bytes);
             r.seen = s;
 
-            let Some((tok, logprob)) = picks[i] else {
+            let Some(Pick { tok, logprob, top }) = picks[i].take() else {
                 let logits = &fwd.logits[i * vocab..(i + 1) * vocab];
                 let bad = logits
                     .iter()
@@ -171,25 +190,46 @@ impl StepLoop {
                 )))));
                 continue;
             };
-            let text = r.text.step(&self.model.tokenizer, tok);
+            let tokenizer = &self.model.tokenizer;
+            let piece = r.text.step(tokenizer, tok);
             let index = r.generated;
             match r.token_at(now) {
                 Latency::First(s) => self.metrics.ttft.observe(s),
                 Latency::Next(s) => self.metrics.itl.observe(s),
             }
             self.metrics.generation_tokens.inc();
+            // A stop string ends it first; any other end releases the text held for them.
+            let check = r.generated >= r.job.output.min_tokens;
+            let (mut text, stopped) = r.stops.push(&piece, check);
+            let end = if stopped {
+                Some(FinishReason::Stop)
+            } else {
+                r.stop_reason(tok, cfg)
+            };
+            if end.is_some() && !stopped {
+                text += &r.stops.flush();
+            }
+            let top_logprobs = top
+                .into_iter()
+                .map(|(id, logprob)| TopLogprob {
+                    id,
+                    text: tokenizer.decode(&[id]),
+                    logprob,
+                })
+                .collect();
             let sent = r.job.events.send(Event::Token {
                 index,
                 id: tok,
                 text,
                 logprob,
+                top_logprobs,
             });
             if sent.is_err() {
                 out.push(Some(Ok(FinishReason::Cancelled)));
                 continue;
             }
             r.next_token = tok;
-            out.push(r.stop_reason(tok, cfg).map(Ok));
+            out.push(end.map(Ok));
         }
         out
     }

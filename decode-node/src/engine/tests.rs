@@ -58,6 +58,24 @@ impl Rig {
 
     /// Submits a greedy job for `prompt`; returns its event stream.
     fn submit(&self, id: &str, prompt: &[u32], max_new: u32) -> mpsc::UnboundedReceiver<Event> {
+        self.submit_with(
+            id,
+            prompt,
+            max_new,
+            Sampling::default(),
+            OutputOptions::default(),
+        )
+    }
+
+    /// Submits a job with its sampling and output options; returns its event stream.
+    fn submit_with(
+        &self,
+        id: &str,
+        prompt: &[u32],
+        max_new: u32,
+        sampling: Sampling,
+        output: OutputOptions,
+    ) -> mpsc::UnboundedReceiver<Event> {
         let kv = prefill_kv(&self.model, prompt, id, self.layout.geom.dtype).unwrap();
         let committed = ingest_local(&self.layout, &self.pool, &kv).unwrap();
         let (tx, rx) = mpsc::unbounded_channel();
@@ -65,10 +83,11 @@ impl Rig {
             kv: Box::new(committed),
             spec: JobSpec {
                 request_id: id.into(),
-                sampling: Sampling::default(),
+                sampling,
                 max_new_tokens: max_new,
                 stop_ids: Vec::new(),
                 ignore_eos: true,
+                output,
                 arrived: Instant::now(),
                 events: tx,
                 span: tracing::Span::none(),
@@ -226,4 +245,154 @@ fn shutdown_cancels_the_running_and_refuses_the_waiting() {
         !rig.engine.send(Control::Shutdown),
         "the engine has stopped"
     );
+}
+
+/// Every token event of a stream (id, text, top logprobs), and the last event.
+fn drain_tokens(
+    rx: &mut mpsc::UnboundedReceiver<Event>,
+) -> (Vec<(u32, String, Vec<TopLogprob>)>, Event) {
+    let mut toks = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Token {
+                id,
+                text,
+                top_logprobs,
+                ..
+            } => toks.push((id, text, top_logprobs)),
+            last => return (toks, last),
+        }
+    }
+    panic!("the stream ended without a last event");
+}
+
+fn finish_reason(ev: &Event) -> FinishReason {
+    match ev {
+        Event::Finish { reason, .. } => *reason,
+        e => panic!("{e:?}"),
+    }
+}
+
+/// Penalties pick what the definition picks: each step's logits from a full prefill, the
+/// repetition penalty over prompt and output, presence and frequency over the output
+/// (written out here, apart from the engine's code), then the argmax.
+#[test]
+fn penalties_change_greedy_tokens_as_defined() {
+    let rig = Rig::start(2, 1 << 30);
+    let prompt = Rig::prompt(4);
+    let (rep, pres, freq) = (1.8f32, 0.7f32, 0.9f32);
+    let sampling = Sampling {
+        repetition_penalty: rep,
+        presence_penalty: pres,
+        frequency_penalty: freq,
+        ..Sampling::default()
+    };
+    let n = 12;
+    let mut rx = rig.submit_with("p", &prompt, n, sampling, OutputOptions::default());
+    let (toks, last) = drain_tokens(&mut rx);
+    assert_eq!(finish_reason(&last), FinishReason::Length);
+    // The prefill's token (the pushed KV's next token) is the output's first: the penalties
+    // count it, and the node streams the tokens after it.
+    let mut ctx = prompt.clone();
+    ctx.push(sampling::argmax(&rig.model.model.prefill(&ctx).unwrap().logits) as u32);
+    let mut out: Vec<u32> = vec![*ctx.last().unwrap()];
+    for _ in 0..n {
+        let mut l = rig.model.model.prefill(&ctx).unwrap().logits;
+        let seen: std::collections::BTreeSet<u32> = prompt.iter().chain(&out).copied().collect();
+        for t in seen {
+            let v = &mut l[t as usize];
+            *v = if *v > 0.0 { *v / rep } else { *v * rep };
+        }
+        for t in out.iter().collect::<std::collections::BTreeSet<_>>() {
+            let c = out.iter().filter(|x| *x == t).count() as f32;
+            l[*t as usize] -= freq * c + pres;
+        }
+        let t = sampling::argmax(&l) as u32;
+        out.push(t);
+        ctx.push(t);
+    }
+    let ids: Vec<u32> = toks.iter().map(|t| t.0).collect();
+    assert_eq!(ids, out[1..]);
+    assert_ne!(
+        ids,
+        rig.reference(&prompt, n as usize),
+        "the penalties changed nothing"
+    );
+    rig.wait_pool_empty();
+}
+
+/// A stop string ends the text before it (FINISH STOP); min_tokens bans stop ids until then;
+/// top logprobs are the model's best tokens, greedy's first.
+#[test]
+fn stop_strings_min_tokens_and_top_logprobs() {
+    let rig = Rig::start(2, 1 << 30);
+    let prompt = Rig::prompt(5);
+    let greedy = rig.reference(&prompt, 16);
+    let text = |ids: &[u32]| rig.model.tokenizer.decode(ids);
+    // A stop string taken from the middle of the greedy text.
+    let full = text(&greedy);
+    let stop: String = full.chars().skip(5).take(3).collect();
+    let before = &full[..full.find(&stop).unwrap()];
+    let out = OutputOptions {
+        stop_strings: vec![stop.clone()],
+        top_logprobs: 3,
+        ..OutputOptions::default()
+    };
+    let mut rx = rig.submit_with("s", &prompt, 16, Sampling::default(), out);
+    let (toks, last) = drain_tokens(&mut rx);
+    assert_eq!(finish_reason(&last), FinishReason::Stop);
+    let streamed: String = toks.iter().map(|t| t.1.as_str()).collect();
+    assert_eq!(streamed, before, "stop {stop:?} in {full:?}");
+    for (id, _, top) in &toks {
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0].id, *id, "greedy picks the most likely token");
+        assert!(top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+        assert_eq!(top[0].text, text(&[*id]));
+    }
+    // min_tokens: the greedy first token as a stop id cannot end it before 3 tokens.
+    let first = greedy[0];
+    let mut rx = rig.submit_with(
+        "m",
+        &prompt,
+        8,
+        Sampling::default(),
+        OutputOptions {
+            min_tokens: 3,
+            ..OutputOptions::default()
+        },
+    );
+    let (plain, _) = drain_tokens(&mut rx);
+    assert_eq!(plain[0].0, first);
+    let job_stop = |min_tokens| {
+        let kv = prefill_kv(&rig.model, &prompt, "x", rig.layout.geom.dtype).unwrap();
+        let committed = ingest_local(&rig.layout, &rig.pool, &kv).unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let spec = JobSpec {
+            request_id: format!("x{min_tokens}"),
+            sampling: Sampling::default(),
+            max_new_tokens: 8,
+            stop_ids: vec![first],
+            ignore_eos: true,
+            output: OutputOptions {
+                min_tokens,
+                ..OutputOptions::default()
+            },
+            arrived: Instant::now(),
+            events: tx,
+            span: tracing::Span::none(),
+        };
+        assert!(rig.engine.send(Control::Submit(Job {
+            kv: Box::new(committed),
+            spec
+        })));
+        drain_tokens(&mut rx)
+    };
+    let (toks, last) = job_stop(0);
+    assert_eq!((toks.len(), finish_reason(&last)), (1, FinishReason::Stop));
+    let (toks, _) = job_stop(3);
+    assert!(
+        toks.len() >= 3 && toks[..3].iter().all(|t| t.0 != first),
+        "{toks:?}"
+    );
+    rig.wait_pool_empty();
 }

@@ -13,6 +13,12 @@ pub struct Sampling {
     pub top_p: f32,
     /// Seed.
     pub seed: u64,
+    /// 0 or 1 = off (see [`super::logits::LogitsProcessor`]).
+    pub repetition_penalty: f32,
+    /// 0 = off.
+    pub presence_penalty: f32,
+    /// 0 = off.
+    pub frequency_penalty: f32,
 }
 
 impl Default for Sampling {
@@ -22,6 +28,9 @@ impl Default for Sampling {
             top_k: 0,
             top_p: 0.0,
             seed: 0,
+            repetition_penalty: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
     }
 }
@@ -62,13 +71,19 @@ impl Sampler {
 
     /// Picks the next token from `logits`; returns it and its log-probability under the model.
     pub fn sample(&mut self, logits: &[f32]) -> (u32, f32) {
+        let tok = self.pick(logits);
+        (tok, logprob(logits, tok as usize))
+    }
+
+    /// Picks the next token from `logits` (greedy or by the request's draw).
+    pub fn pick(&mut self, logits: &[f32]) -> u32 {
         let p = self.params;
         let tok = if p.temperature <= 0.0 || !p.temperature.is_finite() {
             argmax(logits)
         } else {
             self.sample_tempered(logits)
         };
-        (tok as u32, logprob(logits, tok))
+        tok as u32
     }
 
     /// Temperature, top-k and top-p sampling. Walks the tokens from the most likely down
@@ -153,6 +168,7 @@ mod tests {
             top_k: 2,
             top_p: 0.0,
             seed: 9,
+            ..Sampling::default()
         };
         let a: Vec<u32> = (0..50)
             .map({
@@ -174,6 +190,7 @@ mod tests {
             top_k: 0,
             top_p: 0.01,
             seed: 1,
+            ..Sampling::default()
         });
         assert_eq!(nucleus.sample(&logits).0, 1);
         let lp = logprob(&logits, 1);
@@ -233,7 +250,7 @@ mod tests {
         ) {
             let mut g = SplitMix(seed);
             let logits: Vec<f32> = (0..n).map(|_| (g.next_f64() as f32 - 0.5) * spread).collect();
-            let p = Sampling { temperature, top_k, top_p, seed };
+            let p = Sampling { temperature, top_k, top_p, seed, ..Sampling::default() };
             let mut s = Sampler::new(p);
             for _ in 0..4 {
                 // The draw the sampler is about to make.

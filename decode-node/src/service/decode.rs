@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::engine::{
-    Control, Engine, EngineError, Event, FinishReason, Job, JobSpec, RequestStats,
+    Control, Engine, EngineError, Event, FinishReason, Job, JobSpec, OutputOptions, RequestStats,
 };
 use crate::model::Sampling;
 
@@ -23,6 +23,11 @@ pub const DEFAULT_KV_TIMEOUT: Duration = Duration::from_secs(30);
 pub const MAX_KV_TIMEOUT: Duration = Duration::from_secs(600);
 /// Most stop tokens one request may name.
 pub const MAX_STOP_TOKENS: usize = 64;
+/// Most stop strings a Generate may carry, and their longest length in bytes.
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+/// Most `top_logprobs` a Generate may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// Shared state of the node's services.
 #[derive(Debug, Clone)]
@@ -111,11 +116,20 @@ fn to_response(ev: Event) -> Result<pb::GenerateResponse, Status> {
                 id,
                 text,
                 logprob,
+                top_logprobs,
             } => E::Token(pb::Token {
                 index,
                 id,
                 text,
                 logprob,
+                top_logprobs: top_logprobs
+                    .into_iter()
+                    .map(|t| pb::TopLogprob {
+                        id: t.id,
+                        text: t.text,
+                        logprob: t.logprob,
+                    })
+                    .collect(),
             }),
             Event::Finish {
                 reason,
@@ -141,7 +155,10 @@ fn to_response(ev: Event) -> Result<pb::GenerateResponse, Status> {
 }
 
 /// Checks a request before anything is waited for.
-fn validate(r: &pb::GenerateRequest, info: &pb::ModelInfo) -> Result<Sampling, Status> {
+fn validate(
+    r: &pb::GenerateRequest,
+    info: &pb::ModelInfo,
+) -> Result<(Sampling, OutputOptions), Status> {
     let vocab = info.vocab_size;
     kv_transfer::check_request_id(&r.request_id)?;
     if r.max_new_tokens == 0 || r.max_new_tokens > info.max_context {
@@ -180,12 +197,64 @@ fn validate(r: &pb::GenerateRequest, info: &pb::ModelInfo) -> Result<Sampling, S
             "sampling.top_p must be within [0, 1]",
         ));
     }
-    Ok(Sampling {
+    if !s.repetition_penalty.is_finite() || s.repetition_penalty < 0.0 {
+        return Err(Status::invalid_argument(
+            "sampling.repetition_penalty must be finite and > 0 (0 or 1: off)",
+        ));
+    }
+    for (name, v) in [
+        ("presence_penalty", s.presence_penalty),
+        ("frequency_penalty", s.frequency_penalty),
+    ] {
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(Status::invalid_argument(format!(
+                "sampling.{name} must be within [-2, 2], got {v}"
+            )));
+        }
+    }
+    if r.min_tokens > r.max_new_tokens {
+        return Err(Status::invalid_argument(format!(
+            "min_tokens ({}) must be at most max_new_tokens ({})",
+            r.min_tokens, r.max_new_tokens
+        )));
+    }
+    if r.stop.len() > MAX_STOP_STRINGS {
+        return Err(Status::invalid_argument(format!(
+            "at most {MAX_STOP_STRINGS} stop strings, got {}",
+            r.stop.len()
+        )));
+    }
+    if let Some(bad) = r
+        .stop
+        .iter()
+        .find(|s| s.is_empty() || s.len() > MAX_STOP_STRING_BYTES)
+    {
+        return Err(Status::invalid_argument(format!(
+            "a stop string must be 1..={MAX_STOP_STRING_BYTES} bytes, got {}",
+            bad.len()
+        )));
+    }
+    if r.top_logprobs > MAX_TOP_LOGPROBS {
+        return Err(Status::invalid_argument(format!(
+            "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}",
+            r.top_logprobs
+        )));
+    }
+    let sampling = Sampling {
         temperature: s.temperature,
         top_k: s.top_k as usize,
         top_p: s.top_p,
         seed: s.seed,
-    })
+        repetition_penalty: s.repetition_penalty,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+    };
+    let output = OutputOptions {
+        min_tokens: r.min_tokens,
+        stop_strings: r.stop.clone(),
+        top_logprobs: r.top_logprobs,
+    };
+    Ok((sampling, output))
 }
 
 #[tonic::async_trait]
@@ -199,7 +268,7 @@ impl Decode for DecodeService {
         let arrived = Instant::now();
         let st = self.state.clone();
         let r = req.into_inner();
-        let sampling = validate(&r, &st.info)?;
+        let (sampling, output) = validate(&r, &st.info)?;
         // A draining node still serves the KV it was given (committed or arriving).
         if st.registry.is_draining() && !st.registry.holds(&r.request_id) {
             return Err(Status::unavailable(
@@ -220,7 +289,7 @@ impl Decode for DecodeService {
         );
         tokio::spawn(
             async move {
-                run_generate(&st, r, sampling, timeout, arrived, out_tx).await;
+                run_generate(&st, r, (sampling, output), timeout, arrived, out_tx).await;
                 st.active().remove(&id);
                 drop(ended);
             }
@@ -340,7 +409,7 @@ async fn take_id(
 async fn run_generate(
     st: &NodeState,
     r: pb::GenerateRequest,
-    sampling: Sampling,
+    (sampling, output): (Sampling, OutputOptions),
     timeout: Duration,
     arrived: Instant,
     out: mpsc::Sender<Result<pb::GenerateResponse, Status>>,
@@ -364,6 +433,7 @@ async fn run_generate(
         max_new_tokens: r.max_new_tokens,
         stop_ids: r.stop_token_ids,
         ignore_eos: r.ignore_eos,
+        output,
         arrived,
         events: ev_tx,
         span: tracing::Span::current(),
