@@ -53,6 +53,33 @@ fn prefill_then_generate_with_the_binaries() {
     assert_eq!(ids, reference_greedy(&prompt, 7));
     assert!(String::from_utf8_lossy(&out.stderr).contains("7 tokens"));
 
+    // `--stop` (taken whole) ends the printed text before the stop string, with reason Stop.
+    let want = tiny().tokenizer.decode(&reference_greedy(&prompt, 7));
+    let stop: String = want.chars().skip(3).take(2).collect();
+    let before = &want[..want.find(&stop).unwrap()];
+    let pushed = bin()
+        .args(["prefill", "--target", &s.target()])
+        .args(["--prompt", "Hello, decode node", "--request-id", "cli-2"])
+        .output()
+        .unwrap();
+    assert!(pushed.status.success());
+    let out = bin()
+        .args(["generate", "--target", &s.target(), "--request-id", "cli-2"])
+        .args(["--max-new-tokens", "7", "--ignore-eos", "--stop", &stop])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("{before}\n"),
+        "stop {stop:?}"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Stop"));
+
     // A request that does not exist fails with a clear message and a non-zero exit.
     let out = bin()
         .args([

@@ -318,9 +318,9 @@ pub struct GenerateArgs {
     /// No EOS, stop id or stop string before this many tokens.
     #[arg(long, default_value_t = 0)]
     pub min_tokens: u32,
-    /// A stop string (repeat for several; comma-separated in the environment): the text ends
-    /// before the first one.
-    #[arg(long = "stop", value_delimiter = ',')]
+    /// A stop string, taken whole (repeat the flag for several): the text ends before the
+    /// first one.
+    #[arg(long = "stop")]
     pub stop: Vec<String>,
     /// Milliseconds to wait for the KV push (0 = server default).
     #[arg(long, default_value_t = 0)]
