@@ -124,3 +124,37 @@ async fn sigterm_serves_committed_kv_until_the_drain_timeout() {
     assert_eq!(dropped.len(), 1, "{log}");
     assert!(dropped[0].contains("orphan"), "{}", dropped[0]);
 }
+
+/// WatchLoad pushes the load as GetLoad reports it until the client goes away: a push shows up
+/// in a later report, and an interval past 100 ms is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_load_streams_the_load_as_it_changes() {
+    let s = Served::start(&[]);
+    let mut c = pb::decode_client::DecodeClient::new(s.channel().await);
+    let mut watch = c
+        .watch_load(pb::WatchLoadRequest { interval_ms: 10 })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert_eq!((first.host_kv_bytes_used, first.running), (0, 0));
+    assert!(first.host_kv_bytes_capacity > 0);
+    push(&s, &prompt_kv("w1", &prompt(20, 1))).await.unwrap();
+    let mut seen = None;
+    for _ in 0..1000 {
+        let r = watch.message().await.unwrap().unwrap();
+        if r.host_kv_bytes_used > 0 {
+            seen = Some(r);
+            break;
+        }
+    }
+    let r = seen.expect("the pushed KV shows in a report");
+    assert_eq!(r.committed_unclaimed, 1);
+    drop(watch);
+    let e = c
+        .watch_load(pb::WatchLoadRequest { interval_ms: 1000 })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("interval_ms"), "{}", e.message());
+}

@@ -20,7 +20,7 @@ import numpy as np
 
 from decode_node.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 
-__all__ = ["push_kv", "generate", "generate_all", "model_info", "to_layers", "DecodeNodeError"]
+__all__ = ["push_kv", "generate", "generate_all", "model_info", "watch_load", "to_layers", "DecodeNodeError"]
 
 _MAX_MESSAGE = 64 << 20
 
@@ -49,6 +49,15 @@ def model_info(target, token: Optional[str] = None) -> decode_pb2.ModelInfo:
     try:
         return decode_pb2_grpc.DecodeStub(_channel(target)).GetModelInfo(
             decode_pb2.GetModelInfoRequest(), metadata=_metadata(token))
+    except grpc.RpcError as e:
+        raise DecodeNodeError(e.code(), e.details()) from None
+
+
+def watch_load(target, interval_ms: int = 0, token: Optional[str] = None) -> Iterator[decode_pb2.LoadReport]:
+    """Yields the node's load every `interval_ms` (0: 100; at most 100) until the caller stops."""
+    try:
+        yield from decode_pb2_grpc.DecodeStub(_channel(target)).WatchLoad(
+            decode_pb2.WatchLoadRequest(interval_ms=interval_ms), metadata=_metadata(token))
     except grpc.RpcError as e:
         raise DecodeNodeError(e.code(), e.details()) from None
 

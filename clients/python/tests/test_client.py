@@ -16,7 +16,7 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from decode_node.v1 import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
-from decode_node_client import DecodeNodeError, generate, generate_all, push_kv  # noqa: E402
+from decode_node_client import DecodeNodeError, generate, generate_all, push_kv, watch_load  # noqa: E402
 
 BIN = os.environ.get("DECODE_NODE_BIN", os.path.join(ROOT, "target", "debug", "decode-node"))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "qwen3")
@@ -88,6 +88,17 @@ def test_top_logprobs_and_min_tokens_reach_the_node(node):
     with pytest.raises(DecodeNodeError) as e:
         generate_all(node, "py-top-bad", max_new_tokens=2, min_tokens=3, kv_timeout_ms=50)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in str(e.value)
+
+
+def test_watch_load_streams_reports(node):
+    reports = watch_load(node, interval_ms=10)
+    first = next(reports)
+    assert first.host_kv_bytes_capacity > 0
+    next(reports)
+    reports.close()
+    with pytest.raises(DecodeNodeError) as e:
+        next(watch_load(node, interval_ms=500))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_hf_layout_push_and_pool_returns_to_zero(node):

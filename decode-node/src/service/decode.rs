@@ -154,6 +154,23 @@ fn to_response(ev: Event) -> Result<pb::GenerateResponse, Status> {
     })
 }
 
+/// The node's load now, as GetLoad and WatchLoad report it.
+fn load_report(st: &NodeState) -> pb::LoadReport {
+    let load = st.engine.load();
+    let pool = st.pool.usage();
+    pb::LoadReport {
+        running: load.running,
+        waiting: load.waiting,
+        host_kv_bytes_used: pool.used + pool.reserved,
+        host_kv_bytes_capacity: pool.capacity,
+        device_kv_bytes_used: load.device_bytes,
+        device_kv_bytes_capacity: st.device_kv_bytes,
+        tokens_per_second: load.tokens_per_second,
+        draining: st.registry.is_draining(),
+        committed_unclaimed: st.registry.committed_unclaimed() as u32,
+    }
+}
+
 /// Checks a request before anything is waited for.
 fn validate(
     r: &pb::GenerateRequest,
@@ -336,20 +353,41 @@ impl Decode for DecodeService {
         &self,
         _req: Request<pb::GetLoadRequest>,
     ) -> Result<Response<pb::LoadReport>, Status> {
-        let st = &self.state;
-        let load = st.engine.load();
-        let pool = st.pool.usage();
-        Ok(Response::new(pb::LoadReport {
-            running: load.running,
-            waiting: load.waiting,
-            host_kv_bytes_used: pool.used + pool.reserved,
-            host_kv_bytes_capacity: pool.capacity,
-            device_kv_bytes_used: load.device_bytes,
-            device_kv_bytes_capacity: st.device_kv_bytes,
-            tokens_per_second: load.tokens_per_second,
-            draining: st.registry.is_draining(),
-            committed_unclaimed: st.registry.committed_unclaimed() as u32,
-        }))
+        Ok(Response::new(load_report(&self.state)))
+    }
+
+    type WatchLoadStream = ReceiverStream<Result<pb::LoadReport, Status>>;
+
+    async fn watch_load(
+        &self,
+        req: Request<pb::WatchLoadRequest>,
+    ) -> Result<Response<Self::WatchLoadStream>, Status> {
+        let ms = match req.get_ref().interval_ms {
+            0 => 100,
+            v @ 10..=100 => v,
+            v => {
+                return Err(Status::invalid_argument(format!(
+                    "interval_ms must be 0 (100) or within 10..=100, got {v}"
+                )));
+            }
+        };
+        let (tx, rx) = mpsc::channel(2);
+        let st = self.state.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(u64::from(ms)));
+            // A slow reader gets the current load when it reads, not a backlog of old ones.
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = tx.closed() => return,
+                }
+                if tx.send(Ok(load_report(&st))).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 
     async fn get_model_info(

@@ -49,6 +49,11 @@ class DecodeStub:
                 request_serializer=decode__node_dot_v1_dot_decode__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=decode__node_dot_v1_dot_decode__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/decode_node.v1.Decode/WatchLoad',
+                request_serializer=decode__node_dot_v1_dot_decode__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=decode__node_dot_v1_dot_decode__pb2.LoadReport.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/decode_node.v1.Decode/GetModelInfo',
                 request_serializer=decode__node_dot_v1_dot_decode__pb2.GetModelInfoRequest.SerializeToString,
@@ -79,6 +84,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """The load as GetLoad reports it, pushed every interval until the client goes away, so a
+        router keeps a live view without polling.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -101,6 +114,11 @@ def add_DecodeServicer_to_server(servicer, server):
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
                     request_deserializer=decode__node_dot_v1_dot_decode__pb2.GetLoadRequest.FromString,
+                    response_serializer=decode__node_dot_v1_dot_decode__pb2.LoadReport.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=decode__node_dot_v1_dot_decode__pb2.WatchLoadRequest.FromString,
                     response_serializer=decode__node_dot_v1_dot_decode__pb2.LoadReport.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
@@ -189,6 +207,33 @@ class Decode:
             target,
             '/decode_node.v1.Decode/GetLoad',
             decode__node_dot_v1_dot_decode__pb2.GetLoadRequest.SerializeToString,
+            decode__node_dot_v1_dot_decode__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/decode_node.v1.Decode/WatchLoad',
+            decode__node_dot_v1_dot_decode__pb2.WatchLoadRequest.SerializeToString,
             decode__node_dot_v1_dot_decode__pb2.LoadReport.FromString,
             options,
             channel_credentials,
