@@ -10,7 +10,7 @@ use tonic::{Request, Status};
 pub enum Role {
     /// `KvTransfer` (PushKv, DropKv): the prefill side.
     Push,
-    /// `Decode` (Generate, Cancel, GetLoad, GetModelInfo): the orchestrator.
+    /// `Decode` (Generate, Cancel, GetLoad, WatchLoad, GetModelInfo): the orchestrator.
     Generate,
     /// Everything, reflection included.
     Admin,
