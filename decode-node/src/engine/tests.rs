@@ -132,14 +132,8 @@ impl Drop for Rig {
 
 /// Every event of a stream: (token ids, the last event).
 fn drain(rx: &mut mpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Event) {
-    let mut ids = Vec::new();
-    while let Some(ev) = rx.blocking_recv() {
-        match ev {
-            Event::Token { id, .. } => ids.push(id),
-            last => return (ids, last),
-        }
-    }
-    panic!("the stream ended without a last event");
+    let (toks, last) = drain_tokens(rx);
+    (toks.into_iter().map(|t| t.0).collect(), last)
 }
 
 #[test]
