@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 out="${1:-.}"
-python -m grpc_tools.protoc -I../../proto --python_out="$out" --grpc_python_out="$out" ../../proto/decode_node/v1/*.proto
+# --pyi_out: type stubs of the messages, so editors and type checkers see their fields.
+python -m grpc_tools.protoc -I../../proto --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
+  ../../proto/decode_node/v1/*.proto
