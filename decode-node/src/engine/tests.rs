@@ -58,40 +58,36 @@ impl Rig {
 
     /// Submits a greedy job for `prompt`; returns its event stream.
     fn submit(&self, id: &str, prompt: &[u32], max_new: u32) -> mpsc::UnboundedReceiver<Event> {
-        self.submit_with(
-            id,
-            prompt,
-            max_new,
-            Sampling::default(),
-            OutputOptions::default(),
-        )
+        self.submit_with(id, prompt, max_new, |_| {})
     }
 
-    /// Submits a job with its sampling and output options; returns its event stream.
+    /// Submits a greedy job that ignores EOS, after `tune` set what the test needs (sampling,
+    /// output options, stop ids); returns its event stream.
     fn submit_with(
         &self,
         id: &str,
         prompt: &[u32],
         max_new: u32,
-        sampling: Sampling,
-        output: OutputOptions,
+        tune: impl FnOnce(&mut JobSpec),
     ) -> mpsc::UnboundedReceiver<Event> {
         let kv = prefill_kv(&self.model, prompt, id, self.layout.geom.dtype).unwrap();
         let committed = ingest_local(&self.layout, &self.pool, &kv).unwrap();
         let (tx, rx) = mpsc::unbounded_channel();
+        let mut spec = JobSpec {
+            request_id: id.into(),
+            sampling: Sampling::default(),
+            max_new_tokens: max_new,
+            stop_ids: Vec::new(),
+            ignore_eos: true,
+            output: OutputOptions::default(),
+            arrived: Instant::now(),
+            events: tx,
+            span: tracing::Span::none(),
+        };
+        tune(&mut spec);
         let job = Job {
             kv: Box::new(committed),
-            spec: JobSpec {
-                request_id: id.into(),
-                sampling,
-                max_new_tokens: max_new,
-                stop_ids: Vec::new(),
-                ignore_eos: true,
-                output,
-                arrived: Instant::now(),
-                events: tx,
-                span: tracing::Span::none(),
-            },
+            spec,
         };
         assert!(self.engine.send(Control::Submit(job)));
         rx
@@ -282,7 +278,7 @@ fn penalties_change_greedy_tokens_as_defined() {
         ..Sampling::default()
     };
     let n = 12;
-    let mut rx = rig.submit_with("p", &prompt, n, sampling, OutputOptions::default());
+    let mut rx = rig.submit_with("p", &prompt, n, |s| s.sampling = sampling);
     let (toks, last) = drain_tokens(&mut rx);
     assert_eq!(finish_reason(&last), FinishReason::Length);
     // The prefill's token (the pushed KV's next token) is the output's first: the penalties
@@ -332,7 +328,7 @@ fn stop_strings_min_tokens_and_top_logprobs() {
         top_logprobs: 3,
         ..OutputOptions::default()
     };
-    let mut rx = rig.submit_with("s", &prompt, 16, Sampling::default(), out);
+    let mut rx = rig.submit_with("s", &prompt, 16, |s| s.output = out);
     let (toks, last) = drain_tokens(&mut rx);
     assert_eq!(finish_reason(&last), FinishReason::Stop);
     let streamed: String = toks.iter().map(|t| t.1.as_str()).collect();
@@ -345,40 +341,14 @@ fn stop_strings_min_tokens_and_top_logprobs() {
     }
     // min_tokens: the greedy first token as a stop id cannot end it before 3 tokens.
     let first = greedy[0];
-    let mut rx = rig.submit_with(
-        "m",
-        &prompt,
-        8,
-        Sampling::default(),
-        OutputOptions {
-            min_tokens: 3,
-            ..OutputOptions::default()
-        },
-    );
+    let mut rx = rig.submit_with("m", &prompt, 8, |s| s.output.min_tokens = 3);
     let (plain, _) = drain_tokens(&mut rx);
     assert_eq!(plain[0].0, first);
     let job_stop = |min_tokens| {
-        let kv = prefill_kv(&rig.model, &prompt, "x", rig.layout.geom.dtype).unwrap();
-        let committed = ingest_local(&rig.layout, &rig.pool, &kv).unwrap();
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let spec = JobSpec {
-            request_id: format!("x{min_tokens}"),
-            sampling: Sampling::default(),
-            max_new_tokens: 8,
-            stop_ids: vec![first],
-            ignore_eos: true,
-            output: OutputOptions {
-                min_tokens,
-                ..OutputOptions::default()
-            },
-            arrived: Instant::now(),
-            events: tx,
-            span: tracing::Span::none(),
-        };
-        assert!(rig.engine.send(Control::Submit(Job {
-            kv: Box::new(committed),
-            spec
-        })));
+        let mut rx = rig.submit_with(&format!("x{min_tokens}"), &prompt, 8, |s| {
+            s.stop_ids = vec![first];
+            s.output.min_tokens = min_tokens;
+        });
         drain_tokens(&mut rx)
     };
     let (toks, last) = job_stop(0);
