@@ -95,7 +95,9 @@ impl Sampler {
         let p = self.params;
         let n = logits.len();
         debug_assert!(n > 0, "an empty vocabulary");
-        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]);
+        // Equal logits go lower id first, so the order (and with it the pick for a draw) is one
+        // thing, not whatever an unstable sort left.
+        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
         let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let weight = |i: usize| (((logits[i] - m) / p.temperature) as f64).exp();
         let keep = if p.top_k > 0 { p.top_k.min(n) } else { n };
@@ -197,10 +199,11 @@ mod tests {
         assert!(lp < 0.0 && lp > -1.0);
     }
 
-    /// The sampler as it was before partial selection: the whole vocabulary sorted.
+    /// The sampler as it was before partial selection: the whole vocabulary sorted (equal
+    /// logits lower id first).
     fn full_sort_pick(p: Sampling, logits: &[f32], r: f64) -> usize {
         let mut idx: Vec<usize> = (0..logits.len()).collect();
-        idx.sort_unstable_by(|a, b| logits[*b].total_cmp(&logits[*a]));
+        idx.sort_unstable_by(|a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b)));
         if p.top_k > 0 {
             idx.truncate(p.top_k);
         }
@@ -235,7 +238,11 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 300,
+            rng_seed: proptest::test_runner::RngSeed::Fixed(21),
+            ..proptest::prelude::ProptestConfig::default()
+        })]
         /// Partial selection picks what a full sort picks, for the same draw: flat and
         /// peaked vocabularies larger and smaller than the sorted head, every mix of
         /// top-k and top-p.
