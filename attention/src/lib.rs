@@ -4,6 +4,8 @@
 //! - [`KvDType`] and [`BlockGeometry`]: how a KV block is laid out (per head, K transposed
 //!   then V), shared with the host pool in `kv-transfer`.
 //! - [`Digest`]: Quest's channel-wise min/max of post-RoPE K per block and head, and its score.
+//! - [`BlockScorer`]: how blocks are ranked: by the digests' bound, or by an approximate
+//!   attention over each query head's largest key channels (`sparq`), read from the host KV.
 //! - [`select_top_k`]: the budgeted block selection (sink and a local window always in); a
 //!   GQA group scores a block by the sum or the max of its heads' bounds ([`GroupScore`]).
 //! - [`attend_blocks`]: the CPU kernel (one KV head, its whole GQA group, online softmax in
@@ -53,6 +55,7 @@ mod policy;
 mod residency;
 mod select;
 mod sequence;
+mod sparq;
 
 pub use block::{BlockGeometry, HeadBlock, Rows, WireTokens};
 pub use digest::{Digest, GroupQuery, GroupScore, HeadDigests};
@@ -60,8 +63,9 @@ pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
 pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on};
 pub use merge::Partial;
 pub use peak::fma_peak;
-pub use policy::{AttentionConfig, Mode, PredictionGuard, RecallPolicy};
+pub use policy::{AttentionConfig, BlockScorer, Mode, PredictionGuard, RecallPolicy};
 pub use select::{select_spans, select_top_k};
 pub use sequence::{
-    HeadPlan, HeadQuery, KvSource, SeqAttention, SeqStats, attend_head, cosine, recall_intervals,
+    BlockKeys, HeadPlan, HeadQuery, KvSource, SeqAttention, SeqStats, attend_head, cosine,
+    recall_intervals,
 };

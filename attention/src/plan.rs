@@ -2,9 +2,6 @@
 //! and the CPU this step. Each is a function of the head's digests or residency alone, so it
 //! is tested on its own; [`crate::SeqAttention::plan_layer`] picks one by mode.
 
-use rayon::prelude::*;
-
-use crate::digest::{GroupQuery, HeadDigests};
 use crate::policy::AttentionConfig;
 use crate::residency::Residency;
 use crate::sequence::HeadPlan;
@@ -21,16 +18,13 @@ pub(crate) fn full(n: usize) -> HeadPlan {
 }
 
 /// `hgca`: the sink and a recent window dense on the device (the local window where one is
-/// configured, else half the budget); the top-k of the rest by digest score, with what is left
-/// of the budget, on the CPU (all of the rest in a dense layer).
+/// configured, else half the budget); the top-k of the rest by `scores` (one per block), with
+/// what is left of the budget, on the CPU. Without scores (a dense layer) all of the rest.
 pub(crate) fn hgca(
     cfg: &AttentionConfig,
-    digests: &HeadDigests,
-    q_group: &[f32],
-    head_dim: usize,
+    scores: Option<&[f32]>,
     block_size: usize,
     n: usize,
-    dense: bool,
 ) -> HeadPlan {
     let budget = cfg.budget_blocks(block_size);
     let window = if cfg.local_window_tokens > 0 {
@@ -42,18 +36,14 @@ pub(crate) fn hgca(
     let start = n.saturating_sub(window).max(1).min(n);
     let mut device: Vec<usize> = (0..n.min(1)).chain(start..n).collect();
     device.dedup();
-    let gq = GroupQuery::with(q_group, head_dim, cfg.group_score);
-    let score = |b: usize| (b, digests.score(&gq, b));
-    let mut rest: Vec<(usize, f32)> = if start >= PARALLEL_SELECT_BLOCKS {
-        (1..start).into_par_iter().map(score).collect()
-    } else {
-        (1..start).map(score).collect()
+    let Some(scores) = scores else {
+        return HeadPlan {
+            device,
+            cpu: (1..start).collect(),
+        };
     };
-    let k = if dense {
-        rest.len()
-    } else {
-        budget.saturating_sub(device.len())
-    };
+    let mut rest: Vec<(usize, f32)> = (1..start).map(|b| (b, scores[b])).collect();
+    let k = budget.saturating_sub(device.len());
     let mut cpu = crate::select::best_blocks(&mut rest, k, cfg.select_spans.then_some(start));
     cpu.sort_unstable();
     HeadPlan { device, cpu }
@@ -90,6 +80,7 @@ pub(crate) fn by_residency(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::digest::{GroupQuery, HeadDigests};
     use crate::policy::AttentionConfig;
 
     #[test]
@@ -126,11 +117,15 @@ mod tests {
             let k = if b == 4 { [9.0; 4] } else { [0.1; 4] };
             digests.update(b, &k);
         }
-        let p = hgca(&cfg, &digests, &[1.0; 4], d, 16, n, false);
+        let scores = |digests: &HeadDigests| -> Vec<f32> {
+            let gq = GroupQuery::new(&[1.0; 4], d);
+            (0..n).map(|b| digests.score(&gq, b)).collect()
+        };
+        let p = hgca(&cfg, Some(&scores(&digests)), 16, n);
         // Budget 4 blocks: window 2 (8, 9) plus the sink on the device, 1 more on the CPU.
         assert_eq!(p.device, vec![0, 8, 9]);
         assert_eq!(p.cpu, vec![4]);
-        let dense = hgca(&cfg, &digests, &[1.0; 4], d, 16, n, true);
+        let dense = hgca(&cfg, None, 16, n);
         assert_eq!(dense.cpu, (1..8).collect::<Vec<_>>());
         // A local window of one block leaves two blocks of the budget to the top-k.
         let narrow = AttentionConfig {
@@ -141,7 +136,7 @@ mod tests {
             let k = if b == 6 { [5.0; 4] } else { [0.0; 4] };
             digests.update(b, &k);
         }
-        let p = hgca(&narrow, &digests, &[1.0; 4], d, 16, n, false);
+        let p = hgca(&narrow, Some(&scores(&digests)), 16, n);
         assert_eq!(p.device, vec![0, 9]);
         assert_eq!(p.cpu, vec![4, 6]);
         // A window past the budget is cut to what the budget holds besides the sink.
@@ -149,7 +144,7 @@ mod tests {
             local_window_tokens: 1000,
             ..cfg
         };
-        let p = hgca(&wide, &digests, &[1.0; 4], d, 16, n, false);
+        let p = hgca(&wide, Some(&scores(&digests)), 16, n);
         assert_eq!(p.device, vec![0, 7, 8, 9]);
         assert!(p.cpu.is_empty());
     }

@@ -85,6 +85,38 @@ pub struct AttentionConfig {
     /// blocks, CPU part over the rest): their attention is broad, not sparse, so a top-k
     /// there costs most of the accuracy (Quest leaves its first two layers dense too).
     pub dense_layers: usize,
+    /// How blocks are ranked for selection.
+    pub scorer: BlockScorer,
+}
+
+/// How sparse modes rank a (layer, KV head)'s blocks for selection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockScorer {
+    /// Quest's upper bound from the block digests (channel min/max): reads digests only.
+    Quest,
+    /// Each block's share of an approximate attention whose scores use every key but only
+    /// each query head's `channels` largest channels (SparQ): reads that share of the keys.
+    Sparq {
+        /// Channels kept per query head (clamped to the head dimension).
+        channels: usize,
+        /// Blocks scored, as a multiple of the budget: the best by the digests' bound (0:
+        /// every block). Bounds the keys read per step by the budget, not the context.
+        candidates: usize,
+    },
+}
+
+impl BlockScorer {
+    /// Parses `quest` or `sparq` (with `channels` and `candidates` for the latter).
+    pub fn parse(s: &str, channels: usize, candidates: usize) -> Option<Self> {
+        match s {
+            "quest" => Some(Self::Quest),
+            "sparq" => Some(Self::Sparq {
+                channels,
+                candidates,
+            }),
+            _ => None,
+        }
+    }
 }
 
 /// The accuracy guard of layer-ahead pre-computation.
@@ -147,6 +179,7 @@ impl AttentionConfig {
             local_window_tokens: 0,
             select_spans: false,
             dense_layers: 0,
+            scorer: BlockScorer::Quest,
             device_blocks_per_head: budget_tokens.div_ceil(block_size),
         }
     }

@@ -11,9 +11,10 @@ use crate::digest::{GroupQuery, HeadDigests};
 use crate::kernel::{Scratch, attend_blocks};
 use crate::merge::Partial;
 use crate::plan::{self, PARALLEL_SELECT_BLOCKS};
-use crate::policy::{AttentionConfig, Mode, RecallPolicy};
+use crate::policy::{AttentionConfig, BlockScorer, Mode, RecallPolicy};
 use crate::residency::Residency;
 use crate::select::select_spans;
+use crate::sparq;
 use rayon::prelude::*;
 
 /// Read access to one sequence's KV blocks (the host pool implements it).
@@ -22,6 +23,25 @@ pub trait KvSource: Sync {
     fn block(&self, layer: usize, block: usize) -> &[u8];
     /// Tokens stored.
     fn num_tokens(&self) -> usize;
+}
+
+/// What block scoring may read besides the digests: the sequence's KV (for
+/// [`BlockScorer::Sparq`]) and the model's softmax scale.
+#[derive(Clone, Copy)]
+pub struct BlockKeys<'a> {
+    /// The sequence's KV blocks.
+    pub src: &'a dyn KvSource,
+    /// Softmax scale of `q·k`.
+    pub scale: f32,
+}
+
+impl std::fmt::Debug for BlockKeys<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockKeys")
+            .field("tokens", &self.src.num_tokens())
+            .field("scale", &self.scale)
+            .finish()
+    }
 }
 
 /// Which blocks of one (layer, KV head) each side attends.
@@ -193,29 +213,80 @@ impl SeqAttention {
         self.geom.blocks_for(self.num_tokens)
     }
 
-    /// Digest-scored top-k selection for one head (no residency change).
+    /// Selection scores of every block of (`layer`, `head`) for the group query `q_group`
+    /// (`[G][head_dim]`), by `cfg.scorer`; the newest block (always selected) scores 0.
+    pub fn block_scores(
+        &self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        head: usize,
+        q_group: &[f32],
+        keys: BlockKeys<'_>,
+    ) -> Vec<f32> {
+        let n = self.num_blocks();
+        let older = n.saturating_sub(1);
+        let st = &self.heads[layer * self.geom.num_kv_heads + head];
+        let quest = |blocks: std::ops::Range<usize>| -> Vec<f32> {
+            let gq = GroupQuery::with(q_group, self.geom.head_dim, cfg.group_score);
+            let score = |b: usize| st.digests.score(&gq, b);
+            if blocks.len() >= PARALLEL_SELECT_BLOCKS {
+                blocks.into_par_iter().map(score).collect()
+            } else {
+                blocks.map(score).collect()
+            }
+        };
+        let mut scores = match cfg.scorer {
+            BlockScorer::Quest => quest(0..older),
+            BlockScorer::Sparq {
+                channels,
+                candidates,
+            } => {
+                let pool = candidates.saturating_mul(cfg.budget_blocks(self.geom.block_size));
+                let (mut scores, blocks) = if candidates == 0 || older <= pool {
+                    (vec![0f32; older], (0..older).collect::<Vec<_>>())
+                } else {
+                    // The rest rank below every candidate.
+                    let bound = quest(0..older);
+                    let mut c: Vec<(usize, f32)> = bound.into_iter().enumerate().collect();
+                    let mut blocks = crate::select::best_blocks(&mut c, pool, None);
+                    blocks.sort_unstable();
+                    (vec![f32::NEG_INFINITY; older], blocks)
+                };
+                let approx = sparq::block_scores(
+                    &self.geom,
+                    keys.src,
+                    layer,
+                    head,
+                    q_group,
+                    channels,
+                    keys.scale,
+                    cfg.group_score,
+                    &blocks,
+                );
+                for (b, a) in blocks.into_iter().zip(approx) {
+                    scores[b] = a;
+                }
+                scores
+            }
+        };
+        scores.resize(n, 0.0);
+        scores
+    }
+
+    /// Top-k selection for one head (no residency change).
     pub fn select(
         &self,
         cfg: &AttentionConfig,
         layer: usize,
         head: usize,
         q_group: &[f32],
+        keys: BlockKeys<'_>,
     ) -> Vec<usize> {
-        let st = &self.heads[layer * self.geom.num_kv_heads + head];
         let n = self.num_blocks();
         if layer < cfg.dense_layers {
             return (0..n).collect();
         }
-        let gq = GroupQuery::with(q_group, self.geom.head_dim, cfg.group_score);
-        let scores: Vec<f32> = (0..n)
-            .map(|b| {
-                if b + 1 == n {
-                    0.0
-                } else {
-                    st.digests.score(&gq, b)
-                }
-            })
-            .collect();
+        let scores = self.block_scores(cfg, layer, head, q_group, keys);
         let bs = self.geom.block_size;
         select_spans(
             &scores,
@@ -227,50 +298,51 @@ impl SeqAttention {
 
     /// Plans `layer`: for each KV head, the blocks the device and the CPU attend, given
     /// the query (`[num_kv_heads][G][head_dim]`) used for selection.
-    pub fn plan_layer(&mut self, cfg: &AttentionConfig, layer: usize, q: &[f32]) -> Vec<HeadPlan> {
+    pub fn plan_layer(
+        &mut self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        q: &[f32],
+        keys: BlockKeys<'_>,
+    ) -> Vec<HeadPlan> {
         let hk = self.geom.num_kv_heads;
         let per_head = q.len() / hk;
         let n = self.num_blocks();
         let bs = self.geom.block_size;
         let cap = cfg.resident_blocks_per_head();
         let step = self.step;
-        // Selections first, heads in parallel when the context is long enough to pay for it:
-        // scoring every block of every head is the step thread's largest job in sparse modes.
-        let sels: Vec<Vec<usize>> = match cfg.mode {
-            Mode::Recall | Mode::Scout => {
-                let this = &*self;
-                let one =
-                    |h: usize| this.select(cfg, layer, h, &q[h * per_head..(h + 1) * per_head]);
-                if n >= PARALLEL_SELECT_BLOCKS {
-                    (0..hk).into_par_iter().map(one).collect()
-                } else {
-                    (0..hk).map(one).collect()
-                }
-            }
-            _ => Vec::new(),
+        let dense = layer < cfg.dense_layers;
+        let q_of = |h: usize| &q[h * per_head..(h + 1) * per_head];
+        // Scores and selections first, heads in parallel when the context is long enough to
+        // pay for it: scoring every block of every head is the step thread's largest job in
+        // sparse modes.
+        let this = &*self;
+        let par = n >= PARALLEL_SELECT_BLOCKS;
+        let (scores, sels): (Vec<Vec<f32>>, Vec<Vec<usize>>) = match cfg.mode {
+            Mode::Hgca if !dense => (
+                each_head(par, hk, |h| this.block_scores(cfg, layer, h, q_of(h), keys)),
+                Vec::new(),
+            ),
+            Mode::Recall | Mode::Scout => (
+                Vec::new(),
+                each_head(par, hk, |h| this.select(cfg, layer, h, q_of(h), keys)),
+            ),
+            _ => (Vec::new(), Vec::new()),
         };
         let first = !self.layers[layer].initialised;
         self.layers[layer].initialised = true;
-        let dense = layer < cfg.dense_layers;
         let mut plans = Vec::with_capacity(hk);
         for h in 0..hk {
             let st = &mut self.heads[layer * hk + h];
             let plan = match cfg.mode {
                 Mode::Full => plan::full(n),
-                Mode::Hgca => plan::hgca(
-                    cfg,
-                    &st.digests,
-                    &q[h * per_head..(h + 1) * per_head],
-                    self.geom.head_dim,
-                    bs,
-                    n,
-                    dense,
-                ),
+                Mode::Hgca => plan::hgca(cfg, scores.get(h).map(Vec::as_slice), bs, n),
                 Mode::Recall | Mode::Scout => {
                     // The first plan fills the device with the prompt's top-k (sink and recent
                     // block included); recall mode fetches whatever is missing, every step.
                     let fill = first || cfg.mode == Mode::Recall;
-                    let (p, fetched) = plan::by_residency(&mut st.res, &sels[h], step, cap, fill);
+                    let sel = sels.get(h).map(Vec::as_slice).unwrap_or_default();
+                    let (p, fetched) = plan::by_residency(&mut st.res, sel, step, cap, fill);
                     if !first {
                         self.stats.recall_blocks += fetched;
                         self.stats.recall_bytes += fetched * self.geom.head_bytes() as u64;
@@ -370,6 +442,15 @@ impl SeqAttention {
     /// Each layer's CPU share at every step so far (recorded with `AttentionConfig::profile`).
     pub fn layer_history(&self) -> Vec<Vec<f32>> {
         self.layers.iter().map(|l| l.history.clone()).collect()
+    }
+}
+
+/// `f` of every head `0..hk`, in parallel when `par`.
+fn each_head<T: Send>(par: bool, hk: usize, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
+    if par {
+        (0..hk).into_par_iter().map(f).collect()
+    } else {
+        (0..hk).map(f).collect()
     }
 }
 
@@ -478,8 +559,15 @@ mod tests {
         (Mem { geom, blocks, n }, digests, keys)
     }
 
+    fn keys(mem: &Mem) -> BlockKeys<'_> {
+        BlockKeys {
+            src: mem,
+            scale: 0.125,
+        }
+    }
+
     fn run(cfg: &AttentionConfig, mem: &Mem, seq: &mut SeqAttention, q: &[f32]) -> Vec<Partial> {
-        let plans = seq.plan_layer(cfg, 0, q);
+        let plans = seq.plan_layer(cfg, 0, q, keys(mem));
         let hk = mem.geom.num_kv_heads;
         let per = q.len() / hk;
         let mut s = Scratch::default();
@@ -546,10 +634,17 @@ mod tests {
         let mut cfg = AttentionConfig::scout(16);
         cfg.budget_tokens = 64;
         let seq = SeqAttention::new(geom, 1, 512, digests);
-        let sel = seq.select(&cfg, 0, 0, &q);
-        assert!(sel.contains(&17), "{sel:?}");
-        assert!(sel.contains(&0) && sel.contains(&31));
-        assert_eq!(sel.len(), 4);
+        let sparq = |candidates| BlockScorer::Sparq {
+            channels: 4,
+            candidates,
+        };
+        for scorer in [BlockScorer::Quest, sparq(0), sparq(2)] {
+            cfg.scorer = scorer;
+            let sel = seq.select(&cfg, 0, 0, &q, keys(&mem));
+            assert!(sel.contains(&17), "{scorer:?}: {sel:?}");
+            assert!(sel.contains(&0) && sel.contains(&31));
+            assert_eq!(sel.len(), 4);
+        }
     }
 
     #[test]
@@ -576,7 +671,7 @@ mod tests {
 
     #[test]
     fn hgca_covers_window_on_device_and_rest_on_cpu() {
-        let (_mem, digests, _) = setup(320, 1, 8, 4);
+        let (mem, digests, _) = setup(320, 1, 8, 4);
         let mut cfg = AttentionConfig {
             mode: Mode::Hgca,
             ..AttentionConfig::scout(16)
@@ -589,7 +684,7 @@ mod tests {
             dtype: KvDType::F32,
         };
         let mut seq = SeqAttention::new(geom, 1, 320, digests);
-        let p = &seq.plan_layer(&cfg, 0, &values(3, 8, 1.0))[0];
+        let p = &seq.plan_layer(&cfg, 0, &values(3, 8, 1.0), keys(&mem))[0];
         assert_eq!(p.device, vec![0, 16, 17, 18, 19]);
         assert_eq!(p.cpu.len(), 3);
         assert!(p.cpu.iter().all(|b| (1..16).contains(b)));

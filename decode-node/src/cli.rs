@@ -147,6 +147,21 @@ pub struct ModelArgs {
     /// top-k there loses most). The blocks beyond the device's go to the CPU part.
     #[arg(long, env = "DECODE_NODE_DENSE_LAYERS", default_value_t = 0)]
     pub dense_layers: u32,
+    /// How sparse modes rank blocks: `sparq` scores every key on each query head's largest
+    /// channels (`--scorer-channels`) and ranks blocks by their share of that attention,
+    /// reading that share of the keys from host memory; `quest` ranks by the digests' upper
+    /// bound, reading no KV. Sparq kept far more of full's answers on SmolLM2.
+    #[arg(long, env = "DECODE_NODE_BLOCK_SCORER", default_value = "quest", value_parser = ["quest", "sparq"])]
+    pub block_scorer: String,
+    /// Key channels per query head that `--block-scorer sparq` reads (0: a quarter of the
+    /// head dimension).
+    #[arg(long, env = "DECODE_NODE_SCORER_CHANNELS", default_value_t = 0)]
+    pub scorer_channels: u32,
+    /// Blocks `--block-scorer sparq` scores, as a multiple of the budget: the best by the
+    /// digests' bound (0: every block). Keeps the keys read per step bounded by the budget
+    /// rather than the context.
+    #[arg(long, env = "DECODE_NODE_SCORER_CANDIDATES", default_value_t = 4)]
+    pub scorer_candidates: u32,
     /// Turn the accuracy guard off (the paper's behaviour: every prediction is used).
     #[arg(long, env = "DECODE_NODE_NO_GUARD")]
     pub no_guard: bool,

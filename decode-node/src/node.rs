@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use attention::{
-    AttentionConfig, BlockGeometry, GroupScore, KvDType, Mode, PredictionGuard, RecallPolicy,
+    AttentionConfig, BlockGeometry, BlockScorer, GroupScore, KvDType, Mode, PredictionGuard,
+    RecallPolicy,
 };
 use decode_node_proto::v1 as pb;
 use kv_transfer::KvLayout;
@@ -164,6 +165,15 @@ impl Node {
             local_window_tokens: args.local_window as usize,
             select_spans: args.select_spans,
             dense_layers: args.dense_layers as usize,
+            scorer: BlockScorer::parse(
+                &args.block_scorer,
+                match args.scorer_channels {
+                    0 => (geom.head_dim / 4).max(1),
+                    n => n as usize,
+                },
+                args.scorer_candidates as usize,
+            )
+            .with_context(|| format!("--block-scorer {:?}", args.block_scorer))?,
             device_blocks_per_head: match args.device_blocks {
                 0 => budget_tokens.div_ceil(block_size),
                 n => n as usize,

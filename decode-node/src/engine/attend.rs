@@ -8,7 +8,8 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use attention::{
-    AttentionConfig, HeadPlan, HeadQuery, Mode, Partial, Scratch, SeqAttention, attend_head, cosine,
+    AttentionConfig, BlockKeys, HeadPlan, HeadQuery, Mode, Partial, Scratch, SeqAttention,
+    attend_head, cosine,
 };
 use kv_transfer::CommittedKv;
 use rayon::prelude::*;
@@ -233,6 +234,15 @@ impl<'a> BatchAttention<'a> {
         Ok(parts)
     }
 
+    /// What selection may read of sequence `b` besides its digests.
+    fn block_keys(&self, b: usize) -> BlockKeys<'a> {
+        let kv: &'a Arc<CommittedKv> = self.slots[b].kv;
+        BlockKeys {
+            src: &**kv,
+            scale: self.shape.scale,
+        }
+    }
+
     /// Drops a CPU part started ahead whose result will not be used; waits for its task, which
     /// holds the sequence's KV until it ends.
     fn discard(&mut self, b: usize, job: CpuJob) -> Result<(), ModelError> {
@@ -273,7 +283,8 @@ impl<'a> BatchAttention<'a> {
             }
             self.discard(b, a.job)?;
         }
-        let plans = self.slots[b].seq.plan_layer(self.cfg, layer, qb);
+        let keys = self.block_keys(b);
+        let plans = self.slots[b].seq.plan_layer(self.cfg, layer, qb, keys);
         let has_cpu = plans.iter().any(|p| !p.cpu.is_empty());
         let job = has_cpu.then(|| self.spawn_cpu(b, layer, &plans, qb));
         Ok((plans, job, false))
@@ -282,6 +293,7 @@ impl<'a> BatchAttention<'a> {
     /// Measures the prediction's hit ratio against a selection with the real query: sampled,
     /// as that costs as much as the selection itself.
     fn sample_prediction(&mut self, b: usize, layer: usize, qb: &[f32], a: &Ahead) {
+        let keys = self.block_keys(b);
         let seq = &mut *self.slots[b].seq;
         if !seq.step().is_multiple_of(PREDICTION_SAMPLE_STEPS) {
             return;
@@ -289,7 +301,7 @@ impl<'a> BatchAttention<'a> {
         let per = qb.len() / self.shape.num_kv_heads;
         for h in 0..self.shape.num_kv_heads {
             let qh = &qb[h * per..(h + 1) * per];
-            let real = seq.select(self.cfg, layer, h, qh);
+            let real = seq.select(self.cfg, layer, h, qh, keys);
             let predicted = a.plans[h].selected();
             seq.record_prediction(&predicted, &real, &a.q_pred[h * per..(h + 1) * per], qh);
         }
@@ -308,7 +320,8 @@ impl DecodeAttention for BatchAttention<'_> {
         let width = self.shape.num_heads * self.shape.head_dim;
         for b in 0..self.slots.len() {
             let q = &q_pred[b * width..(b + 1) * width];
-            let plans = self.slots[b].seq.plan_layer(self.cfg, layer, q);
+            let keys = self.block_keys(b);
+            let plans = self.slots[b].seq.plan_layer(self.cfg, layer, q, keys);
             let job = self.spawn_cpu(b, layer, &plans, q);
             self.ahead[b].push(Ahead {
                 layer,
