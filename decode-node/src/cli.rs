@@ -147,10 +147,10 @@ pub struct ModelArgs {
     /// top-k there loses most). The blocks beyond the device's go to the CPU part.
     #[arg(long, env = "DECODE_NODE_DENSE_LAYERS", default_value_t = 0)]
     pub dense_layers: u32,
-    /// How sparse modes rank blocks: `sparq` scores every key on each query head's largest
-    /// channels (`--scorer-channels`) and ranks blocks by their share of that attention,
-    /// reading that share of the keys from host memory; `quest` ranks by the digests' upper
-    /// bound, reading no KV. Sparq kept far more of full's answers on SmolLM2.
+    /// How sparse modes rank blocks: `quest` by the digests' upper bound on q·k (reads no
+    /// KV); `sparq` re-ranks the bound's best blocks (`--scorer-candidates` times the budget)
+    /// by their share of an approximate attention over every key of those blocks, computed on
+    /// each query head's largest channels (`--scorer-channels`) read from host KV.
     #[arg(long, env = "DECODE_NODE_BLOCK_SCORER", default_value = "quest", value_parser = ["quest", "sparq"])]
     pub block_scorer: String,
     /// Key channels per query head that `--block-scorer sparq` reads (0: a quarter of the

@@ -5,6 +5,9 @@
     for tok in generate("127.0.0.1:50051", "req-1", max_new_tokens=32):
         print(tok.text, end="", flush=True)
 
+Every call takes a target address or a channel; `channel(target, ca_cert=...)` makes a TLS one
+(mutual TLS with `client_cert`/`client_key`), and `token=` sends a bearer token.
+
 `past_key_values` may be HF transformers' cache (a `DynamicCache`, or per-layer `(k, v)` with
 shape [1, kv_heads, tokens, head_dim]) or vLLM-style per-layer `(k, v)` of shape
 [tokens, kv_heads, head_dim]; numpy arrays or torch tensors. Every chunk carries a CRC-32C of
@@ -20,7 +23,8 @@ import numpy as np
 
 from decode_node.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 
-__all__ = ["push_kv", "generate", "generate_all", "model_info", "watch_load", "to_layers", "DecodeNodeError"]
+__all__ = ["push_kv", "generate", "generate_all", "model_info", "get_load", "watch_load", "cancel", "drop_kv",
+           "channel", "to_layers", "DecodeNodeError"]
 
 _MAX_MESSAGE = 64 << 20
 
@@ -33,11 +37,41 @@ class DecodeNodeError(RuntimeError):
         self.code = code
 
 
+_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
+
+
+def _read(path: Optional[str]) -> Optional[bytes]:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def channel(target: str, *, ca_cert: Optional[str] = None, client_cert: Optional[str] = None,
+            client_key: Optional[str] = None, domain: Optional[str] = None) -> grpc.Channel:
+    """A channel to a node, for every call of this module (any `target` argument takes one).
+
+    With `ca_cert` (a PEM file) the channel uses TLS, verifying the node against that CA; add
+    `client_cert` and `client_key` for a node that requires client certificates (mutual TLS),
+    and `domain` where the certificate's name differs from the host in `target`. Without
+    `ca_cert`, plain text, as `decode-node serve` runs without `--tls-cert`.
+    """
+    if (client_cert is None) != (client_key is None):
+        raise ValueError("client_cert and client_key go together")
+    if ca_cert is None:
+        if client_cert is not None or domain is not None:
+            raise ValueError("client certificates and domain need ca_cert (TLS)")
+        return grpc.insecure_channel(target, options=_OPTIONS)
+    creds = grpc.ssl_channel_credentials(root_certificates=_read(ca_cert), private_key=_read(client_key),
+                                         certificate_chain=_read(client_cert))
+    options = _OPTIONS + ([("grpc.ssl_target_name_override", domain)] if domain else [])
+    return grpc.secure_channel(target, creds, options=options)
+
+
 def _channel(target) -> grpc.Channel:
     if isinstance(target, grpc.Channel):
         return target
-    return grpc.insecure_channel(target, options=[("grpc.max_send_message_length", _MAX_MESSAGE),
-                                                  ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+    return channel(target)
 
 
 def _metadata(token: Optional[str]):
@@ -49,6 +83,35 @@ def model_info(target, token: Optional[str] = None) -> decode_pb2.ModelInfo:
     try:
         return decode_pb2_grpc.DecodeStub(_channel(target)).GetModelInfo(
             decode_pb2.GetModelInfoRequest(), metadata=_metadata(token))
+    except grpc.RpcError as e:
+        raise DecodeNodeError(e.code(), e.details()) from None
+
+
+def get_load(target, token: Optional[str] = None) -> decode_pb2.LoadReport:
+    """The node's load now (running and waiting requests, free memory)."""
+    try:
+        return decode_pb2_grpc.DecodeStub(_channel(target)).GetLoad(
+            decode_pb2.GetLoadRequest(), metadata=_metadata(token))
+    except grpc.RpcError as e:
+        raise DecodeNodeError(e.code(), e.details()) from None
+
+
+def cancel(target, request_id: str, lease: str = "", token: Optional[str] = None) -> bool:
+    """Ends a waiting or running request (its stream ends CANCELLED) and frees its KV; True
+    when the node knew the request."""
+    try:
+        return decode_pb2_grpc.DecodeStub(_channel(target)).Cancel(
+            decode_pb2.CancelRequest(request_id=request_id, lease=lease), metadata=_metadata(token)).cancelled
+    except grpc.RpcError as e:
+        raise DecodeNodeError(e.code(), e.details()) from None
+
+
+def drop_kv(target, request_id: str, lease: str = "", token: Optional[str] = None) -> kv_transfer_pb2.DropKvResponse:
+    """Releases a pushed request's KV that will not be generated from (`dropped`, `bytes_freed`);
+    NOT_FOUND where the node holds none for it."""
+    try:
+        return kv_transfer_pb2_grpc.KvTransferStub(_channel(target)).DropKv(
+            kv_transfer_pb2.DropKvRequest(request_id=request_id, lease=lease), metadata=_metadata(token))
     except grpc.RpcError as e:
         raise DecodeNodeError(e.code(), e.details()) from None
 

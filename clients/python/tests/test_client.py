@@ -16,7 +16,8 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from decode_node.v1 import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
-from decode_node_client import DecodeNodeError, generate, generate_all, push_kv, watch_load  # noqa: E402
+from decode_node_client import (DecodeNodeError, cancel, channel, drop_kv, generate, generate_all,  # noqa: E402
+                                get_load, model_info, push_kv, watch_load)
 
 BIN = os.environ.get("DECODE_NODE_BIN", os.path.join(ROOT, "target", "debug", "decode-node"))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "qwen3")
@@ -151,3 +152,67 @@ def test_a_node_requiring_leases_serves_only_the_pushs_holder(leased_node):
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
     tokens, _ = generate_all(leased_node, "py-lease", max_new_tokens=3, ignore_eos=True, lease=ack.lease)
     assert [t.id for t in tokens] == greedy[1:4]
+
+
+def test_drop_kv_cancel_and_get_load(node):
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    push_kv(node, "py-drop", layers, prompt, greedy[0])
+    assert get_load(node).host_kv_bytes_used > 0
+    dropped = drop_kv(node, "py-drop")
+    assert dropped.dropped and dropped.bytes_freed > 0
+    with pytest.raises(DecodeNodeError) as e:
+        drop_kv(node, "py-drop")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert get_load(node).host_kv_bytes_used == 0
+    assert not cancel(node, "never-pushed")
+    push_kv(node, "py-cancel", layers, prompt, greedy[0])
+    assert cancel(node, "py-cancel")
+    with pytest.raises(DecodeNodeError) as e:
+        generate_all(node, "py-cancel", max_new_tokens=2, kv_timeout_ms=50)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def openssl(*args):
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def test_channel_speaks_mutual_tls_with_a_token(tmp_path):
+    """A node with TLS, client certificates and bearer tokens, reached through `channel()`."""
+    p = lambda name: str(tmp_path / name)  # noqa: E731
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+            "-subj", "/CN=test-ca", "-keyout", p("ca.key"), "-out", p("ca.pem"))
+    for name, cn in (("srv", "localhost"), ("cli", "client")):
+        openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={cn}",
+                "-keyout", p(f"{name}.key"), "-out", p(f"{name}.csr"))
+        (tmp_path / f"{name}.ext").write_text(
+            f"basicConstraints=CA:FALSE\nsubjectAltName=DNS:{cn}\n")
+        openssl("x509", "-req", "-in", p(f"{name}.csr"), "-CA", p("ca.pem"), "-CAkey", p("ca.key"),
+                "-CAcreateserial", "-days", "2", "-extfile", p(f"{name}.ext"), "-out", p(f"{name}.pem"))
+    (tmp_path / "tokens").write_text("s3cret\n")
+    gen = serve("--tls-cert", p("srv.pem"), "--tls-key", p("srv.key"), "--tls-client-ca", p("ca.pem"),
+                "--auth-token-file", p("tokens"))
+    addr = next(gen)
+    try:
+        ch = channel(addr, ca_cert=p("ca.pem"), client_cert=p("cli.pem"), client_key=p("cli.key"),
+                     domain="localhost")
+        assert model_info(ch, token="s3cret").num_layers > 0
+        with pytest.raises(DecodeNodeError) as e:
+            get_load(ch)
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        g, layers = golden()
+        prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+        push_kv(ch, "py-tls", layers, prompt, greedy[0], token="s3cret")
+        tokens, _ = generate_all(ch, "py-tls", max_new_tokens=3, ignore_eos=True, token="s3cret")
+        assert [t.id for t in tokens] == greedy[1:4]
+        # Without a client certificate the handshake fails.
+        bare = channel(addr, ca_cert=p("ca.pem"), domain="localhost")
+        with pytest.raises(DecodeNodeError) as e:
+            model_info(bare, token="s3cret")
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(ValueError):
+            channel(addr, client_cert=p("cli.pem"), client_key=p("cli.key"))
+        with pytest.raises(ValueError):
+            channel(addr, ca_cert=p("ca.pem"), client_cert=p("cli.pem"))
+    finally:
+        next(gen, None)  # stops the node
