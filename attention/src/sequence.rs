@@ -317,7 +317,9 @@ impl SeqAttention {
         // pay for it: scoring every block of every head is the step thread's largest job in
         // sparse modes.
         let this = &*self;
-        let par = n >= PARALLEL_SELECT_BLOCKS;
+        // Sparq reads keys: a few dozen blocks per head already pay for a thread each.
+        let par = n >= PARALLEL_SELECT_BLOCKS
+            || (matches!(cfg.scorer, BlockScorer::Sparq { .. }) && n >= PARALLEL_SPARQ_BLOCKS);
         let (scores, sels): (Vec<Vec<f32>>, Vec<Vec<usize>>) = match cfg.mode {
             Mode::Hgca if !dense => (
                 each_head(par, hk, |h| this.block_scores(cfg, layer, h, q_of(h), keys)),
@@ -444,6 +446,9 @@ impl SeqAttention {
         self.layers.iter().map(|l| l.history.clone()).collect()
     }
 }
+
+/// Blocks from which sparq scoring runs heads in parallel.
+const PARALLEL_SPARQ_BLOCKS: usize = 32;
 
 /// `f` of every head `0..hk`, in parallel when `par`.
 fn each_head<T: Send>(par: bool, hk: usize, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {

@@ -155,7 +155,7 @@ impl ChannelQuery {
 }
 
 /// Blocks ahead whose rows are prefetched while one is scored.
-const PREFETCH_BLOCKS: usize = 2;
+const PREFETCH_BLOCKS: usize = 4;
 
 /// Asks for the cache lines of rows `rows` (`row_bytes` each) of a transposed K block.
 fn prefetch_rows(kt: &[u8], rows: &[usize], row_bytes: usize) {
@@ -276,6 +276,12 @@ pub(crate) fn block_scores(
         let kt = &src.block(layer, b)[range.clone()][..k_bytes];
         cq.block_lse(geom, kt, len, buf, out);
     };
+    // The first blocks' rows, which no earlier block prefetches.
+    for &b in blocks.iter().take(PREFETCH_BLOCKS) {
+        if b * bs < n {
+            prefetch_rows(&src.block(layer, b)[range.clone()], &cq.rows, row_bytes);
+        }
+    }
     let mut lse = vec![0f32; blocks.len() * g];
     if blocks.len() >= PARALLEL_SELECT_BLOCKS {
         lse.par_chunks_mut(g)
