@@ -134,6 +134,10 @@ pub struct PredictionGuard {
     /// across a layer, so the prediction is poor there (cosine 0.5-0.75 on SmolLM2's layers
     /// 1-2) and would only be redone.
     pub real_query_layers: usize,
+    /// A prediction the guard accepts still leaves the device part to the real query: the
+    /// device attends the resident blocks that rank best by the real query, in the budget
+    /// the layer-ahead CPU part leaves. Only the CPU part's blocks stay predicted.
+    pub device_real_query: bool,
 }
 
 impl PredictionGuard {
@@ -141,6 +145,7 @@ impl PredictionGuard {
     pub const OFF: Self = Self {
         min_cosine: -1.0,
         real_query_layers: 1,
+        device_real_query: false,
     };
 
     /// Whether a layer predicted with `cosine` must be redone with the real query.
@@ -159,6 +164,7 @@ impl Default for PredictionGuard {
         Self {
             min_cosine: 0.95,
             real_query_layers: 3,
+            device_real_query: true,
         }
     }
 }

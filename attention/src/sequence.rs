@@ -179,6 +179,13 @@ impl SeqAttention {
         self.heads.iter().map(|h| h.res.count()).sum()
     }
 
+    /// Whether `block` of (`layer`, `head`) is device-resident.
+    pub fn is_resident(&self, layer: usize, head: usize, block: usize) -> bool {
+        self.heads[layer * self.geom.num_kv_heads + head]
+            .res
+            .is_resident(block)
+    }
+
     /// Bytes of device KV this sequence holds (resident blocks only).
     pub fn device_bytes(&self) -> usize {
         self.resident_blocks() * self.geom.head_bytes()
@@ -271,6 +278,89 @@ impl SeqAttention {
         };
         scores.resize(n, 0.0);
         scores
+    }
+
+    /// Scores of `blocks` of (`layer`, `head`) only, by `cfg.scorer` (no candidate
+    /// pre-filter: the caller's list is already short).
+    fn scores_of(
+        &self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        head: usize,
+        q_group: &[f32],
+        keys: BlockKeys<'_>,
+        blocks: &[usize],
+    ) -> Vec<f32> {
+        let st = &self.heads[layer * self.geom.num_kv_heads + head];
+        match cfg.scorer {
+            BlockScorer::Quest => {
+                let gq = GroupQuery::with(q_group, self.geom.head_dim, cfg.group_score);
+                blocks.iter().map(|&b| st.digests.score(&gq, b)).collect()
+            }
+            BlockScorer::Sparq { channels, .. } => sparq::block_scores(
+                &self.geom,
+                keys.src,
+                layer,
+                head,
+                q_group,
+                channels,
+                keys.scale,
+                cfg.group_score,
+                blocks,
+            ),
+        }
+    }
+
+    /// Chooses the device part of plans made a layer ahead with a predicted query again,
+    /// with the real query `q` (`[num_kv_heads][G][head_dim]`): each head keeps its CPU
+    /// blocks (their partial is already under way) and the device attends the sink, the
+    /// local window and the resident blocks that rank best, in the rest of the budget. So
+    /// only the CPU part's share of the selection depends on the prediction. Scores only
+    /// resident blocks: a device does the same from the digests it holds.
+    pub fn reselect_device(
+        &mut self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        q: &[f32],
+        keys: BlockKeys<'_>,
+        plans: &mut [HeadPlan],
+    ) {
+        let n = self.num_blocks();
+        let bs = self.geom.block_size;
+        let budget = cfg.budget_blocks(bs).max(2);
+        if layer < cfg.dense_layers || n <= budget {
+            // Every block is selected whatever the query.
+            return;
+        }
+        let recent = cfg.local_blocks(bs).clamp(1, budget - 1);
+        let hk = self.geom.num_kv_heads;
+        let per_head = q.len() / hk;
+        for (h, plan) in plans.iter_mut().enumerate().take(hk) {
+            let res = &self.heads[layer * hk + h].res;
+            let (mut device, mut cands) = (Vec::new(), Vec::new());
+            for b in (0..n).filter(|b| res.is_resident(*b) && plan.cpu.binary_search(b).is_err()) {
+                if b == 0 || b >= n - recent {
+                    device.push(b);
+                } else {
+                    cands.push(b);
+                }
+            }
+            let k = budget.saturating_sub(plan.cpu.len() + device.len());
+            if cands.len() > k {
+                let q_group = &q[h * per_head..(h + 1) * per_head];
+                let scores = self.scores_of(cfg, layer, h, q_group, keys, &cands);
+                let mut scored: Vec<(usize, f32)> = cands.into_iter().zip(scores).collect();
+                device.extend(crate::select::best_blocks(&mut scored, k, None));
+            } else {
+                device.extend(cands);
+            }
+            device.sort_unstable();
+            let res = &mut self.heads[layer * hk + h].res;
+            for &b in &device {
+                res.touch(b, self.step);
+            }
+            plan.device = device;
+        }
     }
 
     /// Top-k selection for one head (no residency change).

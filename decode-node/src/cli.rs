@@ -129,6 +129,11 @@ pub struct ModelArgs {
     /// (no layer-ahead), where a layer's input changes most and prediction is poor.
     #[arg(long, env = "DECODE_NODE_GUARD_REAL_QUERY_LAYERS", default_value_t = 3)]
     pub guard_real_query_layers: u32,
+    /// Accuracy guard (`scout`): let an accepted prediction choose the device part's blocks
+    /// too (the paper's behaviour). By default the device part takes the resident blocks
+    /// that rank best by the real query, in the budget the layer-ahead CPU part leaves.
+    #[arg(long, env = "DECODE_NODE_GUARD_PREDICTED_DEVICE")]
+    pub guard_predicted_device: bool,
     /// How a GQA group's query heads combine into one block score for selection: the `max`
     /// of their Quest bounds (a block one head needs is not outvoted), or their `sum`. Max
     /// kept more of full's answers on SmolLM2 at both block sizes measured.

@@ -158,6 +158,7 @@ impl Node {
                 PredictionGuard {
                     min_cosine: args.guard_min_cosine,
                     real_query_layers: (args.guard_real_query_layers as usize).max(1),
+                    device_real_query: !args.guard_predicted_device,
                 }
             },
             group_score: GroupScore::parse(&args.group_score)

@@ -415,9 +415,23 @@ fn report(ctx: &str, case: &Case, t: &Tally, quiet: bool) -> serde_json::Value {
     };
     let cpu_share = t.cpu_ratio_sum / t.runs.max(1) as f64;
     if !quiet {
+        // A figure with nothing measured behind it (no prompts, no forced text) prints as "-".
+        let show = |v: f64, prec: usize| {
+            if v.is_nan() {
+                format!("{:>w$}", "-", w = prec + 2)
+            } else {
+                format!("{v:.prec$}")
+            }
+        };
         eprintln!(
-            "fidelity ctx={ctx:>5} {:<18} passkey {passkey:.2}  generated=full {gen_eq:.3}  top1=full {top1:.4}  KL {kl:.5}  | {tps:6.1} tok/s  CPU part {cpu_ms:6.2} ms/tok  CPU share {:.2}  guard redo {:.2}",
-            case.label, cpu_share, fallback
+            "fidelity ctx={ctx:>5} {:<18} passkey {}  generated=full {}  top1=full {}  KL {}  | {tps:6.1} tok/s  CPU part {cpu_ms:6.2} ms/tok  CPU share {:.2}  guard redo {:.2}",
+            case.label,
+            show(passkey, 2),
+            show(gen_eq, 3),
+            show(top1, 4),
+            show(kl, 5),
+            cpu_share,
+            fallback
         );
     }
     json!({

@@ -279,7 +279,14 @@ impl<'a> BatchAttention<'a> {
             self.slots[b].seq.record_guard(fell_back);
             self.sample_prediction(b, layer, qb, &a);
             if !fell_back {
-                return Ok((a.plans, Some(a.job), true));
+                let Ahead { mut plans, job, .. } = a;
+                if self.cfg.guard.device_real_query {
+                    let keys = self.block_keys(b);
+                    self.slots[b]
+                        .seq
+                        .reselect_device(self.cfg, layer, qb, keys, &mut plans);
+                }
+                return Ok((plans, Some(job), true));
             }
             self.discard(b, a.job)?;
         }
@@ -495,8 +502,42 @@ mod tests {
         if nb <= budget_blocks {
             return (0..nb).collect();
         }
-        let mut scored: Vec<(f32, usize)> = (1..nb - 1)
-            .map(|b| {
+        let middle: Vec<usize> = (1..nb - 1).collect();
+        let mut sel = reference_best(
+            keys,
+            n,
+            hk,
+            h,
+            d,
+            bs,
+            q_group,
+            group_max,
+            &middle,
+            budget_blocks - 2,
+        );
+        sel.push(0);
+        sel.push(nb - 1);
+        sel.sort_unstable();
+        sel
+    }
+
+    /// The `k` of `blocks` with the largest Quest bound for `q_group`, from the definition.
+    #[allow(clippy::too_many_arguments)]
+    fn reference_best(
+        keys: &[f32],
+        n: usize,
+        hk: usize,
+        h: usize,
+        d: usize,
+        bs: usize,
+        q_group: &[f32],
+        group_max: bool,
+        blocks: &[usize],
+        k: usize,
+    ) -> Vec<usize> {
+        let mut scored: Vec<(f32, usize)> = blocks
+            .iter()
+            .map(|&b| {
                 let mut s = if group_max { f32::NEG_INFINITY } else { 0.0 };
                 for q in q_group.chunks_exact(d) {
                     let mut head = 0f32;
@@ -515,14 +556,14 @@ mod tests {
             })
             .collect();
         scored.sort_by(|a, b| b.0.total_cmp(&a.0));
-        let mut sel: Vec<usize> = scored.iter().take(budget_blocks - 2).map(|x| x.1).collect();
-        sel.push(0);
-        sel.push(nb - 1);
-        sel.sort_unstable();
-        sel
+        scored.iter().take(k).map(|x| x.1).collect()
     }
 
-    fn check(cfg: AttentionConfig, steps: usize) {
+    /// Runs `steps` decode steps of a random-weight model with `cfg` and compares each
+    /// layer's plans and output with the definition. Returns how many head plans had their
+    /// device part chosen again with the real query.
+    fn check(cfg: AttentionConfig, steps: usize) -> usize {
+        let mut reselected = 0;
         let mut mc = preset("tiny", Arch::Llama).unwrap();
         mc.num_layers = 5;
         let model = Model::from_weights(
@@ -603,20 +644,36 @@ mod tests {
                     }
                 );
                 let sel_q: &[f32] = if *used_pred { pred.unwrap() } else { q };
+                let group_max = cfg.group_score == attention::GroupScore::Max;
+                let budget = cfg.budget_blocks(bs);
                 for h in 0..hk {
                     let p = &plans[h];
                     let qg = &sel_q[h * g * d..(h + 1) * g * d];
-                    let want = reference_selection(
-                        &keys[*layer],
-                        n,
-                        hk,
-                        h,
-                        d,
-                        bs,
-                        qg,
-                        cfg.budget_blocks(bs),
-                        cfg.group_score == attention::GroupScore::Max,
-                    );
+                    let by_sel_q =
+                        reference_selection(&keys[*layer], n, hk, h, d, bs, qg, budget, group_max);
+                    let nb = n.div_ceil(bs);
+                    let want = if *used_pred && cfg.guard.device_real_query && nb > budget {
+                        // The CPU part keeps the predicted blocks that were not resident; the
+                        // device takes the sink, the newest block and the best resident rest
+                        // by the real query.
+                        let seq = &*spy.inner.slots[0].seq;
+                        assert!(p.cpu.iter().all(|b| by_sel_q.contains(b)));
+                        assert!(p.cpu.iter().all(|b| !seq.is_resident(*layer, h, *b)));
+                        let (forced, rest): (Vec<usize>, Vec<usize>) = (0..nb)
+                            .filter(|b| seq.is_resident(*layer, h, *b) && !p.cpu.contains(b))
+                            .partition(|b| *b == 0 || *b == nb - 1);
+                        let k = budget.saturating_sub(p.cpu.len() + forced.len());
+                        let qr = &q[h * g * d..(h + 1) * g * d];
+                        let best =
+                            reference_best(&keys[*layer], n, hk, h, d, bs, qr, group_max, &rest, k);
+                        let mut device: Vec<usize> = forced.into_iter().chain(best).collect();
+                        device.sort_unstable();
+                        assert_eq!(p.device, device, "layer {layer} head {h}: device part");
+                        reselected += 1;
+                        p.selected()
+                    } else {
+                        by_sel_q
+                    };
                     assert_eq!(p.selected(), want, "layer {layer} head {h}: selection");
                     assert!(
                         p.device.iter().all(|b| !p.cpu.contains(b)),
@@ -675,6 +732,7 @@ mod tests {
             token = crate::model::sampling::argmax(&logits) as u32;
         }
         assert!(cpu_blocks > 0, "the test must exercise the CPU part");
+        reselected
     }
 
     fn scout() -> AttentionConfig {
@@ -703,10 +761,32 @@ mod tests {
                 guard: PredictionGuard {
                     min_cosine: 0.3,
                     real_query_layers: 2,
+                    device_real_query: false,
                 },
                 ..scout()
             },
             3,
+        );
+    }
+
+    #[test]
+    fn scout_step_equals_its_definition_with_the_device_part_by_the_real_query() {
+        let reselected = check(
+            AttentionConfig {
+                guard: PredictionGuard {
+                    min_cosine: 0.3,
+                    real_query_layers: 2,
+                    device_real_query: true,
+                },
+                // More resident blocks than the budget: the device part has a choice.
+                device_blocks_per_head: 8,
+                ..scout()
+            },
+            3,
+        );
+        assert!(
+            reselected > 0,
+            "no accepted prediction had its device part chosen again"
         );
     }
 
