@@ -5,6 +5,8 @@
     for tok in generate("127.0.0.1:50051", "req-1", max_new_tokens=32):
         print(tok.text, end="", flush=True)
 
+`decode_node_client.aio` has the same calls for asyncio (grpc.aio channels).
+
 Every call takes a target address or a channel; `channel(target, ca_cert=...)` makes a TLS one
 (mutual TLS with `client_cert`/`client_key`), and `token=` sends a bearer token.
 
@@ -56,16 +58,24 @@ def channel(target: str, *, ca_cert: Optional[str] = None, client_cert: Optional
     and `domain` where the certificate's name differs from the host in `target`. Without
     `ca_cert`, plain text, as `decode-node serve` runs without `--tls-cert`.
     """
+    creds, options = _channel_args(ca_cert, client_cert, client_key, domain)
+    if creds is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, creds, options=options)
+
+
+def _channel_args(ca_cert: Optional[str], client_cert: Optional[str], client_key: Optional[str],
+                  domain: Optional[str]) -> Tuple[Optional[grpc.ChannelCredentials], list]:
+    """TLS credentials (None: plain text) and channel options, checked."""
     if (client_cert is None) != (client_key is None):
         raise ValueError("client_cert and client_key go together")
     if ca_cert is None:
         if client_cert is not None or domain is not None:
             raise ValueError("client certificates and domain need ca_cert (TLS)")
-        return grpc.insecure_channel(target, options=_OPTIONS)
+        return None, list(_OPTIONS)
     creds = grpc.ssl_channel_credentials(root_certificates=_read(ca_cert), private_key=_read(client_key),
                                          certificate_chain=_read(client_cert))
-    options = _OPTIONS + ([("grpc.ssl_target_name_override", domain)] if domain else [])
-    return grpc.secure_channel(target, creds, options=options)
+    return creds, _OPTIONS + ([("grpc.ssl_target_name_override", domain)] if domain else [])
 
 
 def _channel(target) -> grpc.Channel:
@@ -164,6 +174,43 @@ def _encode(a: np.ndarray, dtype: int) -> bytes:
     return bits.tobytes()
 
 
+def _push_plan(layers: list, prompt_token_ids: Sequence[int], chunk_tokens: int) -> Tuple[int, int, int]:
+    """(tokens, kv_heads, head_dim) of per-layer KV, checked against the prompt. Callers check
+    before streaming: an error inside a request iterator only cancels the call."""
+    if chunk_tokens <= 0:
+        raise ValueError("chunk_tokens must be positive")
+    if not layers:
+        raise ValueError("no layers in past_key_values")
+    tokens, heads, head_dim = layers[0][0].shape
+    if len(prompt_token_ids) != tokens:
+        raise ValueError(f"{len(prompt_token_ids)} prompt ids for {tokens} tokens of KV")
+    return tokens, heads, head_dim
+
+
+def _push_messages(request_id: str, layers: list, prompt_token_ids: Sequence[int], next_token_id: int,
+                   model_id: str, dtype: int, chunk_tokens: int) -> Iterator[kv_transfer_pb2.PushKvRequest]:
+    """A push's stream: header, every layer's chunks (with their CRC-32C), commit."""
+    tokens, heads, head_dim = _push_plan(layers, prompt_token_ids, chunk_tokens)
+    yield kv_transfer_pb2.PushKvRequest(header=kv_transfer_pb2.KvHeader(
+        request_id=request_id, model_id=model_id, num_layers=len(layers), num_kv_heads=heads, head_dim=head_dim,
+        dtype=dtype, num_tokens=tokens, prompt_token_ids=list(map(int, prompt_token_ids)),
+        next_token_id=int(next_token_id)))
+    for layer, (k, v) in enumerate(layers):
+        for start in range(0, tokens, chunk_tokens):
+            end = min(tokens, start + chunk_tokens)
+            kb, vb = _encode(k[start:end], dtype), _encode(v[start:end], dtype)
+            yield kv_transfer_pb2.PushKvRequest(chunk=kv_transfer_pb2.KvChunk(
+                layer=layer, token_start=start, token_count=end - start, key=kb, value=vb,
+                crc32c=crc32c.crc32c(vb, crc32c.crc32c(kb))))
+    yield kv_transfer_pb2.PushKvRequest(commit=kv_transfer_pb2.KvCommit())
+
+
+def _committed(last: Optional[kv_transfer_pb2.PushKvResponse]) -> kv_transfer_pb2.PushKvResponse:
+    if last is None or not last.committed:
+        raise DecodeNodeError(grpc.StatusCode.UNKNOWN, "push ended without a commit acknowledgement")
+    return last
+
+
 def push_kv(target, request_id: str, past_key_values, prompt_token_ids: Sequence[int], next_token_id: int, *,
             model_id: Optional[str] = None, dtype: Optional[int] = None, chunk_tokens: int = 256,
             token: Optional[str] = None, timeout: Optional[float] = None) -> kv_transfer_pb2.PushKvResponse:
@@ -172,41 +219,35 @@ def push_kv(target, request_id: str, past_key_values, prompt_token_ids: Sequence
     `dtype` is a `common_pb2.DTYPE_*`; by default the node's own KV dtype (no conversion there).
     """
     layers = to_layers(past_key_values)
-    if not layers:
-        raise ValueError("no layers in past_key_values")
-    tokens, heads, head_dim = layers[0][0].shape
-    if len(prompt_token_ids) != tokens:
-        raise ValueError(f"{len(prompt_token_ids)} prompt ids for {tokens} tokens of KV")
+    _push_plan(layers, prompt_token_ids, chunk_tokens)
     if model_id is None or dtype is None:
         info = model_info(target, token)
         model_id = model_id or info.model_id
         dtype = info.kv_dtype if dtype is None else dtype
-    header = kv_transfer_pb2.KvHeader(
-        request_id=request_id, model_id=model_id, num_layers=len(layers), num_kv_heads=heads, head_dim=head_dim,
-        dtype=dtype, num_tokens=tokens, prompt_token_ids=list(map(int, prompt_token_ids)),
-        next_token_id=int(next_token_id))
-
-    def messages() -> Iterator[kv_transfer_pb2.PushKvRequest]:
-        yield kv_transfer_pb2.PushKvRequest(header=header)
-        for layer, (k, v) in enumerate(layers):
-            for start in range(0, tokens, chunk_tokens):
-                end = min(tokens, start + chunk_tokens)
-                kb, vb = _encode(k[start:end], dtype), _encode(v[start:end], dtype)
-                yield kv_transfer_pb2.PushKvRequest(chunk=kv_transfer_pb2.KvChunk(
-                    layer=layer, token_start=start, token_count=end - start, key=kb, value=vb,
-                    crc32c=crc32c.crc32c(vb, crc32c.crc32c(kb))))
-        yield kv_transfer_pb2.PushKvRequest(commit=kv_transfer_pb2.KvCommit())
-
+    messages = _push_messages(request_id, layers, prompt_token_ids, next_token_id, model_id, dtype, chunk_tokens)
     stub = kv_transfer_pb2_grpc.KvTransferStub(_channel(target))
     last = None
     try:
-        for ack in stub.PushKv(messages(), metadata=_metadata(token), timeout=timeout):
+        for ack in stub.PushKv(messages, metadata=_metadata(token), timeout=timeout):
             last = ack
     except grpc.RpcError as e:
         raise DecodeNodeError(e.code(), e.details()) from None
-    if last is None or not last.committed:
-        raise DecodeNodeError(grpc.StatusCode.UNKNOWN, "push ended without a commit acknowledgement")
-    return last
+    return _committed(last)
+
+
+def _generate_request(request_id: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 0.0,
+                      top_k: int = 0, seed: int = 0, stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
+                      kv_timeout_ms: int = 0, lease: str = "", stop: Iterable[str] = (), min_tokens: int = 0,
+                      top_logprobs: int = 0, repetition_penalty: float = 0.0, presence_penalty: float = 0.0,
+                      frequency_penalty: float = 0.0) -> decode_pb2.GenerateRequest:
+    return decode_pb2.GenerateRequest(
+        request_id=request_id, max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos, kv_timeout_ms=kv_timeout_ms, lease=lease, stop=list(stop),
+        min_tokens=min_tokens, top_logprobs=top_logprobs,
+        sampling=decode_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                           repetition_penalty=repetition_penalty,
+                                           presence_penalty=presence_penalty,
+                                           frequency_penalty=frequency_penalty))
 
 
 def generate(target, request_id: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 0.0,
@@ -220,14 +261,11 @@ def generate(target, request_id: str, *, max_new_tokens: int = 64, temperature: 
     `lease` is the push's `PushKvResponse.lease`; a node run with --require-lease refuses without it.
     `stop` strings end the text before the first one; penalties and `min_tokens` follow vLLM.
     """
-    req = decode_pb2.GenerateRequest(
-        request_id=request_id, max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos, kv_timeout_ms=kv_timeout_ms, lease=lease, stop=list(stop),
-        min_tokens=min_tokens, top_logprobs=top_logprobs,
-        sampling=decode_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                           repetition_penalty=repetition_penalty,
-                                           presence_penalty=presence_penalty,
-                                           frequency_penalty=frequency_penalty))
+    req = _generate_request(request_id, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                            kv_timeout_ms=kv_timeout_ms, lease=lease, stop=stop, min_tokens=min_tokens,
+                            top_logprobs=top_logprobs, repetition_penalty=repetition_penalty,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     stub = decode_pb2_grpc.DecodeStub(_channel(target))
     try:
         for ev in stub.Generate(req, metadata=_metadata(token)):

@@ -1,71 +1,14 @@
 """The Python client against a real `decode-node serve` (numpy tensors; torch only if present)."""
-import json
-import os
 import subprocess
-import sys
-import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
-sys.path.insert(0, os.path.join(HERE, ".."))
-
-from decode_node.v1 import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
+from conftest import golden, load, serve  # noqa: E402
+from decode_node.v1 import common_pb2  # noqa: E402
 from decode_node_client import (DecodeNodeError, cancel, channel, drop_kv, generate, generate_all,  # noqa: E402
                                 get_load, model_info, push_kv, watch_load)
-
-BIN = os.environ.get("DECODE_NODE_BIN", os.path.join(ROOT, "target", "debug", "decode-node"))
-GOLDEN = os.path.join(ROOT, "tests", "golden", "qwen3")
-
-
-def serve(*extra):
-    proc = subprocess.Popen(
-        [BIN, "--log-format", "json", "serve", "--model", GOLDEN, "--attention", "full",
-         "--grpc-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", *extra],
-        stderr=subprocess.PIPE, text=True)
-    found = {}
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stderr:
-            try:
-                fields = json.loads(line).get("fields", {})
-            except ValueError:
-                continue
-            if fields.get("message") == "serving":
-                found["grpc"] = fields["grpc_addr"]
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    assert ready.wait(60), "decode-node serve did not start"
-    yield found["grpc"]
-    proc.terminate()
-    proc.wait(30)
-
-
-@pytest.fixture(scope="module")
-def node():
-    yield from serve()
-
-
-@pytest.fixture(scope="module")
-def leased_node():
-    yield from serve("--require-lease")
-
-
-def golden():
-    g = load_file(os.path.join(GOLDEN, "golden.safetensors"))
-    layers = sorted({int(k.split(".")[1]) for k in g if k.startswith("k.")})
-    return g, [(g[f"k.{i}"], g[f"v.{i}"]) for i in layers]
-
-
-def load(target):
-    return decode_pb2_grpc.DecodeStub(__import__("grpc").insecure_channel(target)).GetLoad(decode_pb2.GetLoadRequest())
 
 
 def test_vllm_layout_push_streams_transformers_greedy(node):
