@@ -66,6 +66,27 @@ async fn metrics_expose_every_required_name() {
         text.contains("decode_node_prompt_tokens_total 20"),
         "{text}"
     );
+    // Without an Accept for OpenMetrics, the classic text format: a counter's family is
+    // named with its suffix and nothing follows the samples.
+    assert!(
+        text.contains("# TYPE decode_node_requests_total counter") && !text.contains("# EOF"),
+        "{text}"
+    );
+    let (code, head, open) = http_get_with(
+        s.metrics,
+        "/metrics",
+        "Accept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n",
+    );
+    assert_eq!(code, 200);
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/openmetrics-text; version=1.0.0"),
+        "{head}"
+    );
+    assert!(
+        open.contains("# TYPE decode_node_requests counter") && open.ends_with("# EOF\n"),
+        "{open}"
+    );
     let info = text
         .lines()
         .find(|l| l.starts_with("decode_node_model_info{"))

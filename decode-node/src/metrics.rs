@@ -509,6 +509,12 @@ impl Metrics {
         out
     }
 
+    /// The same metrics in the Prometheus text format 0.0.4, for scrapers and tools that do
+    /// not ask for OpenMetrics (curl, older agents, `promtool check metrics`).
+    pub fn render_text(&self) -> String {
+        openmetrics_to_text(&self.render())
+    }
+
     fn refresh_process(&self) {
         // Linux /proc; elsewhere these stay at 0.
         if let Ok(statm) = std::fs::read_to_string("/proc/self/statm")
@@ -589,6 +595,43 @@ pub const REQUIRED: &[&str] = &[
     "process_open_fds",
 ];
 
+/// Rewrites OpenMetrics text as Prometheus text 0.0.4: a counter family is named with its
+/// `_total` suffix there, info becomes a gauge named `_info`, `unknown` is `untyped`; `# UNIT`,
+/// `# EOF` and exemplars have no place in it. Samples are otherwise the same lines.
+fn openmetrics_to_text(open: &str) -> String {
+    let mut out = String::with_capacity(open.len());
+    // HELP comes before TYPE, and only TYPE says how the family's name changes.
+    let mut help: Option<(&str, &str)> = None;
+    for line in open.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            help = Some(rest.split_once(' ').unwrap_or((rest, "")));
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
+            let (name, kind) = match kind {
+                "counter" => (format!("{name}_total"), "counter"),
+                "info" => (format!("{name}_info"), "gauge"),
+                "unknown" | "stateset" | "gaugehistogram" => (name.to_string(), "untyped"),
+                k => (name.to_string(), k),
+            };
+            if let Some((_, text)) = help
+                .take()
+                .filter(|(h, _)| *h == rest.split(' ').next().unwrap_or(""))
+            {
+                out.push_str(&format!("# HELP {name} {text}\n"));
+            }
+            out.push_str(&format!("# TYPE {name} {kind}\n"));
+        } else if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        } else {
+            // An exemplar follows " # " after the value.
+            let sample = line.split_once(" # ").map_or(line, |(s, _)| s);
+            out.push_str(sample);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -619,6 +662,27 @@ mod tests {
         m.add_attention_at(t0, [100, 0, 0, 0]);
         m.add_attention_at(t0 + Duration::from_secs(30), [100, 100, 0, 0]);
         assert_eq!(m.attention_cpu_ratio.get(), 0.5);
+    }
+
+    #[test]
+    fn text_format_names_counters_with_their_suffix() {
+        let open = "# HELP a_requests Finished requests.\n# TYPE a_requests counter\n\
+                    a_requests_total{outcome=\"eos\"} 3 # {trace=\"x\"} 1.0\n\
+                    # HELP a_bytes Bytes.\n# TYPE a_bytes gauge\n# UNIT a_bytes bytes\na_bytes 5\n\
+                    # TYPE a_build info\na_build_info{v=\"1\"} 1\n# EOF\n";
+        assert_eq!(
+            openmetrics_to_text(open),
+            "# HELP a_requests_total Finished requests.\n# TYPE a_requests_total counter\n\
+             a_requests_total{outcome=\"eos\"} 3\n\
+             # HELP a_bytes Bytes.\n# TYPE a_bytes gauge\na_bytes 5\n\
+             # TYPE a_build_info gauge\na_build_info{v=\"1\"} 1\n"
+        );
+        let text = Metrics::new().render_text();
+        assert!(!text.contains("# EOF"));
+        assert!(
+            text.contains("# TYPE decode_node_requests_total counter"),
+            "{text}"
+        );
     }
 
     #[test]

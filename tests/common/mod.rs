@@ -141,11 +141,18 @@ impl Drop for Served {
 
 /// A plain HTTP/1.1 GET; returns status and body.
 pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let (code, _, body) = http_get_with(addr, path, "");
+    (code, body)
+}
+
+/// A plain HTTP/1.1 GET with `extra` header lines (each ending in CRLF); returns status,
+/// response headers and body.
+pub fn http_get_with(addr: SocketAddr, path: &str, extra: &str) -> (u16, String, String) {
     let mut s = TcpStream::connect(addr).expect("connect metrics port");
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\n{extra}Connection: close\r\n\r\n"
     )
     .unwrap();
     let mut resp = String::new();
@@ -155,11 +162,8 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|x| x.1.to_string())
-        .unwrap_or_default();
-    (code, body)
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+    (code, head.to_string(), body.to_string())
 }
 
 /// The embedded model, loaded once per test binary.

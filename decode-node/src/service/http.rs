@@ -21,7 +21,10 @@ pub(crate) struct HttpState {
     pub(crate) device_kv_bytes: u64,
 }
 
-async fn metrics(axum::extract::State(s): axum::extract::State<HttpState>) -> impl IntoResponse {
+async fn metrics(
+    axum::extract::State(s): axum::extract::State<HttpState>,
+    headers: axum::http::HeaderMap,
+) -> impl IntoResponse {
     let u = s.pool.usage();
     Metrics::set_bytes(&s.metrics.host_kv_bytes, "used", u.used);
     Metrics::set_bytes(&s.metrics.host_kv_bytes, "reserved", u.reserved);
@@ -43,14 +46,30 @@ async fn metrics(axum::extract::State(s): axum::extract::State<HttpState>) -> im
         fraction(u.used + u.reserved, u.capacity)
             .max(fraction(s.engine.load().device_bytes, s.device_kv_bytes)),
     );
-    (
-        [(
-            header::CONTENT_TYPE,
-            // prometheus-client writes OpenMetrics text (it ends with `# EOF`).
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        s.metrics.render(),
-    )
+    // OpenMetrics to a scraper that asks for it (Prometheus does, first), the classic text
+    // format to everything else.
+    let open = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    if open {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            s.metrics.render(),
+        )
+    } else {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            s.metrics.render_text(),
+        )
+    }
 }
 
 async fn health(axum::extract::State(s): axum::extract::State<HttpState>) -> impl IntoResponse {
