@@ -137,7 +137,7 @@ pub fn ingest_local(
     }
     Ok(ingest
         .ok_or_else(|| anyhow::anyhow!("no header"))?
-        .commit()?)
+        .commit(None)?)
 }
 
 /// Pushes a prompt's KV, reporting acked bytes.

@@ -77,7 +77,7 @@ fn store(c: &mut Criterion) {
                 for c in &chunks {
                     ing.chunk(c).expect("chunk");
                 }
-                ing.commit().expect("commit")
+                ing.commit(None).expect("commit")
             })
         });
     }

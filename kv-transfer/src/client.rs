@@ -112,7 +112,7 @@ pub fn push_messages(kv: &PromptKv, chunk_tokens: usize) -> Vec<PushKvRequest> {
         item: Some(Item::Chunk(c)),
     }));
     out.push(PushKvRequest {
-        item: Some(Item::Commit(KvCommit {})),
+        item: Some(Item::Commit(KvCommit::default())),
     });
     out
 }
@@ -130,7 +130,7 @@ pub fn push_body(
     })
     .map_err(invalid);
     let commit = encode_message(&PushKvRequest {
-        item: Some(Item::Commit(KvCommit {})),
+        item: Some(Item::Commit(KvCommit::default())),
     })
     .map_err(invalid);
     let chunks = chunks(kv, chunk_tokens).flat_map(move |c| {

@@ -389,8 +389,19 @@ impl Ingest {
     }
 
     /// Finishes the push: every (layer, token) must have been sent.
-    pub fn commit(self) -> Result<CommittedKv, Error> {
+    /// Ends the push: every (layer, token) must have arrived. `next_token_id`, when the
+    /// producer sends it at commit, replaces the header's.
+    pub fn commit(mut self, next_token_id: Option<u32>) -> Result<CommittedKv, Error> {
         self.check_poisoned()?;
+        if let Some(t) = next_token_id {
+            let vocab = self.layout.vocab_size as u32;
+            if t >= vocab {
+                return Err(Error::Invalid(format!(
+                    "commit's next_token_id {t} is outside the vocabulary of {vocab}"
+                )));
+            }
+            self.info.next_token_id = t;
+        }
         if self.remaining != 0 {
             return Err(Error::Invalid(format!(
                 "commit with {} of {} (layer, token) pairs not sent",
@@ -506,12 +517,36 @@ pub(crate) mod tests {
         // The good data does not revive it.
         assert!(ing.chunk(&to_f32(chunk(0, 0, 6)).into()).is_err());
         assert!(ing.chunk(&to_f32(chunk(1, 0, 6)).into()).is_err());
-        assert!(ing.commit().is_err());
+        assert!(ing.commit(None).is_err());
         assert_eq!(pool.usage().used + pool.usage().reserved, 0);
     }
 
     fn pool() -> HostPool {
         HostPool::new(layout().geom, 64 * layout().geom.block_bytes() as u64).unwrap()
+    }
+
+    #[test]
+    fn the_commit_may_name_the_first_token() {
+        let pool = pool();
+        let full = |pool: &HostPool| {
+            let mut ing = Ingest::begin(&layout(), pool, &header("t", 6)).unwrap();
+            ing.chunk(&chunk(0, 0, 6).into()).unwrap();
+            ing.chunk(&chunk(1, 0, 6).into()).unwrap();
+            ing
+        };
+        let kv = full(&pool).commit(Some(7)).unwrap();
+        assert_eq!(kv.info.next_token_id, 7);
+        drop(kv);
+        let vocab = layout().vocab_size as u32;
+        assert!(matches!(
+            full(&pool).commit(Some(vocab)),
+            Err(Error::Invalid(m)) if m.contains("vocabulary")
+        ));
+        // Without one, the header's stands.
+        let kv = full(&pool).commit(None).unwrap();
+        assert_eq!(kv.info.next_token_id, header("t", 6).next_token_id);
+        drop(kv);
+        assert_eq!(pool.usage().used + pool.usage().reserved, 0);
     }
 
     #[test]
@@ -525,7 +560,7 @@ pub(crate) mod tests {
             matches!(ing.chunk(&chunk(1, 0, 3).into()), Err(Error::Invalid(m)) if m.contains("overlaps"))
         );
         ing.chunk(&chunk(1, 0, 2).into()).unwrap();
-        let mut kv = ing.commit().unwrap();
+        let mut kv = ing.commit(None).unwrap();
         // Token 5 of layer 1, head 1 sits in block 1, slot 1: K^T[c][1], V[1][c].
         let g = layout().geom;
         let blk = kv.block(1, 1);
@@ -559,7 +594,7 @@ pub(crate) mod tests {
         for (layer, s, n) in [(0, 0, 7), (1, 0, 7)] {
             conv.chunk(&to_f32(chunk(layer, s, n)).into()).unwrap();
         }
-        let (mut a, mut b) = (copy.commit().unwrap(), conv.commit().unwrap());
+        let (mut a, mut b) = (copy.commit(None).unwrap(), conv.commit(None).unwrap());
         for layer in 0..2 {
             for blk in 0..2 {
                 let g = l.geom;
@@ -646,7 +681,7 @@ pub(crate) mod tests {
             Err(Error::Invalid(_))
         ));
         ing.chunk(&chunk(0, 0, 6).into()).unwrap();
-        assert!(matches!(ing.commit(), Err(Error::Invalid(m)) if m.contains("not sent")));
+        assert!(matches!(ing.commit(None), Err(Error::Invalid(m)) if m.contains("not sent")));
         assert_eq!(
             pool.usage().used + pool.usage().reserved,
             0,
@@ -673,7 +708,7 @@ pub(crate) mod tests {
             let mut reference = Ingest::begin(&layout(), &pool, &header("r", n as u32)).unwrap();
             reference.chunk(&chunk(0, 0, n).into()).unwrap();
             reference.chunk(&chunk(1, 0, n).into()).unwrap();
-            let mut reference = reference.commit().unwrap();
+            let mut reference = reference.commit(None).unwrap();
 
             let mut bounds: Vec<usize> = cuts.into_iter().filter(|c| *c < n).collect();
             bounds.extend([0, n]);
@@ -707,7 +742,7 @@ pub(crate) mod tests {
                 parts.value = split(&c.value, 0xAA);
                 ing.chunk(&parts).unwrap();
             }
-            let mut got = ing.commit().unwrap();
+            let mut got = ing.commit(None).unwrap();
             let g = layout().geom;
             for l in 0..2 {
                 for b in 0..g.blocks_for(n) {

@@ -551,7 +551,7 @@ mod tests {
         let mut ing = Ingest::begin(&layout(), pool, &header(id, 4)).unwrap();
         ing.chunk(&chunk(0, 0, 4).into()).unwrap();
         ing.chunk(&chunk(1, 0, 4).into()).unwrap();
-        ing.commit().unwrap()
+        ing.commit(None).unwrap()
     }
 
     fn setup(lease_ms: u64) -> (Registry, HostPool) {

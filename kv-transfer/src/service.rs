@@ -183,12 +183,12 @@ impl KvTransferService {
                 }
                 Ok(None)
             }
-            (PushMessage::Commit, Some(_)) => {
+            (PushMessage::Commit(next_token_id), Some(_)) => {
                 let Some(p) = state.take() else {
                     unreachable!("matched Some above")
                 };
                 let reply = ack(&p, true);
-                let kv = p.ingest.commit()?;
+                let kv = p.ingest.commit(next_token_id)?;
                 p.slot.commit(kv)?;
                 self.registry
                     .metrics()
@@ -524,7 +524,7 @@ mod fuzz {
                 }
                 Some(Item::Chunk(c))
             }
-            Op::Commit => Some(Item::Commit(KvCommit {})),
+            Op::Commit => Some(Item::Commit(KvCommit::default())),
             Op::Empty => None,
             Op::Break | Op::Drop { .. } => return None,
         };

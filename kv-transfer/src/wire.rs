@@ -63,8 +63,8 @@ pub enum PushMessage {
     Header(KvHeader),
     /// `item.chunk`.
     Chunk(Chunk),
-    /// `item.commit`.
-    Commit,
+    /// `item.commit`, with its `next_token_id` if set.
+    Commit(Option<u32>),
     /// No item set.
     Empty,
 }
@@ -74,7 +74,7 @@ impl From<PushKvRequest> for PushMessage {
         match m.item {
             Some(Item::Header(h)) => PushMessage::Header(h),
             Some(Item::Chunk(c)) => PushMessage::Chunk(c.into()),
-            Some(Item::Commit(_)) => PushMessage::Commit,
+            Some(Item::Commit(c)) => PushMessage::Commit(c.next_token_id),
             None => PushMessage::Empty,
         }
     }
@@ -284,8 +284,16 @@ pub fn decode_push_request_limited(msg: &Payload, max_header: usize) -> Result<P
             }
             3 => {
                 expect(wt, WireType::LengthDelimited, "PushKvRequest.commit")?;
-                KvCommit::decode(cur.len_delimited()?.to_bytes()).map_err(prost_err)?;
-                item = PushMessage::Commit;
+                // A repeated oneof field merges into the message already there, as prost does.
+                let mut c = KvCommit {
+                    next_token_id: match item {
+                        PushMessage::Commit(t) => t,
+                        _ => None,
+                    },
+                };
+                c.merge(cur.len_delimited()?.to_bytes())
+                    .map_err(prost_err)?;
+                item = PushMessage::Commit(c.next_token_id);
             }
             _ => cur.skip(field, wt, 0)?,
         }
@@ -421,8 +429,13 @@ mod tests {
                     ..KvHeader::default()
                 })
             });
-        proptest::option::of(prop_oneof![chunk, header, Just(Item::Commit(KvCommit {}))])
-            .prop_map(|item| PushKvRequest { item })
+        proptest::option::of(prop_oneof![
+            chunk,
+            header,
+            proptest::option::of(any::<u32>())
+                .prop_map(|next_token_id| Item::Commit(KvCommit { next_token_id }))
+        ])
+        .prop_map(|item| PushKvRequest { item })
     }
 
     /// Protobuf noise prost must skip: unknown fields of every wire type, groups included.

@@ -29,7 +29,7 @@ fn store_rate(model: &crate::cli::ModelArgs, kv: &PromptKv, rounds: u64) -> anyh
         for c in &chunks {
             ingest.chunk(c)?;
         }
-        drop(ingest.commit()?);
+        drop(ingest.commit(None)?);
     }
     Ok((rounds * bytes) as f64 / t.elapsed().as_secs_f64())
 }

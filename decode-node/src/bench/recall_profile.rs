@@ -35,7 +35,7 @@ pub(super) fn recall_profile(args: &RecallProfileBench) -> anyhow::Result<serde_
             _ => {}
         }
     }
-    let committed = ingest.context("no header")?.commit()?;
+    let committed = ingest.context("no header")?.commit(None)?;
     let (engine, thread) = Engine::start(
         node.model.clone(),
         pool,

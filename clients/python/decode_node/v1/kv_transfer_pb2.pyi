@@ -56,8 +56,10 @@ class KvChunk(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class KvCommit(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("next_token_id",)
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    next_token_id: int
+    def __init__(self, next_token_id: _Optional[int] = ...) -> None: ...
 
 class PushKvResponse(_message.Message):
     __slots__ = ("request_id", "bytes_received", "chunks_received", "committed", "lease")
