@@ -17,6 +17,8 @@ its key bytes followed by its value bytes, as the protocol requires.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Iterable, Iterator, Optional, Sequence, Tuple
 
 import crc32c
@@ -25,7 +27,7 @@ import numpy as np
 
 from decode_node.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 
-__all__ = ["push_kv", "generate", "generate_all", "model_info", "get_load", "watch_load", "cancel", "drop_kv",
+__all__ = ["push_kv", "PushStream", "gather_paged", "generate", "generate_all", "model_info", "get_load", "watch_load", "cancel", "drop_kv",
            "channel", "to_layers", "DecodeNodeError"]
 
 _MAX_MESSAGE = 64 << 20
@@ -248,6 +250,158 @@ def _generate_request(request_id: str, *, max_new_tokens: int = 64, temperature:
                                            repetition_penalty=repetition_penalty,
                                            presence_penalty=presence_penalty,
                                            frequency_penalty=frequency_penalty))
+
+
+class PushStream:
+    """One prompt's KV pushed piece by piece as the producer computes it: each layer (or each
+    chunked-prefill step of a layer) right after prefill finishes it, so the transfer overlaps
+    the rest of the forward pass. `push` only queues (chunks are encoded and sent from gRPC's
+    thread); `commit` waits for the node's acknowledgement. The first decode token may be given
+    at `commit`, after sampling. Leaving a `with` block on an exception aborts the push, and the
+    node frees what it held.
+
+        with PushStream(target, "r1", prompt_ids, num_layers=L, num_kv_heads=H, head_dim=D) as s:
+            for layer in range(L):
+                ...  # compute the layer
+                s.push(layer, k, v)          # [tokens, kv_heads, head_dim]
+            ack = s.commit(next_token_id=sampled)
+    """
+
+    def __init__(self, target, request_id: str, prompt_token_ids: Sequence[int], *, num_layers: int,
+                 num_kv_heads: int, head_dim: int, next_token_id: Optional[int] = None,
+                 model_id: Optional[str] = None, dtype: Optional[int] = None, chunk_tokens: int = 256,
+                 token: Optional[str] = None, timeout: Optional[float] = None):
+        if chunk_tokens <= 0:
+            raise ValueError("chunk_tokens must be positive")
+        if min(num_layers, num_kv_heads, head_dim) <= 0:
+            raise ValueError("num_layers, num_kv_heads and head_dim must be positive")
+        if model_id is None or dtype is None:
+            info = model_info(target, token)
+            model_id = model_id or info.model_id
+            dtype = info.kv_dtype if dtype is None else dtype
+        self._tokens = len(prompt_token_ids)
+        self._shape = (num_kv_heads, head_dim)
+        self._layers = num_layers
+        self._dtype = dtype
+        self._chunk = chunk_tokens
+        self._queue: "queue.Queue" = queue.Queue()
+        self._done = threading.Event()
+        self._committing = False
+        self._last: Optional[kv_transfer_pb2.PushKvResponse] = None
+        self._error: Optional[DecodeNodeError] = None
+        self._queue.put(kv_transfer_pb2.PushKvRequest(header=kv_transfer_pb2.KvHeader(
+            request_id=request_id, model_id=model_id, num_layers=num_layers, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, dtype=dtype, num_tokens=self._tokens,
+            prompt_token_ids=list(map(int, prompt_token_ids)),
+            next_token_id=0 if next_token_id is None else int(next_token_id))))
+        stub = kv_transfer_pb2_grpc.KvTransferStub(_channel(target))
+        self._call = stub.PushKv(self._requests(), metadata=_metadata(token), timeout=timeout)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _requests(self) -> Iterator[kv_transfer_pb2.PushKvRequest]:
+        while not self._done.is_set():
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(item, tuple):
+                layer, start, k, v = item
+                kb, vb = _encode(k, self._dtype), _encode(v, self._dtype)
+                yield kv_transfer_pb2.PushKvRequest(chunk=kv_transfer_pb2.KvChunk(
+                    layer=layer, token_start=start, token_count=k.shape[0], key=kb, value=vb,
+                    crc32c=crc32c.crc32c(vb, crc32c.crc32c(kb))))
+            else:
+                yield item
+                if item.HasField("commit"):
+                    return
+
+    def _read(self) -> None:
+        try:
+            for ack in self._call:
+                self._last = ack
+        except grpc.RpcError as e:
+            self._error = DecodeNodeError(e.code(), e.details())
+        finally:
+            self._done.set()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._committing or self._done.is_set():
+            raise RuntimeError("the push has ended")
+
+    def push(self, layer: int, k, v, token_start: int = 0) -> None:
+        """Queues tokens [token_start, token_start + len(k)) of `layer`: K and V of shape
+        [tokens, kv_heads, head_dim] (numpy or torch, any float dtype). Every (layer, token) is
+        sent once before `commit`."""
+        self._check()
+        k, v = _numpy(k), _numpy(v)
+        if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != self._shape:
+            raise ValueError(f"K/V must be [tokens, {self._shape[0]}, {self._shape[1]}]; got {k.shape}, {v.shape}")
+        if not 0 <= layer < self._layers or token_start < 0 or token_start + k.shape[0] > self._tokens:
+            raise ValueError(f"layer {layer}, tokens {token_start}..{token_start + k.shape[0]} outside "
+                             f"{self._layers} layers of {self._tokens} tokens")
+        for s in range(0, k.shape[0], self._chunk):
+            self._queue.put((layer, token_start + s, k[s:s + self._chunk], v[s:s + self._chunk]))
+
+    def commit(self, next_token_id: Optional[int] = None, timeout: Optional[float] = None
+               ) -> kv_transfer_pb2.PushKvResponse:
+        """Ends the push and waits for the node's commit acknowledgement; `next_token_id`
+        replaces the header's (the token prefill sampled)."""
+        self._check()
+        self._committing = True
+        self._queue.put(kv_transfer_pb2.PushKvRequest(commit=kv_transfer_pb2.KvCommit(
+            next_token_id=None if next_token_id is None else int(next_token_id))))
+        if not self._done.wait(timeout):
+            self._call.cancel()
+            raise DecodeNodeError(grpc.StatusCode.DEADLINE_EXCEEDED, "no commit acknowledgement in time")
+        if self._error is not None:
+            raise self._error
+        return _committed(self._last)
+
+    def abort(self) -> None:
+        """Ends the push without committing; the node frees what it held."""
+        self._committing = True
+        self._call.cancel()
+        self._done.wait(10)
+
+    def __enter__(self) -> "PushStream":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or not self._committing:
+            self.abort()
+
+
+def gather_paged(kv_layer, block_ids: Sequence[int], token_start: int, token_end: int, *,
+                 layout: str = "flash_attn") -> Tuple[np.ndarray, np.ndarray]:
+    """K and V of tokens [token_start, token_end) of one sequence from one layer of a paged KV
+    cache, as [tokens, kv_heads, head_dim] numpy arrays (for `PushStream.push`). `block_ids` is
+    the sequence's block table. Layouts, by the cache's shape:
+    `flash_attn` [2, num_blocks, block_size, kv_heads, head_dim] (vLLM's default),
+    `flash_attn_hnd` [2, num_blocks, kv_heads, block_size, head_dim],
+    `flashinfer` [num_blocks, 2, block_size, kv_heads, head_dim].
+    A torch cache is gathered on its device; only the sequence's tokens are copied to the host."""
+    if layout == "flashinfer":
+        k_all, v_all = kv_layer[:, 0], kv_layer[:, 1]
+    elif layout in ("flash_attn", "flash_attn_hnd"):
+        k_all, v_all = kv_layer[0], kv_layer[1]
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    block_size = k_all.shape[2] if layout == "flash_attn_hnd" else k_all.shape[1]
+    if not 0 <= token_start <= token_end <= len(block_ids) * block_size:
+        raise ValueError(f"tokens {token_start}..{token_end} outside {len(block_ids)} blocks of {block_size}")
+    t = np.arange(token_start, token_end)
+    blocks, slots = np.asarray(block_ids, dtype=np.int64)[t // block_size], t % block_size
+    if not isinstance(kv_layer, np.ndarray):  # torch: index on the cache's device
+        import torch
+        blocks = torch.as_tensor(blocks, device=kv_layer.device)
+        slots = torch.as_tensor(slots, device=kv_layer.device)
+    if layout == "flash_attn_hnd":
+        k, v = k_all[blocks, :, slots], v_all[blocks, :, slots]
+    else:
+        k, v = k_all[blocks, slots], v_all[blocks, slots]
+    return _numpy(k), _numpy(v)
 
 
 def generate(target, request_id: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 0.0,
