@@ -98,6 +98,7 @@ fn chunks(kv: &PromptKv, chunk_tokens: usize) -> impl Iterator<Item = KvChunk> +
                     key,
                     value,
                     crc32c,
+                    ..KvChunk::default()
                 }
             })
         })

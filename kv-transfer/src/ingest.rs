@@ -5,6 +5,8 @@
 //! the pool's layout and dtype while folding keys into the digests, and on commit hands a
 //! [`CommittedKv`] to the registry. Dropping an unfinished `Ingest` frees everything.
 
+use std::ops::Range;
+
 use attention::{HeadDigests, KvDType, Rows, WireTokens, decode_to_f32};
 use decode_node_proto::v1::{DType, KvHeader};
 
@@ -153,6 +155,25 @@ pub fn validate_header(layout: &KvLayout, h: &KvHeader) -> Result<PromptInfo, Er
     })
 }
 
+/// The KV heads a chunk carries: its range, or every head when `head_count` is 0.
+fn chunk_heads(c: &Chunk, hk: usize) -> Result<Range<usize>, Error> {
+    let (start, count) = (c.head_start as usize, c.head_count as usize);
+    if count == 0 {
+        if start != 0 {
+            return Err(Error::Invalid(format!(
+                "chunk head_start {start} without head_count"
+            )));
+        }
+        return Ok(0..hk);
+    }
+    match start.checked_add(count) {
+        Some(end) if end <= hk => Ok(start..end),
+        _ => Err(Error::Invalid(format!(
+            "chunk heads [{start}, {start}+{count}) outside the model's {hk} KV heads"
+        ))),
+    }
+}
+
 impl Ingest {
     /// Validates `header` and reserves and takes every block the prompt needs.
     pub fn begin(layout: &KvLayout, pool: &HostPool, header: &KvHeader) -> Result<Self, Error> {
@@ -182,8 +203,8 @@ impl Ingest {
             num_tokens: n,
             blocks,
             digests: vec![HeadDigests::new(per_layer, geom.head_dim); layout.num_layers * hk],
-            covered: vec![vec![0u64; n.div_ceil(64)]; layout.num_layers],
-            remaining: n * layout.num_layers,
+            covered: vec![vec![0u64; n.div_ceil(64)]; layout.num_layers * hk],
+            remaining: n * layout.num_layers * hk,
             bytes_received: 0,
             chunks_received: 0,
             scratch_k: Vec::new(),
@@ -227,20 +248,27 @@ impl Ingest {
                 self.num_tokens
             )));
         }
+        let heads = chunk_heads(c, hk)?;
+        let hc = heads.len();
         let es = self.info.wire_dtype.size();
-        let want = count * hk * d * es;
+        let want = count * hc * d * es;
         if c.key.len() != want || c.value.len() != want {
             return Err(Error::Invalid(format!(
-                "chunk of {count} tokens needs {want} key and value bytes ({count}x{hk}x{d}x{es}), got {} and {}",
+                "chunk of {count} tokens needs {want} key and value bytes ({count}x{hc}x{d}x{es}), got {} and {}",
                 c.key.len(),
                 c.value.len()
             )));
         }
         let layer = c.layer as usize;
-        let cov = &self.covered[layer];
-        if (start..start + count).any(|t| cov[t / 64] >> (t % 64) & 1 == 1) {
+        let sent = |h: usize, t: usize| self.covered[layer * hk + h][t / 64] >> (t % 64) & 1 == 1;
+        if heads
+            .clone()
+            .any(|h| (start..start + count).any(|t| sent(h, t)))
+        {
             return Err(Error::Invalid(format!(
-                "chunk layer {layer} tokens [{start}, {}) overlaps tokens already sent",
+                "chunk layer {layer} heads [{}, {}) tokens [{start}, {}) overlaps what was already sent",
+                heads.start,
+                heads.end,
                 start + count
             )));
         }
@@ -255,7 +283,7 @@ impl Ingest {
         let same_dtype = self.info.wire_dtype == geom.dtype;
         // Same dtype, bf16 or f32: digests fold in while K is transposed, no f32 copy of K.
         if same_dtype && geom.folds_digest_in_copy() {
-            let crc = self.write_fused(c, layer, start, count);
+            let crc = self.write_fused(c, layer, heads.clone(), start, count);
             if crc != c.crc32c {
                 // Blocks were written before the check (see `write_fused`): unusable now.
                 self.poisoned = true;
@@ -267,13 +295,15 @@ impl Ingest {
             if crc != c.crc32c {
                 return Err(crc_mismatch(crc));
             }
-            self.write_converted(c, layer, start, count, same_dtype);
+            self.write_converted(c, layer, heads.clone(), start, count, same_dtype);
         }
-        let cov = &mut self.covered[layer];
-        for t in start..start + count {
-            cov[t / 64] |= 1 << (t % 64);
+        for h in heads {
+            let cov = &mut self.covered[layer * hk + h];
+            for t in start..start + count {
+                cov[t / 64] |= 1 << (t % 64);
+            }
         }
-        self.remaining -= count;
+        self.remaining -= count * hc;
         self.bytes_received += (2 * want) as u64;
         self.chunks_received += 1;
         Ok(())
@@ -284,18 +314,25 @@ impl Ingest {
     /// its rows are in L1 (a separate pass read them from memory twice): keys first, then
     /// values, so one running CRC follows the wire order. The caller checks the CRC after
     /// the blocks are written.
-    fn write_fused(&mut self, c: &Chunk, layer: usize, start: usize, count: usize) -> u32 {
+    fn write_fused(
+        &mut self,
+        c: &Chunk,
+        layer: usize,
+        heads: Range<usize>,
+        start: usize,
+        count: usize,
+    ) -> u32 {
         let geom = self.layout.geom;
         let (hk, d, es) = (geom.num_kv_heads, geom.head_dim, geom.dtype.size());
-        let row = hk * d * es;
+        let row = heads.len() * d * es;
         let mut crc = Crc32c::new();
         for (t, bi, slot, n) in runs(geom.block_size, start, count) {
             let kr = c.key.slice(t * row..(t + n) * row, &mut self.gather_k);
             crc.update(kr);
             let block = self.blocks[layer][bi].bytes_mut();
-            for h in 0..hk {
+            for (i, h) in heads.clone().enumerate() {
                 let rows = Rows {
-                    bytes: &kr[h * d * es..],
+                    bytes: &kr[i * d * es..],
                     stride: row,
                     n,
                 };
@@ -307,9 +344,9 @@ impl Ingest {
             let vr = c.value.slice(t * row..(t + n) * row, &mut self.gather_v);
             crc.update(vr);
             let block = self.blocks[layer][bi].bytes_mut();
-            for h in 0..hk {
+            for (i, h) in heads.clone().enumerate() {
                 let rows = Rows {
-                    bytes: &vr[h * d * es..],
+                    bytes: &vr[i * d * es..],
                     stride: row,
                     n,
                 };
@@ -324,23 +361,25 @@ impl Ingest {
         &mut self,
         c: &Chunk,
         layer: usize,
+        heads: Range<usize>,
         start: usize,
         count: usize,
         same_dtype: bool,
     ) {
         let geom = self.layout.geom;
         let (hk, d) = (geom.num_kv_heads, geom.head_dim);
+        let hc = heads.len();
         let want = c.key.len();
-        self.scratch_k.resize(count * hk * d, 0.0);
+        self.scratch_k.resize(count * hc * d, 0.0);
         let key = c.key.slice(0..want, &mut self.gather_k);
         decode_to_f32(self.info.wire_dtype, key, &mut self.scratch_k);
         if !same_dtype {
-            self.scratch_v.resize(count * hk * d, 0.0);
+            self.scratch_v.resize(count * hc * d, 0.0);
             let value = c.value.slice(0..want, &mut self.gather_v);
             decode_to_f32(self.info.wire_dtype, value, &mut self.scratch_v);
         }
         let es = self.info.wire_dtype.size();
-        let row = hk * d * es;
+        let row = hc * d * es;
         for (t, bi, slot, n) in runs(geom.block_size, start, count) {
             let block = self.blocks[layer][bi].bytes_mut();
             // f16 in an f16 pool: straight copies; the digest from the decoded keys.
@@ -353,9 +392,9 @@ impl Ingest {
             } else {
                 (&[][..], &[][..])
             };
-            for h in 0..hk {
+            for (j, h) in heads.clone().enumerate() {
                 if same_dtype {
-                    let off = h * d * es;
+                    let off = j * d * es;
                     let src = WireTokens {
                         k: &kr[off..],
                         v: &vr[off..],
@@ -365,17 +404,30 @@ impl Ingest {
                     geom.copy_tokens(block, h, slot, src);
                 } else {
                     for i in 0..n {
-                        let at = ((t + i) * hk + h) * d;
+                        let at = ((t + i) * hc + j) * d;
                         let (k, v) = (&self.scratch_k[at..at + d], &self.scratch_v[at..at + d]);
                         geom.write_token(block, h, slot + i, k, v);
                     }
                 }
                 let digest = &mut self.digests[layer * hk + h];
                 for i in 0..n {
-                    let at = ((t + i) * hk + h) * d;
+                    let at = ((t + i) * hc + j) * d;
                     digest.update(bi, &self.scratch_k[at..at + d]);
                 }
             }
+        }
+    }
+
+    /// Whether every (layer, token, head) has arrived, as `commit` requires.
+    #[cfg(test)]
+    fn commit_ready(&self) -> Result<(), Error> {
+        if self.remaining == 0 {
+            Ok(())
+        } else {
+            Err(Error::Invalid(format!(
+                "{} entries not sent",
+                self.remaining
+            )))
         }
     }
 
@@ -388,7 +440,6 @@ impl Ingest {
         Ok(())
     }
 
-    /// Finishes the push: every (layer, token) must have been sent.
     /// Ends the push: every (layer, token) must have arrived. `next_token_id`, when the
     /// producer sends it at commit, replaces the header's.
     pub fn commit(mut self, next_token_id: Option<u32>) -> Result<CommittedKv, Error> {
@@ -404,9 +455,9 @@ impl Ingest {
         }
         if self.remaining != 0 {
             return Err(Error::Invalid(format!(
-                "commit with {} of {} (layer, token) pairs not sent",
+                "commit with {} of {} (layer, token, KV head) entries not sent",
                 self.remaining,
-                self.num_tokens * self.layout.num_layers
+                self.num_tokens * self.layout.num_layers * self.layout.geom.num_kv_heads
             )));
         }
         Ok(CommittedKv::new(
@@ -485,6 +536,98 @@ pub(crate) mod tests {
             key: Bytes::from(kb),
             value: Bytes::from(vb),
             crc32c: crc,
+            head_start: 0,
+            head_count: 0,
+        }
+    }
+
+    /// Heads [h0, h0 + hc) of a whole-head chunk whose elements are `es` bytes, as a
+    /// tensor-parallel rank sends them.
+    fn head_part(c: &KvChunk, h0: usize, hc: usize, es: usize) -> KvChunk {
+        let (hk, d) = (2, 4);
+        let row = hk * d * es;
+        let part = |b: &Bytes| -> Vec<u8> {
+            b.chunks(row)
+                .flat_map(|r| r[h0 * d * es..(h0 + hc) * d * es].to_vec())
+                .collect()
+        };
+        let (kb, vb) = (part(&c.key), part(&c.value));
+        KvChunk {
+            crc32c: crc32c::crc32c_append(crc32c::crc32c(&kb), &vb),
+            key: Bytes::from(kb),
+            value: Bytes::from(vb),
+            head_start: h0 as u32,
+            head_count: hc as u32,
+            ..c.clone()
+        }
+    }
+
+    #[test]
+    fn heads_pushed_by_separate_ranks_assemble_to_the_whole_push() {
+        // Fused (f32 into f32), converting (f16 into f32) and copying (f16 into f16) writes.
+        for (pool_dtype, wire_f32) in [
+            (KvDType::F32, true),
+            (KvDType::F32, false),
+            (KvDType::F16, false),
+        ] {
+            let mut l = layout();
+            l.geom.dtype = pool_dtype;
+            let pool = HostPool::new(l.geom, 64 * l.geom.block_bytes() as u64).unwrap();
+            let mut h = header("tp", 7);
+            let es = if wire_f32 { 4 } else { 2 };
+            if wire_f32 {
+                h.dtype = DType::DtypeF32 as i32;
+            }
+            let make = |layer, start, count| {
+                let c = chunk(layer, start, count);
+                if wire_f32 { to_f32(c) } else { c }
+            };
+            let mut whole = Ingest::begin(&l, &pool, &h).unwrap();
+            let mut ranks = Ingest::begin(&l, &pool, &h).unwrap();
+            for layer in 0..2 {
+                whole.chunk(&make(layer, 0, 7).into()).unwrap();
+                // Rank 1 sends its head in two pieces, rank 0 in one, out of order.
+                ranks
+                    .chunk(&head_part(&make(layer, 2, 5), 1, 1, es).into())
+                    .unwrap();
+                ranks
+                    .chunk(&head_part(&make(layer, 0, 7), 0, 1, es).into())
+                    .unwrap();
+                assert!(ranks.commit_ready().is_err());
+                let dup = head_part(&make(layer, 0, 3), 0, 1, es);
+                assert!(
+                    matches!(ranks.chunk(&dup.into()), Err(Error::Invalid(m)) if m.contains("overlaps"))
+                );
+                ranks
+                    .chunk(&head_part(&make(layer, 0, 2), 1, 1, es).into())
+                    .unwrap();
+            }
+            let mut bad = head_part(&make(0, 0, 1), 1, 1, es);
+            bad.head_count = 2;
+            assert!(
+                matches!(ranks.chunk(&bad.into()), Err(Error::Invalid(m)) if m.contains("outside"))
+            );
+            let mut bad = make(0, 0, 1);
+            bad.head_start = 1;
+            assert!(
+                matches!(ranks.chunk(&bad.into()), Err(Error::Invalid(m)) if m.contains("head_count"))
+            );
+            let (mut a, mut b) = (whole.commit(None).unwrap(), ranks.commit(None).unwrap());
+            for layer in 0..2 {
+                for blk in 0..2 {
+                    assert_eq!(
+                        a.block(layer, blk),
+                        b.block(layer, blk),
+                        "{pool_dtype:?} {wire_f32}"
+                    );
+                }
+            }
+            let (da, db) = (a.take_digests(), b.take_digests());
+            for (x, y) in da.iter().zip(&db) {
+                for blk in 0..2 {
+                    assert_eq!(x.block(blk), y.block(blk));
+                }
+            }
         }
     }
 

@@ -35,12 +35,16 @@ pub struct Chunk {
     pub token_start: u32,
     /// Tokens.
     pub token_count: u32,
-    /// `[token_count][num_kv_heads][head_dim]` keys in the header's dtype.
+    /// `[token_count][heads][head_dim]` keys in the header's dtype.
     pub key: Payload,
     /// Values, likewise.
     pub value: Payload,
     /// CRC-32C of key then value.
     pub crc32c: u32,
+    /// First KV head in the chunk (tensor-parallel producers).
+    pub head_start: u32,
+    /// KV heads in the chunk; 0 is every head.
+    pub head_count: u32,
 }
 
 impl From<KvChunk> for Chunk {
@@ -52,6 +56,8 @@ impl From<KvChunk> for Chunk {
             key: c.key.into(),
             value: c.value.into(),
             crc32c: c.crc32c,
+            head_start: c.head_start,
+            head_count: c.head_count,
         }
     }
 }
@@ -228,6 +234,8 @@ fn merge_chunk(c: &mut Chunk, p: &Payload) -> Result<(), Error> {
             2 => c.token_start = u32_field("KvChunk.token_start", &mut cur)?,
             3 => c.token_count = u32_field("KvChunk.token_count", &mut cur)?,
             6 => c.crc32c = u32_field("KvChunk.crc32c", &mut cur)?,
+            7 => c.head_start = u32_field("KvChunk.head_start", &mut cur)?,
+            8 => c.head_count = u32_field("KvChunk.head_count", &mut cur)?,
             4 => {
                 expect(wt, WireType::LengthDelimited, "KvChunk.key")?;
                 c.key = cur.len_delimited()?;
@@ -414,6 +422,9 @@ mod tests {
                     key: k.into(),
                     value: v.into(),
                     crc32c,
+                    // Some chunks name a head range (derived, to keep the tuple small).
+                    head_start: crc32c % 3,
+                    head_count: (crc32c >> 8) % 3,
                 })
             });
         let header = (
@@ -510,7 +521,11 @@ mod tests {
 
         /// The client's zero-copy encoding is byte for byte prost's.
         #[test]
-        fn chunk_encoding_equals_prost(m in chunk_msg()) {
+        fn chunk_encoding_equals_prost(mut m in chunk_msg()) {
+            // The node's own client pushes every head.
+            if let Some(Item::Chunk(c)) = &mut m.item {
+                (c.head_start, c.head_count) = (0, 0);
+            }
             let Some(Item::Chunk(c)) = m.item.clone() else { return Ok(()) };
             let parts = encode_chunk(c.layer, c.token_start, c.token_count, c.key.clone(), c.value.clone(), c.crc32c).unwrap();
             let got: Vec<u8> = parts.iter().flat_map(|b| b.iter().copied()).collect();

@@ -305,11 +305,13 @@ class PushStream:
             except queue.Empty:
                 continue
             if isinstance(item, tuple):
-                layer, start, k, v = item
+                layer, start, head_start, k, v = item
                 kb, vb = _encode(k, self._dtype), _encode(v, self._dtype)
+                whole = k.shape[1] == self._shape[0]
                 yield kv_transfer_pb2.PushKvRequest(chunk=kv_transfer_pb2.KvChunk(
                     layer=layer, token_start=start, token_count=k.shape[0], key=kb, value=vb,
-                    crc32c=crc32c.crc32c(vb, crc32c.crc32c(kb))))
+                    crc32c=crc32c.crc32c(vb, crc32c.crc32c(kb)), head_start=0 if whole else head_start,
+                    head_count=0 if whole else k.shape[1]))
             else:
                 yield item
                 if item.HasField("commit"):
@@ -330,19 +332,23 @@ class PushStream:
         if self._committing or self._done.is_set():
             raise RuntimeError("the push has ended")
 
-    def push(self, layer: int, k, v, token_start: int = 0) -> None:
+    def push(self, layer: int, k, v, token_start: int = 0, head_start: int = 0) -> None:
         """Queues tokens [token_start, token_start + len(k)) of `layer`: K and V of shape
-        [tokens, kv_heads, head_dim] (numpy or torch, any float dtype). Every (layer, token) is
-        sent once before `commit`."""
+        [tokens, heads, head_dim] (numpy or torch, any float dtype), KV heads [head_start,
+        head_start + heads) of the model's (a tensor-parallel rank pushes its own heads into
+        the same request). Every (layer, token, head) is sent once before `commit`."""
         self._check()
         k, v = _numpy(k), _numpy(v)
-        if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != self._shape:
-            raise ValueError(f"K/V must be [tokens, {self._shape[0]}, {self._shape[1]}]; got {k.shape}, {v.shape}")
+        heads, dim = self._shape
+        if k.shape != v.shape or k.ndim != 3 or k.shape[2] != dim or k.shape[1] == 0:
+            raise ValueError(f"K/V must be [tokens, heads, {dim}]; got {k.shape}, {v.shape}")
+        if not 0 <= head_start <= heads - k.shape[1]:
+            raise ValueError(f"heads {head_start}..{head_start + k.shape[1]} outside the model's {heads}")
         if not 0 <= layer < self._layers or token_start < 0 or token_start + k.shape[0] > self._tokens:
             raise ValueError(f"layer {layer}, tokens {token_start}..{token_start + k.shape[0]} outside "
                              f"{self._layers} layers of {self._tokens} tokens")
         for s in range(0, k.shape[0], self._chunk):
-            self._queue.put((layer, token_start + s, k[s:s + self._chunk], v[s:s + self._chunk]))
+            self._queue.put((layer, token_start + s, head_start, k[s:s + self._chunk], v[s:s + self._chunk]))
 
     def commit(self, next_token_id: Optional[int] = None, timeout: Optional[float] = None
                ) -> kv_transfer_pb2.PushKvResponse:

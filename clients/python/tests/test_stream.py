@@ -61,6 +61,24 @@ def test_chunked_prefill_streamed_layer_by_layer_decodes_like_a_whole_push(node,
     assert [t.id for t in got] == greedy[1:] and finish.generated_tokens == len(greedy) - 1
 
 
+def test_tensor_parallel_ranks_push_their_own_heads_into_one_request(node):
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    tokens, heads, dim = layers[0][0].shape
+    assert heads >= 2, "the golden model needs two KV heads to split"
+    ranks = [(0, heads // 2), (heads // 2, heads)]
+    with PushStream(node, "stream-tp", prompt, num_layers=len(layers), num_kv_heads=heads, head_dim=dim) as s:
+        for layer, (k, v) in enumerate(layers):
+            for lo, hi in reversed(ranks):
+                s.push(layer, k[:, lo:hi], v[:, lo:hi], head_start=lo)
+        with pytest.raises(ValueError):
+            s.push(0, k[:, :1], v[:, :1], head_start=heads)
+        ack = s.commit(next_token_id=greedy[0])
+    assert ack.bytes_received == sum(k.nbytes + v.nbytes for k, v in layers)
+    got, _ = generate_all(node, "stream-tp", max_new_tokens=len(greedy) - 1, ignore_eos=True)
+    assert [t.id for t in got] == greedy[1:]
+
+
 def test_an_aborted_or_refused_stream_frees_the_pool(node):
     g, layers = golden()
     prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
@@ -88,7 +106,7 @@ def test_an_aborted_or_refused_stream_frees_the_pool(node):
     # Bad shapes and ranges never reach the node.
     s = PushStream(node, "stream-shape", prompt, num_layers=len(layers), num_kv_heads=heads, head_dim=dim)
     with pytest.raises(ValueError):
-        s.push(0, layers[0][0][:, :1], layers[0][1][:, :1])
+        s.push(0, layers[0][0][:, :, :1], layers[0][1][:, :, :1])
     with pytest.raises(ValueError):
         s.push(len(layers), *layers[0])
     with pytest.raises(ValueError):

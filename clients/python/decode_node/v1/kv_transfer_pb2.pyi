@@ -40,20 +40,24 @@ class KvHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("layer", "token_start", "token_count", "key", "value", "crc32c")
+    __slots__ = ("layer", "token_start", "token_count", "key", "value", "crc32c", "head_start", "head_count")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
     layer: int
     token_start: int
     token_count: int
     key: bytes
     value: bytes
     crc32c: int
-    def __init__(self, layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    head_start: int
+    head_count: int
+    def __init__(self, layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ...) -> None: ...
 
 class KvCommit(_message.Message):
     __slots__ = ("next_token_id",)
