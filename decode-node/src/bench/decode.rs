@@ -144,8 +144,9 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             });
             if !args.common.json {
                 eprintln!(
-                    "decode ctx={ctx} {mode:>6}: {tps:8.1} tok/s, x{:.2} of full, first token {:.3} s, CPU share {:.1}%, hit {:.1}%, device waits {:.1}%",
-                    full_tps.map_or(f64::NAN, |f| tps / f),
+                    "decode ctx={ctx} {mode:>6}: {tps:8.1} tok/s, x{} of full, first token {:.3} s, CPU share {:.1}%, hit {:.1}%, device waits {:.1}%",
+                    // Without `full` among the modes there is nothing to divide by.
+                    full_tps.map_or("-".to_string(), |f| format!("{:.2}", tps / f)),
                     first_token_s,
                     cpu / nb * 100.0,
                     hit / nb * 100.0,
