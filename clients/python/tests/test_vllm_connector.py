@@ -1,0 +1,113 @@
+"""The vLLM connector driven as vLLM drives it (scheduler and worker sides in their own objects,
+metadata pickled between them), over a paged numpy cache, against a real node; no vLLM needed."""
+import pickle
+import time
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+
+from conftest import golden, load
+from decode_node_client import generate_all
+from decode_node_client.vllm_connector import PUSH_ID, PUSH_TARGET, DecodeNodeConnector, KVConnectorRole
+
+BLOCK = 4
+
+
+def config(target, **extra):
+    return NS(kv_transfer_config=NS(kv_connector_extra_config={"target": target, **extra}),
+              parallel_config=NS(tensor_parallel_size=1))
+
+
+def scheduler_output(new=(), cached=(), scheduled=None):
+    """`new`: (req_id, block_ids, num_computed); `cached`: (req_id, new_block_ids, num_computed)."""
+    return NS(
+        scheduled_new_reqs=[NS(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new],
+        scheduled_cached_reqs=NS(req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
+                                 new_block_ids=[(b,) if b else None for _, b, _ in cached],
+                                 num_computed_tokens=[c for _, _, c in cached]),
+        num_scheduled_tokens=scheduled or {})
+
+
+def step(sched, worker, out, caches, names):
+    """One engine step: metadata to the worker (pickled, as between processes), then the forward."""
+    meta = pickle.loads(pickle.dumps(sched.build_connector_meta(out)))
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for name in names:
+        worker.save_kv_layer(name, caches[name], None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def test_a_chunked_prefill_reaches_the_node_and_decodes_the_golden_greedy(node):
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    tokens, heads, dim = layers[0][0].shape
+    nblocks = -(-tokens // BLOCK)
+    rng = np.random.default_rng(3)
+    table = [int(b) for b in rng.permutation(nblocks + 4)[:nblocks]]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(len(layers))]
+    caches = {}
+    for name, (k, v) in zip(names, layers):
+        cache = rng.standard_normal((2, nblocks + 4, BLOCK, heads, dim)).astype(np.float32)
+        for t in range(tokens):
+            cache[0, table[t // BLOCK], t % BLOCK] = k[t]
+            cache[1, table[t // BLOCK], t % BLOCK] = v[t]
+        caches[name] = cache
+    sched = DecodeNodeConnector(config(node), KVConnectorRole.SCHEDULER)
+    worker = DecodeNodeConnector(config(node), KVConnectorRole.WORKER)
+    worker.register_kv_caches(caches)
+    req = NS(request_id="vllm-1", prompt_token_ids=prompt, kv_transfer_params={PUSH_ID: "dn-1"},
+             output_token_ids=[])
+    other = NS(request_id="vllm-2", prompt_token_ids=prompt[:5], kv_transfer_params=None, output_token_ids=[])
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, None, 0)
+    sched.update_state_after_alloc(other, None, 0)
+    # Chunked prefill: the first step computes `cut` tokens with the blocks allocated so far.
+    cut = BLOCK * 2 + 1
+    first_blocks = -(-cut // BLOCK)
+    step(sched, worker, scheduler_output(new=[("vllm-1", table[:first_blocks], 0), ("vllm-2", [0], 0)],
+                                         scheduled={"vllm-1": cut, "vllm-2": 5}), caches, names)
+    step(sched, worker, scheduler_output(cached=[("vllm-1", table[first_blocks:], cut)],
+                                         scheduled={"vllm-1": tokens - cut}), caches, names)
+    # The prefill sampled its token; the request finishes and the next step commits.
+    req.output_token_ids = [greedy[0]]
+    done, params = sched.request_finished(req, table)
+    assert not done and params == {PUSH_ID: "dn-1", PUSH_TARGET: node}
+    assert sched.request_finished(other, [0]) == (False, None)
+    assert sched.has_pending_push_work()
+    step(sched, worker, scheduler_output(), caches, names)
+    assert not sched.has_pending_push_work()
+    got, finish = generate_all(node, "dn-1", max_new_tokens=len(greedy) - 1, ignore_eos=True)
+    assert [t.id for t in got] == greedy[1:] and finish.generated_tokens == len(greedy) - 1
+    worker.shutdown()
+
+
+def test_an_unfinished_prefill_is_aborted_and_frees_the_node(node):
+    g, layers = golden()
+    prompt = g["prompt"].tolist()
+    tokens, heads, dim = layers[0][0].shape
+    names = [f"l{i}" for i in range(len(layers))]
+    caches = {n: np.zeros((2, 64, BLOCK, heads, dim), np.float32) for n in names}
+    sched = DecodeNodeConnector(config(node), KVConnectorRole.SCHEDULER)
+    worker = DecodeNodeConnector(config(node), KVConnectorRole.WORKER)
+    worker.register_kv_caches(caches)
+    req = NS(request_id="vllm-3", prompt_token_ids=prompt, kv_transfer_params={PUSH_ID: "dn-3"},
+             output_token_ids=[])
+    sched.update_state_after_alloc(req, None, 0)
+    step(sched, worker, scheduler_output(new=[("vllm-3", [1, 2], 0)], scheduled={"vllm-3": 2 * BLOCK}),
+         caches, names)
+    deadline = time.time() + 10  # the header reaches the node from gRPC's thread
+    while load(node).host_kv_bytes_used == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    assert load(node).host_kv_bytes_used > 0
+    sched.request_finished(req, [1, 2])  # aborted by the engine before the prompt was done
+    step(sched, worker, scheduler_output(), caches, names)
+    deadline = time.time() + 10
+    while load(node).host_kv_bytes_used != 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert load(node).host_kv_bytes_used == 0
+    with pytest.raises(ValueError):
+        DecodeNodeConnector(NS(kv_transfer_config=NS(kv_connector_extra_config={"target": node}),
+                               parallel_config=NS(tensor_parallel_size=2)), KVConnectorRole.WORKER)
