@@ -245,7 +245,7 @@ impl SeqAttention {
         let mut scores = match cfg.scorer {
             BlockScorer::Quest => quest(0..older),
             BlockScorer::Sparq {
-                channels,
+                channels: _,
                 candidates,
             } => {
                 let pool = candidates.saturating_mul(cfg.budget_blocks(self.geom.block_size));
@@ -259,17 +259,7 @@ impl SeqAttention {
                     blocks.sort_unstable();
                     (vec![f32::NEG_INFINITY; older], blocks)
                 };
-                let approx = sparq::block_scores(
-                    &self.geom,
-                    keys.src,
-                    layer,
-                    head,
-                    q_group,
-                    channels,
-                    keys.scale,
-                    cfg.group_score,
-                    &blocks,
-                );
+                let approx = self.scores_of(cfg, layer, head, q_group, keys, &blocks);
                 for (b, a) in blocks.into_iter().zip(approx) {
                     scores[b] = a;
                 }
