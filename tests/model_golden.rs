@@ -113,6 +113,7 @@ fn hf_push(info: &pb::ModelInfo, g: &Golden, id: &str) -> PromptKv {
             num_tokens: g.prompt.len() as u32,
             prompt_token_ids: g.prompt.clone(),
             next_token_id: g.greedy[0],
+            num_streams: 0,
         },
         layers: g
             .keys

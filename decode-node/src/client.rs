@@ -110,6 +110,7 @@ pub fn prefill_kv(
         num_tokens: prompt.len() as u32,
         prompt_token_ids: prompt.to_vec(),
         next_token_id: next,
+        num_streams: 0,
     };
     Ok(PromptKv { header, layers })
 }

@@ -51,6 +51,7 @@ fn store(c: &mut Criterion) {
             num_tokens: tokens as u32,
             prompt_token_ids: vec![1; tokens],
             next_token_id: 1,
+            num_streams: 0,
         },
         layers: (0..layers)
             .map(|l| (data(2 * l), data(2 * l + 1)))

@@ -64,6 +64,10 @@ pub enum Error {
     /// `DropKv` ended the request's push while it was in flight.
     #[error("request {:?} was dropped (DropKv) while its KV was being pushed", clip(.0))]
     Dropped(String),
+    /// Another stream of a push that arrives on several streams failed, which ends the
+    /// whole push (its message says why).
+    #[error("another stream of this push failed, so the push is dropped: {0}")]
+    StreamFailed(String),
     /// The push sent nothing for longer than the idle timeout, or outlived its deadline.
     #[error("{0}")]
     PushTimeout(String),
@@ -87,7 +91,7 @@ impl Error {
             Error::NotFound(_) => Code::NotFound,
             Error::Timeout(_) => Code::DeadlineExceeded,
             Error::Cancelled(_) => Code::Cancelled,
-            Error::Dropped(_) => Code::Aborted,
+            Error::Dropped(_) | Error::StreamFailed(_) => Code::Aborted,
             Error::PushTimeout(_) => Code::DeadlineExceeded,
             Error::Lease(_) => Code::PermissionDenied,
             Error::Draining => Code::Unavailable,

@@ -215,6 +215,11 @@ impl Ingest {
         })
     }
 
+    /// What the header said.
+    pub fn info(&self) -> &PromptInfo {
+        &self.info
+    }
+
     /// The request id.
     pub fn request_id(&self) -> &str {
         &self.info.request_id
@@ -505,6 +510,7 @@ pub(crate) mod tests {
             num_tokens: n,
             prompt_token_ids: (0..n).map(|i| i % 100).collect(),
             next_token_id: 5,
+            num_streams: 0,
         }
     }
 
@@ -543,7 +549,7 @@ pub(crate) mod tests {
 
     /// Heads [h0, h0 + hc) of a whole-head chunk whose elements are `es` bytes, as a
     /// tensor-parallel rank sends them.
-    fn head_part(c: &KvChunk, h0: usize, hc: usize, es: usize) -> KvChunk {
+    pub(crate) fn head_part(c: &KvChunk, h0: usize, hc: usize, es: usize) -> KvChunk {
         let (hk, d) = (2, 4);
         let row = hk * d * es;
         let part = |b: &Bytes| -> Vec<u8> {

@@ -17,7 +17,8 @@ pub struct CodeLabel {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
     /// How the push ended (`committed`, `idle_timeout`, `deadline`, `dropped`, `cancelled`,
-    /// `client_gone`, `refused`, `incomplete`).
+    /// `client_gone`, `refused`, `incomplete`, `stream_failed`: another stream of the same push
+    /// failed).
     pub outcome: String,
 }
 
@@ -56,7 +57,7 @@ impl Default for IngestMetrics {
 
 /// Every `outcome` of `kv_push_ends_total`, rendered from the start (at 0) so dashboards and
 /// alerts see the series before the first push of each kind ends.
-pub(crate) const PUSH_OUTCOMES: [&str; 8] = [
+pub(crate) const PUSH_OUTCOMES: [&str; 9] = [
     "committed",
     "idle_timeout",
     "deadline",
@@ -65,6 +66,7 @@ pub(crate) const PUSH_OUTCOMES: [&str; 8] = [
     "client_gone",
     "refused",
     "incomplete",
+    "stream_failed",
 ];
 
 impl IngestMetrics {
@@ -118,7 +120,7 @@ impl IngestMetrics {
         );
         r.register(
             "kv_push_ends",
-            "PushKv streams ended, by outcome (committed, idle_timeout, deadline, dropped, cancelled, client_gone, refused, incomplete)",
+            "PushKv streams ended, by outcome (committed, idle_timeout, deadline, dropped, cancelled, client_gone, refused, incomplete, stream_failed)",
             self.ends.clone(),
         );
     }

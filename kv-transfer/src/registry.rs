@@ -154,6 +154,28 @@ pub struct PushSlot {
     done: bool,
 }
 
+/// A push's stop request, as every stream of the push sees it (see [`PushSlot::signal`]).
+#[derive(Debug, Clone)]
+pub struct StopSignal(Arc<PushControl>);
+
+impl StopSignal {
+    /// Why the push was asked to stop, if it was.
+    pub fn reason(&self) -> Option<StopReason> {
+        self.0.reason()
+    }
+
+    /// Resolves once `DropKv` or `Cancel` asks the push to stop. Where several tasks wait,
+    /// one of them wakes; it is the one that tells the others.
+    pub async fn stopped(&self) -> StopReason {
+        loop {
+            if let Some(why) = self.0.reason() {
+                return why;
+            }
+            self.0.wake.notified().await;
+        }
+    }
+}
+
 impl PushSlot {
     /// Why the push was asked to stop, if it was.
     pub fn stop_reason(&self) -> Option<StopReason> {
@@ -162,12 +184,12 @@ impl PushSlot {
 
     /// Resolves once `DropKv` or `Cancel` asks this push to stop.
     pub async fn stopped(&self) -> StopReason {
-        loop {
-            if let Some(why) = self.control.reason() {
-                return why;
-            }
-            self.control.wake.notified().await;
-        }
+        self.signal().stopped().await
+    }
+
+    /// The stop request, for streams that share this push without holding the slot.
+    pub fn signal(&self) -> StopSignal {
+        StopSignal(self.control.clone())
     }
 
     /// The push's lease, for its client (an ack after the header, and the commit's).

@@ -260,6 +260,11 @@ class PushStream:
     at `commit`, after sampling. Leaving a `with` block on an exception aborts the push, and the
     node frees what it held.
 
+    Producers in separate processes (tensor-parallel ranks, each with its own KV heads) each
+    open a `PushStream` of the same request with the same header and `num_streams=` their
+    number, push their own part (`head_start=`), and commit; the node commits the KV when every
+    stream has, and each `commit` returns then. If one stream fails, every stream's push fails.
+
         with PushStream(target, "r1", prompt_ids, num_layers=L, num_kv_heads=H, head_dim=D) as s:
             for layer in range(L):
                 ...  # compute the layer
@@ -270,9 +275,11 @@ class PushStream:
     def __init__(self, target, request_id: str, prompt_token_ids: Sequence[int], *, num_layers: int,
                  num_kv_heads: int, head_dim: int, next_token_id: Optional[int] = None,
                  model_id: Optional[str] = None, dtype: Optional[int] = None, chunk_tokens: int = 256,
-                 token: Optional[str] = None, timeout: Optional[float] = None):
+                 token: Optional[str] = None, timeout: Optional[float] = None, num_streams: int = 1):
         if chunk_tokens <= 0:
             raise ValueError("chunk_tokens must be positive")
+        if num_streams <= 0:
+            raise ValueError("num_streams must be positive")
         if min(num_layers, num_kv_heads, head_dim) <= 0:
             raise ValueError("num_layers, num_kv_heads and head_dim must be positive")
         if model_id is None or dtype is None:
@@ -293,7 +300,8 @@ class PushStream:
             request_id=request_id, model_id=model_id, num_layers=num_layers, num_kv_heads=num_kv_heads,
             head_dim=head_dim, dtype=dtype, num_tokens=self._tokens,
             prompt_token_ids=list(map(int, prompt_token_ids)),
-            next_token_id=0 if next_token_id is None else int(next_token_id))))
+            next_token_id=0 if next_token_id is None else int(next_token_id),
+            num_streams=0 if num_streams == 1 else int(num_streams))))
         stub = kv_transfer_pb2_grpc.KvTransferStub(_channel(target))
         self._call = stub.PushKv(self._requests(), metadata=_metadata(token), timeout=timeout)
         threading.Thread(target=self._read, daemon=True).start()

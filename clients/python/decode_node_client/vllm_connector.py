@@ -20,9 +20,11 @@ step (`has_pending_push_work` keeps the engine stepping until then).
 cache's: `flash_attn`, the default, `flash_attn_hnd` or `flashinfer`, see `gather_paged`),
 `commit_timeout_s` (30).
 
-Not supported yet: tensor parallelism above 1 (each rank would open its own push of the same
-request; the node assembles head ranges only within one push), and a preempted prefill (its push
-is aborted; the decode side then finds no KV and the orchestrator retries).
+Tensor parallelism: each worker rank opens its own stream of the request's push
+(`KvHeader.num_streams`) and pushes the KV heads it holds; the node assembles them and commits when
+every rank has. Where there are more ranks than KV heads (heads replicated), one rank per head
+pushes. Not supported yet: pipeline parallelism above 1, and a preempted prefill (its push is
+aborted; the decode side then finds no KV and the orchestrator retries).
 The module imports without vLLM, so it is tested by driving its methods as vLLM calls them.
 """
 from __future__ import annotations
@@ -66,6 +68,15 @@ except ImportError:  # pragma: no cover - exercised where vLLM is installed
         WORKER = 1
 
 log = logging.getLogger(__name__)
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (vLLM's parallel state; 0 without vLLM)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    except ImportError:
+        return 0
+    return int(get_tensor_model_parallel_rank())
 
 __all__ = ["DecodeNodeConnector", "DecodeNodeConnectorMetadata", "PUSH_ID", "PUSH_TARGET"]
 
@@ -120,9 +131,13 @@ class DecodeNodeConnector(KVConnectorBase_V1):
         self._tls = {k: extra[k] for k in ("ca_cert", "client_cert", "client_key", "domain") if k in extra}
         self._layout: str = extra.get("layout", "flash_attn")
         self._commit_timeout = float(extra.get("commit_timeout_s", 30))
-        tp = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
-        if tp != 1:
-            raise ValueError("DecodeNodeConnector supports tensor_parallel_size 1 only (one push per request)")
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self._tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) != 1:
+            raise ValueError("DecodeNodeConnector does not support pipeline_parallel_size above 1 yet")
+        model = getattr(vllm_config, "model_config", None)
+        total = getattr(model, "get_total_num_kv_heads", None)
+        self._total_heads: Optional[int] = int(total()) if callable(total) else None
         # Scheduler side.
         self._tracked: Dict[str, _Tracked] = {}
         self._commits: List[Tuple[str, int]] = []
@@ -130,6 +145,10 @@ class DecodeNodeConnector(KVConnectorBase_V1):
         # Worker side.
         self._layers: Dict[str, int] = {}
         self._heads = self._head_dim = 0
+        # This rank's KV heads: [head_start, head_start + local heads) of the model's total.
+        self._head_start = 0
+        self._streams_per_push = 1
+        self._pushes = True
         self._streams: Dict[str, PushStream] = {}
         self._channels: Dict[str, grpc.Channel] = {}
         self._node_info: Dict[str, Tuple[str, int]] = {}
@@ -206,11 +225,21 @@ class DecodeNodeConnector(KVConnectorBase_V1):
         first = next(iter(kv_caches.values()))
         shape = tuple(first.shape)
         if self._layout == "flash_attn_hnd":
-            self._heads, self._head_dim = shape[2], shape[4]
+            local, self._head_dim = shape[2], shape[4]
         elif self._layout in ("flash_attn", "flashinfer"):
-            self._heads, self._head_dim = shape[3], shape[4]
+            local, self._head_dim = shape[3], shape[4]
         else:
             raise ValueError(f"unknown layout {self._layout!r}")
+        self._heads = self._total_heads or local * self._tp
+        rank = _tp_rank()
+        if self._heads >= self._tp:
+            # Heads split evenly across the ranks.
+            self._head_start, self._streams_per_push, self._pushes = rank * local, self._tp, True
+        else:
+            # Each head on tp / heads ranks: the first of them pushes it.
+            per_head = self._tp // self._heads
+            self._head_start, self._streams_per_push = rank // per_head, self._heads
+            self._pushes = rank % per_head == 0
 
     def _channel(self, target: str) -> grpc.Channel:
         if target not in self._channels:
@@ -234,7 +263,7 @@ class DecodeNodeConnector(KVConnectorBase_V1):
             if s is not None:
                 s.abort()
         for save in meta.saves:
-            if save.req_id in self._streams:
+            if save.req_id in self._streams or not self._pushes:
                 continue
             try:
                 ch = self._channel(save.target)
@@ -245,7 +274,7 @@ class DecodeNodeConnector(KVConnectorBase_V1):
                 self._streams[save.req_id] = PushStream(
                     ch, save.push_id, save.prompt_token_ids, num_layers=len(self._layers),
                     num_kv_heads=self._heads, head_dim=self._head_dim, model_id=model_id, dtype=dtype,
-                    token=self._token)
+                    token=self._token, num_streams=self._streams_per_push)
             except DecodeNodeError as e:
                 log.warning("push of request %s could not start: %s", save.req_id, e)
 
@@ -263,7 +292,7 @@ class DecodeNodeConnector(KVConnectorBase_V1):
                 continue
             k, v = gather_paged(kv_layer, save.block_ids, save.start, save.end, layout=self._layout)
             try:
-                s.push(layer, k, v, token_start=save.start)
+                s.push(layer, k, v, token_start=save.start, head_start=self._head_start)
             except (DecodeNodeError, RuntimeError) as e:
                 log.warning("push of request %s failed: %s", save.req_id, e)
                 self._streams.pop(save.req_id).abort()

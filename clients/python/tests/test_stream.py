@@ -118,3 +118,50 @@ def test_an_aborted_or_refused_stream_frees_the_pool(node):
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(ValueError):
         gather_paged(np.zeros((2, 2, BLOCK, heads, dim)), [0, 1], 0, 2 * BLOCK + 1)
+
+
+def test_ranks_in_separate_streams_assemble_one_push_or_fail_together(node):
+    """Two producers (tensor-parallel ranks in separate processes) push their own KV heads on
+    their own streams of one push; each commit returns once both have committed. When one rank
+    aborts, the other's push fails too and the node holds nothing."""
+    import threading
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    _, heads, dim = layers[0][0].shape
+    assert heads == 2
+
+    def rank(rid, h, acks, fail=False):
+        s = PushStream(node, rid, prompt, num_layers=len(layers), num_kv_heads=heads, head_dim=dim,
+                       num_streams=2)
+        for layer, (k, v) in enumerate(layers):
+            s.push(layer, k[:, h:h + 1], v[:, h:h + 1], head_start=h)
+        if fail:
+            time.sleep(0.2)
+            s.abort()
+            return
+        try:
+            acks[h] = s.commit(next_token_id=greedy[0], timeout=20)
+        except DecodeNodeError as e:
+            acks[h] = e
+
+    acks = {}
+    threads = [threading.Thread(target=rank, args=("tp-ok", h, acks)) for h in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert acks[0].committed and acks[1].committed and acks[0].lease == acks[1].lease
+    got, _ = generate_all(node, "tp-ok", max_new_tokens=len(greedy) - 1, ignore_eos=True)
+    assert [t.id for t in got] == greedy[1:]
+
+    acks = {}
+    threads = [threading.Thread(target=rank, args=("tp-fail", h, acks, h == 1)) for h in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(acks[0], DecodeNodeError) and acks[0].code == grpc.StatusCode.ABORTED, acks[0]
+    deadline = time.time() + 10
+    while load(node).host_kv_bytes_used != 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert load(node).host_kv_bytes_used == 0

@@ -2,6 +2,7 @@
 metadata pickled between them), over a paged numpy cache, against a real node; no vLLM needed."""
 import pickle
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -9,14 +10,16 @@ import pytest
 
 from conftest import golden, load
 from decode_node_client import generate_all
+from decode_node_client import vllm_connector
 from decode_node_client.vllm_connector import PUSH_ID, PUSH_TARGET, DecodeNodeConnector, KVConnectorRole
 
 BLOCK = 4
 
 
-def config(target, **extra):
+def config(target, tp=1, pp=1, kv_heads=None, **extra):
     return NS(kv_transfer_config=NS(kv_connector_extra_config={"target": target, **extra}),
-              parallel_config=NS(tensor_parallel_size=1))
+              parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+              model_config=NS(get_total_num_kv_heads=lambda: kv_heads) if kv_heads else None)
 
 
 def scheduler_output(new=(), cached=(), scheduled=None):
@@ -109,5 +112,61 @@ def test_an_unfinished_prefill_is_aborted_and_frees_the_node(node):
         time.sleep(0.02)
     assert load(node).host_kv_bytes_used == 0
     with pytest.raises(ValueError):
-        DecodeNodeConnector(NS(kv_transfer_config=NS(kv_connector_extra_config={"target": node}),
-                               parallel_config=NS(tensor_parallel_size=2)), KVConnectorRole.WORKER)
+        DecodeNodeConnector(config(node, pp=2), KVConnectorRole.WORKER)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_ranks_each_push_their_heads_into_one_request(node, monkeypatch, tp):
+    """Each TP worker holds its own KV heads (with 4 ranks and 2 heads, two ranks per head) and
+    pushes them on its own stream of the request's push; the node commits once every pushing
+    rank has, and decodes the golden greedy."""
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    tokens, heads, dim = layers[0][0].shape
+    nblocks = -(-tokens // BLOCK)
+    table = list(range(1, nblocks + 1))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(len(layers))]
+    local = max(heads // tp, 1)
+    workers, caches = [], []
+    for rank in range(tp):
+        h0 = rank * heads // tp
+        rank_caches = {}
+        for name, (k, v) in zip(names, layers):
+            cache = np.zeros((2, nblocks + 1, BLOCK, local, dim), np.float32)
+            for t in range(tokens):
+                cache[0, table[t // BLOCK], t % BLOCK] = k[t, h0:h0 + local]
+                cache[1, table[t // BLOCK], t % BLOCK] = v[t, h0:h0 + local]
+            rank_caches[name] = cache
+        w = DecodeNodeConnector(config(node, tp=tp, kv_heads=heads), KVConnectorRole.WORKER)
+        monkeypatch.setattr(vllm_connector, "_tp_rank", lambda r=rank: r)
+        w.register_kv_caches(rank_caches)
+        workers.append(w)
+        caches.append(rank_caches)
+    sched = DecodeNodeConnector(config(node, tp=tp), KVConnectorRole.SCHEDULER)
+    req = NS(request_id="vllm-tp", prompt_token_ids=prompt, kv_transfer_params={PUSH_ID: f"dn-tp{tp}"},
+             output_token_ids=[])
+    sched.update_state_after_alloc(req, None, 0)
+
+    def all_ranks(out):
+        # The same metadata to every rank, which run at once (a rank's commit returns only
+        # when every rank has committed).
+        meta = pickle.dumps(sched.build_connector_meta(out))
+        with ThreadPoolExecutor(tp) as pool:
+            for f in [pool.submit(rank_step, w, meta, c) for w, c in zip(workers, caches)]:
+                f.result()
+
+    def rank_step(worker, meta, rank_caches):
+        worker.bind_connector_metadata(pickle.loads(meta))
+        worker.start_load_kv(None)
+        for name in names:
+            worker.save_kv_layer(name, rank_caches[name], None)
+        worker.clear_connector_metadata()
+
+    all_ranks(scheduler_output(new=[("vllm-tp", table, 0)], scheduled={"vllm-tp": tokens}))
+    req.output_token_ids = [greedy[0]]
+    sched.request_finished(req, table)
+    all_ranks(scheduler_output())
+    got, _ = generate_all(node, f"dn-tp{tp}", max_new_tokens=len(greedy) - 1, ignore_eos=True)
+    assert [t.id for t in got] == greedy[1:]
+    for w in workers:
+        w.shutdown()

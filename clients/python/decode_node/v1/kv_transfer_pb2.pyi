@@ -18,7 +18,7 @@ class PushKvRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[KvHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., commit: _Optional[_Union[KvCommit, _Mapping]] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "num_tokens", "prompt_token_ids", "next_token_id")
+    __slots__ = ("request_id", "model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "num_tokens", "prompt_token_ids", "next_token_id", "num_streams")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class KvHeader(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     num_layers: int
@@ -37,7 +38,8 @@ class KvHeader(_message.Message):
     num_tokens: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     next_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ...) -> None: ...
+    num_streams: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., num_streams: _Optional[int] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("layer", "token_start", "token_count", "key", "value", "crc32c", "head_start", "head_count")
