@@ -11,6 +11,7 @@
 //! keeping whole layers on the device is the next step.
 
 mod blas;
+mod call;
 mod driver;
 pub mod selftest;
 mod slots;

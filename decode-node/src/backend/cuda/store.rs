@@ -13,6 +13,7 @@ use attention::{BlockGeometry, KvSource, Partial};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, result as drv, sys};
 use kv_transfer::HostPool;
 
+use super::call::{SlotList, SplitK, pack, partials};
 use super::slots::SlotTable;
 use super::{DevBuf, Shared, dev_err, dtoh_f32, htod};
 use crate::backend::{BackendError, DeviceKv, DeviceSeq};
@@ -20,8 +21,6 @@ use crate::backend::{BackendError, DeviceKv, DeviceSeq};
 /// Largest GQA group and head dimension the attention kernel takes.
 const MAX_GROUP: usize = 8;
 const MAX_HEAD_DIM: usize = 128;
-/// CUDA blocks the split-K kernel aims for per call (enough to fill an H100 twice over).
-const TARGET_CTAS: usize = 1024;
 
 /// Which stream a copy goes on.
 #[derive(Debug, Clone, Copy)]
@@ -238,6 +237,71 @@ impl CudaKvStore {
     }
 }
 
+impl CudaKvStore {
+    /// Uploads `list` and `q`, runs the split and combine kernels on the main stream, and
+    /// returns the combine's output (outputs, then base-2 log-sum-exps; see [`partials`]).
+    fn launch_attention(
+        &self,
+        list: &SlotList,
+        q: &[f32],
+        group: usize,
+        scale: f32,
+        split: SplitK,
+    ) -> Result<Vec<f32>, BackendError> {
+        let sh = &*self.shared;
+        let (hk, d) = (self.geom.num_kv_heads, self.geom.head_dim);
+        let up = pack(list, q);
+        let mut scratch = self
+            .scratch
+            .lock()
+            .map_err(|_| BackendError::Device("scratch lock poisoned".into()))?;
+        let io_dev = scratch.io.ptr(&sh.stream, up.bytes.len())?;
+        htod(io_dev, &up.bytes, &sh.stream)?;
+        let part_floats = hk * split.splits * group * (d + 1);
+        let parts_dev = scratch.parts.ptr(&sh.stream, part_floats * 4)?;
+        let part_lse = parts_dev + (hk * split.splits * group * d * 4) as u64;
+        let out_floats = hk * group * (d + 1);
+        let out_dev = scratch.out.ptr(&sh.stream, out_floats * 4)?;
+        let lse_dev = out_dev + (hk * group * d * 4) as u64;
+        let (offs_dev, lens_dev, heads_dev, q_dev) = (
+            io_dev,
+            io_dev + up.at_lens as u64,
+            io_dev + up.at_heads as u64,
+            io_dev + up.at_q as u64,
+        );
+        let dtype = super::dtype_code(self.geom.dtype);
+        let (g, dd, b, c, s) = (
+            group as i32,
+            d as i32,
+            self.geom.block_size as i32,
+            split.chunk as i32,
+            split.splits as i32,
+        );
+        // SAFETY: every pointer names a range sized above; the arena offsets are slots the
+        // calling sequence owns.
+        unsafe {
+            sh.launch(
+                &sh.k.split,
+                (split.splits as u32, hk as u32),
+                128,
+                &[
+                    &self.base, &offs_dev, &lens_dev, &heads_dev, &q_dev, &g, &dd, &b, &dtype,
+                    &scale, &c, &s, &parts_dev, &part_lse,
+                ],
+            )?;
+            sh.launch(
+                &sh.k.combine,
+                ((hk * group) as u32, 1),
+                128,
+                &[&parts_dev, &part_lse, &s, &g, &dd, &out_dev, &lse_dev],
+            )?;
+        }
+        let mut host = vec![0f32; out_floats];
+        dtoh_f32(&mut host, out_dev, &sh.stream)?;
+        Ok(host)
+    }
+}
+
 impl Drop for CudaKvStore {
     fn drop(&mut self) {
         let _ = self.shared.bind();
@@ -294,8 +358,51 @@ impl CudaSeq {
             .ok_or_else(|| full(store.slots))
     }
 
-    fn set_valid(&mut self, lh: usize, block: usize, len: usize) {
-        self.table.set_valid(lh, block, len);
+    /// Gives `layer`'s KV head `h` a slot for each block of `list` (blocks past the
+    /// sequence's end skipped), queues the copies of those not yet filled with their tokens,
+    /// and calls `each` with every (slot, tokens).
+    fn place<'a>(
+        &mut self,
+        kv: &'a dyn KvSource,
+        layer: usize,
+        h: usize,
+        list: &[usize],
+        copies: &mut Vec<(u64, &'a [u8])>,
+        mut each: impl FnMut(u32, usize),
+    ) -> Result<(), BackendError> {
+        let geom = self.store.geom;
+        let (hk, bs) = (geom.num_kv_heads, geom.block_size);
+        let n = kv.num_tokens();
+        let lh = layer * hk + h;
+        for &b in list.iter().filter(|b| **b * bs < n) {
+            let len = (n - b * bs).min(bs);
+            let (slot, fill) = self.slot_for(lh, b, len)?;
+            if fill {
+                copies.push((
+                    self.store.slot_addr(slot),
+                    head_bytes(kv, &geom, layer, b, h),
+                ));
+                self.table.set_valid(lh, b, len);
+            }
+            each(slot, len);
+        }
+        Ok(())
+    }
+
+    /// Orders this call after `layer`'s recall copies, on the device: the host never waits.
+    fn after_recall(&self, layer: usize) -> Result<(), BackendError> {
+        let Some(e) = self.recall_events[layer] else {
+            return Ok(());
+        };
+        // SAFETY: both handles are live.
+        unsafe {
+            drv::stream::wait_event(
+                self.store.shared.stream.cu_stream(),
+                e.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| dev_err("waiting on recall", e))
     }
 }
 
@@ -343,7 +450,7 @@ impl DeviceSeq for CudaSeq {
         let store = Arc::clone(&self.store);
         let sh = &*store.shared;
         let geom = store.geom;
-        let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
+        let (hk, d) = (geom.num_kv_heads, geom.head_dim);
         let group = q.len() / (hk * d).max(1);
         if group == 0 || group > MAX_GROUP || d > MAX_HEAD_DIM || blocks.len() != hk {
             return Err(BackendError::Unsupported(format!(
@@ -354,140 +461,29 @@ impl DeviceSeq for CudaSeq {
         let t_start = std::time::Instant::now();
         sh.bind()?;
         self.table.next_tick();
-        if let Some(e) = self.recall_events[layer] {
-            // Ordered on the device after this layer's recall copies; the host never waits.
-            // SAFETY: both handles are live.
-            unsafe {
-                drv::stream::wait_event(
-                    sh.stream.cu_stream(),
-                    e.0,
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            }
-            .map_err(|e| dev_err("waiting on recall", e))?;
-        }
-        let n = kv.num_tokens();
-        let mut offs: Vec<i64> = Vec::new();
-        let mut lens: Vec<i32> = Vec::new();
-        let mut head_start: Vec<i32> = vec![0];
-        let mut max_n = 0usize;
+        self.after_recall(layer)?;
+        let mut list = SlotList::new();
         let mut copies: Vec<(u64, &[u8])> = Vec::new();
-        for (h, list) in blocks.iter().enumerate() {
-            let lh = layer * hk + h;
-            let before = offs.len();
-            for &b in list.iter().filter(|b| **b * bs < n) {
-                let len = (n - b * bs).min(bs);
-                let (slot, fill) = self.slot_for(lh, b, len)?;
-                if fill {
-                    copies.push((store.slot_addr(slot), head_bytes(kv, &geom, layer, b, h)));
-                    self.set_valid(lh, b, len);
-                }
-                offs.push(slot as i64 * geom.head_bytes() as i64);
-                lens.push(len as i32);
-            }
-            max_n = max_n.max(offs.len() - before);
-            head_start.push(offs.len() as i32);
+        for (h, heads_blocks) in blocks.iter().enumerate() {
+            self.place(kv, layer, h, heads_blocks, &mut copies, |slot, len| {
+                list.push(slot as i64 * geom.head_bytes() as i64, len)
+            })?;
+            list.end_head();
         }
         store.copy_in(&copies, Lane::Main)?;
-        let n_copies = copies.len();
-        if offs.is_empty() {
+        if list.is_empty() {
             return Ok((0..hk).map(|_| Partial::empty(group, d)).collect());
         }
-        let splits_wanted = (TARGET_CTAS / hk).clamp(1, max_n);
-        let chunk = max_n.div_ceil(splits_wanted);
-        let splits = max_n.div_ceil(chunk);
-        // One upload: offsets, lengths, head starts, query.
-        let total = offs.len();
-        let at_lens = total * 8;
-        let at_heads = at_lens + total * 4;
-        let at_q = (at_heads + (hk + 1) * 4).next_multiple_of(16);
-        let mut io = vec![0u8; at_q + q.len() * 4];
-        for (i, o) in offs.iter().enumerate() {
-            io[i * 8..i * 8 + 8].copy_from_slice(&o.to_le_bytes());
-        }
-        for (i, l) in lens.iter().enumerate() {
-            io[at_lens + i * 4..at_lens + i * 4 + 4].copy_from_slice(&l.to_le_bytes());
-        }
-        for (i, s) in head_start.iter().enumerate() {
-            io[at_heads + i * 4..at_heads + i * 4 + 4].copy_from_slice(&s.to_le_bytes());
-        }
-        io[at_q..].copy_from_slice(super::f32_bytes(q));
-        let mut scratch = store
-            .scratch
-            .lock()
-            .map_err(|_| BackendError::Device("scratch lock poisoned".into()))?;
-        let io_dev = scratch.io.ptr(&sh.stream, io.len())?;
-        htod(io_dev, &io, &sh.stream)?;
-        let part_floats = hk * splits * group * (d + 1);
-        let parts_dev = scratch.parts.ptr(&sh.stream, part_floats * 4)?;
-        let part_lse = parts_dev + (hk * splits * group * d * 4) as u64;
-        let out_floats = hk * group * (d + 1);
-        let out_dev = scratch.out.ptr(&sh.stream, out_floats * 4)?;
-        let lse_dev = out_dev + (hk * group * d * 4) as u64;
-        let (offs_dev, lens_dev, heads_dev, q_dev) = (
-            io_dev,
-            io_dev + at_lens as u64,
-            io_dev + at_heads as u64,
-            io_dev + at_q as u64,
-        );
-        let dtype = super::dtype_code(geom.dtype);
-        let (g, dd, b, c, s) = (
-            group as i32,
-            d as i32,
-            bs as i32,
-            chunk as i32,
-            splits as i32,
-        );
-        // SAFETY: every pointer names a range sized above; the arena offsets are slots we own.
-        unsafe {
-            sh.launch(
-                &sh.k.split,
-                (splits as u32, hk as u32),
-                128,
-                &[
-                    &store.base,
-                    &offs_dev,
-                    &lens_dev,
-                    &heads_dev,
-                    &q_dev,
-                    &g,
-                    &dd,
-                    &b,
-                    &dtype,
-                    &scale,
-                    &c,
-                    &s,
-                    &parts_dev,
-                    &part_lse,
-                ],
-            )?;
-            sh.launch(
-                &sh.k.combine,
-                ((hk * group) as u32, 1),
-                128,
-                &[&parts_dev, &part_lse, &s, &g, &dd, &out_dev, &lse_dev],
-            )?;
-        }
-        let t_wait = std::time::Instant::now();
-        let mut host = vec![0f32; out_floats];
-        dtoh_f32(&mut host, out_dev, &sh.stream)?;
+        let split = SplitK::new(hk, list.longest_head());
+        let host = store.launch_attention(&list, q, group, scale, split)?;
         tracing::trace!(
             layer,
-            entries = total,
-            copies = n_copies,
-            host_s = (t_wait - t_start).as_secs_f64(),
-            gpu_wait_s = t_wait.elapsed().as_secs_f64(),
+            entries = list.offs.len(),
+            copies = copies.len(),
+            seconds = t_start.elapsed().as_secs_f64(),
             "device attention"
         );
-        let (outs, lses) = host.split_at(hk * group * d);
-        Ok((0..hk)
-            .map(|h| Partial {
-                out: outs[h * group * d..(h + 1) * group * d].to_vec(),
-                lse2: lses[h * group..(h + 1) * group].to_vec(),
-                num_heads: group,
-                head_dim: d,
-            })
-            .collect())
+        Ok(partials(&host, hk, group, d))
     }
 
     fn recall(
@@ -498,21 +494,10 @@ impl DeviceSeq for CudaSeq {
     ) -> Result<(), BackendError> {
         let store = Arc::clone(&self.store);
         let sh = &*store.shared;
-        let geom = store.geom;
-        let (hk, bs) = (geom.num_kv_heads, geom.block_size);
-        let n = kv.num_tokens();
         sh.bind()?;
         let mut copies: Vec<(u64, &[u8])> = Vec::new();
-        for (head, list) in blocks.iter().enumerate().take(hk) {
-            let lh = layer * hk + head;
-            for &b in list.iter().filter(|b| **b * bs < n) {
-                let len = (n - b * bs).min(bs);
-                let (slot, fill) = self.slot_for(lh, b, len)?;
-                if fill {
-                    copies.push((store.slot_addr(slot), head_bytes(kv, &geom, layer, b, head)));
-                    self.set_valid(lh, b, len);
-                }
-            }
+        for (h, list) in blocks.iter().enumerate().take(store.geom.num_kv_heads) {
+            self.place(kv, layer, h, list, &mut copies, |_, _| {})?;
         }
         store.copy_in(&copies, Lane::Recall)?;
         if !copies.is_empty() {

@@ -1,0 +1,191 @@
+//! The host side of one device attention call, apart from the driver: the slot list the
+//! kernel walks, the split of the longest head's list across CUDA blocks, the one upload
+//! that carries both with the query, and the partial results read back. Pure, so tested
+//! without a GPU.
+
+use attention::Partial;
+
+/// CUDA blocks the split-K kernel aims for per call (enough to fill an H100 twice over).
+pub(super) const TARGET_CTAS: usize = 1024;
+
+/// The (slot, tokens) entries of one call, head after head.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(super) struct SlotList {
+    /// Byte offset of each entry's slot in the arena.
+    pub offs: Vec<i64>,
+    /// Tokens valid in each entry's block.
+    pub lens: Vec<i32>,
+    /// Where each KV head's entries start (one more than the heads: the end).
+    pub head_start: Vec<i32>,
+}
+
+impl SlotList {
+    pub fn new() -> Self {
+        Self {
+            head_start: vec![0],
+            ..Self::default()
+        }
+    }
+
+    pub fn push(&mut self, offset: i64, len: usize) {
+        self.offs.push(offset);
+        self.lens.push(len as i32);
+    }
+
+    /// Closes the current head's entries.
+    pub fn end_head(&mut self) {
+        self.head_start.push(self.offs.len() as i32);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.offs.is_empty()
+    }
+
+    /// Entries of the head with the most.
+    pub fn longest_head(&self) -> usize {
+        self.head_start
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// How a head's list is cut across the kernel's grid: `splits` CUDA blocks per head, each
+/// taking `chunk` entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SplitK {
+    pub chunk: usize,
+    pub splits: usize,
+}
+
+impl SplitK {
+    /// About [`TARGET_CTAS`] blocks over `heads` heads, none of them empty.
+    pub fn new(heads: usize, longest: usize) -> Self {
+        let longest = longest.max(1);
+        let wanted = (TARGET_CTAS / heads.max(1)).clamp(1, longest);
+        let chunk = longest.div_ceil(wanted);
+        Self {
+            chunk,
+            splits: longest.div_ceil(chunk),
+        }
+    }
+}
+
+/// The call's single upload and where each part of it starts (bytes).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Upload {
+    pub bytes: Vec<u8>,
+    pub at_lens: usize,
+    pub at_heads: usize,
+    /// 16-byte aligned, for the kernel's vector loads of the query.
+    pub at_q: usize,
+}
+
+/// Offsets (i64), lengths (i32), head starts (i32), then the query (f32), little-endian.
+pub(super) fn pack(list: &SlotList, q: &[f32]) -> Upload {
+    let total = list.offs.len();
+    let at_lens = total * 8;
+    let at_heads = at_lens + total * 4;
+    let at_q = (at_heads + list.head_start.len() * 4).next_multiple_of(16);
+    let mut bytes = Vec::with_capacity(at_q + q.len() * 4);
+    bytes.extend(list.offs.iter().flat_map(|o| o.to_le_bytes()));
+    bytes.extend(list.lens.iter().flat_map(|l| l.to_le_bytes()));
+    bytes.extend(list.head_start.iter().flat_map(|s| s.to_le_bytes()));
+    bytes.resize(at_q, 0);
+    bytes.extend(q.iter().flat_map(|x| x.to_le_bytes()));
+    Upload {
+        bytes,
+        at_lens,
+        at_heads,
+        at_q,
+    }
+}
+
+/// The combine kernel's output, `[heads][group][d]` outputs then `[heads][group]` base-2
+/// log-sum-exps, as one partial per KV head.
+pub(super) fn partials(host: &[f32], heads: usize, group: usize, d: usize) -> Vec<Partial> {
+    let (outs, lses) = host.split_at(heads * group * d);
+    (0..heads)
+        .map(|h| Partial {
+            out: outs[h * group * d..(h + 1) * group * d].to_vec(),
+            lse2: lses[h * group..(h + 1) * group].to_vec(),
+            num_heads: group,
+            head_dim: d,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_upload_holds_each_part_where_the_kernel_reads_it() {
+        let mut list = SlotList::new();
+        list.push(4096, 32);
+        list.push(0, 7);
+        list.end_head();
+        list.end_head(); // a head with nothing resident
+        list.push(8192, 1);
+        list.end_head();
+        assert_eq!(list.longest_head(), 2);
+        let q = [1.5f32, -2.0, 0.25];
+        let u = pack(&list, &q);
+        let i64_at = |i: usize| i64::from_le_bytes(u.bytes[i..i + 8].try_into().unwrap());
+        let i32_at = |i: usize| i32::from_le_bytes(u.bytes[i..i + 4].try_into().unwrap());
+        assert_eq!([i64_at(0), i64_at(8), i64_at(16)], [4096, 0, 8192]);
+        assert_eq!(u.at_lens, 24);
+        assert_eq!(
+            [i32_at(24), i32_at(28), i32_at(32)],
+            [32, 7, 1],
+            "lengths follow the offsets"
+        );
+        assert_eq!(u.at_heads, 36);
+        let starts: Vec<i32> = (0..4).map(|h| i32_at(36 + 4 * h)).collect();
+        assert_eq!(starts, [0, 2, 2, 3]);
+        assert_eq!(u.at_q % 16, 0);
+        assert!(u.at_q >= 52);
+        let qs: Vec<f32> = u.bytes[u.at_q..]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(qs, q);
+    }
+
+    #[test]
+    fn the_split_covers_the_longest_list_with_no_empty_block() {
+        for heads in [1, 3, 8, 40] {
+            for longest in [1, 2, 31, 128, 1000, 5000] {
+                let s = SplitK::new(heads, longest);
+                assert!(s.chunk * s.splits >= longest, "{heads} {longest} {s:?}");
+                assert!(
+                    s.chunk * (s.splits - 1) < longest,
+                    "{heads} {longest} {s:?}"
+                );
+                assert!(
+                    s.splits * heads <= TARGET_CTAS.max(heads),
+                    "{heads} {longest}"
+                );
+            }
+        }
+        assert_eq!(
+            SplitK::new(8, 0),
+            SplitK {
+                chunk: 1,
+                splits: 1
+            }
+        );
+    }
+
+    #[test]
+    fn partials_are_cut_per_kv_head() {
+        let (heads, group, d) = (2, 3, 4);
+        let host: Vec<f32> = (0..heads * group * (d + 1)).map(|i| i as f32).collect();
+        let p = partials(&host, heads, group, d);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[1].out[0], (group * d) as f32);
+        assert_eq!(p[1].lse2, [27.0, 28.0, 29.0]);
+        assert_eq!((p[0].num_heads, p[0].head_dim), (group, d));
+    }
+}
