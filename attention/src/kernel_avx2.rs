@@ -78,7 +78,7 @@ impl<'a> Prefetch<'a> {
 
     /// Requests the next line, if any is left.
     #[inline]
-    fn line(&mut self) {
+    pub(crate) fn line(&mut self) {
         if self.off < self.next.len() {
             // SAFETY: a prefetch is a hint and never faults; the address lies inside `next`.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(self.next.as_ptr().add(self.off).cast()) };
@@ -147,7 +147,7 @@ unsafe fn block_as<E: Elem>(
     let wide = b == 32 && len == 32 && (2..=8).contains(&g) && crate::kernel_avx512::available();
     // SAFETY: forwarded from this function's contract; `s` holds G x b scores; `wide` checked
     // the CPU.
-    let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s) };
+    let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s, pf) };
     if !done {
         // SAFETY: forwarded from this function's contract; `s` holds G x b >= G x 8nv scores.
         unsafe { scores::<E>(kt, b, d, nv, qs, g, st.s, pf) };
@@ -155,7 +155,8 @@ unsafe fn block_as<E: Elem>(
     // SAFETY: `s` holds G x b >= G x 8nv scores; `acc`, `m`, `l` hold G heads.
     unsafe { softmax_block(st, g, b, d, nv, len) };
     // SAFETY: `wide` checked the CPU; a full block of 32 tokens; `s` is [G][b], acc [G][d].
-    if wide && unsafe { crate::kernel_avx512::accumulate_v_dyn(g, dt, vs, d, st.s, b, st.acc) } {
+    if wide && unsafe { crate::kernel_avx512::accumulate_v_dyn(g, dt, vs, d, st.s, b, st.acc, pf) }
+    {
         return;
     }
     // V: a tile of up to six heads' accumulators lives in registers, so each V vector is
