@@ -76,6 +76,14 @@ impl<'a> Prefetch<'a> {
         Self { next, off: 0 }
     }
 
+    /// Requests every line left at once.
+    #[inline]
+    pub(crate) fn all(&mut self) {
+        while self.off < self.next.len() {
+            self.line();
+        }
+    }
+
     /// Requests the next line, if any is left.
     #[inline]
     pub(crate) fn line(&mut self) {
