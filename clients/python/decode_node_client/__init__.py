@@ -252,6 +252,47 @@ def _generate_request(request_id: str, *, max_new_tokens: int = 64, temperature:
                                            frequency_penalty=frequency_penalty))
 
 
+def _stream_header(request_id: str, prompt_token_ids: Sequence[int], num_layers: int, num_kv_heads: int,
+                   head_dim: int, model_id: str, dtype: int, next_token_id: Optional[int],
+                   num_streams: int) -> kv_transfer_pb2.PushKvRequest:
+    """The header of a push streamed piece by piece (`PushStream`)."""
+    if num_streams <= 0:
+        raise ValueError("num_streams must be positive")
+    return kv_transfer_pb2.PushKvRequest(header=kv_transfer_pb2.KvHeader(
+        request_id=request_id, model_id=model_id, num_layers=num_layers, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=dtype, num_tokens=len(prompt_token_ids),
+        prompt_token_ids=list(map(int, prompt_token_ids)),
+        next_token_id=0 if next_token_id is None else int(next_token_id),
+        num_streams=0 if num_streams == 1 else int(num_streams)))
+
+
+def _stream_parts(layer: int, k, v, token_start: int, head_start: int, shape: Tuple[int, int], layers: int,
+                  tokens: int, chunk: int) -> Iterator[tuple]:
+    """`PushStream.push`'s arguments checked and cut into chunks: (layer, start, head_start, k, v)."""
+    k, v = _numpy(k), _numpy(v)
+    heads, dim = shape
+    if k.shape != v.shape or k.ndim != 3 or k.shape[2] != dim or k.shape[1] == 0:
+        raise ValueError(f"K/V must be [tokens, heads, {dim}]; got {k.shape}, {v.shape}")
+    if not 0 <= head_start <= heads - k.shape[1]:
+        raise ValueError(f"heads {head_start}..{head_start + k.shape[1]} outside the model's {heads}")
+    if not 0 <= layer < layers or token_start < 0 or token_start + k.shape[0] > tokens:
+        raise ValueError(f"layer {layer}, tokens {token_start}..{token_start + k.shape[0]} outside "
+                         f"{layers} layers of {tokens} tokens")
+    for s in range(0, k.shape[0], chunk):
+        yield layer, token_start + s, head_start, k[s:s + chunk], v[s:s + chunk]
+
+
+def _stream_chunk(layer: int, start: int, head_start: int, k: np.ndarray, v: np.ndarray, *, heads: int,
+                  dtype: int) -> kv_transfer_pb2.PushKvRequest:
+    """One chunk of `_stream_parts`, encoded, with its CRC-32C (every head: no head range)."""
+    kb, vb = _encode(k, dtype), _encode(v, dtype)
+    whole = k.shape[1] == heads
+    return kv_transfer_pb2.PushKvRequest(chunk=kv_transfer_pb2.KvChunk(
+        layer=layer, token_start=start, token_count=k.shape[0], key=kb, value=vb,
+        crc32c=crc32c.crc32c(vb, crc32c.crc32c(kb)), head_start=0 if whole else head_start,
+        head_count=0 if whole else k.shape[1]))
+
+
 class PushStream:
     """One prompt's KV pushed piece by piece as the producer computes it: each layer (or each
     chunked-prefill step of a layer) right after prefill finishes it, so the transfer overlaps
@@ -278,8 +319,6 @@ class PushStream:
                  token: Optional[str] = None, timeout: Optional[float] = None, num_streams: int = 1):
         if chunk_tokens <= 0:
             raise ValueError("chunk_tokens must be positive")
-        if num_streams <= 0:
-            raise ValueError("num_streams must be positive")
         if min(num_layers, num_kv_heads, head_dim) <= 0:
             raise ValueError("num_layers, num_kv_heads and head_dim must be positive")
         if model_id is None or dtype is None:
@@ -296,12 +335,8 @@ class PushStream:
         self._committing = False
         self._last: Optional[kv_transfer_pb2.PushKvResponse] = None
         self._error: Optional[DecodeNodeError] = None
-        self._queue.put(kv_transfer_pb2.PushKvRequest(header=kv_transfer_pb2.KvHeader(
-            request_id=request_id, model_id=model_id, num_layers=num_layers, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, dtype=dtype, num_tokens=self._tokens,
-            prompt_token_ids=list(map(int, prompt_token_ids)),
-            next_token_id=0 if next_token_id is None else int(next_token_id),
-            num_streams=0 if num_streams == 1 else int(num_streams))))
+        self._queue.put(_stream_header(request_id, prompt_token_ids, num_layers, num_kv_heads, head_dim, model_id,
+                                       dtype, next_token_id, num_streams))
         stub = kv_transfer_pb2_grpc.KvTransferStub(_channel(target))
         self._call = stub.PushKv(self._requests(), metadata=_metadata(token), timeout=timeout)
         threading.Thread(target=self._read, daemon=True).start()
@@ -313,13 +348,7 @@ class PushStream:
             except queue.Empty:
                 continue
             if isinstance(item, tuple):
-                layer, start, head_start, k, v = item
-                kb, vb = _encode(k, self._dtype), _encode(v, self._dtype)
-                whole = k.shape[1] == self._shape[0]
-                yield kv_transfer_pb2.PushKvRequest(chunk=kv_transfer_pb2.KvChunk(
-                    layer=layer, token_start=start, token_count=k.shape[0], key=kb, value=vb,
-                    crc32c=crc32c.crc32c(vb, crc32c.crc32c(kb)), head_start=0 if whole else head_start,
-                    head_count=0 if whole else k.shape[1]))
+                yield _stream_chunk(*item, heads=self._shape[0], dtype=self._dtype)
             else:
                 yield item
                 if item.HasField("commit"):
@@ -346,17 +375,9 @@ class PushStream:
         head_start + heads) of the model's (a tensor-parallel rank pushes its own heads into
         the same request). Every (layer, token, head) is sent once before `commit`."""
         self._check()
-        k, v = _numpy(k), _numpy(v)
-        heads, dim = self._shape
-        if k.shape != v.shape or k.ndim != 3 or k.shape[2] != dim or k.shape[1] == 0:
-            raise ValueError(f"K/V must be [tokens, heads, {dim}]; got {k.shape}, {v.shape}")
-        if not 0 <= head_start <= heads - k.shape[1]:
-            raise ValueError(f"heads {head_start}..{head_start + k.shape[1]} outside the model's {heads}")
-        if not 0 <= layer < self._layers or token_start < 0 or token_start + k.shape[0] > self._tokens:
-            raise ValueError(f"layer {layer}, tokens {token_start}..{token_start + k.shape[0]} outside "
-                             f"{self._layers} layers of {self._tokens} tokens")
-        for s in range(0, k.shape[0], self._chunk):
-            self._queue.put((layer, token_start + s, head_start, k[s:s + self._chunk], v[s:s + self._chunk]))
+        for part in _stream_parts(layer, k, v, token_start, head_start, self._shape, self._layers, self._tokens,
+                                  self._chunk):
+            self._queue.put(part)
 
     def commit(self, next_token_id: Optional[int] = None, timeout: Optional[float] = None
                ) -> kv_transfer_pb2.PushKvResponse:

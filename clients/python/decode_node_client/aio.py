@@ -23,10 +23,10 @@ from grpc import aio as grpc_aio
 from decode_node.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 from . import DecodeNodeError, _channel_args, _committed, _generate_request, _metadata, _push_messages, \
-    _push_plan, to_layers
+    _push_plan, _stream_chunk, _stream_header, _stream_parts, to_layers
 
-__all__ = ["push_kv", "generate", "generate_all", "Generation", "model_info", "get_load", "watch_load", "cancel",
-           "drop_kv", "channel"]
+__all__ = ["push_kv", "PushStream", "generate", "generate_all", "Generation", "model_info", "get_load",
+           "watch_load", "cancel", "drop_kv", "channel"]
 
 
 def channel(target: str, *, ca_cert: Optional[str] = None, client_cert: Optional[str] = None,
@@ -135,6 +135,127 @@ async def push_kv(target, request_id: str, past_key_values, prompt_token_ids: Se
             while (ack := await call.read()) is not grpc_aio.EOF:
                 last = ack
     return _committed(last)
+
+
+class PushStream:
+    """One prompt's KV pushed piece by piece as the producer computes it, on asyncio (see
+    `decode_node_client.PushStream`): `push` writes each chunk as the stream takes it, `commit`
+    returns the node's acknowledgement, and leaving an `async with` block on an exception (or
+    without a commit) aborts the push, which frees what the node held.
+
+        async with aio.PushStream(target, "r1", prompt_ids, num_layers=L, num_kv_heads=H,
+                                  head_dim=D) as s:
+            for layer in range(L):
+                await s.push(layer, k, v)
+            ack = await s.commit(next_token_id=sampled)
+
+    Entering the block sends the header and waits for its acknowledgement (`s.lease` then holds
+    the push's lease), so a node that refuses the push says so before any chunk is encoded.
+    """
+
+    def __init__(self, target, request_id: str, prompt_token_ids: Sequence[int], *, num_layers: int,
+                 num_kv_heads: int, head_dim: int, next_token_id: Optional[int] = None,
+                 model_id: Optional[str] = None, dtype: Optional[int] = None, chunk_tokens: int = 256,
+                 token: Optional[str] = None, timeout: Optional[float] = None, num_streams: int = 1):
+        if chunk_tokens <= 0 or num_streams <= 0:
+            raise ValueError("chunk_tokens and num_streams must be positive")
+        if min(num_layers, num_kv_heads, head_dim) <= 0:
+            raise ValueError("num_layers, num_kv_heads and head_dim must be positive")
+        self._target, self._request_id, self._prompt = target, request_id, list(prompt_token_ids)
+        self._layers, self._shape, self._chunk = num_layers, (num_kv_heads, head_dim), chunk_tokens
+        self._next, self._model_id, self._dtype = next_token_id, model_id, dtype
+        self._token, self._timeout, self._streams = token, timeout, num_streams
+        self._ch = None
+        self._own = False
+        self._call = None
+        self._ended = False
+        self.lease = ""
+
+    async def __aenter__(self) -> "PushStream":
+        if isinstance(self._target, grpc_aio.Channel):
+            self._ch = self._target
+        else:
+            self._ch, self._own = channel(self._target), True
+        try:
+            if self._model_id is None or self._dtype is None:
+                info = await model_info(self._ch, self._token)
+                self._model_id = self._model_id or info.model_id
+                self._dtype = info.kv_dtype if self._dtype is None else self._dtype
+            async with _codes():
+                self._call = kv_transfer_pb2_grpc.KvTransferStub(self._ch).PushKv(
+                    metadata=_metadata(self._token), timeout=self._timeout)
+                # The header's ack before any chunk (see `push_kv`: grpc/grpc#36066).
+                await self._call.write(_stream_header(
+                    self._request_id, self._prompt, self._layers, self._shape[0], self._shape[1], self._model_id,
+                    self._dtype, self._next, self._streams))
+                ack = await self._call.read()
+            if ack is grpc_aio.EOF:
+                raise DecodeNodeError(grpc.StatusCode.UNKNOWN, "push ended without acknowledging its header")
+            self.lease = ack.lease
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if not self._ended:
+            await self.abort()
+        await self._close()
+
+    async def _close(self) -> None:
+        if self._own and self._ch is not None:
+            await self._ch.close()
+            self._ch = None
+
+    def _check(self) -> None:
+        if self._call is None:
+            raise RuntimeError("use the PushStream in `async with` first")
+        if self._ended:
+            raise RuntimeError("the push has ended")
+
+    async def _failed(self) -> DecodeNodeError:
+        """The call's status once a write found it ended."""
+        self._ended = True
+        try:
+            while await self._call.read() is not grpc_aio.EOF:
+                pass
+        except grpc_aio.AioRpcError as e:
+            return DecodeNodeError(e.code(), e.details())
+        return DecodeNodeError(grpc.StatusCode.UNKNOWN, "push ended early")
+
+    async def push(self, layer: int, k, v, token_start: int = 0, head_start: int = 0) -> None:
+        """Writes tokens [token_start, token_start + len(k)) of `layer`, KV heads
+        [head_start, head_start + heads): as `decode_node_client.PushStream.push`."""
+        self._check()
+        for part in _stream_parts(layer, k, v, token_start, head_start, self._shape, self._layers,
+                                  len(self._prompt), self._chunk):
+            try:
+                await self._call.write(_stream_chunk(*part, heads=self._shape[0], dtype=self._dtype))
+            except (asyncio.InvalidStateError, grpc_aio.AioRpcError):
+                raise await self._failed() from None
+
+    async def commit(self, next_token_id: Optional[int] = None) -> kv_transfer_pb2.PushKvResponse:
+        """Ends the push and returns the node's commit acknowledgement (with several streams,
+        once every stream has committed); `next_token_id` replaces the header's."""
+        self._check()
+        self._ended = True
+        last = None
+        async with _codes():
+            try:
+                await self._call.write(kv_transfer_pb2.PushKvRequest(commit=kv_transfer_pb2.KvCommit(
+                    next_token_id=None if next_token_id is None else int(next_token_id))))
+                await self._call.done_writing()
+            except asyncio.InvalidStateError:
+                pass  # the call ended; reading it raises its status
+            while (ack := await self._call.read()) is not grpc_aio.EOF:
+                last = ack
+        return _committed(last)
+
+    async def abort(self) -> None:
+        """Ends the push without committing; the node frees what it held."""
+        self._ended = True
+        if self._call is not None:
+            self._call.cancel()
 
 
 class Generation:

@@ -112,3 +112,55 @@ def test_watch_load_streams_until_the_consumer_stops(node):
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
     run(main())
+
+
+def test_push_stream_layer_by_layer_tensor_parallel_ranks_and_aborts(node):
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    _, heads, dim = layers[0][0].shape
+    shape = dict(num_layers=len(layers), num_kv_heads=heads, head_dim=dim)
+
+    async def rank(ch, rid, h):
+        # Rank h of `heads` pushes KV head h on its own stream of the push.
+        async with aio.PushStream(ch, rid, prompt, num_streams=heads, chunk_tokens=3, **shape) as s:
+            assert s.lease
+            for layer, (k, v) in enumerate(layers):
+                await s.push(layer, k[:, h:h + 1], v[:, h:h + 1], head_start=h)
+            return await s.commit(next_token_id=greedy[0])
+
+    async def main():
+        ch = aio.channel(node)
+        try:
+            # One stream, layer by layer.
+            async with aio.PushStream(ch, "aio-stream", prompt, chunk_tokens=4, **shape) as s:
+                for layer, (k, v) in enumerate(layers):
+                    await s.push(layer, k, v)
+                ack = await s.commit(next_token_id=greedy[0])
+            assert ack.committed and ack.lease == s.lease
+            got, _ = await aio.generate_all(ch, "aio-stream", max_new_tokens=len(greedy) - 1, ignore_eos=True)
+            assert [t.id for t in got] == greedy[1:]
+            # Ranks on their own streams: every commit returns the push's commit.
+            acks = await asyncio.gather(*(rank(ch, "aio-tp", h) for h in range(heads)))
+            assert all(a.committed for a in acks) and len({a.lease for a in acks}) == 1
+            got, _ = await aio.generate_all(ch, "aio-tp", max_new_tokens=len(greedy) - 1, ignore_eos=True)
+            assert [t.id for t in got] == greedy[1:]
+            # A refused header is refused on entry, before any chunk.
+            with pytest.raises(DecodeNodeError) as e:
+                async with aio.PushStream(ch, "aio-bad", prompt, model_id="other", **shape):
+                    pass
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            # An exception inside the block aborts the push: the node frees it.
+            with pytest.raises(KeyError):
+                async with aio.PushStream(ch, "aio-abort", prompt, **shape) as s:
+                    await s.push(0, *layers[0])
+                    raise KeyError("producer failed")
+            assert await pool_empty(ch)
+            # A push with a bad part is refused with the node's code.
+            with pytest.raises(ValueError):
+                async with aio.PushStream(ch, "aio-shape", prompt, **shape) as s:
+                    await s.push(len(layers), *layers[0])
+            assert await pool_empty(ch)
+        finally:
+            await ch.close()
+
+    run(main())
