@@ -30,9 +30,13 @@ pub enum KernelPath {
     /// Portable Rust for any CPU and shape, written for the compiler to vectorise (NEON on
     /// arm64, SSE2 on any x86-64); the SIMD paths are tested against it.
     Scalar,
-    /// AVX2 + FMA + F16C (x86-64), with AVX-512 for full blocks where the CPU has it.
+    /// AVX2 + FMA + F16C (x86-64).
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// [`KernelPath::Avx2`] with AVX-512 (F, BW) for full 32-token blocks of groups of 2 to
+    /// 8 heads, where the CPU has it.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl KernelPath {
@@ -41,6 +45,8 @@ impl KernelPath {
         Self::Scalar,
         #[cfg(target_arch = "x86_64")]
         Self::Avx2,
+        #[cfg(target_arch = "x86_64")]
+        Self::Avx512,
     ];
 
     /// Its name in benches and logs.
@@ -49,21 +55,35 @@ impl KernelPath {
             Self::Scalar => "scalar",
             #[cfg(target_arch = "x86_64")]
             Self::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => "avx512",
         }
     }
 
-    /// The fastest path this CPU has for blocks of `geom` (SIMD needs block size and head dim
-    /// in multiples of 8).
-    pub fn best(geom: &BlockGeometry) -> Self {
+    /// True when this CPU can run the path on blocks of `geom` (SIMD needs block size and
+    /// head dim in multiples of 8); a path that cannot runs as [`KernelPath::Scalar`].
+    pub fn runs(self, geom: &BlockGeometry) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if geom.block_size.is_multiple_of(8)
-            && geom.head_dim.is_multiple_of(8)
-            && crate::kernel_avx2::available()
-        {
-            return Self::Avx2;
+        let simd_shape = geom.block_size.is_multiple_of(8) && geom.head_dim.is_multiple_of(8);
+        match self {
+            Self::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => simd_shape && crate::kernel_avx2::available(),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => {
+                simd_shape && crate::kernel_avx2::available() && crate::kernel_avx512::available()
+            }
         }
-        let _ = geom;
-        Self::Scalar
+    }
+
+    /// The fastest path this CPU has for blocks of `geom`.
+    pub fn best(geom: &BlockGeometry) -> Self {
+        Self::ALL
+            .iter()
+            .rev()
+            .copied()
+            .find(|p| p.runs(geom))
+            .unwrap_or(Self::Scalar)
     }
 }
 
@@ -116,7 +136,9 @@ pub fn attend_blocks_on<'a>(
     l.resize(g, 0.0);
 
     #[cfg(target_arch = "x86_64")]
-    let simd = path == KernelPath::Avx2 && KernelPath::best(geom) == KernelPath::Avx2;
+    let simd = path != KernelPath::Scalar && path.runs(geom);
+    #[cfg(target_arch = "x86_64")]
+    let wide = path == KernelPath::Avx512 && simd;
     #[cfg(not(target_arch = "x86_64"))]
     let _ = path;
     let mut blocks = blocks.into_iter().peekable();
@@ -145,7 +167,7 @@ pub fn attend_blocks_on<'a>(
             let mut st = crate::kernel_avx2::State { acc, m, l, s };
             // SAFETY: `best` checked the CPU and that block size and head dim are multiples of
             // 8; the block holds a whole head block.
-            unsafe { crate::kernel_avx2::block(geom, qs, blk.bytes, len, &mut st, &mut pf) };
+            unsafe { crate::kernel_avx2::block(geom, qs, blk.bytes, len, &mut st, &mut pf, wide) };
             continue;
         }
         let (kt, vs) = blk.bytes.split_at(b * d * es);
@@ -337,13 +359,16 @@ pub(crate) mod tests {
             let vals = round(dt, &values(seed + 2, n * d, 1.0));
             let blocks = build_blocks(&geom, &keys, &vals);
             let scale = 1.0 / (d as f32).sqrt();
-            let p = attend_blocks(&geom, &q, scale, blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }), &mut Scratch::default());
             let (ro, rl) = reference(&q, &keys, &vals, d, scale);
-            for (a, b) in p.out.iter().zip(&ro) {
-                prop_assert!((*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
-            }
-            for (a, b) in p.lse2.iter().zip(&rl) {
-                prop_assert!((*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
+            // Every path this CPU runs (on an AVX-512 host, the AVX2-only one too).
+            for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
+                let p = attend_blocks_on(path, &geom, &q, scale, blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }), &mut Scratch::default());
+                for (a, b) in p.out.iter().zip(&ro) {
+                    prop_assert!((*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0), "{path:?}: {a} vs {b}");
+                }
+                for (a, b) in p.lse2.iter().zip(&rl) {
+                    prop_assert!((*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0), "{path:?}: {a} vs {b}");
+                }
             }
         }
     }
@@ -374,16 +399,18 @@ pub(crate) mod tests {
             let blocks = build_blocks(&geom, &keys, &vals);
             let run = |path| attend_blocks_on(path, &geom, &q, 0.125, blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }), &mut Scratch::default());
             let want = run(KernelPath::Scalar);
-            let got = run(KernelPath::best(&geom));
+            for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
+            let got = run(path);
             for h in 0..g {
                 let (w, o) = (&want.out[h * d..(h + 1) * d], &got.out[h * d..(h + 1) * d]);
                 let finite = |x: &[f32]| x.iter().all(|v| v.is_finite());
                 prop_assert_eq!(finite(w), finite(o), "head {}: {:?} vs {:?}", h, &w[..4.min(d)], &o[..4.min(d)]);
                 if finite(w) {
                     for (a, b) in o.iter().zip(w) {
-                        prop_assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{} vs {}", a, b);
+                        prop_assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{:?}: {} vs {}", path, a, b);
                     }
                 }
+            }
             }
         }
     }

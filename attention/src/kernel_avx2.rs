@@ -110,8 +110,9 @@ pub(crate) struct State<'a> {
 /// Folds one block (`len` tokens) into `st`. `qs` is the pre-scaled `[G][D]` query.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`available`]); `bytes` must hold a whole head
-/// block of `geom`; `geom.block_size` and `geom.head_dim` must be multiples of 8.
+/// The CPU must support AVX2, FMA and F16C ([`available`]), and AVX-512 F/BW when `avx512`;
+/// `bytes` must hold a whole head block of `geom`; `geom.block_size` and `geom.head_dim` must
+/// be multiples of 8.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn block(
     geom: &BlockGeometry,
@@ -120,13 +121,14 @@ pub(crate) unsafe fn block(
     len: usize,
     st: &mut State<'_>,
     pf: &mut Prefetch<'_>,
+    avx512: bool,
 ) {
     // SAFETY (every arm): forwarded; the element type is the block's.
     unsafe {
         match geom.dtype {
-            KvDType::F32 => block_as::<AsF32>(geom, qs, bytes, len, st, pf),
-            KvDType::F16 => block_as::<AsF16>(geom, qs, bytes, len, st, pf),
-            KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st, pf),
+            KvDType::F32 => block_as::<AsF32>(geom, qs, bytes, len, st, pf, avx512),
+            KvDType::F16 => block_as::<AsF16>(geom, qs, bytes, len, st, pf, avx512),
+            KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st, pf, avx512),
         }
     }
 }
@@ -143,6 +145,7 @@ unsafe fn block_as<E: Elem>(
     len: usize,
     st: &mut State<'_>,
     pf: &mut Prefetch<'_>,
+    avx512: bool,
 ) {
     let (b, d, es, dt) = (geom.block_size, geom.head_dim, E::SIZE, geom.dtype);
     let g = qs.len() / d;
@@ -150,9 +153,8 @@ unsafe fn block_as<E: Elem>(
     let nv = len.div_ceil(8);
     let (kt, vs) = bytes.split_at(b * d * es);
     // AVX-512 keeps a whole group of 2..8 heads in registers for full 32-token blocks (each K
-    // and V element converted once per group); its availability is cached by the detection
-    // macro.
-    let wide = b == 32 && len == 32 && (2..=8).contains(&g) && crate::kernel_avx512::available();
+    // and V element converted once per group); `avx512` says the CPU has it.
+    let wide = avx512 && b == 32 && len == 32 && (2..=8).contains(&g);
     // SAFETY: forwarded from this function's contract; `s` holds G x b scores; `wide` checked
     // the CPU.
     let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s, pf) };

@@ -4,27 +4,37 @@
 
 use std::time::{Duration, Instant};
 
+use crate::KernelPath;
+
 /// Independent accumulator chains: more than latency × FMA ports on any x86 core.
 const CHAINS: usize = 12;
 
 /// Scalar FMAs per second one thread issues over `seconds` (best of a few passes).
 pub fn fma_peak(seconds: f64) -> f64 {
+    fma_peak_on(KernelPath::Scalar, seconds)
+}
+
+/// [`fma_peak`] with the vector width of `path` (the AVX2 path's 8 lanes on a CPU that also
+/// has AVX-512); [`KernelPath::Scalar`] measures the widest this CPU has, the bound the
+/// portable path is held to.
+pub fn fma_peak_on(path: KernelPath, seconds: f64) -> f64 {
     let end = Instant::now() + Duration::from_secs_f64(seconds.max(0.01));
     let mut best = 0f64;
     while Instant::now() < end || best == 0.0 {
         let reps = 1 << 20;
         let t = Instant::now();
-        let lanes = run(reps);
+        let lanes = run(reps, path);
         best = best.max((reps * CHAINS * lanes) as f64 / t.elapsed().as_secs_f64());
     }
     best
 }
 
 /// `reps` rounds of `CHAINS` FMAs; returns the lanes per FMA of the path used.
-fn run(reps: usize) -> usize {
+fn run(reps: usize, path: KernelPath) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
-        if crate::kernel_avx512::available() {
+        let narrow = path == KernelPath::Avx2;
+        if !narrow && crate::kernel_avx512::available() {
             // SAFETY: the CPU has AVX-512F.
             unsafe { x86::fma512(reps) };
             return 16;
@@ -35,6 +45,8 @@ fn run(reps: usize) -> usize {
             return 8;
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = path;
     portable(reps);
     1
 }

@@ -451,8 +451,9 @@ pub struct KernelsBench {
     /// a few MiB measures the kernel's own speed.
     #[arg(long, default_value_t = 256)]
     pub working_set_mib: usize,
-    /// Kernel paths: `best` (what the node runs on this CPU) and/or `scalar` (the portable
-    /// path, which is what a CPU with no SIMD path of ours gets, e.g. arm64).
+    /// Kernel paths: `best` (what the node runs on this CPU), `scalar` (the portable path,
+    /// which is what a CPU with no SIMD path of ours gets, e.g. arm64), `avx2` (AVX2 only, as
+    /// on a CPU without AVX-512), `avx512`; a path this CPU lacks is skipped.
     #[arg(long, default_value = "best")]
     pub paths: String,
 }

@@ -23,14 +23,17 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
     let working_set = args.working_set_mib << 20;
     let paths: Vec<String> = parse_list(&args.paths, "kernel path")?;
     anyhow::ensure!(
-        paths.iter().all(|p| p == "best" || p == "scalar"),
-        "--paths takes `best` and/or `scalar`"
+        paths
+            .iter()
+            .all(|p| p == "best" || KernelPath::ALL.iter().any(|k| k.name() == p)),
+        "--paths takes `best`, `scalar`, `avx2` and/or `avx512`"
     );
     let buf: Vec<f32> = (0..working_set / 4).map(|i| (i % 7) as f32).collect();
     let mut rows = Vec::new();
     for &t in &threads {
         let bw = read_bandwidth(&buf, t, args.seconds.min(1.0));
-        let peak = fma_peak_threads(t, args.seconds.min(0.5));
+        // Per path: the AVX2 path is held to AVX2's FMA rate, the others to the widest.
+        let mut peaks: Vec<(KernelPath, f64)> = Vec::new();
         for dtype in [KvDType::F16, KvDType::Bf16] {
             for &g in &groups {
                 for &d in &head_dims {
@@ -54,9 +57,22 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                     }
                     let q: Vec<f32> = (0..g * d).map(|i| (i % 5) as f32 * 0.1).collect();
                     for name in &paths {
-                        let path = match name.as_str() {
-                            "scalar" => KernelPath::Scalar,
-                            _ => KernelPath::best(&geom),
+                        let path = KernelPath::ALL
+                            .iter()
+                            .copied()
+                            .find(|k| k.name() == name)
+                            .unwrap_or_else(|| KernelPath::best(&geom));
+                        if !path.runs(&geom) {
+                            eprintln!("kernels: this CPU has no {} path; skipped", path.name());
+                            continue;
+                        }
+                        let peak = match peaks.iter().find(|(p, _)| *p == path) {
+                            Some(&(_, peak)) => peak,
+                            None => {
+                                let peak = fma_peak_threads(path, t, args.seconds.min(0.5));
+                                peaks.push((path, peak));
+                                peak
+                            }
                         };
                         let best = scan_rate(&geom, path, &q, &data, t, args.seconds);
                         // Each KV byte costs G/size FMAs (every K and V element once per
@@ -131,11 +147,11 @@ fn scan_rate(
     best
 }
 
-/// Scalar FMAs per second of `threads` threads issuing at once.
-fn fma_peak_threads(threads: usize, seconds: f64) -> f64 {
+/// Scalar FMAs per second of `threads` threads issuing at once, at `path`'s vector width.
+fn fma_peak_threads(path: KernelPath, threads: usize, seconds: f64) -> f64 {
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads.max(1))
-            .map(|_| s.spawn(move || attention::fma_peak(seconds)))
+            .map(|_| s.spawn(move || attention::fma_peak_on(path, seconds)))
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
     })
