@@ -64,8 +64,9 @@ pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on};
 pub use merge::Partial;
 pub use peak::{fma_peak, fma_peak_on};
 pub use policy::{AttentionConfig, BlockScorer, Mode, PredictionGuard, RecallPolicy};
+pub use residency::DeviceBlock;
 pub use select::{select_spans, select_top_k};
 pub use sequence::{
-    BlockKeys, HeadPlan, HeadQuery, KvSource, SeqAttention, SeqStats, attend_head, cosine,
-    recall_intervals,
+    BlockKeys, HeadPlan, HeadQuery, KvSource, NotResident, SeqAttention, SeqStats, attend_head,
+    cosine, recall_intervals,
 };

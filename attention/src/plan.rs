@@ -1,6 +1,7 @@
 //! One planner per attention mode: how a (layer, KV head)'s blocks split between the device
-//! and the CPU this step. Each is a function of the head's digests or residency alone, so it
-//! is tested on its own; [`crate::SeqAttention::plan_layer`] picks one by mode.
+//! and the CPU this step. Each is a function of the head's scores and residency alone, so it
+//! is tested on its own; [`crate::SeqAttention::plan_layer`] picks one by mode. Every planner
+//! leaves each device block resident (with a slot) in the head's one residency table.
 
 use crate::policy::AttentionConfig;
 use crate::residency::Residency;
@@ -9,18 +10,61 @@ use crate::sequence::HeadPlan;
 /// Blocks per head from which a scan over blocks runs in parallel.
 pub(crate) const PARALLEL_SELECT_BLOCKS: usize = 256;
 
-/// `full`: every one of the `n` blocks on the device.
-pub(crate) fn full(n: usize) -> HeadPlan {
+/// `full`: every one of the `n` blocks on the device (nothing is ever evicted).
+pub(crate) fn full(res: &mut Residency, n: usize, step: u64) -> HeadPlan {
+    if res.count() < n {
+        for b in 0..n {
+            res.make_resident(b, step, usize::MAX);
+        }
+    }
     HeadPlan {
         device: (0..n).collect(),
         cpu: Vec::new(),
     }
 }
 
+/// Makes `plan`'s device blocks resident (used at `step`) within `cap`; a block that finds no
+/// room (every other one is in use this step) is attended on the CPU instead.
+fn place(res: &mut Residency, mut plan: HeadPlan, step: u64, cap: usize) -> HeadPlan {
+    // Touched first, so placing one block of this step never evicts another.
+    for &b in &plan.device {
+        if res.is_resident(b) {
+            res.touch(b, step);
+        }
+    }
+    // The sink, then newest first: under a tight cap the recent blocks stay on the device.
+    let (sink, rest) = plan
+        .device
+        .split_at(usize::from(plan.device.first() == Some(&0)));
+    let (mut device, spill): (Vec<usize>, Vec<usize>) = sink
+        .iter()
+        .chain(rest.iter().rev())
+        .partition(|b| res.make_resident(**b, step, cap));
+    device.sort_unstable();
+    if !spill.is_empty() {
+        plan.cpu.extend(spill);
+        plan.cpu.sort_unstable();
+    }
+    plan.device = device;
+    plan
+}
+
 /// `hgca`: the sink and a recent window dense on the device (the local window where one is
 /// configured, else half the budget); the top-k of the rest by `scores` (one per block), with
 /// what is left of the budget, on the CPU. Without scores (a dense layer) all of the rest.
 pub(crate) fn hgca(
+    cfg: &AttentionConfig,
+    scores: Option<&[f32]>,
+    block_size: usize,
+    n: usize,
+    (res, step): (&mut Residency, u64),
+) -> HeadPlan {
+    let cap = cfg.resident_blocks_per_head();
+    place(res, hgca_split(cfg, scores, block_size, n), step, cap)
+}
+
+/// The `hgca` split, before residency.
+fn hgca_split(
     cfg: &AttentionConfig,
     scores: Option<&[f32]>,
     block_size: usize,
@@ -49,10 +93,10 @@ pub(crate) fn hgca(
     HeadPlan { device, cpu }
 }
 
-/// `recall` and `scout`: the selection `sel` split by residency. Recalled blocks scheduled at
-/// the last step become resident first; the first plan fills the device with the selection,
-/// and `fetch_missing` (recall mode) fetches whatever is missing at every step. Returns the
-/// plan and the blocks fetched by this plan.
+/// `recall` and `scout`: the selection `sel` split by residency (blocks recalled after the
+/// last step are resident already). The first plan fills the device with the selection, and
+/// `fill` (recall mode) fetches whatever is missing at every step. Returns the plan and the
+/// blocks fetched by this plan.
 pub(crate) fn by_residency(
     res: &mut Residency,
     sel: &[usize],
@@ -60,7 +104,6 @@ pub(crate) fn by_residency(
     cap: usize,
     fill: bool,
 ) -> (HeadPlan, u64) {
-    res.apply_pending(step, cap);
     // Selected now: never evicted to make room during this step.
     for &b in sel {
         res.touch(b, step);
@@ -85,8 +128,14 @@ mod tests {
 
     #[test]
     fn full_puts_everything_on_the_device() {
-        assert_eq!(full(3).device, vec![0, 1, 2]);
-        assert!(full(3).cpu.is_empty());
+        let mut res = Residency::new(3);
+        let p = full(&mut res, 3, 0);
+        assert_eq!(p.device, vec![0, 1, 2]);
+        assert!(p.cpu.is_empty());
+        assert!(res.device_blocks(&p.device).is_ok());
+        res.push(1);
+        assert_eq!(full(&mut res, 4, 1).device.len(), 4);
+        assert_eq!(res.count(), 4);
     }
 
     #[test]
@@ -96,8 +145,8 @@ mod tests {
         let (p, fetched) = by_residency(&mut res, &[0, 3, 5, 9], 0, 3, true);
         assert_eq!(fetched, 3);
         assert_eq!((p.device.len(), p.cpu.len()), (3, 1));
-        // Later plans only split; a scheduled recall lands before the split.
-        res.schedule([p.cpu[0]]);
+        // Later plans only split; a recall lands before the split.
+        res.recall([p.cpu[0]], 0, 4);
         let (p2, fetched) = by_residency(&mut res, &[0, 3, 5, 9], 1, 4, false);
         assert_eq!(fetched, 0);
         assert_eq!(p2.device, vec![0, 3, 5, 9]);
@@ -121,11 +170,13 @@ mod tests {
             let gq = GroupQuery::new(&[1.0; 4], d);
             (0..n).map(|b| digests.score(&gq, b)).collect()
         };
-        let p = hgca(&cfg, Some(&scores(&digests)), 16, n);
+        let mut res = Residency::new(n);
+        let p = hgca(&cfg, Some(&scores(&digests)), 16, n, (&mut res, 0));
+        assert!(res.device_blocks(&p.device).is_ok());
         // Budget 4 blocks: window 2 (8, 9) plus the sink on the device, 1 more on the CPU.
         assert_eq!(p.device, vec![0, 8, 9]);
         assert_eq!(p.cpu, vec![4]);
-        let dense = hgca(&cfg, None, 16, n);
+        let dense = hgca(&cfg, None, 16, n, (&mut res, 1));
         assert_eq!(dense.cpu, (1..8).collect::<Vec<_>>());
         // A local window of one block leaves two blocks of the budget to the top-k.
         let narrow = AttentionConfig {
@@ -136,7 +187,7 @@ mod tests {
             let k = if b == 6 { [5.0; 4] } else { [0.0; 4] };
             digests.update(b, &k);
         }
-        let p = hgca(&narrow, Some(&scores(&digests)), 16, n);
+        let p = hgca(&narrow, Some(&scores(&digests)), 16, n, (&mut res, 2));
         assert_eq!(p.device, vec![0, 9]);
         assert_eq!(p.cpu, vec![4, 6]);
         // A window past the budget is cut to what the budget holds besides the sink.
@@ -144,8 +195,20 @@ mod tests {
             local_window_tokens: 1000,
             ..cfg
         };
-        let p = hgca(&wide, Some(&scores(&digests)), 16, n);
+        let p = hgca(&wide, Some(&scores(&digests)), 16, n, (&mut res, 3));
         assert_eq!(p.device, vec![0, 7, 8, 9]);
         assert!(p.cpu.is_empty());
+        // The window slid: what left it made room, and the device holds no more than its cap.
+        assert!(res.count() <= wide.resident_blocks_per_head());
+        assert!(res.device_blocks(&p.device).is_ok());
+        // A cap below the window: what does not fit is attended on the CPU, nothing is lost.
+        let tight = AttentionConfig {
+            device_blocks_per_head: 2,
+            ..wide
+        };
+        let mut res = Residency::new(n);
+        let p = hgca(&tight, Some(&scores(&digests)), 16, n, (&mut res, 0));
+        assert_eq!(p.device, vec![0, 9]);
+        assert_eq!(p.cpu, vec![7, 8]);
     }
 }

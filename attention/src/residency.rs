@@ -1,43 +1,64 @@
-//! Which blocks of one (layer, KV head) are resident on the device, with LRU eviction under a
-//! per-head cap and the recalls scheduled for the next step. The one residency table: a device
-//! backend mirrors it slot for slot.
+//! Which blocks of one (layer, KV head) are resident on the device, in which device slot, with
+//! LRU eviction under a per-head cap. The one residency table: it decides every placement and
+//! eviction, and a device backend follows it slot for slot ([`DeviceBlock`]), so the two can
+//! never disagree about what the device holds.
+
+/// No slot.
+const NO_SLOT: u32 = u32::MAX;
+
+/// A block the device attends or receives, and the slot of its (layer, KV head) that holds
+/// it. Slots of one head are numbered from 0 and stay below the head's cap: a device maps
+/// `(layer, head, slot)` to its memory and refills a slot when the block it holds changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceBlock {
+    /// Block index in the sequence.
+    pub block: usize,
+    /// Slot of the (layer, KV head) that holds it.
+    pub slot: u32,
+}
 
 /// Residency of one (layer, KV head)'s blocks.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Residency {
-    resident: Vec<bool>,
-    /// The resident blocks (eviction scans these, not every block of a long context).
-    list: Vec<usize>,
+    /// Slot of each block, or [`NO_SLOT`].
+    slot_of: Vec<u32>,
+    /// The block each slot holds (eviction scans these, not every block of a long context).
+    holds: Vec<usize>,
     last_used: Vec<u64>,
-    /// Blocks recalled after the last step, resident from the next plan of this layer.
-    pending: Vec<usize>,
+    /// Blocks made resident by the last recall, for the device to copy.
+    recalled: Vec<usize>,
 }
 
 impl Residency {
     /// `n` blocks, none resident.
     pub(crate) fn new(n: usize) -> Self {
         Self {
-            resident: vec![false; n],
-            list: Vec::new(),
+            slot_of: vec![NO_SLOT; n],
+            holds: Vec::new(),
             last_used: vec![0; n],
-            pending: Vec::new(),
+            recalled: Vec::new(),
         }
     }
 
     /// Tracks one more block (a new block of the sequence), not resident, used at `step`.
     pub(crate) fn push(&mut self, step: u64) {
-        self.resident.push(false);
+        self.slot_of.push(NO_SLOT);
         self.last_used.push(step);
     }
 
     /// Is `b` on the device?
     pub(crate) fn is_resident(&self, b: usize) -> bool {
-        self.resident.get(b).copied().unwrap_or(false)
+        self.slot(b).is_some()
+    }
+
+    /// The slot holding `b`, if it is resident.
+    pub(crate) fn slot(&self, b: usize) -> Option<u32> {
+        self.slot_of.get(b).copied().filter(|s| *s != NO_SLOT)
     }
 
     /// Resident blocks.
     pub(crate) fn count(&self) -> usize {
-        self.list.len()
+        self.holds.len()
     }
 
     /// Marks `b` used at `step`: it is not evicted to make room during that step.
@@ -45,50 +66,77 @@ impl Residency {
         self.last_used[b] = step;
     }
 
-    /// Makes `b` resident, evicting the least recently used block (never the sink, the newest,
-    /// or one used this step) when `cap` blocks are already resident. Returns false when
-    /// nothing could be evicted (`b` stays on the host).
+    /// Makes `b` resident, in the slot of the least recently used block (never the sink, the
+    /// newest, or one used at `step`) when `cap` blocks are already resident, else in a new
+    /// slot. Returns false when nothing could be evicted (`b` stays on the host).
     pub(crate) fn make_resident(&mut self, b: usize, step: u64, cap: usize) -> bool {
-        if self.resident[b] {
+        if self.is_resident(b) {
             self.last_used[b] = step;
             return true;
         }
-        if self.list.len() >= cap {
-            let newest = self.resident.len() - 1;
+        let slot = if self.holds.len() >= cap {
+            let newest = self.slot_of.len() - 1;
             let victim = self
-                .list
+                .holds
                 .iter()
                 .enumerate()
                 .filter(|&(_, &i)| i != 0 && i != newest && i != b && self.last_used[i] < step)
                 .min_by_key(|&(_, &i)| (self.last_used[i], i))
-                .map(|(at, _)| at);
-            let Some(at) = victim else { return false };
-            let v = self.list.swap_remove(at);
-            self.resident[v] = false;
-        }
-        self.resident[b] = true;
-        self.list.push(b);
+                .map(|(slot, _)| slot);
+            let Some(slot) = victim else { return false };
+            self.slot_of[self.holds[slot]] = NO_SLOT;
+            self.holds[slot] = b;
+            slot
+        } else {
+            self.holds.push(b);
+            self.holds.len() - 1
+        };
+        self.slot_of[b] = slot as u32;
         self.last_used[b] = step;
         true
     }
 
-    /// Schedules `blocks` to become resident at this layer's next plan.
-    pub(crate) fn schedule(&mut self, blocks: impl IntoIterator<Item = usize>) {
-        self.pending.extend(blocks);
-    }
-
-    /// The blocks scheduled and not yet made resident.
-    pub(crate) fn pending(&self) -> &[usize] {
-        &self.pending
-    }
-
-    /// Makes the scheduled blocks resident (a device copied them since they were scheduled).
-    pub(crate) fn apply_pending(&mut self, step: u64, cap: usize) {
-        for b in std::mem::take(&mut self.pending) {
-            if b < self.resident.len() {
-                self.make_resident(b, step, cap);
+    /// Recall after `step`: makes `blocks` resident as of the next step (what was used at
+    /// `step` may make room; one recalled block never evicts another) and remembers the ones
+    /// that moved, for the device to copy before this layer attends again.
+    pub(crate) fn recall(
+        &mut self,
+        blocks: impl IntoIterator<Item = usize>,
+        step: u64,
+        cap: usize,
+    ) -> usize {
+        self.recalled.clear();
+        for b in blocks {
+            if b < self.slot_of.len()
+                && !self.is_resident(b)
+                && self.make_resident(b, step + 1, cap)
+            {
+                self.recalled.push(b);
             }
         }
+        self.recalled.len()
+    }
+
+    /// The blocks the last [`Residency::recall`] moved to the device.
+    pub(crate) fn recalled(&self) -> &[usize] {
+        &self.recalled
+    }
+
+    /// Forgets the last recall once the device has been told.
+    pub(crate) fn clear_recalled(&mut self) {
+        self.recalled.clear();
+    }
+
+    /// `blocks` with their slots; `Err(b)` names a block that is not resident.
+    pub(crate) fn device_blocks(&self, blocks: &[usize]) -> Result<Vec<DeviceBlock>, usize> {
+        blocks
+            .iter()
+            .map(|&block| {
+                self.slot(block)
+                    .map(|slot| DeviceBlock { block, slot })
+                    .ok_or(block)
+            })
+            .collect()
     }
 }
 
@@ -118,15 +166,45 @@ mod tests {
     }
 
     #[test]
-    fn scheduled_blocks_become_resident_at_the_next_plan() {
-        let mut r = Residency::new(4);
-        r.push(0);
-        assert!(!r.is_resident(4));
-        r.schedule([1, 2, 9]);
-        assert_eq!(r.pending(), &[1, 2, 9]);
-        assert!(!r.is_resident(1));
-        r.apply_pending(1, 8);
-        assert!(r.is_resident(1) && r.is_resident(2) && !r.is_resident(9));
-        assert!(r.pending().is_empty());
+    fn an_evicted_blocks_slot_goes_to_the_block_that_replaces_it() {
+        let mut r = Residency::new(6);
+        for (step, b) in [0usize, 2, 5].into_iter().enumerate() {
+            assert!(r.make_resident(b, step as u64, 3));
+        }
+        assert_eq!(
+            [r.slot(0), r.slot(2), r.slot(5)],
+            [Some(0), Some(1), Some(2)]
+        );
+        assert!(r.make_resident(3, 9, 3));
+        assert_eq!((r.slot(2), r.slot(3)), (None, Some(1)));
+        // Slots stay below the cap, whatever the history.
+        for step in 10..40u64 {
+            r.make_resident(1 + (step as usize * 7) % 4, step, 3);
+            assert!((0..6).filter_map(|b| r.slot(b)).all(|s| s < 3));
+            assert_eq!((0..6).filter(|b| r.is_resident(*b)).count(), r.count());
+        }
+    }
+
+    #[test]
+    fn recalled_blocks_may_displace_this_steps_but_not_each_other() {
+        let mut r = Residency::new(8);
+        for b in [0usize, 3, 4, 7] {
+            assert!(r.make_resident(b, 5, 4));
+        }
+        // Everything was used at step 5; a recall after it lands for step 6, so 3 and 4 can
+        // go, but the second recalled block must not push out the first.
+        assert_eq!(r.recall([1, 2, 6, 99], 5, 4), 2);
+        assert_eq!(r.recalled(), &[1, 2]);
+        assert!(r.is_resident(1) && r.is_resident(2) && !r.is_resident(6));
+        assert!(!r.is_resident(3) && !r.is_resident(4));
+        assert_eq!(r.device_blocks(&[0, 3]), Err(3));
+        let db = r.device_blocks(&[0, 1, 2]).unwrap();
+        assert_eq!(
+            db.iter().map(|d| d.block).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
+        assert!(db.iter().all(|d| Some(d.slot) == r.slot(d.block)));
+        r.clear_recalled();
+        assert!(r.recalled().is_empty());
     }
 }

@@ -12,7 +12,7 @@ use crate::kernel::{Scratch, attend_blocks};
 use crate::merge::Partial;
 use crate::plan::{self, PARALLEL_SELECT_BLOCKS};
 use crate::policy::{AttentionConfig, BlockScorer, Mode, RecallPolicy};
-use crate::residency::Residency;
+use crate::residency::{DeviceBlock, Residency};
 use crate::select::select_spans;
 use crate::sparq;
 use rayon::prelude::*;
@@ -42,6 +42,18 @@ impl std::fmt::Debug for BlockKeys<'_> {
             .field("scale", &self.scale)
             .finish()
     }
+}
+
+/// A device part named a block the residency table does not hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("layer {layer} KV head {head}: block {block} is in the device part but not resident")]
+pub struct NotResident {
+    /// Layer.
+    pub layer: usize,
+    /// KV head.
+    pub head: usize,
+    /// Block.
+    pub block: usize,
 }
 
 /// Which blocks of one (layer, KV head) each side attends.
@@ -417,8 +429,11 @@ impl SeqAttention {
         for h in 0..hk {
             let st = &mut self.heads[layer * hk + h];
             let plan = match cfg.mode {
-                Mode::Full => plan::full(n),
-                Mode::Hgca => plan::hgca(cfg, scores.get(h).map(Vec::as_slice), bs, n),
+                Mode::Full => plan::full(&mut st.res, n, step),
+                Mode::Hgca => {
+                    let scores = scores.get(h).map(Vec::as_slice);
+                    plan::hgca(cfg, scores, bs, n, (&mut st.res, step))
+                }
                 Mode::Recall | Mode::Scout => {
                     // The first plan fills the device with the prompt's top-k (sink and recent
                     // block included); recall mode fetches whatever is missing, every step.
@@ -450,6 +465,10 @@ impl SeqAttention {
         let cpu: u64 = plans.iter().flat_map(|p| p.cpu.iter()).map(tokens).sum();
         self.stats.selected_tokens += sel;
         self.stats.cpu_tokens += cpu;
+        let hk = self.geom.num_kv_heads;
+        for st in &mut self.heads[layer * hk..(layer + 1) * hk] {
+            st.res.clear_recalled();
+        }
         let ls = &mut self.layers[layer];
         ls.selected_tokens += sel;
         ls.cpu_tokens += cpu;
@@ -478,21 +497,37 @@ impl SeqAttention {
             return;
         }
         ls.steps_since_recall = 0;
-        let hk = self.geom.num_kv_heads;
+        let cap = cfg.resident_blocks_per_head();
         for (h, p) in plans.iter().enumerate() {
             let st = &mut self.heads[layer * hk + h];
-            st.res.schedule(p.cpu.iter().copied());
-            self.stats.recall_blocks += p.cpu.len() as u64;
-            self.stats.recall_bytes += (p.cpu.len() * self.geom.head_bytes()) as u64;
+            let moved = st.res.recall(p.cpu.iter().copied(), self.step, cap) as u64;
+            self.stats.recall_blocks += moved;
+            self.stats.recall_bytes += moved * self.geom.head_bytes() as u64;
         }
     }
 
-    /// Blocks of (`layer`, `head`) scheduled for recall by [`SeqAttention::finish_layer`],
-    /// resident from the next plan of `layer`: a device copies them now.
-    pub fn pending(&self, layer: usize, head: usize) -> &[usize] {
+    /// Blocks of (`layer`, `head`) that the last [`SeqAttention::finish_layer`] of `layer`
+    /// recalled, with their slots: resident from now on, so a device copies them before
+    /// `layer` attends again.
+    pub fn recalled(&self, layer: usize, head: usize) -> Vec<DeviceBlock> {
+        let res = &self.heads[layer * self.geom.num_kv_heads + head].res;
+        // Recalled blocks are resident by construction.
+        res.device_blocks(res.recalled()).unwrap_or_default()
+    }
+
+    /// `blocks` of (`layer`, `head`) with the device slots that hold them: a plan's device
+    /// part, for a device that follows this sequence's residency. `Err` names a block that is
+    /// not resident (a planning defect, never a client's doing).
+    pub fn device_blocks(
+        &self,
+        layer: usize,
+        head: usize,
+        blocks: &[usize],
+    ) -> Result<Vec<DeviceBlock>, NotResident> {
         self.heads[layer * self.geom.num_kv_heads + head]
             .res
-            .pending()
+            .device_blocks(blocks)
+            .map_err(|block| NotResident { layer, head, block })
     }
 
     /// Records how well the predicted selection matched the real one, and the query cosine.

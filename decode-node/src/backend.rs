@@ -15,7 +15,7 @@ pub use cpu::CpuBackend;
 
 use std::sync::Arc;
 
-use attention::{BlockGeometry, KvSource, Partial};
+use attention::{BlockGeometry, DeviceBlock, KvSource, Partial};
 use kv_transfer::HostPool;
 
 use crate::tensor::Tensor;
@@ -47,32 +47,34 @@ pub struct LinearOut<'a> {
 
 /// Device memory for hot KV blocks, shared by every sequence of the engine.
 pub trait DeviceKv: Send + Sync + std::fmt::Debug {
-    /// Per-sequence device state holding at most `blocks_per_head` blocks per (layer, KV
-    /// head); dropping it frees the sequence's device blocks.
+    /// Per-sequence device state with `blocks_per_head` slots per (layer, KV head); dropping
+    /// it frees the sequence's device blocks.
     fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq>;
 }
 
-/// The device side of one sequence's attention.
+/// The device side of one sequence's attention. It decides nothing about placement: the
+/// sequence's residency table (`attention::SeqAttention`) names the slot of every block it
+/// hands over, and the device keeps each slot holding that block, copying it in when the
+/// slot's block changed or the block has grown since it was copied.
 pub trait DeviceSeq: Send + std::fmt::Debug {
     /// The device part of `layer`: for each KV head `h`, attends `blocks[h]` of `kv` with the
-    /// query group `q[h]` (`q` is `[num_kv_heads][G][head_dim]`). Blocks not on the device,
-    /// or with tokens added since they were copied, are copied from `kv` first.
+    /// query group `q[h]` (`q` is `[num_kv_heads][G][head_dim]`).
     fn attend(
         &mut self,
         kv: &dyn KvSource,
         layer: usize,
-        blocks: &[&[usize]],
+        blocks: &[&[DeviceBlock]],
         q: &[f32],
         scale: f32,
     ) -> Result<Vec<Partial>, BackendError>;
-    /// Starts copying, for each KV head `h`, `blocks[h]` of `layer` to the device on the
+    /// Starts copying, for each KV head `h`, `blocks[h]` of `layer` into their slots on the
     /// recall stream (one batch); they are ready for the next [`DeviceSeq::attend`] of
     /// `layer`, which orders after the copies on the device without waiting on the host.
     fn recall(
         &mut self,
         kv: &dyn KvSource,
         layer: usize,
-        blocks: &[&[usize]],
+        blocks: &[&[DeviceBlock]],
     ) -> Result<(), BackendError>;
 }
 

@@ -8,8 +8,8 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use attention::{
-    AttentionConfig, BlockKeys, HeadPlan, HeadQuery, Mode, Partial, Scratch, SeqAttention,
-    attend_head, cosine,
+    AttentionConfig, BlockKeys, DeviceBlock, HeadPlan, HeadQuery, Mode, Partial, Scratch,
+    SeqAttention, attend_head, cosine,
 };
 use kv_transfer::CommittedKv;
 use rayon::prelude::*;
@@ -110,10 +110,16 @@ pub(crate) struct BatchAttention<'a> {
     pub(crate) timing: AttnTiming,
     /// This step's guard checks, for the per-layer metrics.
     pub(crate) guard_checks: Vec<GuardCheck>,
-    /// Each layer's plans and whether its CPU part used the predicted query.
+    /// Each layer's plans, whether its CPU part used the predicted query, and each head's
+    /// resident blocks when the plan was made (a recall after the layer changes them).
     #[cfg(test)]
-    plan_log: Vec<(usize, Vec<HeadPlan>, bool)>,
+    plan_log: Vec<PlanRecord>,
 }
+
+/// A layer's plans, whether its CPU part used the predicted query, and each head's resident
+/// blocks when the plan was made.
+#[cfg(test)]
+type PlanRecord = (usize, Vec<HeadPlan>, bool, Vec<Vec<usize>>);
 
 /// Blocks per task when a part's blocks are split across threads: a model with few KV heads
 /// (SmolLM2 has 3) would otherwise leave threads idle or wait on the last head.
@@ -363,17 +369,38 @@ impl DecodeAttention for BatchAttention<'_> {
             let (kb, vb) = (&k[b * kvw..(b + 1) * kvw], &v[b * kvw..(b + 1) * kvw]);
             let (plans, pending, _predicted) = self.plans_for(b, layer, qb)?;
             #[cfg(test)]
-            self.plan_log.push((layer, plans.clone(), _predicted));
+            {
+                let seq = &*self.slots[b].seq;
+                let resident = (0..num_kv_heads)
+                    .map(|h| {
+                        (0..seq.num_blocks())
+                            .filter(|x| seq.is_resident(layer, h, *x))
+                            .collect()
+                    })
+                    .collect();
+                self.plan_log
+                    .push((layer, plans.clone(), _predicted, resident));
+            }
             // Device part with the real query, plus the new token itself.
             let t_dev = Instant::now();
             self.timing.plan += (t_dev - t_plan).as_secs_f64();
-            let kv = self.slots[b].kv;
-            let lists: Vec<&[usize]> = plans.iter().map(|p| p.device.as_slice()).collect();
-            let mut parts: Vec<Partial> = match self.slots[b].dev.as_deref_mut() {
-                Some(dev) => dev.attend(kv.as_ref(), layer, &lists, qb, scale)?,
+            let slot = &mut self.slots[b];
+            let kv = slot.kv;
+            let mut parts: Vec<Partial> = match slot.dev.as_deref_mut() {
+                Some(dev) => {
+                    let placed = (0..num_kv_heads)
+                        .map(|h| slot.seq.device_blocks(layer, h, &plans[h].device))
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| ModelError::Attention(e.to_string()))?;
+                    let lists: Vec<&[DeviceBlock]> = placed.iter().map(Vec::as_slice).collect();
+                    dev.attend(kv.as_ref(), layer, &lists, qb, scale)?
+                }
                 // No device memory: the "device" blocks are attended from the host pool, on
                 // the pool this step runs on.
-                None => attend_lists(kv, self.shape, layer, &lists, qb, None),
+                None => {
+                    let lists: Vec<&[usize]> = plans.iter().map(|p| p.device.as_slice()).collect();
+                    attend_lists(kv, self.shape, layer, &lists, qb, None)
+                }
             };
             for (h, part) in parts.iter_mut().enumerate() {
                 part.merge_from(&self_partial(
@@ -399,11 +426,12 @@ impl DecodeAttention for BatchAttention<'_> {
             slot.seq.finish_layer(self.cfg, layer, &plans);
             if let Some(dev) = slot.dev.as_deref_mut() {
                 // Recall: copy what the CPU did to the device now, on the recall stream.
-                let pending: Vec<&[usize]> = (0..num_kv_heads)
-                    .map(|h| slot.seq.pending(layer, h))
+                let recalled: Vec<Vec<DeviceBlock>> = (0..num_kv_heads)
+                    .map(|h| slot.seq.recalled(layer, h))
                     .collect();
-                if pending.iter().any(|p| !p.is_empty()) {
-                    dev.recall(slot.kv.as_ref(), layer, &pending)?;
+                if recalled.iter().any(|r| !r.is_empty()) {
+                    let lists: Vec<&[DeviceBlock]> = recalled.iter().map(Vec::as_slice).collect();
+                    dev.recall(slot.kv.as_ref(), layer, &lists)?;
                 }
             }
             slot.new_k[layer].copy_from_slice(kb);
@@ -633,7 +661,9 @@ mod tests {
             let logits = lm.model.decode_step(&[token], &[n], &mut spy).unwrap();
             let log = std::mem::take(&mut spy.inner.plan_log);
             assert_eq!(log.len(), mc.num_layers);
-            for ((layer, plans, used_pred), (l2, q, k, v, out)) in log.iter().zip(&spy.calls) {
+            for ((layer, plans, used_pred, resident), (l2, q, k, v, out)) in
+                log.iter().zip(&spy.calls)
+            {
                 assert_eq!(layer, l2, "plans were made for another layer");
                 let pred = spy.predicted.get(layer);
                 assert_eq!(
@@ -656,11 +686,11 @@ mod tests {
                         // The CPU part keeps the predicted blocks that were not resident; the
                         // device takes the sink, the newest block and the best resident rest
                         // by the real query.
-                        let seq = &*spy.inner.slots[0].seq;
+                        let resident = &resident[h];
                         assert!(p.cpu.iter().all(|b| by_sel_q.contains(b)));
-                        assert!(p.cpu.iter().all(|b| !seq.is_resident(*layer, h, *b)));
+                        assert!(p.cpu.iter().all(|b| !resident.contains(b)));
                         let (forced, rest): (Vec<usize>, Vec<usize>) = (0..nb)
-                            .filter(|b| seq.is_resident(*layer, h, *b) && !p.cpu.contains(b))
+                            .filter(|b| resident.contains(b) && !p.cpu.contains(b))
                             .partition(|b| *b == 0 || *b == nb - 1);
                         let k = budget.saturating_sub(p.cpu.len() + forced.len());
                         let qr = &q[h * g * d..(h + 1) * g * d];

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use attention::{
-    BlockGeometry, Digest, HeadBlock, KvDType, KvSource, Partial, Scratch, attend_blocks,
-    decode_to_f32, encode_from_f32,
+    BlockGeometry, DeviceBlock, Digest, HeadBlock, KvDType, KvSource, Partial, Scratch,
+    attend_blocks, decode_to_f32, encode_from_f32,
 };
 use cudarc::driver::{CudaSlice, DevicePtr};
 use kv_transfer::HostPool;
@@ -518,7 +518,17 @@ fn check_split_attention(
     let pooled = PoolKv { blocks: held, n };
     let store = super::store::CudaKvStore::new(Arc::clone(sh), geom, 64 << 20, &pool)?;
     let mut seq = Arc::new(store).new_seq(1, usize::MAX);
-    let refs: Vec<&[usize]> = lists.iter().map(Vec::as_slice).collect();
+    // Each head's residency would number its slots densely: the list order does.
+    let placed: Vec<Vec<DeviceBlock>> = lists
+        .iter()
+        .map(|l| {
+            (0..)
+                .zip(l)
+                .map(|(slot, &block)| DeviceBlock { block, slot })
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[DeviceBlock]> = placed.iter().map(Vec::as_slice).collect();
     // Twice: the second call reads the slots the first one filled.
     let mut worst = 0f64;
     for _ in 0..2 {

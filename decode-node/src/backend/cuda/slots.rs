@@ -1,122 +1,89 @@
-//! Which device slot holds which block: one table per sequence, indexed by
-//! `layer * num_kv_heads + head` and block, with least-recently-used eviction.
+//! Which arena slot backs each residency slot of a sequence, and which block of which length
+//! it holds now: one table per sequence, indexed by `layer * num_kv_heads + head` and the slot
+//! the sequence's residency table (`attention::SeqAttention`) assigned. The residency table
+//! decides every placement and eviction; this one only follows it, so the device never keeps
+//! a block the planner thinks is gone, nor misses one it thinks is there.
 //!
-//! Pure bookkeeping (no CUDA), so it is tested without a GPU. Slots themselves come from the
-//! shared arena's free list, handed in as a closure.
+//! Pure bookkeeping (no CUDA), so it is tested without a GPU. Arena slots come from the shared
+//! arena's free list, handed in as a closure, the first time a residency slot is used.
 
-/// No slot.
-const NO_SLOT: u32 = u32::MAX;
+use attention::DeviceBlock;
 
-/// The slots of one (layer, KV head), indexed by block: a lookup per attended block is an
-/// array read (full attention at long context attends thousands of blocks per layer).
+/// The arena slots of one (layer, KV head), by residency slot.
 #[derive(Debug, Clone, Default)]
 struct HeadSlots {
-    /// Slot of each block, or [`NO_SLOT`].
-    slot: Vec<u32>,
-    /// Tokens each slot holds.
-    valid: Vec<u32>,
-    /// Tick of the last use of each block.
-    last: Vec<u64>,
-    /// Blocks that hold a slot.
-    held: Vec<usize>,
+    /// Arena slot of each residency slot taken so far.
+    arena: Vec<u32>,
+    /// The block each residency slot holds and its tokens on the device (0: not filled).
+    holds: Vec<(usize, u32)>,
 }
 
-impl HeadSlots {
-    fn grow(&mut self, block: usize) {
-        if self.slot.len() <= block {
-            let n = (block + 1).next_power_of_two();
-            self.slot.resize(n, NO_SLOT);
-            self.valid.resize(n, 0);
-            self.last.resize(n, 0);
-        }
-    }
-
-    /// Frees the least recently used slot not touched at `tick`; returns it.
-    fn evict(&mut self, tick: u64) -> Option<u32> {
-        let (i, _) = self
-            .held
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| self.last[**b] < tick)
-            .min_by_key(|(_, b)| (self.last[**b], **b))?;
-        let b = self.held.swap_remove(i);
-        self.valid[b] = 0;
-        Some(std::mem::replace(&mut self.slot[b], NO_SLOT))
-    }
+/// Why a block found no arena slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NoSlot {
+    /// The arena is empty.
+    ArenaFull,
+    /// The residency slot is past what the sequence was created with (a caller defect).
+    PastCap { slot: u32, cap: usize },
 }
 
 /// A sequence's slot table.
 #[derive(Debug, Clone)]
 pub(crate) struct SlotTable {
     heads: Vec<HeadSlots>,
-    /// Slots one head keeps before it recycles its own least recently used.
+    /// Residency slots per head.
     cap: usize,
-    /// Advanced once per attention call: blocks used in the current call are never evicted.
-    tick: u64,
 }
 
 impl SlotTable {
-    /// A table for `heads` (layer, KV head) pairs keeping up to `cap` slots each.
+    /// A table for `heads` (layer, KV head) pairs with `cap` residency slots each.
     pub(crate) fn new(heads: usize, cap: usize) -> Self {
         Self {
             heads: vec![HeadSlots::default(); heads],
-            cap: cap.max(2),
-            tick: 0,
+            cap,
         }
     }
 
-    /// Starts a new call: what it touches is protected from eviction until the next one.
-    pub(crate) fn next_tick(&mut self) {
-        self.tick += 1;
-    }
-
-    /// The slot of `block` of head `lh` and whether it must be (re)filled to hold `len` tokens
-    /// (new to the device, or grown since it was copied). A head at capacity recycles its
-    /// least recently used slot not touched in this call; otherwise a slot comes from `free`,
-    /// and when that is empty the head gives up its own least recently used one. `None`:
-    /// nothing can be freed.
+    /// The arena slot for `b` of head `lh` and whether it must be (re)filled to hold `len`
+    /// tokens: the residency slot held another block, or this one with fewer tokens. Arena
+    /// slots are taken from `free` as residency slots are first used.
     pub(crate) fn slot_for(
         &mut self,
         lh: usize,
-        block: usize,
+        b: DeviceBlock,
         len: usize,
         free: &mut dyn FnMut() -> Option<u32>,
-    ) -> Option<(u32, bool)> {
-        let tick = self.tick;
+    ) -> Result<(u32, bool), NoSlot> {
+        let s = b.slot as usize;
+        if s >= self.cap {
+            return Err(NoSlot::PastCap {
+                slot: b.slot,
+                cap: self.cap,
+            });
+        }
         let hs = &mut self.heads[lh];
-        hs.grow(block);
-        if hs.slot[block] != NO_SLOT {
-            hs.last[block] = tick;
-            return Some((hs.slot[block], (hs.valid[block] as usize) < len));
+        while hs.arena.len() <= s {
+            hs.arena.push(free().ok_or(NoSlot::ArenaFull)?);
+            hs.holds.push((usize::MAX, 0));
         }
-        let reuse = if hs.held.len() >= self.cap {
-            hs.evict(tick)
-        } else {
-            None
-        };
-        let slot = match reuse.or_else(&mut *free) {
-            Some(s) => s,
-            None => hs.evict(tick)?,
-        };
-        hs.slot[block] = slot;
-        hs.valid[block] = 0;
-        hs.last[block] = tick;
-        hs.held.push(block);
-        Some((slot, true))
+        let (block, valid) = hs.holds[s];
+        let fill = block != b.block || (valid as usize) < len;
+        if block != b.block {
+            hs.holds[s] = (b.block, 0);
+        }
+        Ok((hs.arena[s], fill))
     }
 
-    /// Records that `block` of head `lh` now holds `len` tokens on the device.
-    pub(crate) fn set_valid(&mut self, lh: usize, block: usize, len: usize) {
-        if let Some(v) = self.heads[lh].valid.get_mut(block) {
-            *v = len as u32;
+    /// Records that `b` of head `lh` now holds `len` tokens on the device.
+    pub(crate) fn set_valid(&mut self, lh: usize, b: DeviceBlock, len: usize) {
+        if let Some(h) = self.heads[lh].holds.get_mut(b.slot as usize) {
+            *h = (b.block, len as u32);
         }
     }
 
-    /// Every slot held.
+    /// Every arena slot held.
     pub(crate) fn held(&self) -> impl Iterator<Item = u32> + '_ {
-        self.heads
-            .iter()
-            .flat_map(|h| h.held.iter().map(|b| h.slot[*b]))
+        self.heads.iter().flat_map(|h| h.arena.iter().copied())
     }
 }
 
@@ -129,64 +96,70 @@ mod tests {
         (0..n).rev().collect()
     }
 
+    fn at(block: usize, slot: u32) -> DeviceBlock {
+        DeviceBlock { block, slot }
+    }
+
     #[test]
-    fn new_blocks_are_filled_once_and_refilled_when_they_grow() {
+    fn blocks_are_filled_once_and_again_when_they_grow_or_their_slot_changes_hands() {
         let mut free = arena(8);
         let mut t = SlotTable::new(2, 4);
-        t.next_tick();
-        let (s, fill) = t.slot_for(0, 5, 32, &mut || free.pop()).unwrap();
+        let (s, fill) = t.slot_for(0, at(5, 0), 32, &mut || free.pop()).unwrap();
         assert!(fill);
-        t.set_valid(0, 5, 32);
-        assert_eq!(t.slot_for(0, 5, 32, &mut || free.pop()), Some((s, false)));
+        t.set_valid(0, at(5, 0), 32);
+        assert_eq!(
+            t.slot_for(0, at(5, 0), 32, &mut || free.pop()),
+            Ok((s, false))
+        );
         // The newest block grows by a token: copied again.
-        t.set_valid(0, 7, 3);
-        let (s7, _) = t.slot_for(0, 7, 3, &mut || free.pop()).unwrap();
-        t.set_valid(0, 7, 3);
-        assert_eq!(t.slot_for(0, 7, 4, &mut || free.pop()), Some((s7, true)));
-        // Heads do not share slots.
-        let (other, fill) = t.slot_for(1, 5, 32, &mut || free.pop()).unwrap();
+        let (s7, _) = t.slot_for(0, at(7, 1), 3, &mut || free.pop()).unwrap();
+        t.set_valid(0, at(7, 1), 3);
+        assert_eq!(
+            t.slot_for(0, at(7, 1), 4, &mut || free.pop()),
+            Ok((s7, true))
+        );
+        // Residency gave slot 0 to block 9: same arena slot, filled again, then settled.
+        assert_eq!(
+            t.slot_for(0, at(9, 0), 32, &mut || free.pop()),
+            Ok((s, true))
+        );
+        t.set_valid(0, at(9, 0), 32);
+        assert_eq!(
+            t.slot_for(0, at(9, 0), 32, &mut || free.pop()),
+            Ok((s, false))
+        );
+        // A slot handed over and not filled (the copy failed) is filled at the next use.
+        assert_eq!(
+            t.slot_for(0, at(5, 0), 32, &mut || free.pop()),
+            Ok((s, true))
+        );
+        assert_eq!(
+            t.slot_for(0, at(5, 0), 32, &mut || free.pop()),
+            Ok((s, true))
+        );
+        // Heads do not share arena slots.
+        let (other, fill) = t.slot_for(1, at(5, 0), 32, &mut || free.pop()).unwrap();
         assert!(fill && other != s);
+        assert_eq!(free.len(), 5);
     }
 
     #[test]
-    fn a_full_head_recycles_its_least_recently_used_block_not_used_now() {
-        let mut free = arena(100);
-        let mut t = SlotTable::new(1, 3);
-        for b in 0..3 {
-            t.next_tick();
-            t.slot_for(0, b, 32, &mut || free.pop()).unwrap();
-            t.set_valid(0, b, 32);
-        }
-        t.next_tick();
-        // Block 0 is used again now; block 1 is the oldest untouched: its slot is reused.
-        let s0 = t.slot_for(0, 0, 32, &mut || free.pop()).unwrap().0;
-        let s1 = t.heads[0].slot[1];
-        let (s, fill) = t.slot_for(0, 9, 32, &mut || free.pop()).unwrap();
-        assert_eq!((s, fill), (s1, true));
-        assert_eq!(t.heads[0].slot[1], NO_SLOT);
-        assert_ne!(s, s0);
-        assert_eq!(free.len(), 97, "no new slot taken at capacity");
-        // Everything touched in this call: over capacity from the free list instead.
-        t.slot_for(0, 2, 32, &mut || free.pop()).unwrap();
-        t.slot_for(0, 11, 32, &mut || free.pop()).unwrap();
-        assert_eq!(free.len(), 96);
-    }
-
-    #[test]
-    fn a_full_arena_takes_from_the_head_itself_or_says_so() {
-        let mut free = arena(2);
-        let mut t = SlotTable::new(1, 10);
-        t.next_tick();
-        t.slot_for(0, 0, 8, &mut || free.pop()).unwrap();
-        t.slot_for(0, 1, 8, &mut || free.pop()).unwrap();
-        // Arena empty and both slots used in this call: nothing to give.
-        assert_eq!(t.slot_for(0, 2, 8, &mut || free.pop()), None);
-        t.next_tick();
-        let (s, fill) = t.slot_for(0, 2, 8, &mut || free.pop()).unwrap();
-        assert!(fill);
+    fn arena_slots_are_taken_once_per_residency_slot_and_all_given_back() {
+        let mut free = arena(3);
+        let mut t = SlotTable::new(1, 4);
+        // Slot 2 first: the slots below it are taken too (residency numbers them densely).
+        t.slot_for(0, at(40, 2), 32, &mut || free.pop()).unwrap();
+        assert!(free.is_empty());
+        assert_eq!(
+            t.slot_for(0, at(41, 3), 32, &mut || free.pop()),
+            Err(NoSlot::ArenaFull)
+        );
+        assert_eq!(
+            t.slot_for(0, at(42, 4), 32, &mut || free.pop()),
+            Err(NoSlot::PastCap { slot: 4, cap: 4 })
+        );
         let mut held: Vec<u32> = t.held().collect();
         held.sort_unstable();
-        assert_eq!(held, vec![0, 1]);
-        assert!(held.contains(&s));
+        assert_eq!(held, vec![0, 1, 2]);
     }
 }

@@ -9,12 +9,12 @@
 
 use std::sync::{Arc, Mutex};
 
-use attention::{BlockGeometry, KvSource, Partial};
+use attention::{BlockGeometry, DeviceBlock, KvSource, Partial};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, result as drv, sys};
 use kv_transfer::HostPool;
 
 use super::call::{SlotList, SplitK, pack, partials};
-use super::slots::SlotTable;
+use super::slots::{NoSlot, SlotTable};
 use super::{DevBuf, Shared, dev_err, dtoh_f32, htod};
 use crate::backend::{BackendError, DeviceKv, DeviceSeq};
 
@@ -345,28 +345,33 @@ struct CudaSeq {
 }
 
 impl CudaSeq {
-    /// The slot of `block` of head `lh` and whether it must be (re)filled for `len` tokens.
+    /// The arena slot of `b` of head `lh` and whether it must be (re)filled for `len` tokens.
     fn slot_for(
         &mut self,
         lh: usize,
-        block: usize,
+        b: DeviceBlock,
         len: usize,
     ) -> Result<(u32, bool), BackendError> {
         let store = &self.store;
         self.table
-            .slot_for(lh, block, len, &mut || store.take_slot())
-            .ok_or_else(|| full(store.slots))
+            .slot_for(lh, b, len, &mut || store.take_slot())
+            .map_err(|e| match e {
+                NoSlot::ArenaFull => full(store.slots),
+                NoSlot::PastCap { slot, cap } => BackendError::Unsupported(format!(
+                    "residency slot {slot} of a sequence created with {cap} per head"
+                )),
+            })
     }
 
-    /// Gives `layer`'s KV head `h` a slot for each block of `list` (blocks past the
-    /// sequence's end skipped), queues the copies of those not yet filled with their tokens,
-    /// and calls `each` with every (slot, tokens).
+    /// Finds the arena slot of each block of `list` for `layer`'s KV head `h` (blocks past
+    /// the sequence's end skipped), queues the copies of those not yet holding their tokens,
+    /// and calls `each` with every (arena slot, tokens).
     fn place<'a>(
         &mut self,
         kv: &'a dyn KvSource,
         layer: usize,
         h: usize,
-        list: &[usize],
+        list: &[DeviceBlock],
         copies: &mut Vec<(u64, &'a [u8])>,
         mut each: impl FnMut(u32, usize),
     ) -> Result<(), BackendError> {
@@ -374,13 +379,13 @@ impl CudaSeq {
         let (hk, bs) = (geom.num_kv_heads, geom.block_size);
         let n = kv.num_tokens();
         let lh = layer * hk + h;
-        for &b in list.iter().filter(|b| **b * bs < n) {
-            let len = (n - b * bs).min(bs);
+        for &b in list.iter().filter(|b| b.block * bs < n) {
+            let len = (n - b.block * bs).min(bs);
             let (slot, fill) = self.slot_for(lh, b, len)?;
             if fill {
                 copies.push((
                     self.store.slot_addr(slot),
-                    head_bytes(kv, &geom, layer, b, h),
+                    head_bytes(kv, &geom, layer, b.block, h),
                 ));
                 self.table.set_valid(lh, b, len);
             }
@@ -443,7 +448,7 @@ impl DeviceSeq for CudaSeq {
         &mut self,
         kv: &dyn KvSource,
         layer: usize,
-        blocks: &[&[usize]],
+        blocks: &[&[DeviceBlock]],
         q: &[f32],
         scale: f32,
     ) -> Result<Vec<Partial>, BackendError> {
@@ -460,7 +465,6 @@ impl DeviceSeq for CudaSeq {
         }
         let t_start = std::time::Instant::now();
         sh.bind()?;
-        self.table.next_tick();
         self.after_recall(layer)?;
         let mut list = SlotList::new();
         let mut copies: Vec<(u64, &[u8])> = Vec::new();
@@ -490,7 +494,7 @@ impl DeviceSeq for CudaSeq {
         &mut self,
         kv: &dyn KvSource,
         layer: usize,
-        blocks: &[&[usize]],
+        blocks: &[&[DeviceBlock]],
     ) -> Result<(), BackendError> {
         let store = Arc::clone(&self.store);
         let sh = &*store.shared;
