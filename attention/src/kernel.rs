@@ -63,6 +63,8 @@ impl KernelPath {
     /// True when this CPU can run the path on blocks of `geom` (SIMD needs block size and
     /// head dim in multiples of 8); a path that cannot runs as [`KernelPath::Scalar`].
     pub fn runs(self, geom: &BlockGeometry) -> bool {
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = geom;
         #[cfg(target_arch = "x86_64")]
         let simd_shape = geom.block_size.is_multiple_of(8) && geom.head_dim.is_multiple_of(8);
         match self {
@@ -142,6 +144,8 @@ pub fn attend_blocks_on<'a>(
     #[cfg(not(target_arch = "x86_64"))]
     let _ = path;
     let mut blocks = blocks.into_iter().peekable();
+    // The SIMD paths peek at the next block to prefetch it.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(clippy::while_let_on_iterator))]
     while let Some(blk) = blocks.next() {
         let len = blk.len.min(b);
         if len == 0 {

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The node on arm64 (Grace-class hosts are CPU attention's natural home): the whole workspace must
+# build and lint clean for aarch64, and the attention crate's tests (kernels on the portable path
+# against their references, planners, residency) must pass there, run under qemu. Needs rustup's
+# aarch64 standard library, a cross linker and qemu-user; as root it installs the last two from
+# Debian's packages. Says "skipped" and exits 0 when one cannot be had.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target=aarch64-unknown-linux-gnu
+skip() { echo "warning: arm64 check skipped: $1" >&2; exit 0; }
+
+rustup target list --installed 2>/dev/null | grep -qx "$target" \
+  || rustup target add "$target" >/dev/null 2>&1 \
+  || skip "rustup could not add $target"
+if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
+  [ "$(id -u)" = 0 ] || skip "no aarch64-linux-gnu-gcc or qemu-aarch64, and not root to install them"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user) >/dev/null \
+    || skip "could not install gcc-aarch64-linux-gnu and qemu-user"
+fi
+
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
+cargo clippy --locked --workspace --all-targets --target "$target" -- -D warnings
+cargo test --locked -p attention --target "$target"
