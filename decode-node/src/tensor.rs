@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use attention::{KvDType, decode_to_f32};
 use memmap2::Mmap;
@@ -22,6 +23,14 @@ pub struct Tensor {
     /// Element type.
     pub dtype: KvDType,
     storage: Storage,
+    id: u64,
+}
+
+/// Source of [`Tensor::id`]s.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Tensor {
@@ -32,6 +41,7 @@ impl Tensor {
             shape,
             dtype,
             storage: Storage::Owned(bytes),
+            id: next_id(),
         }
     }
 
@@ -47,6 +57,7 @@ impl Tensor {
             shape,
             dtype,
             storage: Storage::Mapped(map, range),
+            id: next_id(),
         }
     }
 
@@ -54,6 +65,12 @@ impl Tensor {
     pub fn from_f32(shape: Vec<usize>, v: &[f32]) -> Self {
         let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         Self::from_bytes(shape, KvDType::F32, bytes)
+    }
+
+    /// This tensor's identity, unique in the process and never reused: a device keys its copy
+    /// of the weights by it (a host address can be reused by a later tensor once one is freed).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Raw little-endian bytes.
@@ -91,5 +108,21 @@ impl Tensor {
         let c = self.cols();
         let es = self.dtype.size();
         decode_to_f32(self.dtype, &self.bytes()[r * c * es..(r + 1) * c * es], out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_are_told_apart_even_at_a_reused_address() {
+        let a = Tensor::from_f32(vec![2], &[1.0, 2.0]);
+        let id = a.id();
+        drop(a);
+        // The allocator may well hand the same bytes to the next tensor of that size.
+        let b = Tensor::from_f32(vec![2], &[3.0, 4.0]);
+        assert_ne!(b.id(), id);
+        assert_eq!(b.to_f32(), vec![3.0, 4.0]);
     }
 }

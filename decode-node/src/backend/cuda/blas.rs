@@ -8,14 +8,14 @@ use attention::KvDType;
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::CudaSlice;
 
-use super::driver::{DevBuf, Pinned, Shared, dev_err};
+use super::driver::{DevBuf, Pinned, Shared, alloc_err, dev_err};
 use super::{BackendError, CudaError, Tensor};
 
 /// The state of the projections, behind one lock (one main stream).
 pub(crate) struct Blas {
     handle: blas_sys::cublasHandle_t,
-    /// Device copies of weights, by the address of their host bytes.
-    pub(crate) weights: HashMap<(usize, usize), CudaSlice<u8>>,
+    /// Device copies of the weights, by [`Tensor::id`].
+    pub(crate) weights: HashMap<u64, CudaSlice<u8>>,
     pub(crate) x: DevBuf,
     pub(crate) xh: DevBuf,
     pub(crate) y: DevBuf,
@@ -103,17 +103,13 @@ impl Blas {
 }
 
 /// Uploads `w` once; returns its cache key.
-pub(crate) fn upload(
-    g: &mut Blas,
-    sh: &Shared,
-    w: &Tensor,
-) -> Result<(usize, usize), BackendError> {
-    let key = (w.bytes().as_ptr() as usize, w.bytes().len());
+pub(crate) fn upload(g: &mut Blas, sh: &Shared, w: &Tensor) -> Result<u64, BackendError> {
+    let key = w.id();
     if let std::collections::hash_map::Entry::Vacant(slot) = g.weights.entry(key) {
         let dev = sh
             .stream
             .clone_htod(w.bytes())
-            .map_err(|e| BackendError::DeviceFull(format!("weights: {e:?}")))?;
+            .map_err(|e| alloc_err("weights", e))?;
         slot.insert(dev);
     }
     Ok(key)

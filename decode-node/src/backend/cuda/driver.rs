@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use attention::KvDType;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
-    result as drv, sys,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig,
+    PushKernelArg, result as drv, sys,
 };
 
 use super::{BackendError, CudaError};
@@ -57,6 +57,18 @@ pub fn compile_kernels() -> Result<String, CudaError> {
 
 pub(crate) fn dev_err(what: &str, e: impl fmt::Debug) -> BackendError {
     BackendError::Device(format!("{what}: {e:?}"))
+}
+
+/// A failed allocation: out of memory is [`BackendError::DeviceFull`] (the caller may wait or
+/// shed load); anything else (a lost context, a bad value) is a device failure.
+pub(crate) fn alloc_err(what: &str, e: DriverError) -> BackendError {
+    match e.0 {
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+            BackendError::DeviceFull(format!("{what}: out of device memory"))
+        }
+        // The code's name, not `DriverError`'s Debug: that asks the driver for a message.
+        code => BackendError::Device(format!("{what}: {code:?}")),
+    }
 }
 
 /// The compiled kernels.
@@ -171,9 +183,8 @@ impl DevBuf {
         if self.buf.as_ref().is_none_or(|b| b.len() < bytes) {
             self.buf = None;
             // SAFETY: contents are written before they are read by every user of `DevBuf`.
-            let b = unsafe { stream.alloc::<u8>(bytes.next_power_of_two()) }.map_err(|e| {
-                BackendError::DeviceFull(format!("{bytes} bytes of scratch: {e:?}"))
-            })?;
+            let b = unsafe { stream.alloc::<u8>(bytes.next_power_of_two()) }
+                .map_err(|e| alloc_err(&format!("{bytes} bytes of scratch"), e))?;
             self.buf = Some(b);
         }
         match &self.buf {
@@ -210,7 +221,7 @@ impl Pinned {
             let len = n.next_power_of_two().max(1024);
             // SAFETY: a fresh allocation of `len` floats; PORTABLE pins it for every context.
             let p = unsafe { drv::malloc_host(len * 4, sys::CU_MEMHOSTALLOC_PORTABLE) }
-                .map_err(|e| BackendError::DeviceFull(format!("pinned staging: {e:?}")))?;
+                .map_err(|e| alloc_err("pinned staging", e))?;
             self.ptr = p.cast();
             self.len = len;
         }
@@ -263,5 +274,27 @@ pub(crate) fn dtype_code(d: KvDType) -> i32 {
         KvDType::F32 => 0,
         KvDType::F16 => 1,
         KvDType::Bf16 => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_out_of_memory_counts_as_a_full_device() {
+        let oom = alloc_err(
+            "weights",
+            DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+        );
+        assert!(matches!(oom, BackendError::DeviceFull(_)), "{oom:?}");
+        for other in [
+            sys::CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED,
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+            sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+        ] {
+            let e = alloc_err("weights", DriverError(other));
+            assert!(matches!(e, BackendError::Device(_)), "{e:?}");
+        }
     }
 }
