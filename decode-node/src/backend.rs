@@ -50,6 +50,12 @@ pub trait DeviceKv: Send + Sync + std::fmt::Debug {
     /// Per-sequence device state with `blocks_per_head` slots per (layer, KV head); dropping
     /// it frees the sequence's device blocks.
     fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq>;
+
+    /// False when the host pool could not be page-locked: copies to the device are then
+    /// staged by the driver, correct but slow (exported as a metric, not only logged).
+    fn host_pool_pinned(&self) -> bool {
+        true
+    }
 }
 
 /// The device side of one sequence's attention. It decides nothing about placement: the

@@ -153,6 +153,8 @@ pub struct Metrics {
     pub kv_cache_usage: FloatGauge,
     /// Device KV bytes by state.
     pub device_kv_bytes: Family<StateLabel, Gauge>,
+    /// 1 when the host pool could not be page-locked for the device, so copies are staged.
+    pub device_kv_copies_staged: Gauge,
     /// Share of selected tokens attended on the CPU (last minute; totals in the counters).
     pub attention_cpu_ratio: FloatGauge,
     /// Blocks recalled host → device.
@@ -217,6 +219,7 @@ impl Metrics {
             host_kv_bytes: Family::default(),
             kv_cache_usage: FloatGauge::default(),
             device_kv_bytes: Family::default(),
+            device_kv_copies_staged: Gauge::default(),
             attention_cpu_ratio: FloatGauge::default(),
             recall_blocks: Counter::default(),
             recall_bytes: Counter::default(),
@@ -324,6 +327,11 @@ impl Metrics {
             "device_kv_bytes",
             "Device KV bytes by state",
             self.device_kv_bytes.clone(),
+        );
+        r.register(
+            "device_kv_copies_staged",
+            "1 when the host KV pool could not be page-locked, so every copy to the device is staged by the driver (the slow path); 0 otherwise",
+            self.device_kv_copies_staged.clone(),
         );
         r.register(
             "attention_cpu_ratio",
@@ -714,5 +722,9 @@ mod tests {
         for name in crate::metrics::REQUIRED {
             assert!(text.contains(name), "missing {name}\n{text}");
         }
+        // Beyond the card: a device whose host pool is not page-locked says so.
+        assert!(text.contains("decode_node_device_kv_copies_staged 0"), "{text}");
+        m.device_kv_copies_staged.set(1);
+        assert!(m.render().contains("decode_node_device_kv_copies_staged 1"));
     }
 }

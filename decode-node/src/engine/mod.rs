@@ -95,6 +95,11 @@ impl Engine {
             .backend()
             .device_kv(*pool.geometry(), cfg.device_kv_bytes, &pool)
             .map_err(std::io::Error::other)?;
+        if let Some(d) = &device_kv {
+            metrics
+                .device_kv_copies_staged
+                .set(i64::from(!d.host_pool_pinned()));
+        }
         let mut lp = StepLoop {
             model,
             device_kv,

@@ -317,6 +317,10 @@ impl Drop for CudaKvStore {
 }
 
 impl DeviceKv for CudaKvStore {
+    fn host_pool_pinned(&self) -> bool {
+        self.pinned
+    }
+
     fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq> {
         let hk = self.geom.num_kv_heads;
         Box::new(CudaSeq {
