@@ -11,7 +11,7 @@
 //! - [`attend_blocks`]: the CPU kernel (one KV head, its whole GQA group, online softmax in
 //!   base 2), producing a [`Partial`]; [`Partial::merge_from`] merges partials exactly.
 //! - [`SeqAttention`]: per-request digests and device residency; plans each layer into a
-//!   device part and a CPU part according to [`AttentionConfig`] ([`Mode`]), and schedules
+//!   device part and a CPU part according to [`AttentionConfig`] ([`Mode`]), and runs
 //!   periodic recall. [`PredictionGuard`] says when `scout`'s layer-ahead prediction is not
 //!   trusted (its query cosine with the real one is low, or the layer is among the first).
 //!

@@ -4,7 +4,9 @@
 //! blocks and which blocks are resident on the device. Each decode step, for each layer, the
 //! engine asks for a [`HeadPlan`] (which blocks the device attends and which the CPU attends),
 //! runs both parts with [`attend_head`], merges them and calls [`SeqAttention::finish_layer`],
-//! which updates the statistics and schedules recalls.
+//! which updates the statistics and recalls blocks: they are resident at once, in slots the
+//! residency table chose, and [`SeqAttention::recalled`] names them for the device to copy
+//! before the layer attends again.
 
 use crate::block::{BlockGeometry, HeadBlock};
 use crate::digest::{GroupQuery, HeadDigests};
@@ -452,7 +454,8 @@ impl SeqAttention {
         plans
     }
 
-    /// Records a layer's plans after its attention ran; schedules recalls (`scout`).
+    /// Records a layer's plans after its attention ran; recalls its CPU blocks when due
+    /// (`scout`), resident as of the next step ([`SeqAttention::recalled`]).
     pub fn finish_layer(&mut self, cfg: &AttentionConfig, layer: usize, plans: &[HeadPlan]) {
         let n = self.num_tokens;
         let bs = self.geom.block_size;
