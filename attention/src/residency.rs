@@ -207,4 +207,62 @@ mod tests {
         r.clear_recalled();
         assert!(r.recalled().is_empty());
     }
+
+    use proptest::prelude::*;
+
+    /// One operation on a head's residency.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Place(usize),
+        Touch(usize),
+        Recall(Vec<usize>),
+        Grow,
+        Step,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0usize..64).prop_map(Op::Place),
+            1 => (0usize..64).prop_map(Op::Touch),
+            1 => proptest::collection::vec(0usize..70, 0..6).prop_map(Op::Recall),
+            1 => Just(Op::Grow),
+            2 => Just(Op::Step),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(5), ..ProptestConfig::default() })]
+
+        /// Whatever the history: never more blocks than the cap, slots numbered densely from
+        /// 0 with one block each (what a device's slot table relies on), and a block's slot
+        /// is the one that holds it.
+        #[test]
+        fn slots_stay_dense_unique_and_under_the_cap(
+            cap in 2usize..10,
+            ops in proptest::collection::vec(op(), 1..200),
+        ) {
+            let mut r = Residency::new(40);
+            let mut step = 0u64;
+            for op in ops {
+                let n = r.slot_of.len();
+                match op {
+                    Op::Place(b) => { r.make_resident(b % n, step, cap); }
+                    Op::Touch(b) => r.touch(b % n, step),
+                    Op::Recall(bs) => { r.recall(bs, step, cap); }
+                    Op::Grow => r.push(step),
+                    Op::Step => step += 1,
+                }
+                prop_assert!(r.count() <= cap);
+                let mut slots: Vec<u32> = (0..r.slot_of.len()).filter_map(|b| r.slot(b)).collect();
+                prop_assert_eq!(slots.len(), r.count());
+                slots.sort_unstable();
+                prop_assert!(slots.iter().enumerate().all(|(i, s)| *s as usize == i));
+                for b in 0..r.slot_of.len() {
+                    if let Some(s) = r.slot(b) {
+                        prop_assert_eq!(r.holds[s as usize], b);
+                    }
+                }
+            }
+        }
+    }
 }

@@ -723,7 +723,10 @@ mod tests {
             assert!(text.contains(name), "missing {name}\n{text}");
         }
         // Beyond the card: a device whose host pool is not page-locked says so.
-        assert!(text.contains("decode_node_device_kv_copies_staged 0"), "{text}");
+        assert!(
+            text.contains("decode_node_device_kv_copies_staged 0"),
+            "{text}"
+        );
         m.device_kv_copies_staged.set(1);
         assert!(m.render().contains("decode_node_device_kv_copies_staged 1"));
     }
