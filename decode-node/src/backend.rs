@@ -32,6 +32,10 @@ pub enum BackendError {
     /// A shape the device kernels do not support.
     #[error("unsupported on this device: {0}")]
     Unsupported(String),
+    /// The device can run nothing more in this process (its context was lost to a fault:
+    /// an illegal address, a failed launch, an uncorrectable ECC error).
+    #[error("device lost: {0}")]
+    DeviceLost(String),
 }
 
 /// One projection of [`Backend::linear_many`]: `y = x · wᵀ + bias`.

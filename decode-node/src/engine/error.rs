@@ -18,6 +18,9 @@ pub enum EngineError {
     /// The device or one of its libraries failed: this node cannot serve the step.
     #[error("device error: {0}")]
     Device(String),
+    /// The device is lost for good: this node serves nothing more until it restarts.
+    #[error("{0}")]
+    DeviceLost(String),
     /// The attention engine failed (a CPU part lost, KV that could not be appended).
     #[error("attention failed: {0}")]
     Attention(String),
@@ -40,6 +43,9 @@ impl From<ModelError> for EngineError {
             }
             ModelError::Backend(b @ (BackendError::Device(_) | BackendError::Unsupported(_))) => {
                 EngineError::Device(b.to_string())
+            }
+            ModelError::Backend(b @ BackendError::DeviceLost(_)) => {
+                EngineError::DeviceLost(b.to_string())
             }
             // Loading errors cannot happen in a step; if one does, it is ours.
             e @ (ModelError::Io(..) | ModelError::Config(_) | ModelError::Weights(_)) => {
@@ -69,6 +75,10 @@ mod tests {
             (
                 ModelError::Backend(BackendError::DeviceFull("arena".into())),
                 "Exhausted",
+            ),
+            (
+                ModelError::Backend(BackendError::DeviceLost("Xid 79".into())),
+                "DeviceLost",
             ),
             (ModelError::Weights("w".into()), "Internal"),
         ];

@@ -62,6 +62,8 @@ pub struct LoadSnapshot {
     pub device_bytes: u64,
     /// Tokens per second over the last steps.
     pub tokens_per_second: f64,
+    /// The device was lost: the engine refuses everything until the process restarts.
+    pub device_lost: bool,
 }
 
 /// Handle to the engine thread.
@@ -111,6 +113,7 @@ impl Engine {
             running: Vec::new(),
             load: load.clone(),
             recent: VecDeque::new(),
+            lost: None,
         };
         let h = std::thread::Builder::new()
             .name("step-loop".into())
@@ -141,6 +144,8 @@ struct StepLoop {
     running: Vec<Running>,
     load: Arc<std::sync::Mutex<LoadSnapshot>>,
     recent: VecDeque<(Instant, usize)>,
+    /// Set when a step lost the device: why; every request after it is refused.
+    lost: Option<String>,
 }
 
 impl StepLoop {
@@ -266,6 +271,16 @@ impl StepLoop {
     }
 
     fn admit(&mut self) {
+        if let Some(why) = &self.lost {
+            let e = EngineError::DeviceLost(why.clone());
+            for job in std::mem::take(&mut self.waiting) {
+                self.count_outcome("error");
+                let events = job.spec.events.clone();
+                drop(job); // frees its KV before the client hears the end
+                let _ = events.send(Event::Error(e.clone()));
+            }
+            return;
+        }
         let now = Instant::now();
         // Jobs that cannot fit any more are refused rather than left waiting unbounded.
         let timeout = self.cfg.queue_timeout;

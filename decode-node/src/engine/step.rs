@@ -106,6 +106,10 @@ impl StepLoop {
     /// A step that failed for the whole batch ends every running request with its error.
     fn fail_batch(&mut self, e: EngineError) {
         tracing::error!(error = %e, batch = self.running.len(), "decode step failed; its requests end");
+        if let EngineError::DeviceLost(why) = &e {
+            tracing::error!("the device is lost: this node refuses all work until it restarts");
+            self.lost = Some(why.clone());
+        }
         for r in std::mem::take(&mut self.running) {
             self.count_outcome("error");
             r.job
@@ -285,7 +289,7 @@ impl StepLoop {
         }
     }
 
-    fn count_outcome(&self, outcome: &str) {
+    pub(super) fn count_outcome(&self, outcome: &str) {
         self.metrics
             .requests
             .get_or_create(&OutcomeLabel {
@@ -350,6 +354,7 @@ impl StepLoop {
             } else {
                 0.0
             },
+            device_lost: self.lost.is_some(),
         };
         self.metrics.running.set(snap.running as i64);
         self.metrics.waiting.set(snap.waiting as i64);

@@ -31,6 +31,16 @@ struct Rig {
 
 impl Rig {
     fn start(max_batch: usize, device_kv_bytes: u64) -> Self {
+        Self::start_on(max_batch, device_kv_bytes, None)
+    }
+
+    /// A rig whose engine runs `engine_model` (the same `tiny` on another backend); prefills
+    /// and references keep the CPU model.
+    fn start_on(
+        max_batch: usize,
+        device_kv_bytes: u64,
+        engine_model: Option<Arc<LoadedModel>>,
+    ) -> Self {
         let args = Args::parse_from(["t", "--model", "tiny", "--attention", "full"]);
         let node = Node::build(&args.model).unwrap();
         let pool = HostPool::new(node.layout.geom, 64 << 20).unwrap();
@@ -41,8 +51,8 @@ impl Rig {
             queue_timeout: Duration::from_secs(30),
             cpu_threads: 1,
         };
-        let (engine, thread) =
-            Engine::start(node.model.clone(), pool.clone(), cfg, Metrics::new()).unwrap();
+        let on = engine_model.unwrap_or_else(|| node.model.clone());
+        let (engine, thread) = Engine::start(on, pool.clone(), cfg, Metrics::new()).unwrap();
         Self {
             model: node.model,
             layout: node.layout,
@@ -357,6 +367,70 @@ fn stop_strings_min_tokens_and_top_logprobs() {
     assert!(
         toks.len() >= 3 && toks[..3].iter().all(|t| t.0 != first),
         "{toks:?}"
+    );
+    rig.wait_pool_empty();
+}
+
+/// The CPU backend with a device that can be lost: once `lost` is set, every projection fails
+/// as a lost CUDA context does.
+#[derive(Debug, Default)]
+struct LosableDevice {
+    lost: std::sync::atomic::AtomicBool,
+    /// Calls refused since.
+    refused: std::sync::atomic::AtomicUsize,
+}
+
+impl crate::backend::Backend for LosableDevice {
+    fn name(&self) -> String {
+        "losable".into()
+    }
+
+    fn linear(
+        &self,
+        x: &[f32],
+        batch: usize,
+        w: &crate::tensor::Tensor,
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+    ) -> Result<(), crate::backend::BackendError> {
+        if self.lost.load(std::sync::atomic::Ordering::Acquire) {
+            self.refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(crate::backend::BackendError::DeviceLost(
+                "sync: CUDA_ERROR_ILLEGAL_ADDRESS".into(),
+            ));
+        }
+        crate::backend::CpuBackend.linear(x, batch, w, bias, y)
+    }
+}
+
+#[test]
+fn a_lost_device_ends_what_runs_and_refuses_what_comes_after() {
+    let dev = Arc::new(LosableDevice::default());
+    let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
+    let rig = Rig::start_on(2, 1 << 30, Some(model));
+    let mut a = rig.submit("a", &Rig::prompt(1), 100_000);
+    assert!(matches!(a.blocking_recv(), Some(Event::Token { .. })));
+    assert!(!rig.engine.load().device_lost);
+    dev.lost.store(true, std::sync::atomic::Ordering::Release);
+    let (_, last) = drain(&mut a);
+    assert!(
+        matches!(&last, Event::Error(EngineError::DeviceLost(m)) if m.contains("ILLEGAL_ADDRESS")),
+        "{last:?}"
+    );
+    // Everything after it is refused at once, without touching the device, and says why.
+    let mut b = rig.submit("b", &Rig::prompt(2), 4);
+    let (ids, last) = drain(&mut b);
+    assert!(ids.is_empty());
+    assert!(
+        matches!(last, Event::Error(EngineError::DeviceLost(_))),
+        "{last:?}"
+    );
+    assert!(rig.engine.load().device_lost);
+    let refused = dev.refused.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        refused, 1,
+        "only the step that found the device lost called it"
     );
     rig.wait_pool_empty();
 }

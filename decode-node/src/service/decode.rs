@@ -90,7 +90,7 @@ fn engine_status(e: &EngineError) -> Status {
         EngineError::ShuttingDown => Status::unavailable("the node is shutting down"),
         EngineError::Input(m) => Status::invalid_argument(m.clone()),
         // The device failed under this node: another node may serve the request.
-        EngineError::Device(_) => Status::unavailable(e.to_string()),
+        EngineError::Device(_) | EngineError::DeviceLost(_) => Status::unavailable(e.to_string()),
         EngineError::Attention(_) | EngineError::Internal(_) => Status::internal(e.to_string()),
         // The request's data is corrupt: retrying it as is cannot help.
         EngineError::NonFinite(m) => Status::data_loss(m.clone()),
@@ -551,6 +551,7 @@ mod tests {
             ),
             // A failing device is the node's fault, never the request's.
             (EngineError::Device("ECC error".into()), Code::Unavailable),
+            (EngineError::DeviceLost("lost".into()), Code::Unavailable),
             (
                 EngineError::Attention("CPU part lost".into()),
                 Code::Internal,

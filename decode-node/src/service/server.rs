@@ -206,6 +206,35 @@ pub async fn serve(
         });
     }
 
+    // A lost device cannot come back in this process: health says so at once (the orchestrator
+    // stops routing here), and pushes are refused as when draining.
+    let lost_watch = {
+        let (registry, engine, serving, health) = (
+            registry.clone(),
+            engine.clone(),
+            serving.clone(),
+            health.clone(),
+        );
+        tokio::spawn(async move {
+            while !engine.load().device_lost {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            tracing::error!(
+                "device lost: health NOT_SERVING, new pushes refused; restart the node"
+            );
+            registry.set_draining();
+            serving.store(false, Ordering::Release);
+            health
+                .set_service_status("", ServingStatus::NotServing)
+                .await;
+            health
+                .set_not_serving::<DecodeServer<DecodeService>>()
+                .await;
+            health
+                .set_not_serving::<KvTransferServer<KvTransferService>>()
+                .await;
+        })
+    };
     let drain_timeout = Duration::from_secs_f64(args.drain_timeout.max(0.0));
     let drain = {
         let (registry, engine, state) = (registry.clone(), engine.clone(), state.clone());
@@ -253,6 +282,7 @@ pub async fn serve(
         .await;
     engine.send(Control::Shutdown);
     sweeper.abort();
+    lost_watch.abort();
     http.abort();
     let _ = tokio::task::spawn_blocking(move || engine_thread.join()).await;
     result.context("gRPC server")?;

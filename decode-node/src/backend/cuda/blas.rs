@@ -8,7 +8,7 @@ use attention::KvDType;
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::CudaSlice;
 
-use super::driver::{DevBuf, Pinned, Shared, alloc_err, dev_err};
+use super::driver::{DevBuf, Pinned, Shared, alloc_err, lib_err};
 use super::{BackendError, CudaError, Tensor};
 
 /// The state of the projections, behind one lock (one main stream).
@@ -98,7 +98,7 @@ impl Blas {
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
         }
-        .map_err(|e| dev_err("cuBLAS GemmEx", e))
+        .map_err(|e| lib_err("cuBLAS GemmEx", e))
     }
 }
 

@@ -55,20 +55,42 @@ pub fn compile_kernels() -> Result<String, CudaError> {
     Ok(ptx.to_src())
 }
 
-pub(crate) fn dev_err(what: &str, e: impl fmt::Debug) -> BackendError {
+/// A driver call that failed, by what it means for the node: out of memory is
+/// [`BackendError::DeviceFull`]; a sticky fault (the context is unusable) is
+/// [`BackendError::DeviceLost`]; anything else fails the call only.
+pub(crate) fn dev_err(what: &str, e: DriverError) -> BackendError {
+    use sys::CUresult as R;
+    // The code's name, not `DriverError`'s Debug: that asks the driver for a message.
+    let code = e.0;
+    match code {
+        R::CUDA_ERROR_OUT_OF_MEMORY => {
+            BackendError::DeviceFull(format!("{what}: out of device memory"))
+        }
+        // Sticky: the context is unusable and every later call fails the same way.
+        R::CUDA_ERROR_ILLEGAL_ADDRESS
+        | R::CUDA_ERROR_LAUNCH_FAILED
+        | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+        | R::CUDA_ERROR_MISALIGNED_ADDRESS
+        | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
+        | R::CUDA_ERROR_INVALID_PC
+        | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+        | R::CUDA_ERROR_ECC_UNCORRECTABLE
+        | R::CUDA_ERROR_CONTEXT_IS_DESTROYED
+        | R::CUDA_ERROR_DEVICE_UNAVAILABLE
+        | R::CUDA_ERROR_DEINITIALIZED => BackendError::DeviceLost(format!("{what}: {code:?}")),
+        _ => BackendError::Device(format!("{what}: {code:?}")),
+    }
+}
+
+/// An error of a CUDA library other than the driver (cuBLAS): a device error.
+pub(crate) fn lib_err(what: &str, e: impl fmt::Debug) -> BackendError {
     BackendError::Device(format!("{what}: {e:?}"))
 }
 
-/// A failed allocation: out of memory is [`BackendError::DeviceFull`] (the caller may wait or
-/// shed load); anything else (a lost context, a bad value) is a device failure.
+/// A failed allocation ([`dev_err`]): out of memory is [`BackendError::DeviceFull`] (the
+/// caller may wait or shed load); a lost context is [`BackendError::DeviceLost`].
 pub(crate) fn alloc_err(what: &str, e: DriverError) -> BackendError {
-    match e.0 {
-        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-            BackendError::DeviceFull(format!("{what}: out of device memory"))
-        }
-        // The code's name, not `DriverError`'s Debug: that asks the driver for a message.
-        code => BackendError::Device(format!("{what}: {code:?}")),
-    }
+    dev_err(what, e)
 }
 
 /// The compiled kernels.
@@ -282,19 +304,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_out_of_memory_counts_as_a_full_device() {
-        let oom = alloc_err(
-            "weights",
-            DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
-        );
+    fn driver_errors_are_told_apart_full_lost_or_failed() {
+        use sys::CUresult as R;
+        let oom = alloc_err("weights", DriverError(R::CUDA_ERROR_OUT_OF_MEMORY));
         assert!(matches!(oom, BackendError::DeviceFull(_)), "{oom:?}");
-        for other in [
-            sys::CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED,
-            sys::CUresult::CUDA_ERROR_INVALID_VALUE,
-            sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+        for lost in [
+            R::CUDA_ERROR_CONTEXT_IS_DESTROYED,
+            R::CUDA_ERROR_ILLEGAL_ADDRESS,
+            R::CUDA_ERROR_LAUNCH_FAILED,
+            R::CUDA_ERROR_ECC_UNCORRECTABLE,
         ] {
-            let e = alloc_err("weights", DriverError(other));
+            let e = dev_err("sync", DriverError(lost));
+            assert!(matches!(e, BackendError::DeviceLost(_)), "{e:?}");
+        }
+        for failed in [R::CUDA_ERROR_INVALID_VALUE, R::CUDA_ERROR_NOT_READY] {
+            let e = alloc_err("weights", DriverError(failed));
             assert!(matches!(e, BackendError::Device(_)), "{e:?}");
+            assert!(e.to_string().contains("weights"), "{e}");
         }
     }
 }
