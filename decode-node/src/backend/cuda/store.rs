@@ -460,9 +460,17 @@ impl DeviceSeq for CudaSeq {
         let geom = store.geom;
         let (hk, d) = (geom.num_kv_heads, geom.head_dim);
         let group = q.len() / (hk * d).max(1);
-        if group == 0 || group > MAX_GROUP || d > MAX_HEAD_DIM || blocks.len() != hk {
+        if group == 0
+            || group > MAX_GROUP
+            || d > MAX_HEAD_DIM
+            || blocks.len() != hk
+            || q.len() != hk * group * d
+            || layer >= self.recall_events.len()
+        {
             return Err(BackendError::Unsupported(format!(
-                "attention with {group} query heads per KV head, head_dim {d}, {} head lists (kernel: group <= {MAX_GROUP}, head_dim <= {MAX_HEAD_DIM})",
+                "attention of layer {layer} (of {}) with {} query floats for {hk} KV heads of head_dim {d} ({group} query heads each), {} head lists (kernel: group <= {MAX_GROUP}, head_dim <= {MAX_HEAD_DIM})",
+                self.recall_events.len(),
+                q.len(),
                 blocks.len()
             )));
         }
@@ -500,10 +508,18 @@ impl DeviceSeq for CudaSeq {
         blocks: &[&[DeviceBlock]],
     ) -> Result<(), BackendError> {
         let store = Arc::clone(&self.store);
+        let hk = store.geom.num_kv_heads;
+        if blocks.len() != hk || layer >= self.recall_events.len() {
+            return Err(BackendError::Unsupported(format!(
+                "recall of layer {layer} with {} head lists ({hk} KV heads, {} layers)",
+                blocks.len(),
+                self.recall_events.len()
+            )));
+        }
         let sh = &*store.shared;
         sh.bind()?;
         let mut copies: Vec<(u64, &[u8])> = Vec::new();
-        for (h, list) in blocks.iter().enumerate().take(store.geom.num_kv_heads) {
+        for (h, list) in blocks.iter().enumerate() {
             self.place(kv, layer, h, list, &mut copies, |_, _| {})?;
         }
         store.copy_in(&copies, Lane::Recall)?;
