@@ -222,17 +222,7 @@ pub async fn serve(
             tracing::error!(
                 "device lost: health NOT_SERVING, new pushes refused; restart the node"
             );
-            registry.set_draining();
-            serving.store(false, Ordering::Release);
-            health
-                .set_service_status("", ServingStatus::NotServing)
-                .await;
-            health
-                .set_not_serving::<DecodeServer<DecodeService>>()
-                .await;
-            health
-                .set_not_serving::<KvTransferServer<KvTransferService>>()
-                .await;
+            stop_serving(&registry, &serving, &health).await;
         })
     };
     let drain_timeout = Duration::from_secs_f64(args.drain_timeout.max(0.0));
@@ -241,17 +231,7 @@ pub async fn serve(
         async move {
             shutdown.await;
             tracing::info!("draining: refusing new work, finishing running requests");
-            registry.set_draining();
-            serving.store(false, Ordering::Release);
-            health
-                .set_service_status("", ServingStatus::NotServing)
-                .await;
-            health
-                .set_not_serving::<DecodeServer<DecodeService>>()
-                .await;
-            health
-                .set_not_serving::<KvTransferServer<KvTransferService>>()
-                .await;
+            stop_serving(&registry, &serving, &health).await;
             // Generates for KV already here are still served, until the drain timeout.
             let end = Instant::now() + drain_timeout;
             loop {
@@ -358,4 +338,23 @@ impl InProcess {
         let _ = self.stop.send(());
         self.task.await?
     }
+}
+
+/// Takes the node out of rotation: pushes refused, gRPC and HTTP health NOT_SERVING.
+async fn stop_serving(
+    registry: &Registry,
+    serving: &AtomicBool,
+    health: &tonic_health::server::HealthReporter,
+) {
+    registry.set_draining();
+    serving.store(false, Ordering::Release);
+    health
+        .set_service_status("", ServingStatus::NotServing)
+        .await;
+    health
+        .set_not_serving::<DecodeServer<DecodeService>>()
+        .await;
+    health
+        .set_not_serving::<KvTransferServer<KvTransferService>>()
+        .await;
 }
