@@ -19,7 +19,7 @@ mod store;
 
 use blas::{Blas, upload};
 pub(crate) use driver::{
-    DevBuf, Kernels, Shared, alloc_err, dev_err, dtoh_f32, dtype_code, f32_bytes, htod, launch_on,
+    DevBuf, Kernels, Shared, dev_err, dtoh_f32, dtype_code, f32_bytes, htod, launch_on,
 };
 pub use driver::{DeviceInfo, compile_kernels, probe};
 
@@ -146,8 +146,8 @@ impl CudaBackend {
         // SAFETY: only copied between; never read on the host.
         let (src, dst) = unsafe { (sh.stream.alloc::<u8>(n), sh.stream.alloc::<u8>(n)) };
         let (src, dst) = (
-            src.map_err(|e| alloc_err("the copy bandwidth probe", e))?,
-            dst.map_err(|e| alloc_err("the copy bandwidth probe", e))?,
+            src.map_err(|e| dev_err("the copy bandwidth probe", e))?,
+            dst.map_err(|e| dev_err("the copy bandwidth probe", e))?,
         );
         let (s, d) = (src.device_ptr(&sh.stream).0, dst.device_ptr(&sh.stream).0);
         let copy = || {

@@ -8,7 +8,7 @@ use attention::KvDType;
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::CudaSlice;
 
-use super::driver::{DevBuf, Pinned, Shared, alloc_err, lib_err};
+use super::driver::{DevBuf, Pinned, Shared, dev_err, lib_err};
 use super::{BackendError, CudaError, Tensor};
 
 /// The state of the projections, behind one lock (one main stream).
@@ -109,7 +109,7 @@ pub(crate) fn upload(g: &mut Blas, sh: &Shared, w: &Tensor) -> Result<u64, Backe
         let dev = sh
             .stream
             .clone_htod(w.bytes())
-            .map_err(|e| alloc_err("weights", e))?;
+            .map_err(|e| dev_err("weights", e))?;
         slot.insert(dev);
     }
     Ok(key)

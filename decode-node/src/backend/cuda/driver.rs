@@ -87,12 +87,6 @@ pub(crate) fn lib_err(what: &str, e: impl fmt::Debug) -> BackendError {
     BackendError::Device(format!("{what}: {e:?}"))
 }
 
-/// A failed allocation ([`dev_err`]): out of memory is [`BackendError::DeviceFull`] (the
-/// caller may wait or shed load); a lost context is [`BackendError::DeviceLost`].
-pub(crate) fn alloc_err(what: &str, e: DriverError) -> BackendError {
-    dev_err(what, e)
-}
-
 /// The compiled kernels.
 #[derive(Debug)]
 pub(crate) struct Kernels {
@@ -206,7 +200,7 @@ impl DevBuf {
             self.buf = None;
             // SAFETY: contents are written before they are read by every user of `DevBuf`.
             let b = unsafe { stream.alloc::<u8>(bytes.next_power_of_two()) }
-                .map_err(|e| alloc_err(&format!("{bytes} bytes of scratch"), e))?;
+                .map_err(|e| dev_err(&format!("{bytes} bytes of scratch"), e))?;
             self.buf = Some(b);
         }
         match &self.buf {
@@ -243,7 +237,7 @@ impl Pinned {
             let len = n.next_power_of_two().max(1024);
             // SAFETY: a fresh allocation of `len` floats; PORTABLE pins it for every context.
             let p = unsafe { drv::malloc_host(len * 4, sys::CU_MEMHOSTALLOC_PORTABLE) }
-                .map_err(|e| alloc_err("pinned staging", e))?;
+                .map_err(|e| dev_err("pinned staging", e))?;
             self.ptr = p.cast();
             self.len = len;
         }
@@ -306,7 +300,7 @@ mod tests {
     #[test]
     fn driver_errors_are_told_apart_full_lost_or_failed() {
         use sys::CUresult as R;
-        let oom = alloc_err("weights", DriverError(R::CUDA_ERROR_OUT_OF_MEMORY));
+        let oom = dev_err("weights", DriverError(R::CUDA_ERROR_OUT_OF_MEMORY));
         assert!(matches!(oom, BackendError::DeviceFull(_)), "{oom:?}");
         for lost in [
             R::CUDA_ERROR_CONTEXT_IS_DESTROYED,
@@ -318,7 +312,7 @@ mod tests {
             assert!(matches!(e, BackendError::DeviceLost(_)), "{e:?}");
         }
         for failed in [R::CUDA_ERROR_INVALID_VALUE, R::CUDA_ERROR_NOT_READY] {
-            let e = alloc_err("weights", DriverError(failed));
+            let e = dev_err("weights", DriverError(failed));
             assert!(matches!(e, BackendError::Device(_)), "{e:?}");
             assert!(e.to_string().contains("weights"), "{e}");
         }

@@ -15,7 +15,7 @@ use kv_transfer::HostPool;
 
 use super::call::{SlotList, SplitK, pack, partials};
 use super::slots::{NoSlot, SlotTable};
-use super::{DevBuf, Shared, alloc_err, dev_err, dtoh_f32, htod};
+use super::{DevBuf, Shared, dev_err, dtoh_f32, htod};
 use crate::backend::{BackendError, DeviceKv, DeviceSeq};
 
 /// Largest GQA group and head dimension the attention kernel takes.
@@ -101,7 +101,7 @@ impl CudaKvStore {
         }
         // SAFETY: slots are written (copied from the host) before any kernel reads them.
         let arena = unsafe { shared.stream.alloc::<u8>(slots * hb as usize) }
-            .map_err(|e| alloc_err(&format!("{} bytes of device KV", slots as u64 * hb), e))?;
+            .map_err(|e| dev_err(&format!("{} bytes of device KV", slots as u64 * hb), e))?;
         let base = arena.device_ptr(&shared.stream).0;
         let (ptr, len) = pool.region();
         // Page-locked, the pool copies to the device by DMA without staging and overlaps
