@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The node on arm64 (Grace-class hosts are CPU attention's natural home): the whole workspace must
-# build and lint clean for aarch64, and the attention crate's tests (kernels on the portable path
+# build and lint clean for aarch64, and the attention crate's tests (kernels, NEON and portable,
 # against their references, planners, residency) must pass there, run under qemu. Needs rustup's
 # aarch64 standard library, a cross linker and qemu-user; as root it installs the last two from
 # Debian's packages. Says "skipped" and exits 0 when one cannot be had.

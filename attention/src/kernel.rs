@@ -37,6 +37,9 @@ pub enum KernelPath {
     /// 8 heads, where the CPU has it.
     #[cfg(target_arch = "x86_64")]
     Avx512,
+    /// NEON (arm64).
+    #[cfg(target_arch = "aarch64")]
+    Neon,
 }
 
 impl KernelPath {
@@ -47,6 +50,8 @@ impl KernelPath {
         Self::Avx2,
         #[cfg(target_arch = "x86_64")]
         Self::Avx512,
+        #[cfg(target_arch = "aarch64")]
+        Self::Neon,
     ];
 
     /// Its name in benches and logs.
@@ -57,15 +62,17 @@ impl KernelPath {
             Self::Avx2 => "avx2",
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => "avx512",
+            #[cfg(target_arch = "aarch64")]
+            Self::Neon => "neon",
         }
     }
 
     /// True when this CPU can run the path on blocks of `geom` (SIMD needs block size and
     /// head dim in multiples of 8); a path that cannot runs as [`KernelPath::Scalar`].
     pub fn runs(self, geom: &BlockGeometry) -> bool {
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         let _ = geom;
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         let simd_shape = geom.block_size.is_multiple_of(8) && geom.head_dim.is_multiple_of(8);
         match self {
             Self::Scalar => true,
@@ -75,6 +82,8 @@ impl KernelPath {
             Self::Avx512 => {
                 simd_shape && crate::kernel_avx2::available() && crate::kernel_avx512::available()
             }
+            #[cfg(target_arch = "aarch64")]
+            Self::Neon => simd_shape && crate::kernel_neon::available(),
         }
     }
 
@@ -141,7 +150,9 @@ pub fn attend_blocks_on<'a>(
     let simd = path != KernelPath::Scalar && path.runs(geom);
     #[cfg(target_arch = "x86_64")]
     let wide = path == KernelPath::Avx512 && simd;
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    let simd = path == KernelPath::Neon && path.runs(geom);
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = path;
     let mut blocks = blocks.into_iter().peekable();
     // The SIMD paths peek at the next block to prefetch it.
@@ -174,6 +185,14 @@ pub fn attend_blocks_on<'a>(
             unsafe { crate::kernel_avx2::block(geom, qs, blk.bytes, len, &mut st, &mut pf, wide) };
             continue;
         }
+        #[cfg(target_arch = "aarch64")]
+        if simd && blk.bytes.len() >= geom.head_bytes() {
+            let mut st = crate::kernel_neon::State { acc, m, l, s };
+            // SAFETY: `runs` checked the CPU and that block size and head dim are multiples
+            // of 8; the block holds a whole head block; `len <= b`.
+            unsafe { crate::kernel_neon::block(geom, qs, blk.bytes, len, &mut st) };
+            continue;
+        }
         let (kt, vs) = blk.bytes.split_at(b * d * es);
         s[..g * b].fill(0.0);
         for c in 0..d {
@@ -187,31 +206,7 @@ pub fn attend_blocks_on<'a>(
                 }
             }
         }
-        for h in 0..g {
-            let sh = &mut s[h * b..h * b + len];
-            // NaN (a NaN or an infinity times zero in the stored keys) is kept, not skipped
-            // as `f32::max` would: the head's output becomes NaN rather than quietly
-            // ignoring the token.
-            let bm = sh.iter().fold(f32::NEG_INFINITY, |a, &x| nan_max(a, x));
-            let m_new = nan_max(m[h], bm);
-            if m_new == f32::NEG_INFINITY {
-                // Every score is -inf (only possible with infinite inputs): nothing to add.
-                sh.fill(0.0);
-                continue;
-            }
-            let alpha = (m[h] - m_new).exp2();
-            l[h] *= alpha;
-            for a in &mut acc[h * d..(h + 1) * d] {
-                *a *= alpha;
-            }
-            let mut sum = 0f32;
-            for sv in sh.iter_mut() {
-                *sv = (*sv - m_new).exp2();
-                sum += *sv;
-            }
-            l[h] += sum;
-            m[h] = m_new;
-        }
+        softmax_block(s, acc, m, l, g, b, d, len);
         for t in 0..len {
             let vrow = &mut row[..d];
             decode_to_f32(geom.dtype, &vs[t * d * es..(t + 1) * d * es], vrow);
@@ -240,6 +235,48 @@ pub fn attend_blocks_on<'a>(
         }
     }
     out
+}
+
+/// The online softmax over one block's scores (`s`, `[G][b]`, the first `len` of each
+/// head's valid): rescales each head's running state `acc`, `m`, `l` to the block's new
+/// maximum and leaves the weights in place of the scores. Shared by the portable and NEON
+/// paths.
+#[allow(clippy::too_many_arguments)] // the state's parts, borrowed apart
+pub(crate) fn softmax_block(
+    s: &mut [f32],
+    acc: &mut [f32],
+    m: &mut [f32],
+    l: &mut [f32],
+    g: usize,
+    b: usize,
+    d: usize,
+    len: usize,
+) {
+    for h in 0..g {
+        let sh = &mut s[h * b..h * b + len];
+        // NaN (a NaN or an infinity times zero in the stored keys) is kept, not skipped
+        // as `f32::max` would: the head's output becomes NaN rather than quietly
+        // ignoring the token.
+        let bm = sh.iter().fold(f32::NEG_INFINITY, |a, &x| nan_max(a, x));
+        let m_new = nan_max(m[h], bm);
+        if m_new == f32::NEG_INFINITY {
+            // Every score is -inf (only possible with infinite inputs): nothing to add.
+            sh.fill(0.0);
+            continue;
+        }
+        let alpha = (m[h] - m_new).exp2();
+        l[h] *= alpha;
+        for a in &mut acc[h * d..(h + 1) * d] {
+            *a *= alpha;
+        }
+        let mut sum = 0f32;
+        for sv in sh.iter_mut() {
+            *sv = (*sv - m_new).exp2();
+            sum += *sv;
+        }
+        l[h] += sum;
+        m[h] = m_new;
+    }
 }
 
 /// `max` that returns NaN when either side is NaN.

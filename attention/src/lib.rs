@@ -48,6 +48,8 @@ mod kernel;
 mod kernel_avx2;
 #[cfg(target_arch = "x86_64")]
 mod kernel_avx512;
+#[cfg(target_arch = "aarch64")]
+mod kernel_neon;
 mod merge;
 mod peak;
 mod plan;

@@ -45,6 +45,11 @@ fn run(reps: usize, path: KernelPath) -> usize {
             return 8;
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if crate::kernel_neon::available() {
+        crate::kernel_neon::fma_chains::<CHAINS>(reps);
+        return 4;
+    }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = path;
     portable(reps);
