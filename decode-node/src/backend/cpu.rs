@@ -82,6 +82,14 @@ fn linear_rows(x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mu
     // Computed transposed ([out][batch]) so each task owns a contiguous slice. A task runs
     // every input against its rows: read as stored and widened in registers where the CPU
     // allows, else widened to f32 once into a scratch.
+    #[cfg(target_arch = "x86_64")]
+    let split = direct.then(|| rows_avx2::reads_split(w.dtype, inp)) == Some(true);
+    #[cfg(target_arch = "x86_64")]
+    let xs = if split {
+        std::borrow::Cow::Owned(rows_avx2::split_order(x, inp))
+    } else {
+        std::borrow::Cow::Borrowed(x)
+    };
     let mut yt = vec![0f32; out * batch];
     yt.par_chunks_mut(ROWS_PER_TASK * batch)
         .enumerate()
@@ -99,7 +107,7 @@ fn linear_rows(x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mu
                         // of 8; `bytes` holds `n` rows, `x` `batch` inputs and `chunk`
                         // `n * batch` outputs.
                         unsafe {
-                            rows_avx2::rows_times_inputs(w.dtype, bytes, n, x, batch, inp, chunk)
+                            rows_avx2::rows_times_inputs(w.dtype, bytes, n, &xs, batch, inp, chunk)
                         };
                     }
                 } else {
@@ -233,6 +241,10 @@ mod tests {
             for batch in 1..=9 {
                 check_linear_in(dtype, 37, 64, batch);
             }
+        }
+        // bf16 rows of a multiple of 8 but not of 16 are read in order, not split.
+        for batch in [1, 2, 5, 8] {
+            check_linear_in(KvDType::Bf16, 21, 72, batch);
         }
     }
 
