@@ -114,6 +114,7 @@ fn hf_push(info: &pb::ModelInfo, g: &Golden, id: &str) -> PromptKv {
             prompt_token_ids: g.prompt.clone(),
             next_token_id: g.greedy[0],
             num_streams: 0,
+            reuse_prefix: false,
         },
         layers: g
             .keys

@@ -178,6 +178,12 @@ impl SeqAttention {
         self.num_tokens
     }
 
+    /// The digests, `[layer * num_kv_heads + head]`, with every appended token folded in
+    /// (for the prefix cache, when the sequence ends).
+    pub fn into_digests(self) -> Vec<HeadDigests> {
+        self.heads.into_iter().map(|h| h.digests).collect()
+    }
+
     /// Decode steps taken.
     pub fn step(&self) -> u64 {
         self.step

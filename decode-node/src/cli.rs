@@ -202,6 +202,13 @@ pub struct ServeArgs {
     /// Make the whole host pool resident at start-up (no page faults during ingest).
     #[arg(long, env = "DECODE_NODE_HOST_KV_PREFAULT")]
     pub host_kv_prefault: bool,
+    /// Host KV a finished request leaves behind for the next turn of its conversation
+    /// (bytes, suffixes as above; 0: no prefix cache). Whole blocks of its prompt and
+    /// generated tokens stay in the pool; a push with `reuse_prefix` then sends only what the
+    /// node does not hold. Least recently used blocks go first, and any the pool needs for
+    /// admission: a cached block never causes a refusal.
+    #[arg(long, env = "DECODE_NODE_PREFIX_CACHE_BYTES", default_value = "0", value_parser = parse_bytes)]
+    pub prefix_cache_bytes: u64,
     /// Device memory for resident KV blocks (bytes; suffixes as above).
     #[arg(long, env = "DECODE_NODE_DEVICE_KV_BYTES", default_value = "256Mi", value_parser = parse_bytes)]
     pub device_kv_bytes: u64,

@@ -111,6 +111,7 @@ pub fn prefill_kv(
         prompt_token_ids: prompt.to_vec(),
         next_token_id: next,
         num_streams: 0,
+        reuse_prefix: false,
     };
     Ok(PromptKv { header, layers })
 }

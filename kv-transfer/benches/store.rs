@@ -52,6 +52,7 @@ fn store(c: &mut Criterion) {
             prompt_token_ids: vec![1; tokens],
             next_token_id: 1,
             num_streams: 0,
+            reuse_prefix: false,
         },
         layers: (0..layers)
             .map(|l| (data(2 * l), data(2 * l + 1)))

@@ -70,7 +70,11 @@ impl Default for PushOptions {
 
 /// A push's chunks, layer by layer: K and V of each are ranges of the layer's buffers. Lazy:
 /// each chunk's CRC is taken when it is reached, so a push streams while it is checksummed.
-fn chunks(kv: &PromptKv, chunk_tokens: usize) -> impl Iterator<Item = KvChunk> + Send + 'static {
+fn chunks(
+    kv: &PromptKv,
+    chunk_tokens: usize,
+    from: usize,
+) -> impl Iterator<Item = KvChunk> + Send + 'static {
     let h = &kv.header;
     let n = h.num_tokens as usize;
     let es = match DType::try_from(h.dtype) {
@@ -84,7 +88,7 @@ fn chunks(kv: &PromptKv, chunk_tokens: usize) -> impl Iterator<Item = KvChunk> +
         .into_iter()
         .enumerate()
         .flat_map(move |(layer, (k, v))| {
-            (0..n).step_by(step).map(move |start| {
+            (from.min(n)..n).step_by(step).map(move |start| {
                 let count = step.min(n - start);
                 // Zero-copy: a chunk's K and V are contiguous ranges of the layer's buffers.
                 let range = (start * row).min(k.len())..((start + count) * row).min(k.len());
@@ -109,7 +113,7 @@ pub fn push_messages(kv: &PromptKv, chunk_tokens: usize) -> Vec<PushKvRequest> {
     let mut out = vec![PushKvRequest {
         item: Some(Item::Header(kv.header.clone())),
     }];
-    out.extend(chunks(kv, chunk_tokens).map(|c| PushKvRequest {
+    out.extend(chunks(kv, chunk_tokens, 0).map(|c| PushKvRequest {
         item: Some(Item::Chunk(c)),
     }));
     out.push(PushKvRequest {
@@ -125,16 +129,32 @@ pub fn push_body(
     kv: &PromptKv,
     chunk_tokens: usize,
 ) -> impl Iterator<Item = Result<Bytes, Status>> + Send + 'static {
-    let invalid = |e: crate::Error| Status::invalid_argument(e.to_string());
-    let header = encode_message(&PushKvRequest {
+    std::iter::once(header_bytes(kv)).chain(body_after_header(kv, chunk_tokens, 0))
+}
+
+fn invalid(e: crate::Error) -> Status {
+    Status::invalid_argument(e.to_string())
+}
+
+/// The header message, framed.
+fn header_bytes(kv: &PromptKv) -> Result<Bytes, Status> {
+    encode_message(&PushKvRequest {
         item: Some(Item::Header(kv.header.clone())),
     })
-    .map_err(invalid);
+    .map_err(invalid)
+}
+
+/// The chunks of tokens from `from` on, then the commit, framed.
+fn body_after_header(
+    kv: &PromptKv,
+    chunk_tokens: usize,
+    from: usize,
+) -> impl Iterator<Item = Result<Bytes, Status>> + Send + 'static {
     let commit = encode_message(&PushKvRequest {
         item: Some(Item::Commit(KvCommit::default())),
     })
     .map_err(invalid);
-    let chunks = chunks(kv, chunk_tokens).flat_map(move |c| {
+    let chunks = chunks(kv, chunk_tokens, from).flat_map(move |c| {
         match encode_chunk(
             c.layer,
             c.token_start,
@@ -147,9 +167,7 @@ pub fn push_body(
             Err(e) => vec![Err(invalid(e))],
         }
     });
-    std::iter::once(header)
-        .chain(chunks)
-        .chain(std::iter::once(commit))
+    chunks.chain(std::iter::once(commit))
 }
 
 /// Pushes `kv` to the node behind `channel`; `progress(bytes_acked)` sees every ack.
@@ -181,9 +199,24 @@ async fn push_once(
     opts: &PushOptions,
     progress: &mut impl FnMut(u64),
 ) -> Result<PushKvResponse, Status> {
-    let body = Body::new(StreamBody::new(tokio_stream::iter(
-        push_body(kv, opts.chunk_tokens).map(|b| b.map(Frame::data)),
-    )));
+    // A push that asks to reuse the node's prefix sends its header alone, and its chunks
+    // only once the header's ack has said how many tokens the node already holds.
+    let reuse = kv.header.reuse_prefix;
+    let mut tx_for_rest = None;
+    let body = if reuse {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Status>>(16);
+        // Room for 16 frames: the header goes in at once.
+        let _ = tx.try_send(header_bytes(kv).map(Frame::data));
+        tx_for_rest = Some(tx);
+        Body::new(StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
+    } else {
+        Body::new(StreamBody::new(tokio_stream::iter(
+            push_body(kv, opts.chunk_tokens).map(|b| b.map(Frame::data)),
+        )))
+    };
+    let mut feeder: Option<tokio::task::JoinHandle<()>> = None;
     let mut req = http::Request::builder()
         .method(http::Method::POST)
         .version(http::Version::HTTP_2)
@@ -219,6 +252,21 @@ async fn push_once(
         progress(ack.bytes_received);
         if ack.committed {
             return Ok(ack);
+        }
+        if reuse && feeder.is_none() {
+            // The header's ack: send what the node does not hold, on a task of its own so
+            // the acks keep being read while it streams.
+            let rest = body_after_header(kv, opts.chunk_tokens, ack.reused_tokens as usize);
+            let tx = tx_for_rest.take();
+            feeder = Some(tokio::spawn(async move {
+                if let Some(tx) = tx {
+                    for b in rest {
+                        if tx.send(b.map(Frame::data)).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            }));
         }
     }
     Err(Status::unknown(

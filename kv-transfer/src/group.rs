@@ -57,6 +57,8 @@ pub(crate) enum CommitPart {
 #[derive(Debug)]
 pub(crate) struct PushGroup {
     info: PromptInfo,
+    /// Leading tokens taken from the prefix cache.
+    reused_tokens: usize,
     streams: usize,
     lease: String,
     signal: StopSignal,
@@ -70,6 +72,7 @@ impl PushGroup {
         slot.set_held(ingest.bytes_held());
         Arc::new(Self {
             info: ingest.info().clone(),
+            reused_tokens: ingest.reused_tokens(),
             streams,
             lease: slot.lease().to_string(),
             signal: slot.signal(),
@@ -94,6 +97,10 @@ impl PushGroup {
 
     pub(crate) fn lease(&self) -> &str {
         &self.lease
+    }
+
+    pub(crate) fn reused_tokens(&self) -> usize {
+        self.reused_tokens
     }
 
     pub(crate) fn streams(&self) -> usize {

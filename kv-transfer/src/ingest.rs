@@ -6,6 +6,7 @@
 //! [`CommittedKv`] to the registry. Dropping an unfinished `Ingest` frees everything.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use attention::{HeadDigests, KvDType, Rows, WireTokens, decode_to_f32};
 use decode_node_proto::v1::{DType, KvHeader};
@@ -13,6 +14,7 @@ use decode_node_proto::v1::{DType, KvHeader};
 use crate::committed::CommittedKv;
 use crate::crc::Crc32c;
 use crate::pool::{Block, HostPool};
+use crate::prefix::CachedBlock;
 use crate::wire::Chunk;
 use crate::{Error, KvLayout};
 
@@ -38,6 +40,9 @@ pub struct Ingest {
     layout: KvLayout,
     info: PromptInfo,
     num_tokens: usize,
+    /// The prompt's first blocks, from the prefix cache: their tokens count as sent.
+    prefix: Vec<Arc<CachedBlock>>,
+    /// Own blocks, after the prefix's: `blocks[layer][block - prefix.len()]`.
     blocks: Vec<Vec<Block>>,
     digests: Vec<HeadDigests>,
     /// Per layer, one bit per token already written.
@@ -182,13 +187,29 @@ impl Ingest {
 
     /// Reserves and takes every block of a prompt whose header [`validate_header`] accepted.
     pub fn with_info(layout: &KvLayout, pool: &HostPool, info: PromptInfo) -> Result<Self, Error> {
+        Self::with_prefix(layout, pool, info, Vec::new())
+    }
+
+    /// [`Ingest::with_info`] for a prompt whose first blocks are `prefix` (from the prefix
+    /// cache): their tokens count as sent, and only the rest is reserved and awaited.
+    pub fn with_prefix(
+        layout: &KvLayout,
+        pool: &HostPool,
+        info: PromptInfo,
+        prefix: Vec<Arc<CachedBlock>>,
+    ) -> Result<Self, Error> {
         let geom = layout.geom;
         let n = info.prompt_token_ids.len();
         let per_layer = geom.blocks_for(n);
-        let mut r = pool.reserve(per_layer * layout.num_layers)?;
+        let p = prefix.len();
+        if p * geom.block_size > n {
+            return Err(Error::Config("reused prefix longer than the prompt".into()));
+        }
+        let own = per_layer - p;
+        let mut r = pool.reserve(own * layout.num_layers)?;
         let blocks = (0..layout.num_layers)
             .map(|_| {
-                (0..per_layer)
+                (0..own)
                     .map(|_| {
                         r.take()
                             .ok_or_else(|| Error::Config("reservation short".into()))
@@ -197,14 +218,26 @@ impl Ingest {
             })
             .collect::<Result<Vec<Vec<Block>>, Error>>()?;
         let hk = geom.num_kv_heads;
+        let mut digests = vec![HeadDigests::new(per_layer, geom.head_dim); layout.num_layers * hk];
+        let mut covered = vec![vec![0u64; n.div_ceil(64)]; layout.num_layers * hk];
+        let reused = p * geom.block_size;
+        for (i, (dg, cov)) in digests.iter_mut().zip(&mut covered).enumerate() {
+            for (b, c) in prefix.iter().enumerate() {
+                c.digest_into(i / hk, i % hk, hk, dg, b);
+            }
+            for t in 0..reused {
+                cov[t / 64] |= 1 << (t % 64);
+            }
+        }
         Ok(Self {
             layout: layout.clone(),
             info,
             num_tokens: n,
+            prefix,
             blocks,
-            digests: vec![HeadDigests::new(per_layer, geom.head_dim); layout.num_layers * hk],
-            covered: vec![vec![0u64; n.div_ceil(64)]; layout.num_layers * hk],
-            remaining: n * layout.num_layers * hk,
+            digests,
+            covered,
+            remaining: (n - reused) * layout.num_layers * hk,
             bytes_received: 0,
             chunks_received: 0,
             scratch_k: Vec::new(),
@@ -223,6 +256,11 @@ impl Ingest {
     /// The request id.
     pub fn request_id(&self) -> &str {
         &self.info.request_id
+    }
+
+    /// Leading tokens taken from the prefix cache (the pusher sends only the rest).
+    pub fn reused_tokens(&self) -> usize {
+        self.prefix.len() * self.layout.geom.block_size
     }
 
     /// Bytes of pool blocks this push holds.
@@ -265,6 +303,13 @@ impl Ingest {
             )));
         }
         let layer = c.layer as usize;
+        let reused = self.reused_tokens();
+        if start < reused {
+            return Err(Error::Invalid(format!(
+                "chunk tokens [{start}, {}) lie in the {reused} tokens this node reused from its prefix cache; send tokens from {reused} on",
+                start + count
+            )));
+        }
         let sent = |h: usize, t: usize| self.covered[layer * hk + h][t / 64] >> (t % 64) & 1 == 1;
         if heads
             .clone()
@@ -334,7 +379,7 @@ impl Ingest {
         for (t, bi, slot, n) in runs(geom.block_size, start, count) {
             let kr = c.key.slice(t * row..(t + n) * row, &mut self.gather_k);
             crc.update(kr);
-            let block = self.blocks[layer][bi].bytes_mut();
+            let block = self.blocks[layer][bi - self.prefix.len()].bytes_mut();
             for (i, h) in heads.clone().enumerate() {
                 let rows = Rows {
                     bytes: &kr[i * d * es..],
@@ -348,7 +393,7 @@ impl Ingest {
         for (t, bi, slot, n) in runs(geom.block_size, start, count) {
             let vr = c.value.slice(t * row..(t + n) * row, &mut self.gather_v);
             crc.update(vr);
-            let block = self.blocks[layer][bi].bytes_mut();
+            let block = self.blocks[layer][bi - self.prefix.len()].bytes_mut();
             for (i, h) in heads.clone().enumerate() {
                 let rows = Rows {
                     bytes: &vr[i * d * es..],
@@ -386,7 +431,7 @@ impl Ingest {
         let es = self.info.wire_dtype.size();
         let row = hc * d * es;
         for (t, bi, slot, n) in runs(geom.block_size, start, count) {
-            let block = self.blocks[layer][bi].bytes_mut();
+            let block = self.blocks[layer][bi - self.prefix.len()].bytes_mut();
             // f16 in an f16 pool: straight copies; the digest from the decoded keys.
             let rows = t * row..(t + n) * row;
             let (kr, vr) = if same_dtype {
@@ -469,6 +514,7 @@ impl Ingest {
             self.info,
             self.layout.geom,
             self.num_tokens,
+            self.prefix,
             self.blocks,
             self.digests,
         ))
@@ -511,6 +557,7 @@ pub(crate) mod tests {
             prompt_token_ids: (0..n).map(|i| i % 100).collect(),
             next_token_id: 5,
             num_streams: 0,
+            reuse_prefix: false,
         }
     }
 

@@ -47,7 +47,12 @@ struct Inner {
     promised: AtomicUsize,
     /// Blocks handed out.
     taken: AtomicUsize,
+    /// Frees idle cached blocks when a reservation would fail (the prefix cache).
+    reclaimer: std::sync::OnceLock<Reclaimer>,
 }
+
+/// Asked for a number of pool blocks, frees what it can of them and says how many.
+pub type Reclaimer = Box<dyn Fn(usize) -> usize + Send + Sync>;
 
 /// A pool of KV blocks of one [`BlockGeometry`]. Cheap to clone (shared).
 #[derive(Clone)]
@@ -115,6 +120,7 @@ impl HostPool {
                 free: Mutex::new(free),
                 promised: AtomicUsize::new(0),
                 taken: AtomicUsize::new(0),
+                reclaimer: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -151,8 +157,29 @@ impl HostPool {
         }
     }
 
+    /// Sets what frees blocks held only by a cache when a reservation falls short (once; a
+    /// second call is ignored).
+    pub fn set_reclaimer(&self, r: Reclaimer) {
+        let _ = self.inner.reclaimer.set(r);
+    }
+
     /// Promises `blocks` blocks, or fails with [`Error::Exhausted`] leaving the pool unchanged.
+    /// When short, it first has the reclaimer (the prefix cache) free what it can.
     pub fn reserve(&self, blocks: usize) -> Result<Reservation, Error> {
+        match self.try_reserve(blocks) {
+            Err(Error::Exhausted { needed, free }) => {
+                let bb = self.inner.block_bytes as u64;
+                let short = needed.saturating_sub(free).div_ceil(bb) as usize;
+                match self.inner.reclaimer.get() {
+                    Some(reclaim) if reclaim(short) > 0 => self.try_reserve(blocks),
+                    _ => Err(Error::Exhausted { needed, free }),
+                }
+            }
+            r => r,
+        }
+    }
+
+    fn try_reserve(&self, blocks: usize) -> Result<Reservation, Error> {
         let cap = self.inner.num_blocks;
         self.inner
             .promised

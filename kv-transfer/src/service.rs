@@ -14,6 +14,7 @@ use tracing::Instrument;
 use crate::group::{CommitPart, GroupState, Groups, MAX_PUSH_STREAMS, PushGroup};
 use crate::ingest::{Ingest, validate_header};
 use crate::pool::HostPool;
+use crate::prefix::PrefixCache;
 use crate::registry::{Registry, StopReason};
 use crate::wire::PushMessage;
 use crate::{Error, KvLayout, code_label};
@@ -55,6 +56,8 @@ pub struct KvTransferService {
     streams: Arc<Semaphore>,
     /// Pushes on several streams, for the streams that join them.
     groups: Groups,
+    /// Finished requests' blocks, for pushes that ask to reuse them.
+    prefix: Option<Arc<PrefixCache>>,
 }
 
 impl KvTransferService {
@@ -68,7 +71,14 @@ impl KvTransferService {
             limits,
             streams: Arc::new(Semaphore::new(limits.max_streams)),
             groups: Groups::default(),
+            prefix: None,
         }
+    }
+
+    /// The same service reusing `cache`'s blocks for pushes that ask (`reuse_prefix`).
+    pub fn with_prefix_cache(mut self, cache: Arc<PrefixCache>) -> Self {
+        self.prefix = Some(cache);
+        self
     }
 
     /// The same service with other push limits.
@@ -197,6 +207,7 @@ impl Push {
             chunks_received: self.chunks,
             committed,
             lease: self.group.lease().to_string(),
+            reused_tokens: self.group.reused_tokens() as u32,
         }
     }
 }
@@ -227,6 +238,7 @@ impl KvTransferService {
                 // The whole header is checked before the id is taken or a byte reserved.
                 let info = validate_header(&self.layout, &h)?;
                 let streams = h.num_streams;
+                let reuse = h.reuse_prefix;
                 drop(h);
                 if streams > MAX_PUSH_STREAMS {
                     return Err(Error::Invalid(format!(
@@ -237,7 +249,12 @@ impl KvTransferService {
                     .record("request_id", crate::clip(&info.request_id).as_ref());
                 let group = self.groups.join_or_start(&info, streams as usize, || {
                     let slot = self.registry.begin_push(&info.request_id)?;
-                    let ingest = Ingest::with_info(&self.layout, &self.pool, info.clone())?;
+                    let prefix = match (&self.prefix, reuse) {
+                        (Some(c), true) => c.lookup(info.wire_dtype, &info.prompt_token_ids),
+                        _ => Vec::new(),
+                    };
+                    let ingest =
+                        Ingest::with_prefix(&self.layout, &self.pool, info.clone(), prefix)?;
                     Ok((slot, ingest))
                 })?;
                 let p = Push {
@@ -759,6 +776,7 @@ mod streams {
     fn tp_header(id: &str, streams: u32) -> KvHeader {
         KvHeader {
             num_streams: streams,
+            reuse_prefix: false,
             ..header(id, 7)
         }
     }

@@ -148,6 +148,7 @@ fn synthetic_kv(info: &pb::ModelInfo, id: &str, tokens: usize, seed: u64) -> Pro
             prompt_token_ids: (0..tokens).map(|_| (r.next_u64() % vocab) as u32).collect(),
             next_token_id: (r.next_u64() % vocab) as u32,
             num_streams: 0,
+            reuse_prefix: false,
         },
         layers,
     }

@@ -45,6 +45,7 @@ pub(super) fn recall_profile(args: &RecallProfileBench) -> anyhow::Result<serde_
             device_kv_bytes: u64::MAX / 4,
             queue_timeout: Duration::from_secs(60),
             cpu_threads: 1,
+            prefix_cache: None,
         },
         crate::metrics::Metrics::new(),
     )?;

@@ -758,7 +758,7 @@ mod tests {
                 keys[l].extend_from_slice(k);
                 values[l].extend_from_slice(v);
             }
-            super::super::solo::append_step(&mut kv, &mut seq, &cfg, &ks, &vs).unwrap();
+            super::super::solo::append_step(&mut kv, &mut seq, &cfg, token, &ks, &vs).unwrap();
             token = crate::model::sampling::argmax(&logits) as u32;
         }
         assert!(cpu_blocks > 0, "the test must exercise the CPU part");

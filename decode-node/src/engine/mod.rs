@@ -49,6 +49,8 @@ pub struct EngineConfig {
     pub queue_timeout: Duration,
     /// Threads of the CPU attention pool (separate from the device's).
     pub cpu_threads: usize,
+    /// Where a finished request's KV goes for the next turn (none: back to the pool).
+    pub prefix_cache: Option<Arc<kv_transfer::PrefixCache>>,
 }
 
 /// Load figures read by `GetLoad` and metrics.

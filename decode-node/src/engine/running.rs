@@ -94,6 +94,17 @@ impl Running {
         }
     }
 
+    /// Ends the request, its whole blocks (prompt and fed tokens) going to `cache`: the
+    /// device copies are released first; KV still shared (never, once a step has ended)
+    /// simply returns to the pool.
+    pub(super) fn into_cache(self, cache: &kv_transfer::PrefixCache) {
+        let Self { dev, kv, seq, .. } = self;
+        drop(dev);
+        if let Ok(kv) = Arc::try_unwrap(kv) {
+            kv.into_cache(cache, &seq.into_digests());
+        }
+    }
+
     /// Records a token streamed at `now`; returns its latency.
     pub(super) fn token_at(&mut self, now: Instant) -> Latency {
         self.generated += 1;

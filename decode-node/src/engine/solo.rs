@@ -11,12 +11,13 @@ use kv_transfer::{CommittedKv, HostPool};
 use super::attend::{AttnTiming, BatchAttention, GuardCheck, SeqSlot, Shape};
 use crate::model::{Model, ModelError};
 
-/// Appends one step's K and V (`[layer][num_kv_heads * head_dim]`) to the host KV and the
+/// Appends one step's K and V of `token` (`[layer][num_kv_heads * head_dim]`) to the host KV and the
 /// attention state. The KV must be unshared (every CPU part of the step has answered).
 pub(crate) fn append_step(
     kv: &mut Arc<CommittedKv>,
     seq: &mut SeqAttention,
     cfg: &AttentionConfig,
+    token: u32,
     ks: &[Vec<f32>],
     vs: &[Vec<f32>],
 ) -> Result<(), kv_transfer::Error> {
@@ -25,7 +26,7 @@ pub(crate) fn append_step(
     for (l, (k, v)) in ks.iter().zip(vs).enumerate() {
         kv.append(l, k, v)?;
     }
-    kv.advance();
+    kv.advance(token);
     for (l, k) in ks.iter().enumerate() {
         seq.append_token(cfg, l, k);
     }
@@ -97,7 +98,7 @@ impl<'a> SoloDecoder<'a> {
         let (ks, vs) = slot
             .map(|s| (s.new_k, s.new_v))
             .ok_or_else(|| ModelError::Attention("the step lost its sequence".into()))?;
-        append_step(&mut self.kv, &mut self.seq, self.cfg, &ks, &vs)
+        append_step(&mut self.kv, &mut self.seq, self.cfg, token, &ks, &vs)
             .map_err(|e| ModelError::Attention(format!("appending KV: {e}")))?;
         Ok(logits)
     }

@@ -152,7 +152,14 @@ impl StepLoop {
         for (i, (r, (ks, vs, wait))) in self.running.iter_mut().zip(&fwd.new_kv).enumerate() {
             r.device_wait += wait;
             // Append this step's KV (the token just fed) to the host pool and the digests.
-            if let Err(e) = solo::append_step(&mut r.kv, &mut r.seq, &self.cfg.attention, ks, vs) {
+            if let Err(e) = solo::append_step(
+                &mut r.kv,
+                &mut r.seq,
+                &self.cfg.attention,
+                r.next_token,
+                ks,
+                vs,
+            ) {
                 // Growth was reserved at admission, so this is a bug, not a full context: say so.
                 r.job
                     .span
@@ -319,9 +326,13 @@ impl StepLoop {
                 .get_or_create(&ReasonLabel { reason: why.into() })
                 .inc();
         }
-        // Free the KV before the client hears the end, so a load read after it sees it freed.
+        // Free the KV before the client hears the end, so a load read after it sees it freed
+        // (or cached: what the prefix cache keeps it may give back whenever the pool asks).
         let (events, generated) = (r.job.events.clone(), r.generated);
-        drop(r);
+        match &self.cfg.prefix_cache {
+            Some(cache) if reason != FinishReason::Cancelled => r.into_cache(cache),
+            _ => drop(r),
+        }
         let _ = events.send(Event::Finish {
             reason,
             generated,

@@ -50,6 +50,7 @@ impl Rig {
             device_kv_bytes,
             queue_timeout: Duration::from_secs(30),
             cpu_threads: 1,
+            prefix_cache: None,
         };
         let on = engine_model.unwrap_or_else(|| node.model.clone());
         let (engine, thread) = Engine::start(on, pool.clone(), cfg, Metrics::new()).unwrap();

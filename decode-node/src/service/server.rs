@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use decode_node_proto::v1::decode_server::DecodeServer;
 use decode_node_proto::v1::kv_transfer_server::KvTransferServer;
-use kv_transfer::{HostPool, KvTransferRoute, KvTransferService, PushLimits, Registry};
+use kv_transfer::{
+    HostPool, KvTransferRoute, KvTransferService, PrefixCache, PushLimits, Registry,
+};
 use tokio::sync::oneshot;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
@@ -79,6 +81,14 @@ pub async fn serve(
         args.host_kv_bytes,
         node.layout.geom.block_bytes()
     );
+    let prefix_cache = (args.prefix_cache_bytes > 0).then(|| {
+        PrefixCache::new(
+            &pool,
+            &node.layout.model_id,
+            node.layout.num_layers,
+            args.prefix_cache_bytes,
+        )
+    });
     let registry = Registry::new(
         Duration::from_secs_f64(args.kv_lease.max(0.0)),
         metrics.ingest.clone(),
@@ -98,6 +108,7 @@ pub async fn serve(
                 0 => (cpus / 4).max(1),
                 n => n.min(1024),
             },
+            prefix_cache: prefix_cache.clone(),
         },
         metrics.clone(),
     )
@@ -136,6 +147,10 @@ pub async fn serve(
             deadline: Duration::from_secs_f64(args.push_deadline),
             max_streams: args.max_push_streams as usize,
         });
+    let kv = match &prefix_cache {
+        Some(c) => kv.with_prefix_cache(c.clone()),
+        None => kv,
+    };
     // PushKv is served from the HTTP/2 frames without joining them; DropKv by tonic.
     let kv_svc = tonic::service::interceptor::InterceptedService::new(
         KvTransferRoute::new(
@@ -294,6 +309,7 @@ impl InProcess {
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             host_kv_bytes,
             host_kv_prefault: false,
+            prefix_cache_bytes: 0,
             device_kv_bytes,
             kv_lease: 60.0,
             push_idle_timeout: 10.0,
