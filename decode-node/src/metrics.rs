@@ -588,6 +588,7 @@ pub const REQUIRED: &[&str] = &[
     "decode_node_kv_push_duration_seconds",
     "decode_node_kv_leases_expired_total",
     "decode_node_kv_push_ends_total",
+    "decode_node_kv_prefix_reused_tokens_total",
     "decode_node_host_kv_bytes",
     "decode_node_device_kv_bytes",
     "decode_node_attention_cpu_ratio",

@@ -37,6 +37,8 @@ pub struct IngestMetrics {
     pub leases_expired: Counter,
     /// Push streams ended, by how.
     pub ends: Family<OutcomeLabel, Counter>,
+    /// Prompt tokens pushes did not send because the prefix cache held them.
+    pub reused_tokens: Counter,
 }
 
 impl Default for IngestMetrics {
@@ -51,6 +53,7 @@ impl Default for IngestMetrics {
             ]),
             leases_expired: Counter::default(),
             ends: Family::default(),
+            reused_tokens: Counter::default(),
         }
     }
 }
@@ -117,6 +120,11 @@ impl IngestMetrics {
             "kv_leases_expired",
             "Committed KV freed because no Generate claimed it within the lease",
             self.leases_expired.clone(),
+        );
+        r.register(
+            "kv_prefix_reused_tokens",
+            "Prompt tokens pushes did not send because the node's prefix cache held them",
+            self.reused_tokens.clone(),
         );
         r.register(
             "kv_push_ends",

@@ -255,6 +255,10 @@ impl KvTransferService {
                     };
                     let ingest =
                         Ingest::with_prefix(&self.layout, &self.pool, info.clone(), prefix)?;
+                    self.registry
+                        .metrics()
+                        .reused_tokens
+                        .inc_by(ingest.reused_tokens() as u64);
                     Ok((slot, ingest))
                 })?;
                 let p = Push {

@@ -1002,8 +1002,17 @@ mod tests {
         let b = Model::from_weights(cfg.clone(), "g", hf, Arc::new(CpuBackend)).unwrap();
         let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 250) as u32).collect();
         let (la, lb) = (a.prefill(&prompt).unwrap(), b.prefill(&prompt).unwrap());
-        assert_eq!(la.logits, lb.logits);
-        assert_eq!(la.keys, lb.keys);
+        // Equal up to summation order: the dequantized projection is bf16 on one side and
+        // f32 on the other, and bf16 rows are summed in another lane order (a loader that
+        // misplaced a row or a scale would be off by far more).
+        let close = |x: &[f32], y: &[f32]| {
+            x.len() == y.len()
+                && x.iter()
+                    .zip(y)
+                    .all(|(p, q)| (p - q).abs() <= 1e-5 * q.abs().max(1.0))
+        };
+        assert!(close(&la.logits, &lb.logits));
+        assert!(la.keys.iter().zip(&lb.keys).all(|(p, q)| close(p, q)));
     }
 
     fn hf_tensor(wm: &mut WeightMap, name: &str) -> Tensor {

@@ -42,6 +42,8 @@ pub struct NodeState {
     pub info: pb::ModelInfo,
     /// Device KV capacity.
     pub device_kv_bytes: u64,
+    /// The prefix cache, whose idle blocks count as free in the load report.
+    pub prefix_cache: Option<Arc<kv_transfer::PrefixCache>>,
     /// Requests with a live Generate stream.
     pub active: Arc<Mutex<HashMap<String, Active>>>,
 }
@@ -154,6 +156,11 @@ fn to_response(ev: Event) -> Result<pb::GenerateResponse, Status> {
     })
 }
 
+/// Bytes of the prefix cache no request shares (evicted whenever the pool needs them).
+pub(crate) fn cached_idle(cache: &Option<Arc<kv_transfer::PrefixCache>>) -> u64 {
+    cache.as_ref().map_or(0, |c| c.usage().idle_bytes)
+}
+
 /// The node's load now, as GetLoad and WatchLoad report it.
 fn load_report(st: &NodeState) -> pb::LoadReport {
     let load = st.engine.load();
@@ -161,7 +168,9 @@ fn load_report(st: &NodeState) -> pb::LoadReport {
     pb::LoadReport {
         running: load.running,
         waiting: load.waiting,
-        host_kv_bytes_used: pool.used + pool.reserved,
+        // Idle cached blocks go whenever admission needs them: free as far as a router cares.
+        host_kv_bytes_used: (pool.used + pool.reserved)
+            .saturating_sub(cached_idle(&st.prefix_cache)),
         host_kv_bytes_capacity: pool.capacity,
         device_kv_bytes_used: load.device_bytes,
         device_kv_bytes_capacity: st.device_kv_bytes,

@@ -19,6 +19,7 @@ pub(crate) struct HttpState {
     pub(crate) pool: HostPool,
     pub(crate) engine: Engine,
     pub(crate) device_kv_bytes: u64,
+    pub(crate) prefix_cache: Option<Arc<kv_transfer::PrefixCache>>,
 }
 
 async fn metrics(
@@ -26,6 +27,13 @@ async fn metrics(
     headers: axum::http::HeaderMap,
 ) -> impl IntoResponse {
     let u = s.pool.usage();
+    // Idle cached blocks are their own state: free for admission, but holding KV.
+    let cached = super::decode::cached_idle(&s.prefix_cache);
+    let u = kv_transfer::PoolUsage {
+        used: u.used.saturating_sub(cached),
+        ..u
+    };
+    Metrics::set_bytes(&s.metrics.host_kv_bytes, "cached", cached);
     Metrics::set_bytes(&s.metrics.host_kv_bytes, "used", u.used);
     Metrics::set_bytes(&s.metrics.host_kv_bytes, "reserved", u.reserved);
     Metrics::set_bytes(&s.metrics.host_kv_bytes, "capacity", u.capacity);

@@ -119,6 +119,7 @@ pub async fn serve(
         engine: engine.clone(),
         info: node.info(),
         device_kv_bytes: args.device_kv_bytes,
+        prefix_cache: prefix_cache.clone(),
         active: Arc::default(),
     };
 
@@ -211,6 +212,7 @@ pub async fn serve(
         pool: pool.clone(),
         engine: engine.clone(),
         device_kv_bytes: args.device_kv_bytes,
+        prefix_cache: prefix_cache.clone(),
     };
     let http = tokio::spawn(async move { axum::serve(http_listener, router(http_state)).await });
     tracing::info!(%grpc_addr, %metrics_addr, model_id = %node.layout.model_id, attention = node.attention.mode.name(), "serving");
