@@ -110,3 +110,106 @@ async fn a_full_pool_evicts_cached_blocks_rather_than_refuse() {
         "{text}"
     );
 }
+
+#[test]
+fn the_prefill_cli_reuses_with_its_flag() {
+    let s = Served::start(&["--prefix-cache-bytes", "16Mi", "--block-size", "4"]);
+    // The same synthetic prompt twice; the first request ends before the second push.
+    let prefill = |id: &str| {
+        let out = bin()
+            .args(["--log-format", "json", "prefill", "--target", &s.target()])
+            .args([
+                "--prompt-tokens",
+                "42",
+                "--reuse-prefix",
+                "--request-id",
+                id,
+            ])
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{log}");
+        log.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find_map(|v| v["fields"]["reused_tokens"].as_u64())
+            .unwrap_or_else(|| panic!("no reused_tokens in {log}"))
+    };
+    assert_eq!(prefill("cli-p1"), 0);
+    let out = bin()
+        .args([
+            "generate",
+            "--target",
+            &s.target(),
+            "--request-id",
+            "cli-p1",
+        ])
+        .args(["--max-new-tokens", "2", "--ignore-eos"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(prefill("cli-p2"), 40, "the prompt's whole blocks");
+}
+
+/// A block's hash as `WatchKvEvents` documents it, from tokens alone.
+fn router_hashes(model_id: &str, dtype: &str, tokens: &[u32], block: usize) -> Vec<u64> {
+    use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+    let seed = xxh3_64(&[model_id.as_bytes(), &[0], dtype.as_bytes()].concat());
+    let mut parent = 0u64;
+    tokens
+        .chunks_exact(block)
+        .map(|b| {
+            let mut buf = parent.to_le_bytes().to_vec();
+            b.iter()
+                .for_each(|t| buf.extend_from_slice(&t.to_le_bytes()));
+            parent = xxh3_64_with_seed(&buf, seed);
+            parent
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_tell_a_router_which_blocks_the_node_holds() {
+    use pb::kv_event::Event;
+    let s = Served::start(&["--prefix-cache-bytes", "64Mi", "--block-size", "16"]);
+    let mut kvc = pb::kv_transfer_client::KvTransferClient::new(s.channel().await);
+    let mut events = kvc
+        .watch_kv_events(pb::WatchKvEventsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let first = events.message().await.unwrap().unwrap();
+    assert!(first.snapshot && first.events.is_empty(), "{first:?}");
+
+    let p = prompt(40, 3);
+    let kv = prompt_kv("ev", &p);
+    push(&s, &kv).await.unwrap();
+    let (out, _) = generate(&s, gen_req("ev", 9)).await.unwrap();
+    // Held: the prompt and the fed tokens (the first token, then all generated but the last).
+    let mut held = p.clone();
+    held.push(kv.header.next_token_id);
+    held.extend_from_slice(&out[..8]);
+    let want = router_hashes(&kv.header.model_id, "f32", &held, 16);
+    assert_eq!(want.len(), 3);
+    let got = events.message().await.unwrap().unwrap();
+    assert!(!got.snapshot);
+    match &got.events[..] {
+        [
+            pb::KvEvent {
+                event: Some(Event::Stored(st)),
+            },
+        ] => {
+            assert_eq!((st.parent_hash, st.block_size), (0, 16));
+            assert_eq!(st.block_hashes, want);
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // A node without a prefix cache says so.
+    let plain = Served::start(&[]);
+    let mut c = pb::kv_transfer_client::KvTransferClient::new(plain.channel().await);
+    let e = c
+        .watch_kv_events(pb::WatchKvEventsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e}");
+}

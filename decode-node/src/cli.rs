@@ -281,6 +281,10 @@ pub struct PrefillArgs {
     /// Request id (a random one is made when absent).
     #[arg(long)]
     pub request_id: Option<String>,
+    /// Ask the node to reuse what its prefix cache holds of the prompt's start (an earlier
+    /// turn of the conversation): only the tokens after those are sent.
+    #[arg(long)]
+    pub reuse_prefix: bool,
     /// File holding the bearer token.
     #[arg(long, env = "DECODE_NODE_AUTH_TOKEN_FILE")]
     pub auth_token_file: Option<PathBuf>,

@@ -84,8 +84,9 @@ pub async fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
     let model = node.model.clone();
     let dtype = node.layout.geom.dtype;
     let idc = id.clone();
-    let kv = tokio::task::spawn_blocking(move || client::prefill_kv(&model, &ids, &idc, dtype))
+    let mut kv = tokio::task::spawn_blocking(move || client::prefill_kv(&model, &ids, &idc, dtype))
         .await??;
+    kv.header.reuse_prefix = args.reuse_prefix;
     let total: u64 = kv
         .layers
         .iter()
@@ -114,6 +115,7 @@ pub async fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
     tracing::info!(
         bytes = ack.bytes_received,
         chunks = ack.chunks_received,
+        reused_tokens = ack.reused_tokens,
         lease = %ack.lease,
         "pushed"
     );

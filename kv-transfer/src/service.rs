@@ -4,7 +4,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use decode_node_proto::v1::kv_transfer_server::KvTransfer;
-use decode_node_proto::v1::{DropKvRequest, DropKvResponse, PushKvRequest, PushKvResponse};
+use decode_node_proto::v1::{
+    DropKvRequest, DropKvResponse, KvEvents, PushKvRequest, PushKvResponse, WatchKvEventsRequest,
+};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
@@ -14,7 +16,7 @@ use tracing::Instrument;
 use crate::group::{CommitPart, GroupState, Groups, MAX_PUSH_STREAMS, PushGroup};
 use crate::ingest::{Ingest, validate_header};
 use crate::pool::HostPool;
-use crate::prefix::PrefixCache;
+use crate::prefix::{KvEvent, PrefixCache};
 use crate::registry::{Registry, StopReason};
 use crate::wire::PushMessage;
 use crate::{Error, KvLayout, code_label};
@@ -556,6 +558,22 @@ impl KvTransfer for KvTransferService {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
+    type WatchKvEventsStream = ReceiverStream<Result<KvEvents, Status>>;
+
+    async fn watch_kv_events(
+        &self,
+        _req: Request<WatchKvEventsRequest>,
+    ) -> Result<Response<Self::WatchKvEventsStream>, Status> {
+        let cache = self.prefix.clone().ok_or_else(|| {
+            Status::failed_precondition(
+                "this node keeps no prefix cache (start it with --prefix-cache-bytes)",
+            )
+        })?;
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(watch_events(cache, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
     async fn drop_kv(
         &self,
         req: Request<DropKvRequest>,
@@ -569,6 +587,67 @@ impl KvTransfer for KvTransferService {
             dropped: d.freed(),
             bytes_freed: d.bytes(),
         }))
+    }
+}
+
+/// Streams `cache`'s events to a watcher: a snapshot, then changes (batched as they
+/// come); a watcher that lagged gets a snapshot again. Ends when the watcher goes.
+async fn watch_events(cache: Arc<PrefixCache>, tx: mpsc::Sender<Result<KvEvents, Status>>) {
+    use tokio::sync::broadcast::error::RecvError;
+    // Subscribed before the snapshot is taken: a change in between is sent twice, never lost.
+    let mut rx = cache.subscribe();
+    let mut next = Some(KvEvents {
+        snapshot: true,
+        events: cache.snapshot().into_iter().map(event_pb).collect(),
+    });
+    loop {
+        if let Some(m) = next.take()
+            && tx.send(Ok(m)).await.is_err()
+        {
+            return;
+        }
+        let first = tokio::select! {
+            r = rx.recv() => r,
+            () = tx.closed() => return,
+        };
+        next = Some(match first {
+            Ok(e) => {
+                let mut events = vec![event_pb(e)];
+                while let Ok(e) = rx.try_recv() {
+                    events.push(event_pb(e));
+                }
+                KvEvents {
+                    snapshot: false,
+                    events,
+                }
+            }
+            Err(RecvError::Lagged(_)) => KvEvents {
+                snapshot: true,
+                events: cache.snapshot().into_iter().map(event_pb).collect(),
+            },
+            Err(RecvError::Closed) => return,
+        });
+    }
+}
+
+fn event_pb(e: KvEvent) -> decode_node_proto::v1::KvEvent {
+    use decode_node_proto::v1::kv_event::Event;
+    use decode_node_proto::v1::{KvBlocksRemoved, KvBlocksStored};
+    decode_node_proto::v1::KvEvent {
+        event: Some(match e {
+            KvEvent::Stored {
+                parent,
+                hashes,
+                block_size,
+            } => Event::Stored(KvBlocksStored {
+                parent_hash: parent,
+                block_hashes: hashes,
+                block_size,
+            }),
+            KvEvent::Removed { hashes } => Event::Removed(KvBlocksRemoved {
+                block_hashes: hashes,
+            }),
+        }),
     }
 }
 

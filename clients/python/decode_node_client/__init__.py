@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Tuple
 
 import crc32c
 import grpc
@@ -27,8 +27,8 @@ import numpy as np
 
 from decode_node.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 
-__all__ = ["push_kv", "PushStream", "gather_paged", "generate", "generate_all", "model_info", "get_load", "watch_load", "cancel", "drop_kv",
-           "channel", "to_layers", "DecodeNodeError"]
+__all__ = ["push_kv", "PushStream", "gather_paged", "generate", "generate_all", "model_info", "get_load", "watch_load", "watch_kv_events",
+           "cancel", "drop_kv", "channel", "to_layers", "DecodeNodeError"]
 
 _MAX_MESSAGE = 64 << 20
 
@@ -137,6 +137,18 @@ def watch_load(target, interval_ms: int = 0, token: Optional[str] = None) -> Ite
         raise DecodeNodeError(e.code(), e.details()) from None
 
 
+def watch_kv_events(target, token: Optional[str] = None) -> Iterator[kv_transfer_pb2.KvEvents]:
+    """Yields what the node's prefix cache holds: a snapshot first (`snapshot` set), then
+    batches of changes (blocks stored, blocks removed), until the caller stops. A router keeps
+    the block hashes per node and sends a conversation where its history is held (the hash of
+    a block is computable from tokens; see `WatchKvEvents` in kv_transfer.proto)."""
+    try:
+        yield from kv_transfer_pb2_grpc.KvTransferStub(_channel(target)).WatchKvEvents(
+            kv_transfer_pb2.WatchKvEventsRequest(), metadata=_metadata(token))
+    except grpc.RpcError as e:
+        raise DecodeNodeError(e.code(), e.details()) from None
+
+
 def _numpy(t) -> np.ndarray:
     if isinstance(t, np.ndarray):
         return t
@@ -190,15 +202,19 @@ def _push_plan(layers: list, prompt_token_ids: Sequence[int], chunk_tokens: int)
 
 
 def _push_messages(request_id: str, layers: list, prompt_token_ids: Sequence[int], next_token_id: int,
-                   model_id: str, dtype: int, chunk_tokens: int) -> Iterator[kv_transfer_pb2.PushKvRequest]:
-    """A push's stream: header, every layer's chunks (with their CRC-32C), commit."""
+                   model_id: str, dtype: int, chunk_tokens: int, reuse_prefix: bool = False,
+                   start_at: Callable[[], int] = lambda: 0) -> Iterator[kv_transfer_pb2.PushKvRequest]:
+    """A push's stream: header, every layer's chunks (with their CRC-32C), commit. The chunks
+    begin at `start_at()`, asked once the header is taken: with `reuse_prefix`, the tokens the
+    node said it already holds."""
     tokens, heads, head_dim = _push_plan(layers, prompt_token_ids, chunk_tokens)
     yield kv_transfer_pb2.PushKvRequest(header=kv_transfer_pb2.KvHeader(
         request_id=request_id, model_id=model_id, num_layers=len(layers), num_kv_heads=heads, head_dim=head_dim,
         dtype=dtype, num_tokens=tokens, prompt_token_ids=list(map(int, prompt_token_ids)),
-        next_token_id=int(next_token_id)))
+        next_token_id=int(next_token_id), reuse_prefix=reuse_prefix))
+    first = min(max(int(start_at()), 0), tokens)
     for layer, (k, v) in enumerate(layers):
-        for start in range(0, tokens, chunk_tokens):
+        for start in range(first, tokens, chunk_tokens):
             end = min(tokens, start + chunk_tokens)
             kb, vb = _encode(k[start:end], dtype), _encode(v[start:end], dtype)
             yield kv_transfer_pb2.PushKvRequest(chunk=kv_transfer_pb2.KvChunk(
@@ -215,10 +231,14 @@ def _committed(last: Optional[kv_transfer_pb2.PushKvResponse]) -> kv_transfer_pb
 
 def push_kv(target, request_id: str, past_key_values, prompt_token_ids: Sequence[int], next_token_id: int, *,
             model_id: Optional[str] = None, dtype: Optional[int] = None, chunk_tokens: int = 256,
-            token: Optional[str] = None, timeout: Optional[float] = None) -> kv_transfer_pb2.PushKvResponse:
+            token: Optional[str] = None, timeout: Optional[float] = None,
+            reuse_prefix: bool = False) -> kv_transfer_pb2.PushKvResponse:
     """Streams one prompt's KV to the node and returns the commit acknowledgement.
 
     `dtype` is a `common_pb2.DTYPE_*`; by default the node's own KV dtype (no conversion there).
+    With `reuse_prefix`, the node keeps what it still holds of the prompt's start (an earlier
+    turn of the conversation, from its prefix cache): the header goes alone, and only the
+    tokens after the ones its acknowledgement names (`reused_tokens`) are sent.
     """
     layers = to_layers(past_key_values)
     _push_plan(layers, prompt_token_ids, chunk_tokens)
@@ -226,14 +246,31 @@ def push_kv(target, request_id: str, past_key_values, prompt_token_ids: Sequence
         info = model_info(target, token)
         model_id = model_id or info.model_id
         dtype = info.kv_dtype if dtype is None else dtype
-    messages = _push_messages(request_id, layers, prompt_token_ids, next_token_id, model_id, dtype, chunk_tokens)
+    acked = threading.Event()
+    ended = threading.Event()
+    reused = [0]
+
+    def start_at() -> int:
+        # Runs on gRPC's request thread: the chunks wait for the header's acknowledgement.
+        while reuse_prefix and not acked.wait(0.05):
+            if ended.is_set():
+                return len(prompt_token_ids)
+        return reused[0]
+
+    messages = _push_messages(request_id, layers, prompt_token_ids, next_token_id, model_id, dtype, chunk_tokens,
+                              reuse_prefix, start_at)
     stub = kv_transfer_pb2_grpc.KvTransferStub(_channel(target))
     last = None
     try:
         for ack in stub.PushKv(messages, metadata=_metadata(token), timeout=timeout):
+            if not acked.is_set():
+                reused[0] = ack.reused_tokens
+                acked.set()
             last = ack
     except grpc.RpcError as e:
         raise DecodeNodeError(e.code(), e.details()) from None
+    finally:
+        ended.set()
     return _committed(last)
 
 

@@ -104,9 +104,11 @@ async def watch_load(target, interval_ms: int = 0,
 
 async def push_kv(target, request_id: str, past_key_values, prompt_token_ids: Sequence[int], next_token_id: int,
                   *, model_id: Optional[str] = None, dtype: Optional[int] = None, chunk_tokens: int = 256,
-                  token: Optional[str] = None, timeout: Optional[float] = None) -> kv_transfer_pb2.PushKvResponse:
+                  token: Optional[str] = None, timeout: Optional[float] = None,
+                  reuse_prefix: bool = False) -> kv_transfer_pb2.PushKvResponse:
     """Streams one prompt's KV to the node and returns the commit acknowledgement (see
-    `decode_node_client.push_kv`). Chunks are encoded as the stream takes them."""
+    `decode_node_client.push_kv`, `reuse_prefix` included). Chunks are encoded as the stream
+    takes them."""
     layers = to_layers(past_key_values)
     _push_plan(layers, prompt_token_ids, chunk_tokens)
     async with _open(target) as ch:
@@ -114,9 +116,10 @@ async def push_kv(target, request_id: str, past_key_values, prompt_token_ids: Se
             info = await model_info(ch, token)
             model_id = model_id or info.model_id
             dtype = info.kv_dtype if dtype is None else dtype
-        messages = _push_messages(request_id, layers, prompt_token_ids, next_token_id, model_id, dtype,
-                                  chunk_tokens)
         last = None
+        # The chunks start where the header's acknowledgement says (read before they are).
+        messages = _push_messages(request_id, layers, prompt_token_ids, next_token_id, model_id, dtype,
+                                  chunk_tokens, reuse_prefix, lambda: last.reused_tokens if reuse_prefix else 0)
         async with _codes():
             call = kv_transfer_pb2_grpc.KvTransferStub(ch).PushKv(metadata=_metadata(token), timeout=timeout)
             # The header first, then its ack: a node that refuses the push (model, layout, memory)

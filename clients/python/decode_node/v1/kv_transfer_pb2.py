@@ -25,27 +25,37 @@ _sym_db = _symbol_database.Default()
 from decode_node.v1 import common_pb2 as decode__node_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n decode_node/v1/kv_transfer.proto\x12\x0e\x64\x65\x63ode_node.v1\x1a\x1b\x64\x65\x63ode_node/v1/common.proto\"\x99\x01\n\rPushKvRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.decode_node.v1.KvHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.decode_node.v1.KvChunkH\x00\x12*\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x18.decode_node.v1.KvCommitH\x00\x42\x06\n\x04item\"\xec\x01\n\x08KvHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12$\n\x05\x64type\x18\x06 \x01(\x0e\x32\x15.decode_node.v1.DType\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x15\n\rnext_token_id\x18\t \x01(\r\x12\x13\n\x0bnum_streams\x18\n \x01(\r\"\x96\x01\n\x07KvChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0btoken_start\x18\x02 \x01(\r\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x06 \x01(\r\x12\x12\n\nhead_start\x18\x07 \x01(\r\x12\x12\n\nhead_count\x18\x08 \x01(\r\"8\n\x08KvCommit\x12\x1a\n\rnext_token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_next_token_id\"w\n\x0ePushKvResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x03 \x01(\r\x12\x11\n\tcommitted\x18\x04 \x01(\x08\x12\r\n\x05lease\x18\x05 \x01(\t\"2\n\rDropKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\t\"6\n\x0e\x44ropKvResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12\x13\n\x0b\x62ytes_freed\x18\x02 \x01(\x04\x32\xa2\x01\n\nKvTransfer\x12K\n\x06PushKv\x12\x1d.decode_node.v1.PushKvRequest\x1a\x1e.decode_node.v1.PushKvResponse(\x01\x30\x01\x12G\n\x06\x44ropKv\x12\x1d.decode_node.v1.DropKvRequest\x1a\x1e.decode_node.v1.DropKvResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n decode_node/v1/kv_transfer.proto\x12\x0e\x64\x65\x63ode_node.v1\x1a\x1b\x64\x65\x63ode_node/v1/common.proto\"\x16\n\x14WatchKvEventsRequest\"E\n\x08KvEvents\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.decode_node.v1.KvEvent\"x\n\x07KvEvent\x12\x30\n\x06stored\x18\x01 \x01(\x0b\x32\x1e.decode_node.v1.KvBlocksStoredH\x00\x12\x32\n\x07removed\x18\x02 \x01(\x0b\x32\x1f.decode_node.v1.KvBlocksRemovedH\x00\x42\x07\n\x05\x65vent\"O\n\x0eKvBlocksStored\x12\x13\n\x0bparent_hash\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\'\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x99\x01\n\rPushKvRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.decode_node.v1.KvHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.decode_node.v1.KvChunkH\x00\x12*\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x18.decode_node.v1.KvCommitH\x00\x42\x06\n\x04item\"\x82\x02\n\x08KvHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12$\n\x05\x64type\x18\x06 \x01(\x0e\x32\x15.decode_node.v1.DType\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x15\n\rnext_token_id\x18\t \x01(\r\x12\x13\n\x0bnum_streams\x18\n \x01(\r\x12\x14\n\x0creuse_prefix\x18\x0b \x01(\x08\"\x96\x01\n\x07KvChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0btoken_start\x18\x02 \x01(\r\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x06 \x01(\r\x12\x12\n\nhead_start\x18\x07 \x01(\r\x12\x12\n\nhead_count\x18\x08 \x01(\r\"8\n\x08KvCommit\x12\x1a\n\rnext_token_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_next_token_id\"\x8e\x01\n\x0ePushKvResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x03 \x01(\r\x12\x11\n\tcommitted\x18\x04 \x01(\x08\x12\r\n\x05lease\x18\x05 \x01(\t\x12\x15\n\rreused_tokens\x18\x06 \x01(\r\"2\n\rDropKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\t\"6\n\x0e\x44ropKvResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12\x13\n\x0b\x62ytes_freed\x18\x02 \x01(\x04\x32\xf5\x01\n\nKvTransfer\x12K\n\x06PushKv\x12\x1d.decode_node.v1.PushKvRequest\x1a\x1e.decode_node.v1.PushKvResponse(\x01\x30\x01\x12G\n\x06\x44ropKv\x12\x1d.decode_node.v1.DropKvRequest\x1a\x1e.decode_node.v1.DropKvResponse\x12Q\n\rWatchKvEvents\x12$.decode_node.v1.WatchKvEventsRequest\x1a\x18.decode_node.v1.KvEvents0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'decode_node.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUSHKVREQUEST']._serialized_start=82
-  _globals['_PUSHKVREQUEST']._serialized_end=235
-  _globals['_KVHEADER']._serialized_start=238
-  _globals['_KVHEADER']._serialized_end=474
-  _globals['_KVCHUNK']._serialized_start=477
-  _globals['_KVCHUNK']._serialized_end=627
-  _globals['_KVCOMMIT']._serialized_start=629
-  _globals['_KVCOMMIT']._serialized_end=685
-  _globals['_PUSHKVRESPONSE']._serialized_start=687
-  _globals['_PUSHKVRESPONSE']._serialized_end=806
-  _globals['_DROPKVREQUEST']._serialized_start=808
-  _globals['_DROPKVREQUEST']._serialized_end=858
-  _globals['_DROPKVRESPONSE']._serialized_start=860
-  _globals['_DROPKVRESPONSE']._serialized_end=914
-  _globals['_KVTRANSFER']._serialized_start=917
-  _globals['_KVTRANSFER']._serialized_end=1079
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=81
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=103
+  _globals['_KVEVENTS']._serialized_start=105
+  _globals['_KVEVENTS']._serialized_end=174
+  _globals['_KVEVENT']._serialized_start=176
+  _globals['_KVEVENT']._serialized_end=296
+  _globals['_KVBLOCKSSTORED']._serialized_start=298
+  _globals['_KVBLOCKSSTORED']._serialized_end=377
+  _globals['_KVBLOCKSREMOVED']._serialized_start=379
+  _globals['_KVBLOCKSREMOVED']._serialized_end=418
+  _globals['_PUSHKVREQUEST']._serialized_start=421
+  _globals['_PUSHKVREQUEST']._serialized_end=574
+  _globals['_KVHEADER']._serialized_start=577
+  _globals['_KVHEADER']._serialized_end=835
+  _globals['_KVCHUNK']._serialized_start=838
+  _globals['_KVCHUNK']._serialized_end=988
+  _globals['_KVCOMMIT']._serialized_start=990
+  _globals['_KVCOMMIT']._serialized_end=1046
+  _globals['_PUSHKVRESPONSE']._serialized_start=1049
+  _globals['_PUSHKVRESPONSE']._serialized_end=1191
+  _globals['_DROPKVREQUEST']._serialized_start=1193
+  _globals['_DROPKVREQUEST']._serialized_end=1243
+  _globals['_DROPKVRESPONSE']._serialized_start=1245
+  _globals['_DROPKVRESPONSE']._serialized_end=1299
+  _globals['_KVTRANSFER']._serialized_start=1302
+  _globals['_KVTRANSFER']._serialized_end=1547
 # @@protoc_insertion_point(module_scope)

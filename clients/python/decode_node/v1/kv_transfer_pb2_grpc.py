@@ -44,6 +44,11 @@ class KvTransferStub:
                 request_serializer=decode__node_dot_v1_dot_kv__transfer__pb2.DropKvRequest.SerializeToString,
                 response_deserializer=decode__node_dot_v1_dot_kv__transfer__pb2.DropKvResponse.FromString,
                 _registered_method=True)
+        self.WatchKvEvents = channel.unary_stream(
+                '/decode_node.v1.KvTransfer/WatchKvEvents',
+                request_serializer=decode__node_dot_v1_dot_kv__transfer__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=decode__node_dot_v1_dot_kv__transfer__pb2.KvEvents.FromString,
+                _registered_method=True)
 
 
 class KvTransferServicer:
@@ -64,6 +69,21 @@ class KvTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKvEvents(self, request, context):
+        """What the node's prefix cache holds (see KvHeader.reuse_prefix), for a router that sends
+        a conversation back to the node holding its history: first a snapshot of every block
+        held, then each change as it happens. A watcher that falls behind gets a new snapshot
+        (snapshot = true: replace what you knew). FAILED_PRECONDITION when the node runs
+        without a prefix cache.
+
+        A block's hash, computable from tokens alone: h(i) = XXH3_64(h(i-1) as 8 little-endian
+        bytes ‖ the block's block_size token ids as 4 little-endian bytes each, seed), h(-1) = 0,
+        seed = XXH3_64(model_id bytes ‖ 0x00 ‖ the push's dtype name: "f32", "f16" or "bf16").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +96,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.DropKv,
                     request_deserializer=decode__node_dot_v1_dot_kv__transfer__pb2.DropKvRequest.FromString,
                     response_serializer=decode__node_dot_v1_dot_kv__transfer__pb2.DropKvResponse.SerializeToString,
+            ),
+            'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvEvents,
+                    request_deserializer=decode__node_dot_v1_dot_kv__transfer__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=decode__node_dot_v1_dot_kv__transfer__pb2.KvEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +157,33 @@ class KvTransfer:
             '/decode_node.v1.KvTransfer/DropKv',
             decode__node_dot_v1_dot_kv__transfer__pb2.DropKvRequest.SerializeToString,
             decode__node_dot_v1_dot_kv__transfer__pb2.DropKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/decode_node.v1.KvTransfer/WatchKvEvents',
+            decode__node_dot_v1_dot_kv__transfer__pb2.WatchKvEventsRequest.SerializeToString,
+            decode__node_dot_v1_dot_kv__transfer__pb2.KvEvents.FromString,
             options,
             channel_credentials,
             insecure,
