@@ -168,6 +168,34 @@ fn bench_soak_answers_every_fault_and_returns_the_pool() {
     assert!(v["outcomes"]["ok"].as_u64().unwrap() > 0, "{v}");
 }
 
+/// `bench multiturn`: with reuse, later turns push only what the node lacks.
+#[test]
+fn bench_multiturn_pushes_less_with_reuse() {
+    let v = run_json(&[
+        "bench",
+        "multiturn",
+        "--json",
+        "--turns",
+        "3",
+        "--first-tokens",
+        "100",
+        "--reply-tokens",
+        "8",
+    ]);
+    let runs = v["runs"].as_array().unwrap();
+    let (without, with) = (&runs[0], &runs[1]);
+    assert_eq!(without["reused_tokens"], 0, "{v}");
+    assert_eq!(without["bytes_pushed"], without["bytes_full"], "{v}");
+    assert_eq!(
+        with["bytes_full"], without["bytes_full"],
+        "the same conversation: {v}"
+    );
+    // Turns two and three reuse at least the first prompt's whole 32-token blocks.
+    assert!(with["reused_tokens"].as_u64().unwrap() >= 2 * 2 * 96, "{v}");
+    let ratio = v["bytes_ratio"].as_f64().unwrap();
+    assert!(ratio > 0.0 && ratio < 0.8, "{v}");
+}
+
 /// `bench kernels` measures every path asked for against a roofline from the same run.
 #[test]
 fn bench_kernels_reports_each_path_against_its_roofline() {

@@ -426,6 +426,9 @@ pub enum Bench {
     /// Pushers and generators at a fixed rate with a fault injected every second; the pool
     /// must come back to its start byte for byte, RSS is reported.
     Soak(SoakBench),
+    /// A chat workload over several turns, pushed with and without prefix reuse: bytes pushed
+    /// and time to first token of each.
+    Multiturn(MultiturnBench),
     /// Accuracy of each mode and budget against `full` on a real model: passkey retrieval
     /// and teacher-forced agreement on real text, with speed.
     Fidelity(FidelityBench),
@@ -538,6 +541,31 @@ pub struct SoakBench {
     /// Requests started per second.
     #[arg(long, default_value_t = 20.0)]
     pub rate: f64,
+}
+
+/// `bench multiturn`.
+#[derive(Debug, Clone, Args)]
+pub struct MultiturnBench {
+    #[command(flatten)]
+    pub common: BenchCommon,
+    /// Conversations, interleaved turn by turn.
+    #[arg(long, default_value_t = 2)]
+    pub conversations: u32,
+    /// Turns of each conversation.
+    #[arg(long, default_value_t = 6)]
+    pub turns: u32,
+    /// Tokens of the first prompt (system prompt and first message).
+    #[arg(long, default_value_t = 512)]
+    pub first_tokens: u32,
+    /// Tokens of each later user message.
+    #[arg(long, default_value_t = 64)]
+    pub user_tokens: u32,
+    /// Tokens of each reply.
+    #[arg(long, default_value_t = 32)]
+    pub reply_tokens: u32,
+    /// The node's host KV pool (also its prefix cache's limit in the run with reuse).
+    #[arg(long, default_value = "1Gi", value_parser = parse_bytes)]
+    pub host_kv_bytes: u64,
 }
 
 /// `bench fidelity`.

@@ -14,6 +14,7 @@ mod decode;
 mod fidelity;
 mod ingest;
 mod kernels;
+mod multiturn;
 mod recall_profile;
 mod soak;
 mod step;
@@ -36,6 +37,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             tokio::task::spawn_blocking(move || recall_profile::recall_profile(&a)).await??
         }
         Bench::Soak(a) => soak::soak(&a).await?,
+        Bench::Multiturn(a) => multiturn::multiturn(&a).await?,
         Bench::Fidelity(a) => tokio::task::spawn_blocking(move || fidelity::fidelity(&a)).await??,
     };
     println!("{}", serde_json::to_string_pretty(&report)?);
