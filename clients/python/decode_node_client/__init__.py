@@ -291,7 +291,7 @@ def _generate_request(request_id: str, *, max_new_tokens: int = 64, temperature:
 
 def _stream_header(request_id: str, prompt_token_ids: Sequence[int], num_layers: int, num_kv_heads: int,
                    head_dim: int, model_id: str, dtype: int, next_token_id: Optional[int],
-                   num_streams: int) -> kv_transfer_pb2.PushKvRequest:
+                   num_streams: int, reuse_prefix: bool = False) -> kv_transfer_pb2.PushKvRequest:
     """The header of a push streamed piece by piece (`PushStream`)."""
     if num_streams <= 0:
         raise ValueError("num_streams must be positive")
@@ -300,12 +300,13 @@ def _stream_header(request_id: str, prompt_token_ids: Sequence[int], num_layers:
         head_dim=head_dim, dtype=dtype, num_tokens=len(prompt_token_ids),
         prompt_token_ids=list(map(int, prompt_token_ids)),
         next_token_id=0 if next_token_id is None else int(next_token_id),
-        num_streams=0 if num_streams == 1 else int(num_streams)))
+        num_streams=0 if num_streams == 1 else int(num_streams), reuse_prefix=reuse_prefix))
 
 
 def _stream_parts(layer: int, k, v, token_start: int, head_start: int, shape: Tuple[int, int], layers: int,
-                  tokens: int, chunk: int) -> Iterator[tuple]:
-    """`PushStream.push`'s arguments checked and cut into chunks: (layer, start, head_start, k, v)."""
+                  tokens: int, chunk: int, held: int = 0) -> Iterator[tuple]:
+    """`PushStream.push`'s arguments checked and cut into chunks: (layer, start, head_start, k, v),
+    leaving out tokens below `held` (the node reused them from its prefix cache)."""
     k, v = _numpy(k), _numpy(v)
     heads, dim = shape
     if k.shape != v.shape or k.ndim != 3 or k.shape[2] != dim or k.shape[1] == 0:
@@ -315,7 +316,7 @@ def _stream_parts(layer: int, k, v, token_start: int, head_start: int, shape: Tu
     if not 0 <= layer < layers or token_start < 0 or token_start + k.shape[0] > tokens:
         raise ValueError(f"layer {layer}, tokens {token_start}..{token_start + k.shape[0]} outside "
                          f"{layers} layers of {tokens} tokens")
-    for s in range(0, k.shape[0], chunk):
+    for s in range(max(0, held - token_start), k.shape[0], chunk):
         yield layer, token_start + s, head_start, k[s:s + chunk], v[s:s + chunk]
 
 
@@ -353,7 +354,8 @@ class PushStream:
     def __init__(self, target, request_id: str, prompt_token_ids: Sequence[int], *, num_layers: int,
                  num_kv_heads: int, head_dim: int, next_token_id: Optional[int] = None,
                  model_id: Optional[str] = None, dtype: Optional[int] = None, chunk_tokens: int = 256,
-                 token: Optional[str] = None, timeout: Optional[float] = None, num_streams: int = 1):
+                 token: Optional[str] = None, timeout: Optional[float] = None, num_streams: int = 1,
+                 reuse_prefix: bool = False):
         if chunk_tokens <= 0:
             raise ValueError("chunk_tokens must be positive")
         if min(num_layers, num_kv_heads, head_dim) <= 0:
@@ -372,8 +374,11 @@ class PushStream:
         self._committing = False
         self._last: Optional[kv_transfer_pb2.PushKvResponse] = None
         self._error: Optional[DecodeNodeError] = None
+        self._reuse = reuse_prefix
+        self._acked = threading.Event()
+        self._reused = 0
         self._queue.put(_stream_header(request_id, prompt_token_ids, num_layers, num_kv_heads, head_dim, model_id,
-                                       dtype, next_token_id, num_streams))
+                                       dtype, next_token_id, num_streams, reuse_prefix))
         stub = kv_transfer_pb2_grpc.KvTransferStub(_channel(target))
         self._call = stub.PushKv(self._requests(), metadata=_metadata(token), timeout=timeout)
         threading.Thread(target=self._read, daemon=True).start()
@@ -394,11 +399,24 @@ class PushStream:
     def _read(self) -> None:
         try:
             for ack in self._call:
+                if not self._acked.is_set():
+                    self._reused = ack.reused_tokens
+                    self._acked.set()
                 self._last = ack
         except grpc.RpcError as e:
             self._error = DecodeNodeError(e.code(), e.details())
         finally:
             self._done.set()
+            self._acked.set()
+
+    @property
+    def reused_tokens(self) -> int:
+        """Leading prompt tokens the node took from its prefix cache (with `reuse_prefix`; waits
+        for the header's acknowledgement): `push` leaves them out, so a producer may skip them."""
+        self._acked.wait()
+        if self._error is not None:
+            raise self._error
+        return self._reused
 
     def _check(self) -> None:
         if self._error is not None:
@@ -412,8 +430,9 @@ class PushStream:
         head_start + heads) of the model's (a tensor-parallel rank pushes its own heads into
         the same request). Every (layer, token, head) is sent once before `commit`."""
         self._check()
+        held = self.reused_tokens if self._reuse else 0
         for part in _stream_parts(layer, k, v, token_start, head_start, self._shape, self._layers, self._tokens,
-                                  self._chunk):
+                                  self._chunk, held):
             self._queue.put(part)
 
     def commit(self, next_token_id: Optional[int] = None, timeout: Optional[float] = None

@@ -159,7 +159,8 @@ class PushStream:
     def __init__(self, target, request_id: str, prompt_token_ids: Sequence[int], *, num_layers: int,
                  num_kv_heads: int, head_dim: int, next_token_id: Optional[int] = None,
                  model_id: Optional[str] = None, dtype: Optional[int] = None, chunk_tokens: int = 256,
-                 token: Optional[str] = None, timeout: Optional[float] = None, num_streams: int = 1):
+                 token: Optional[str] = None, timeout: Optional[float] = None, num_streams: int = 1,
+                 reuse_prefix: bool = False):
         if chunk_tokens <= 0 or num_streams <= 0:
             raise ValueError("chunk_tokens and num_streams must be positive")
         if min(num_layers, num_kv_heads, head_dim) <= 0:
@@ -172,7 +173,11 @@ class PushStream:
         self._own = False
         self._call = None
         self._ended = False
+        self._reuse = reuse_prefix
         self.lease = ""
+        # Leading prompt tokens the node took from its prefix cache (with `reuse_prefix`), known
+        # once the block is entered: `push` leaves them out.
+        self.reused_tokens = 0
 
     async def __aenter__(self) -> "PushStream":
         if isinstance(self._target, grpc_aio.Channel):
@@ -190,11 +195,12 @@ class PushStream:
                 # The header's ack before any chunk (see `push_kv`: grpc/grpc#36066).
                 await self._call.write(_stream_header(
                     self._request_id, self._prompt, self._layers, self._shape[0], self._shape[1], self._model_id,
-                    self._dtype, self._next, self._streams))
+                    self._dtype, self._next, self._streams, self._reuse))
                 ack = await self._call.read()
             if ack is grpc_aio.EOF:
                 raise DecodeNodeError(grpc.StatusCode.UNKNOWN, "push ended without acknowledging its header")
             self.lease = ack.lease
+            self.reused_tokens = ack.reused_tokens
         except BaseException:
             await self._close()
             raise
@@ -231,7 +237,7 @@ class PushStream:
         [head_start, head_start + heads): as `decode_node_client.PushStream.push`."""
         self._check()
         for part in _stream_parts(layer, k, v, token_start, head_start, self._shape, self._layers,
-                                  len(self._prompt), self._chunk):
+                                  len(self._prompt), self._chunk, self.reused_tokens):
             try:
                 await self._call.write(_stream_chunk(*part, heads=self._shape[0], dtype=self._dtype))
             except (asyncio.InvalidStateError, grpc_aio.AioRpcError):

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from conftest import golden, serve  # noqa: E402
-from decode_node_client import aio, generate_all, push_kv, watch_kv_events  # noqa: E402
+from decode_node_client import PushStream, aio, generate_all, push_kv, watch_kv_events  # noqa: E402
 
 BLOCK = 4
 
@@ -75,3 +75,34 @@ def test_kv_events_stream_a_snapshot_then_what_is_stored(caching_node):
     assert stored.block_size == BLOCK
     assert len(known) + len(stored.block_hashes) >= held // BLOCK
     events.close()
+
+
+def test_push_streams_leave_out_what_the_node_reused(caching_node):
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    _, heads, dim = layers[0][0].shape
+    whole = len(prompt) // BLOCK * BLOCK
+    push_kv(caching_node, "pc-s0", layers, prompt, greedy[0])
+    generate_all(caching_node, "pc-s0", max_new_tokens=1, ignore_eos=True)
+    with PushStream(caching_node, "pc-s1", prompt, num_layers=len(layers), num_kv_heads=heads, head_dim=dim,
+                    reuse_prefix=True, chunk_tokens=3) as s:
+        assert s.reused_tokens == whole
+        for i, (k, v) in enumerate(layers):
+            s.push(i, k, v)  # the whole layer: the reused tokens are left out
+        ack = s.commit(next_token_id=greedy[0])
+    assert ack.reused_tokens == whole and ack.bytes_received == _rest_bytes(layers, whole)
+    tokens, _ = generate_all(caching_node, "pc-s1", max_new_tokens=3, ignore_eos=True)
+    assert [t.id for t in tokens] == greedy[1:4]
+
+    async def run():
+        async with aio.PushStream(caching_node, "pc-s2", prompt, num_layers=len(layers), num_kv_heads=heads,
+                                  head_dim=dim, reuse_prefix=True) as a:
+            assert a.reused_tokens == whole
+            for i, (k, v) in enumerate(layers):
+                await a.push(i, k, v)
+            ack = await a.commit(next_token_id=greedy[0])
+        tokens, _ = await aio.generate_all(caching_node, "pc-s2", max_new_tokens=3, ignore_eos=True)
+        return ack, [t.id for t in tokens]
+
+    ack, ids = asyncio.run(run())
+    assert ack.bytes_received == _rest_bytes(layers, whole) and ids == greedy[1:4]
