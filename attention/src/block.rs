@@ -4,7 +4,7 @@
 //! each head's data is contiguous: K transposed (`[head_dim][block_size]`, so scoring a block
 //! streams rows of `block_size` keys for one channel), then V (`[block_size][head_dim]`).
 
-use crate::dtype::{KvDType, encode_from_f32};
+use crate::dtype::{KvDType, decode_to_f32, encode_from_f32, i8_scale, quantize_i8};
 
 /// Shape of a KV block; fixed for the life of a pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,9 +20,27 @@ pub struct BlockGeometry {
 }
 
 impl BlockGeometry {
-    /// Bytes of one head's K and V within a block.
+    /// Bytes of one head's K and V within a block (with [`KvDType::I8`], each token's K and
+    /// V scale after them).
     pub const fn head_bytes(&self) -> usize {
-        2 * self.block_size * self.head_dim * self.dtype.size()
+        2 * self.block_size * self.head_dim * self.dtype.size() + self.scale_bytes()
+    }
+
+    /// Bytes of one head's int8 scales within a block: `[block_size]` f32 for K, then for V
+    /// (0 for the float dtypes).
+    pub const fn scale_bytes(&self) -> usize {
+        match self.dtype {
+            KvDType::I8 => 2 * self.block_size * 4,
+            _ => 0,
+        }
+    }
+
+    /// Each token's K scale and V scale in one head's bytes (`head`, [`BlockGeometry::head_range`]
+    /// of a block), for [`KvDType::I8`]: `(k_scales, v_scales)`, `block_size` each.
+    pub fn scales<'a>(&self, head: &'a [u8]) -> (&'a [u8], &'a [u8]) {
+        let at = 2 * self.block_size * self.head_dim * self.dtype.size();
+        let sc = &head[at..at + self.scale_bytes()];
+        sc.split_at(sc.len() / 2)
     }
 
     /// Bytes of a whole block (all KV heads).
@@ -46,6 +64,20 @@ impl BlockGeometry {
         let es = self.dtype.size();
         let (b, d) = (self.block_size, self.head_dim);
         let head = &mut block[self.head_range(h)];
+        if self.dtype == KvDType::I8 {
+            let (ks, vs) = (i8_scale(k), i8_scale(v));
+            let (kt, rest) = head.split_at_mut(b * d);
+            let (vq, sc) = rest.split_at_mut(b * d);
+            let mut kq = [0u8; 1];
+            for (c, kc) in k.iter().enumerate() {
+                quantize_i8(std::slice::from_ref(kc), ks, &mut kq);
+                kt[c * b + slot] = kq[0];
+            }
+            quantize_i8(v, vs, &mut vq[slot * d..(slot + 1) * d]);
+            sc[slot * 4..slot * 4 + 4].copy_from_slice(&ks.to_le_bytes());
+            sc[(b + slot) * 4..(b + slot) * 4 + 4].copy_from_slice(&vs.to_le_bytes());
+            return;
+        }
         let (kt, vs) = head.split_at_mut(b * d * es);
         for (c, kc) in k.iter().enumerate() {
             let at = (c * b + slot) * es;
@@ -53,6 +85,33 @@ impl BlockGeometry {
         }
         encode_from_f32(self.dtype, v, &mut vs[slot * d * es..(slot + 1) * d * es]);
     }
+}
+
+impl BlockGeometry {
+    /// Token `slot` of head `h` of `block` as stored, back in f32 (`head_dim` each into `k`
+    /// and `v`): what the kernels attend.
+    pub fn read_token(&self, block: &[u8], h: usize, slot: usize, k: &mut [f32], v: &mut [f32]) {
+        let es = self.dtype.size();
+        let (b, d) = (self.block_size, self.head_dim);
+        let head = &block[self.head_range(h)];
+        for (c, kc) in k.iter_mut().enumerate() {
+            let at = (c * b + slot) * es;
+            decode_to_f32(self.dtype, &head[at..at + es], std::slice::from_mut(kc));
+        }
+        let at = b * d * es + slot * d * es;
+        decode_to_f32(self.dtype, &head[at..at + d * es], v);
+        if self.dtype == KvDType::I8 {
+            let (ks, vs) = self.scales(head);
+            let (ks, vs) = (scale_at(ks, slot), scale_at(vs, slot));
+            k.iter_mut().for_each(|x| *x *= ks);
+            v.iter_mut().for_each(|x| *x *= vs);
+        }
+    }
+}
+
+/// Scale `t` of a little-endian f32 scale row.
+pub(crate) fn scale_at(row: &[u8], t: usize) -> f32 {
+    f32::from_le_bytes([row[4 * t], row[4 * t + 1], row[4 * t + 2], row[4 * t + 3]])
 }
 
 /// `n` token rows `stride` bytes apart, each starting at one head's vector.
@@ -120,7 +179,7 @@ impl BlockGeometry {
     /// True when [`BlockGeometry::copy_tokens_digest`] takes this dtype: bf16 (a bf16 value is
     /// its f32's high half) and f32; f16 keys need a real conversion, done in bulk elsewhere.
     pub fn folds_digest_in_copy(&self) -> bool {
-        self.dtype != KvDType::F16
+        matches!(self.dtype, KvDType::F32 | KvDType::Bf16)
     }
 
     /// As [`BlockGeometry::copy_tokens`], folding the keys into `digest` (the block's minima and
@@ -231,7 +290,7 @@ impl BlockGeometry {
                 max,
             ),
             KvDType::F32 => fold::<4>(kt, k, shape, f32::from_le_bytes, min, max),
-            KvDType::F16 => {}
+            KvDType::F16 | KvDType::I8 => {}
         }
     }
 }

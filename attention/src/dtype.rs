@@ -12,6 +12,10 @@ pub enum KvDType {
     F16,
     /// bfloat16.
     Bf16,
+    /// Host KV only: 8-bit integers, each token's K and V vector of a head scaled by its own
+    /// f32 (max |x| / 127), the scales kept in the block after the vectors. Half of f16's
+    /// bytes; converted from the wire dtype on ingest, never sent on the wire.
+    I8,
 }
 
 impl KvDType {
@@ -20,6 +24,7 @@ impl KvDType {
         match self {
             KvDType::F32 => 4,
             KvDType::F16 | KvDType::Bf16 => 2,
+            KvDType::I8 => 1,
         }
     }
 
@@ -29,6 +34,7 @@ impl KvDType {
             KvDType::F32 => "f32",
             KvDType::F16 => "f16",
             KvDType::Bf16 => "bf16",
+            KvDType::I8 => "int8",
         }
     }
 
@@ -38,6 +44,7 @@ impl KvDType {
             "f32" | "float32" => Some(KvDType::F32),
             "f16" | "float16" | "half" => Some(KvDType::F16),
             "bf16" | "bfloat16" => Some(KvDType::Bf16),
+            "int8" | "i8" => Some(KvDType::I8),
             _ => None,
         }
     }
@@ -50,6 +57,7 @@ impl std::fmt::Display for KvDType {
 }
 
 /// Decodes little-endian elements of `dtype` from `src` into `dst` (`dst.len()` elements).
+/// [`KvDType::I8`] elements decode to their integer values: the caller applies the scales.
 ///
 /// `src` may be unaligned (it usually comes straight off the wire).
 pub fn decode_to_f32(dtype: KvDType, src: &[u8], dst: &mut [f32]) {
@@ -76,10 +84,16 @@ pub fn decode_to_f32(dtype: KvDType, src: &[u8], dst: &mut [f32]) {
                 }
             }
         },
+        KvDType::I8 => {
+            for (d, c) in dst.iter_mut().zip(src) {
+                *d = f32::from(*c as i8);
+            }
+        }
     }
 }
 
 /// Encodes `src` as little-endian elements of `dtype` into `dst` (`src.len() * size` bytes).
+/// [`KvDType::I8`] takes values already divided by their scale (rounded, saturated).
 pub fn encode_from_f32(dtype: KvDType, src: &[f32], dst: &mut [u8]) {
     debug_assert_eq!(dst.len(), src.len() * dtype.size());
     match dtype {
@@ -98,6 +112,34 @@ pub fn encode_from_f32(dtype: KvDType, src: &[f32], dst: &mut [u8]) {
                 c.copy_from_slice(&bf16::from_f32(*s).to_le_bytes());
             }
         }
+        KvDType::I8 => {
+            for (s, c) in src.iter().zip(dst) {
+                // `as` saturates and sends NaN to 0.
+                *c = (s.round() as i8).max(-127) as u8;
+            }
+        }
+    }
+}
+
+/// The scale of one int8 vector: max |x| / 127 (0 for a zero vector); NaN when `x` holds a
+/// non-finite value, so that every dequantized element is NaN and the output says so, as the
+/// float dtypes' would.
+pub(crate) fn i8_scale(x: &[f32]) -> f32 {
+    let mut m = 0f32;
+    for v in x {
+        if !v.is_finite() {
+            return f32::NAN;
+        }
+        m = m.max(v.abs());
+    }
+    m / 127.0
+}
+
+/// `x` quantized with `scale` into `dst` (one byte per element).
+pub(crate) fn quantize_i8(x: &[f32], scale: f32, dst: &mut [u8]) {
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    for (v, d) in x.iter().zip(dst) {
+        *d = ((v * inv).round() as i8).max(-127) as u8;
     }
 }
 
@@ -118,6 +160,7 @@ mod tests {
                     KvDType::F32 => 0.0,
                     KvDType::F16 => 1e-3,
                     KvDType::Bf16 => 1e-2,
+                    KvDType::I8 => 1.0,
                 };
                 assert!((a - b).abs() <= tol * a.abs().max(1.0), "{dt} {a} {b}");
             }

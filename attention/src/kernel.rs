@@ -72,8 +72,11 @@ impl KernelPath {
     pub fn runs(self, geom: &BlockGeometry) -> bool {
         #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         let _ = geom;
+        // Int8 blocks (scaled per token) have only the portable path so far.
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-        let simd_shape = geom.block_size.is_multiple_of(8) && geom.head_dim.is_multiple_of(8);
+        let simd_shape = geom.block_size.is_multiple_of(8)
+            && geom.head_dim.is_multiple_of(8)
+            && geom.dtype != crate::KvDType::I8;
         match self {
             Self::Scalar => true,
             #[cfg(target_arch = "x86_64")]
@@ -194,6 +197,16 @@ pub fn attend_blocks_on<'a>(
             continue;
         }
         let (kt, vs) = blk.bytes.split_at(b * d * es);
+        // Int8: each token's K and V scale (1 for the float dtypes).
+        let int8 = geom.dtype == crate::KvDType::I8;
+        let (k_scales, v_scales) = geom.scales(&blk.bytes[..geom.head_bytes()]);
+        let scale = |row: &[u8], t: usize| {
+            if int8 {
+                crate::block::scale_at(row, t)
+            } else {
+                1.0
+            }
+        };
         s[..g * b].fill(0.0);
         for c in 0..d {
             let krow = &mut row[..len];
@@ -206,12 +219,20 @@ pub fn attend_blocks_on<'a>(
                 }
             }
         }
+        if int8 {
+            for h in 0..g {
+                for (t, sv) in s[h * b..h * b + len].iter_mut().enumerate() {
+                    *sv *= scale(k_scales, t);
+                }
+            }
+        }
         softmax_block(s, acc, m, l, g, b, d, len);
         for t in 0..len {
             let vrow = &mut row[..d];
             decode_to_f32(geom.dtype, &vs[t * d * es..(t + 1) * d * es], vrow);
+            let vscale = scale(v_scales, t);
             for h in 0..g {
-                let p = s[h * b + t];
+                let p = s[h * b + t] * vscale;
                 let ah = &mut acc[h * d..(h + 1) * d];
                 for (a, v) in ah.iter_mut().zip(vrow.iter()) {
                     *a += p * v;
@@ -292,7 +313,7 @@ pub(crate) fn nan_max(a: f32, b: f32) -> f32 {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::dtype::{KvDType, encode_from_f32};
+    use crate::dtype::KvDType;
     use proptest::prelude::*;
 
     /// Deterministic xorshift values in [-amp, amp).
@@ -373,12 +394,53 @@ pub(crate) mod tests {
         (outs, lses)
     }
 
-    fn round(dt: KvDType, v: &[f32]) -> Vec<f32> {
-        let mut b = vec![0u8; v.len() * dt.size()];
-        encode_from_f32(dt, v, &mut b);
-        let mut o = vec![0f32; v.len()];
-        decode_to_f32(dt, &b, &mut o);
-        o
+    /// Every token's K and V as the blocks hold them (`[n][d]` each), in f32.
+    fn read_back(geom: &BlockGeometry, blocks: &[(Vec<u8>, usize)]) -> (Vec<f32>, Vec<f32>) {
+        let one = BlockGeometry {
+            num_kv_heads: 1,
+            ..*geom
+        };
+        let d = geom.head_dim;
+        let (mut keys, mut vals) = (Vec::new(), Vec::new());
+        let (mut k, mut v) = (vec![0f32; d], vec![0f32; d]);
+        for (blk, len) in blocks {
+            for t in 0..*len {
+                one.read_token(blk, 0, t, &mut k, &mut v);
+                keys.extend_from_slice(&k);
+                vals.extend_from_slice(&v);
+            }
+        }
+        (keys, vals)
+    }
+
+    #[test]
+    fn int8_tokens_come_back_within_half_a_step_of_their_scale() {
+        let geom = BlockGeometry {
+            block_size: 8,
+            num_kv_heads: 2,
+            head_dim: 16,
+            dtype: KvDType::I8,
+        };
+        assert_eq!(geom.head_bytes(), 2 * 8 * 16 + 2 * 8 * 4);
+        let mut blk = vec![0u8; geom.block_bytes()];
+        let k = values(1, 16, 3.0);
+        let v = values(2, 16, 0.01);
+        geom.write_token(&mut blk, 1, 5, &k, &v);
+        let (mut kb, mut vb) = (vec![0f32; 16], vec![0f32; 16]);
+        geom.read_token(&blk, 1, 5, &mut kb, &mut vb);
+        for (x, y) in [(&k, &kb), (&v, &vb)] {
+            let step = x.iter().fold(0f32, |m, a| m.max(a.abs())) / 127.0;
+            for (a, b) in x.iter().zip(y.iter()) {
+                assert!((a - b).abs() <= step * 0.5001, "{a} {b} {step}");
+            }
+        }
+        // A zero vector and a non-finite one.
+        geom.write_token(&mut blk, 0, 0, &[0.0; 16], &[f32::INFINITY; 16]);
+        geom.read_token(&blk, 0, 0, &mut kb, &mut vb);
+        assert!(kb.iter().all(|x| *x == 0.0) && vb.iter().all(|x| x.is_nan()));
+        // Head 1 slot 5 is untouched by head 0's writes.
+        geom.read_token(&blk, 1, 5, &mut kb, &mut vb);
+        assert!((kb[0] - k[0]).abs() <= 3.0 / 127.0);
     }
 
     proptest! {
@@ -387,7 +449,7 @@ pub(crate) mod tests {
         /// group size, head dim and partly filled last block.
         #[test]
         fn kernel_matches_scalar_reference(
-            dt in prop_oneof![Just(KvDType::F32), Just(KvDType::F16), Just(KvDType::Bf16)],
+            dt in prop_oneof![Just(KvDType::F32), Just(KvDType::F16), Just(KvDType::Bf16), Just(KvDType::I8)],
             g in prop_oneof![Just(1usize), Just(2), Just(3), Just(4), Just(5), Just(6), Just(7), Just(8), Just(12)],
             d in prop_oneof![Just(64usize), Just(128), Just(8), Just(12)],
             n in 1usize..150,
@@ -396,9 +458,9 @@ pub(crate) mod tests {
         ) {
             let geom = BlockGeometry { block_size: bs, num_kv_heads: 1, head_dim: d, dtype: dt };
             let q = values(seed, g * d, 2.0);
-            let keys = round(dt, &values(seed + 1, n * d, 2.0));
-            let vals = round(dt, &values(seed + 2, n * d, 1.0));
-            let blocks = build_blocks(&geom, &keys, &vals);
+            let blocks = build_blocks(&geom, &values(seed + 1, n * d, 2.0), &values(seed + 2, n * d, 1.0));
+            // The reference attends the values as stored (rounded, or quantized with scales).
+            let (keys, vals) = read_back(&geom, &blocks);
             let scale = 1.0 / (d as f32).sqrt();
             let (ro, rl) = reference(&q, &keys, &vals, d, scale);
             // Every path this CPU runs (on an AVX-512 host, the AVX2-only one too).
@@ -421,7 +483,7 @@ pub(crate) mod tests {
         /// are finite, non-finite in the same heads.
         #[test]
         fn non_finite_inputs_agree_with_the_scalar_path(
-            dt in prop_oneof![Just(KvDType::F32), Just(KvDType::F16), Just(KvDType::Bf16)],
+            dt in prop_oneof![Just(KvDType::F32), Just(KvDType::F16), Just(KvDType::Bf16), Just(KvDType::I8)],
             g in prop_oneof![Just(1usize), Just(3), Just(4), Just(8)],
             d in prop_oneof![Just(64usize), Just(8)],
             n in 1usize..100,

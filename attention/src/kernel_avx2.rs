@@ -129,6 +129,8 @@ pub(crate) unsafe fn block(
             KvDType::F32 => block_as::<AsF32>(geom, qs, bytes, len, st, pf, avx512),
             KvDType::F16 => block_as::<AsF16>(geom, qs, bytes, len, st, pf, avx512),
             KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st, pf, avx512),
+            // `KernelPath::runs` sends int8 blocks to the portable path.
+            KvDType::I8 => unreachable!("int8 KV on the AVX2 path"),
         }
     }
 }

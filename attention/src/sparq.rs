@@ -76,6 +76,7 @@ impl ChannelQuery {
         &self,
         geom: &BlockGeometry,
         kt: &[u8],
+        k_scales: Option<&[u8]>,
         len: usize,
         buf: &mut Buf,
         out: &mut [f32],
@@ -83,10 +84,10 @@ impl ChannelQuery {
         #[cfg(target_arch = "x86_64")]
         if crate::kernel_avx2::available() {
             // SAFETY: the CPU has AVX2, FMA and F16C (checked just above).
-            unsafe { self.block_lse_avx2(geom, kt, len, buf, out) };
+            unsafe { self.block_lse_avx2(geom, kt, k_scales, len, buf, out) };
             return;
         }
-        self.block_lse_body(geom, kt, len, buf, out);
+        self.block_lse_body(geom, kt, k_scales, len, buf, out);
     }
 
     /// [`ChannelQuery::block_lse_body`] compiled for AVX2 and FMA, so that its loops vectorise
@@ -97,11 +98,12 @@ impl ChannelQuery {
         &self,
         geom: &BlockGeometry,
         kt: &[u8],
+        k_scales: Option<&[u8]>,
         len: usize,
         buf: &mut Buf,
         out: &mut [f32],
     ) {
-        self.block_lse_body(geom, kt, len, buf, out);
+        self.block_lse_body(geom, kt, k_scales, len, buf, out);
     }
 
     #[inline(always)]
@@ -109,6 +111,7 @@ impl ChannelQuery {
         &self,
         geom: &BlockGeometry,
         kt: &[u8],
+        k_scales: Option<&[u8]>,
         len: usize,
         buf: &mut Buf,
         out: &mut [f32],
@@ -126,6 +129,12 @@ impl ChannelQuery {
                     }
                 }
                 _ => decode_to_f32(geom.dtype, src, row),
+            }
+            // Int8: each token's K scale.
+            if let Some(ks) = k_scales {
+                for (t, r) in row.iter_mut().enumerate() {
+                    *r *= crate::block::scale_at(ks, t);
+                }
             }
         }
         let acc = &mut buf.acc[..len];
@@ -273,8 +282,9 @@ pub(crate) fn block_scores(
         {
             prefetch_rows(&src.block(layer, ahead)[range.clone()], &cq.rows, row_bytes);
         }
-        let kt = &src.block(layer, b)[range.clone()][..k_bytes];
-        cq.block_lse(geom, kt, len, buf, out);
+        let head = &src.block(layer, b)[range.clone()];
+        let k_scales = (geom.dtype == KvDType::I8).then(|| geom.scales(head).0);
+        cq.block_lse(geom, &head[..k_bytes], k_scales, len, buf, out);
     };
     // The first blocks' rows, which no earlier block prefetches.
     for &b in blocks.iter().take(PREFETCH_BLOCKS) {
@@ -321,7 +331,6 @@ pub(crate) fn block_scores(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::encode_from_f32;
 
     /// One layer of `n` tokens, K only (V zero), in the pool's block layout.
     struct Keys {
@@ -369,7 +378,7 @@ mod tests {
     /// (summed or maxed over the group's heads), from the definition.
     #[test]
     fn all_channels_give_each_blocks_exact_attention_share() {
-        for dtype in [KvDType::F32, KvDType::Bf16] {
+        for dtype in [KvDType::F32, KvDType::Bf16, KvDType::I8] {
             let geom = BlockGeometry {
                 block_size: 4,
                 num_kv_heads: 2,
@@ -382,12 +391,10 @@ mod tests {
                 .map(|_| (0..16).map(|_| 2.0 * next()).collect())
                 .collect();
             let src = keys(geom, &k);
-            // Keys as stored (rounded to the dtype).
+            // Keys as stored (rounded to the dtype, or quantized with their scale).
             let stored = |t: usize, h: usize| -> Vec<f32> {
-                let mut b = vec![0u8; 8 * dtype.size()];
-                encode_from_f32(dtype, &k[t][h * 8..(h + 1) * 8], &mut b);
-                let mut f = vec![0f32; 8];
-                decode_to_f32(dtype, &b, &mut f);
+                let (mut f, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+                geom.read_token(&src.blocks[t / 4], h, t % 4, &mut f, &mut v);
                 f
             };
             let q: Vec<f32> = (0..3 * 8).map(|_| next()).collect();

@@ -82,7 +82,7 @@ pub async fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
     let ids = prompt_ids(&node, args.prompt.as_deref(), args.prompt_tokens, 1)?;
     let id = args.request_id.clone().unwrap_or_else(new_request_id);
     let model = node.model.clone();
-    let dtype = node.layout.geom.dtype;
+    let dtype = node.wire_dtype();
     let idc = id.clone();
     let mut kv = tokio::task::spawn_blocking(move || client::prefill_kv(&model, &ids, &idc, dtype))
         .await??;
@@ -179,7 +179,7 @@ pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     let target = server.target();
     let node = Node::build(&args.model)?;
     let ids = node.model.tokenizer.encode(&args.prompt)?;
-    let dtype = node.layout.geom.dtype;
+    let dtype = node.wire_dtype();
     let model = node.model.clone();
     let t0 = Instant::now();
     let kv = tokio::task::spawn_blocking(move || client::prefill_kv(&model, &ids, "demo-1", dtype))
@@ -251,6 +251,7 @@ pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
 pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<()> {
     let arch = Arch::parse(&a.arch).with_context(|| format!("--arch {:?}", a.arch))?;
     let dtype = KvDType::parse(&a.dtype)
+        .filter(|d| *d != KvDType::I8)
         .with_context(|| format!("--dtype {:?}: expected f32, f16 or bf16", a.dtype))?;
     let name = a.preset.as_deref().unwrap_or("tiny");
     let mut cfg: ModelConfig = preset(name, arch).with_context(|| {
@@ -288,6 +289,7 @@ pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<()> {
         KvDType::F32 => "float32",
         KvDType::F16 => "float16",
         KvDType::Bf16 => "bfloat16",
+        KvDType::I8 => "int8",
     }
     .into();
     cfg.eos_token_ids.retain(|e| (*e as usize) < cfg.vocab_size);
@@ -320,7 +322,7 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
     let ids: Vec<u32> = (0..args.prompt_tokens.max(1))
         .map(|_| (r.next_u64() % vocab) as u32)
         .collect();
-    let dtype = cpu_node.layout.geom.dtype;
+    let dtype = cpu_node.wire_dtype();
     let model = cpu_node.model.clone();
     let kv = tokio::task::spawn_blocking(move || client::prefill_kv(&model, &ids, "st", dtype))
         .await??;

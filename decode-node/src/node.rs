@@ -91,10 +91,12 @@ fn read_intervals(path: &std::path::Path, layers: usize) -> anyhow::Result<Vec<u
 /// Dtype of the host pool: `--kv-dtype`, or the model's.
 fn kv_dtype(flag: &str, torch_dtype: &str) -> anyhow::Result<KvDType> {
     if flag == "auto" {
-        return Ok(KvDType::parse(torch_dtype).unwrap_or(KvDType::F32));
+        return Ok(KvDType::parse(torch_dtype)
+            .filter(|d| *d != KvDType::I8)
+            .unwrap_or(KvDType::F32));
     }
     KvDType::parse(flag)
-        .with_context(|| format!("--kv-dtype {flag:?}: expected auto, f32, f16 or bf16"))
+        .with_context(|| format!("--kv-dtype {flag:?}: expected auto, f32, f16, bf16 or int8"))
 }
 
 impl Node {
@@ -187,6 +189,18 @@ impl Node {
         })
     }
 
+    /// The dtype pushes should send (`ModelInfo.kv_dtype`): the pool's, or for an int8 pool
+    /// (never on the wire) the model's own float dtype, converted on ingest.
+    pub fn wire_dtype(&self) -> KvDType {
+        match self.layout.geom.dtype {
+            KvDType::I8 => match KvDType::parse(&self.model.model.cfg.torch_dtype) {
+                Some(d @ (KvDType::F32 | KvDType::Bf16)) => d,
+                _ => KvDType::F16,
+            },
+            d => d,
+        }
+    }
+
     /// `GetModelInfo`'s answer.
     pub fn info(&self) -> pb::ModelInfo {
         let c = &self.model.model.cfg;
@@ -195,10 +209,10 @@ impl Node {
             num_layers: c.num_layers as u32,
             num_kv_heads: c.num_kv_heads as u32,
             head_dim: c.head_dim as u32,
-            kv_dtype: match self.layout.geom.dtype {
+            kv_dtype: match self.wire_dtype() {
                 KvDType::F32 => pb::DType::DtypeF32,
-                KvDType::F16 => pb::DType::DtypeF16,
                 KvDType::Bf16 => pb::DType::DtypeBf16,
+                KvDType::F16 | KvDType::I8 => pb::DType::DtypeF16,
             } as i32,
             block_size: self.layout.geom.block_size as u32,
             vocab_size: c.vocab_size as u32,

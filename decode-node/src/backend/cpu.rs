@@ -63,14 +63,14 @@ fn rows_times_inputs(rows: &[f32], n: usize, x: &[f32], batch: usize, inp: usize
 
 /// Whether this CPU runs the row path from the stored weights (AVX2 + FMA + F16C, x86-64),
 /// for rows of `inp` elements.
-fn direct_rows(inp: usize) -> bool {
+fn direct_rows(inp: usize, dtype: attention::KvDType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        inp.is_multiple_of(8) && rows_avx2::available()
+        inp.is_multiple_of(8) && dtype != attention::KvDType::I8 && rows_avx2::available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = inp;
+        let _ = (inp, dtype);
         false
     }
 }
@@ -78,7 +78,7 @@ fn direct_rows(inp: usize) -> bool {
 /// `y = x · wᵀ + bias` one weight row at a time (few inputs).
 fn linear_rows(x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mut [f32]) {
     let (out, inp) = (w.rows(), w.cols());
-    let direct = direct_rows(inp);
+    let direct = direct_rows(inp, w.dtype);
     // Computed transposed ([out][batch]) so each task owns a contiguous slice. A task runs
     // every input against its rows: read as stored and widened in registers where the CPU
     // allows, else widened to f32 once into a scratch.

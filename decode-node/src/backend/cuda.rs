@@ -285,6 +285,13 @@ impl Backend for CudaBackend {
         capacity_bytes: u64,
         pool: &HostPool,
     ) -> Result<Option<Arc<dyn DeviceKv>>, BackendError> {
+        if geom.dtype == KvDType::I8 {
+            return Err(BackendError::Unsupported(
+                "int8 host KV (--kv-dtype int8) runs on the CPU backend only: the device kernels \
+                 and recall copies read f32, f16 or bf16 blocks"
+                    .into(),
+            ));
+        }
         let store = store::CudaKvStore::new(Arc::clone(&self.shared), geom, capacity_bytes, pool)?;
         Ok(Some(Arc::new(store)))
     }

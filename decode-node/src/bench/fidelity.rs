@@ -264,7 +264,7 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             let key = format!("{:05}", 10_000 + r.next_u64() % 90_000);
             let depth = (p as f64 + 0.5) / args.prompts as f64;
             let ids = passkey_prompt(tok, ctx, &key, depth)?;
-            let kv = prefill_kv(&node.model, &ids, "fidelity", geom.dtype)?;
+            let kv = prefill_kv(&node.model, &ids, "fidelity", node.wire_dtype())?;
             let first = kv.header.next_token_id;
             let mut reference: Option<Vec<u32>> = None;
             for (c, case) in cases.iter().enumerate() {
@@ -308,7 +308,7 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             "the built-in text has {} tokens; context {ctx} + {forced} forced needs more",
             text_ids.len()
         );
-        let kv = prefill_kv(&node.model, &text_ids[..ctx], "fidelity", geom.dtype)?;
+        let kv = prefill_kv(&node.model, &text_ids[..ctx], "fidelity", node.wire_dtype())?;
         let feed = &text_ids[ctx..ctx + forced + 1];
         let mut reference: Option<Vec<Vec<f64>>> = None;
         for (c, case) in cases.iter().enumerate() {

@@ -50,7 +50,7 @@ async fn run(args: &MultiturnBench, node: &Node, reuse: bool) -> anyhow::Result<
     let mut history: Vec<Vec<u32>> = (0..args.conversations)
         .map(|_| words(args.first_tokens.max(1)))
         .collect();
-    let dtype = node.layout.geom.dtype;
+    let dtype = node.wire_dtype();
     let opts = PushOptions {
         chunk_tokens: 256,
         retries: 0,

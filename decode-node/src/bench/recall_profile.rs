@@ -23,7 +23,7 @@ pub(super) fn recall_profile(args: &RecallProfileBench) -> anyhow::Result<serde_
     let prompt: Vec<u32> = (0..ctx)
         .map(|_| (r.next_u64() % vocab.min(256)) as u32)
         .collect();
-    let kv = client::prefill_kv(&node.model, &prompt, "profile", node.layout.geom.dtype)?;
+    let kv = client::prefill_kv(&node.model, &prompt, "profile", node.wire_dtype())?;
     let geom = node.layout.geom;
     let blocks = (geom.blocks_for(ctx + args.tokens as usize + 1) + 1) * node.layout.num_layers;
     let pool = HostPool::new(geom, (blocks * geom.block_bytes()) as u64)?;

@@ -153,6 +153,7 @@ impl WeightMap {
                     KvDType::F32 => Dtype::F32,
                     KvDType::F16 => Dtype::F16,
                     KvDType::Bf16 => Dtype::BF16,
+                    KvDType::I8 => Dtype::I8,
                 };
                 safetensors::tensor::TensorView::new(dt, t.shape.clone(), t.bytes())
                     .map(|v| (n.clone(), v))

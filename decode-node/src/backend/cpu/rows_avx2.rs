@@ -69,6 +69,8 @@ pub(super) unsafe fn rows_times_inputs(
                 tiles::<Split<AsBf16>>(rows, n, x, batch, inp, out)
             }
             KvDType::Bf16 => tiles::<AsBf16>(rows, n, x, batch, inp, out),
+            // `direct_rows` keeps int8 off this path (and loaders make no int8 weights).
+            KvDType::I8 => unreachable!("int8 weights on the AVX2 row path"),
         }
     }
 }

@@ -290,6 +290,8 @@ pub(crate) fn dtype_code(d: KvDType) -> i32 {
         KvDType::F32 => 0,
         KvDType::F16 => 1,
         KvDType::Bf16 => 2,
+        // Refused before any kernel sees it (`CudaBackend::device_kv`).
+        KvDType::I8 => 3,
     }
 }
 
