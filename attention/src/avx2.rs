@@ -68,6 +68,19 @@ pub struct AsF16;
 /// bfloat16: the top half of an f32, widened by a shift.
 #[derive(Debug)]
 pub struct AsBf16;
+/// Signed 8-bit integers, widened to their values (scales are applied by the caller).
+#[derive(Debug)]
+pub struct AsI8;
+
+impl Elem for AsI8 {
+    const SIZE: usize = 1;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable bytes at `p`.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
+    }
+}
 
 impl Elem for AsF32 {
     const SIZE: usize = 4;

@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use crate::avx2::{AsBf16, AsF16, AsF32, Elem, deinterleave, hsum, interleave};
+use crate::avx2::{AsBf16, AsF16, AsF32, AsI8, Elem, deinterleave, hsum, interleave};
 use crate::block::BlockGeometry;
 use crate::dtype::KvDType;
 
@@ -129,8 +129,8 @@ pub(crate) unsafe fn block(
             KvDType::F32 => block_as::<AsF32>(geom, qs, bytes, len, st, pf, avx512),
             KvDType::F16 => block_as::<AsF16>(geom, qs, bytes, len, st, pf, avx512),
             KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st, pf, avx512),
-            // `KernelPath::runs` sends int8 blocks to the portable path.
-            KvDType::I8 => unreachable!("int8 KV on the AVX2 path"),
+            // Int8 never takes the AVX-512 pieces (`block_as` checks the dtype).
+            KvDType::I8 => block_as::<AsI8>(geom, qs, bytes, len, st, pf, avx512),
         }
     }
 }
@@ -154,9 +154,10 @@ unsafe fn block_as<E: Elem>(
     debug_assert!(b % 8 == 0 && d % 8 == 0 && bytes.len() >= 2 * b * d * es);
     let nv = len.div_ceil(8);
     let (kt, vs) = bytes.split_at(b * d * es);
+    let int8 = dt == KvDType::I8;
     // AVX-512 keeps a whole group of 2..8 heads in registers for full 32-token blocks (each K
     // and V element converted once per group); `avx512` says the CPU has it.
-    let wide = avx512 && b == 32 && len == 32 && (2..=8).contains(&g);
+    let wide = avx512 && !int8 && b == 32 && len == 32 && (2..=8).contains(&g);
     // SAFETY: forwarded from this function's contract; `s` holds G x b scores; `wide` checked
     // the CPU.
     let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s, pf) };
@@ -164,8 +165,17 @@ unsafe fn block_as<E: Elem>(
         // SAFETY: forwarded from this function's contract; `s` holds G x b >= G x 8nv scores.
         unsafe { scores::<E>(kt, b, d, nv, qs, g, st.s, pf) };
     }
+    // Int8: each token's K scale multiplies its scores; after the softmax (whose sums take
+    // the weights as they are), its V scale multiplies its weights.
+    let (k_scales, v_scales) = geom.scales(&bytes[..geom.head_bytes()]);
+    if int8 {
+        scale_tokens(st.s, g, b, len, k_scales);
+    }
     // SAFETY: `s` holds G x b >= G x 8nv scores; `acc`, `m`, `l` hold G heads.
     unsafe { softmax_block(st, g, b, d, nv, len) };
+    if int8 {
+        scale_tokens(st.s, g, b, len, v_scales);
+    }
     // SAFETY: `wide` checked the CPU; a full block of 32 tokens; `s` is [G][b], acc [G][d].
     if wide && unsafe { crate::kernel_avx512::accumulate_v_dyn(g, dt, vs, d, st.s, b, st.acc, pf) }
     {
@@ -188,6 +198,16 @@ unsafe fn block_as<E: Elem>(
             }
         }
         h0 += n;
+    }
+}
+
+/// `s[h][t] *= scale[t]` for every head and the first `len` tokens (`scale`: little-endian
+/// f32 per token).
+fn scale_tokens(s: &mut [f32], g: usize, b: usize, len: usize, scale: &[u8]) {
+    for h in 0..g {
+        for (t, x) in s[h * b..h * b + len].iter_mut().enumerate() {
+            *x *= crate::block::scale_at(scale, t);
+        }
     }
 }
 

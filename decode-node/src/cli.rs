@@ -174,8 +174,8 @@ pub struct ModelArgs {
     pub no_guard: bool,
     /// Host KV storage type: `auto` (the model's dtype), `f32`, `f16`, `bf16`, or `int8` (each
     /// token's K and V vector per head scaled by its own f32: about half of f16's bytes, so
-    /// twice the context per byte of host memory; CPU backend only, attended on the portable
-    /// kernel path). Pushes still send f32, f16 or bf16 (`ModelInfo.kv_dtype`).
+    /// twice the context per byte of host memory; CPU backend only; attended on the AVX2 path
+    /// or the portable one, not yet on AVX-512's or NEON). Pushes still send f32, f16 or bf16 (`ModelInfo.kv_dtype`).
     #[arg(long, env = "DECODE_NODE_KV_DTYPE", default_value = "auto")]
     pub kv_dtype: String,
 }
