@@ -258,8 +258,10 @@ impl PrefixCache {
         let mut own: Vec<std::vec::IntoIter<Block>> =
             blocks.into_iter().map(Vec::into_iter).collect();
         let mut st = self.lock();
-        let mut stored = Vec::new();
-        let mut first_parent = None;
+        // Runs of consecutive blocks stored, each with the hash before it: a block another
+        // request cached meanwhile splits the run (an event's blocks form one chain).
+        let mut runs: Vec<(u64, Vec<u64>)> = Vec::new();
+        let mut open = false;
         for b in skip..whole.min(skip + own.first().map_or(0, |l| l.len())) {
             let layers: Vec<Block> = own.iter_mut().filter_map(Iterator::next).collect();
             if layers.len() != self.num_layers {
@@ -269,6 +271,7 @@ impl PrefixCache {
             let parent = if b == 0 { 0 } else { hashes[b - 1] };
             if st.entries.contains_key(&hash) {
                 // Another request cached the same tokens meanwhile: ours go back.
+                open = false;
                 continue;
             }
             let digests = (0..self.num_layers * hk)
@@ -285,8 +288,11 @@ impl PrefixCache {
                 digests,
             });
             st.entries.insert(hash, Entry { block, tick: 0 });
-            first_parent.get_or_insert(parent);
-            stored.push(hash);
+            match runs.last_mut() {
+                Some((_, hs)) if open => hs.push(hash),
+                _ => runs.push((parent, vec![hash])),
+            }
+            open = true;
         }
         for &h in hashes[..whole].iter().rev() {
             st.touch(h);
@@ -295,10 +301,10 @@ impl PrefixCache {
         let held = st.entries.len();
         let removed = st.evict_while(|gone| held - gone > limit_blocks);
         drop(st);
-        if let Some(parent) = first_parent {
+        for (parent, hashes) in runs {
             let _ = self.events.send(KvEvent::Stored {
                 parent,
-                hashes: stored,
+                hashes,
                 block_size: bs as u32,
             });
         }
@@ -515,6 +521,34 @@ mod tests {
                 hashes: vec![hashes[3]]
             }
         );
+        cache.clear();
+        assert_eq!(idle(&pool), 0);
+    }
+
+    #[test]
+    fn blocks_stored_around_ones_already_held_are_announced_as_separate_chains() {
+        let pool = pool(64);
+        let cache = PrefixCache::new(&pool, "m1", 2, u64::MAX);
+        finish(push(&pool, &cache, "a", 16), &cache);
+        let ids: Vec<u32> = (0..16).collect();
+        let h = cache.hashes(KvDType::F16, &ids);
+        // Blocks 1 and 3 leave (as eviction could have it); a second request stores them again.
+        {
+            let mut st = cache.lock();
+            st.entries.remove(&h[1]);
+            st.entries.remove(&h[3]);
+        }
+        let mut events = cache.subscribe();
+        finish(push(&pool, &cache, "b", 16), &cache);
+        let stored = |parent, hashes| KvEvent::Stored {
+            parent,
+            hashes,
+            block_size: 4,
+        };
+        assert_eq!(events.try_recv().unwrap(), stored(h[0], vec![h[1]]));
+        assert_eq!(events.try_recv().unwrap(), stored(h[2], vec![h[3]]));
+        assert!(events.try_recv().is_err());
+        assert_eq!(cache.usage().blocks, 4);
         cache.clear();
         assert_eq!(idle(&pool), 0);
     }
