@@ -23,6 +23,20 @@ pub struct Scratch {
     l: Vec<f32>,
 }
 
+/// Running softmax state of a group over the blocks seen so far, as the SIMD paths fold
+/// blocks into it.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) struct State<'a> {
+    /// `[G][D]` unnormalised output.
+    pub(crate) acc: &'a mut [f32],
+    /// `[G]` running max (base 2).
+    pub(crate) m: &'a mut [f32],
+    /// `[G]` running denominator.
+    pub(crate) l: &'a mut [f32],
+    /// `[G][B]` scores, then weights.
+    pub(crate) s: &'a mut [f32],
+}
+
 /// The implementation that runs a call's blocks, picked per call from the CPU's features
 /// (detection is cached by the standard library) and the block shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,7 +199,7 @@ pub fn attend_blocks_on<'a>(
             if g == 1 {
                 pf.all();
             }
-            let mut st = crate::kernel_avx2::State { acc, m, l, s };
+            let mut st = State { acc, m, l, s };
             // SAFETY: `best` checked the CPU and that block size and head dim are multiples of
             // 8; the block holds a whole head block.
             unsafe { crate::kernel_avx2::block(geom, qs, blk.bytes, len, &mut st, &mut pf, wide) };
@@ -193,7 +207,7 @@ pub fn attend_blocks_on<'a>(
         }
         #[cfg(target_arch = "aarch64")]
         if simd && blk.bytes.len() >= geom.head_bytes() {
-            let mut st = crate::kernel_neon::State { acc, m, l, s };
+            let mut st = State { acc, m, l, s };
             // SAFETY: `runs` checked the CPU and that block size and head dim are multiples
             // of 8; the block holds a whole head block; `len <= b`.
             unsafe { crate::kernel_neon::block(geom, qs, blk.bytes, len, &mut st) };

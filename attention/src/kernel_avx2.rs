@@ -13,6 +13,7 @@ use std::marker::PhantomData;
 use crate::avx2::{AsBf16, AsF16, AsF32, AsI8, Elem, deinterleave, hsum, interleave};
 use crate::block::BlockGeometry;
 use crate::dtype::KvDType;
+use crate::kernel::State;
 
 /// True when this CPU can run the path.
 pub(crate) fn available() -> bool {
@@ -93,18 +94,6 @@ impl<'a> Prefetch<'a> {
             self.off += 64;
         }
     }
-}
-
-/// Running softmax state of a group over the blocks seen so far.
-pub(crate) struct State<'a> {
-    /// `[G][D]` unnormalised output.
-    pub(crate) acc: &'a mut [f32],
-    /// `[G]` running max (base 2).
-    pub(crate) m: &'a mut [f32],
-    /// `[G]` running denominator.
-    pub(crate) l: &'a mut [f32],
-    /// `[G][B]` scores, then weights.
-    pub(crate) s: &'a mut [f32],
 }
 
 /// Folds one block (`len` tokens) into `st`. `qs` is the pre-scaled `[G][D]` query.

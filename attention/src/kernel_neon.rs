@@ -16,6 +16,7 @@ use std::arch::aarch64::*;
 
 use crate::block::BlockGeometry;
 use crate::dtype::KvDType;
+use crate::kernel::State;
 
 /// True when this CPU can run the path (every arm64 Linux CPU has NEON; checked anyway).
 pub(crate) fn available() -> bool {
@@ -76,18 +77,6 @@ impl Elem for AsF16 {
         }
         out
     }
-}
-
-/// Running softmax state of a group over the blocks seen so far.
-pub(crate) struct State<'a> {
-    /// `[G][D]` unnormalised output.
-    pub(crate) acc: &'a mut [f32],
-    /// `[G]` running max (base 2).
-    pub(crate) m: &'a mut [f32],
-    /// `[G]` running denominator.
-    pub(crate) l: &'a mut [f32],
-    /// `[G][B]` scores, then weights.
-    pub(crate) s: &'a mut [f32],
 }
 
 /// Folds one block (`len` tokens) into `st`. `qs` is the pre-scaled `[G][D]` query.
