@@ -88,8 +88,9 @@ impl KernelPath {
         let _ = geom;
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         let simd_shape = geom.block_size.is_multiple_of(8) && geom.head_dim.is_multiple_of(8);
-        // Int8 blocks (scaled per token) run on AVX2 and the portable path; the AVX-512
-        // pieces and NEON read float blocks only.
+        // Int8 blocks (scaled per token) run on AVX2, AVX-512 and the portable path; NEON
+        // reads float blocks only.
+        #[cfg(target_arch = "aarch64")]
         let int8 = geom.dtype == crate::KvDType::I8;
         match self {
             Self::Scalar => true,
@@ -97,10 +98,7 @@ impl KernelPath {
             Self::Avx2 => simd_shape && crate::kernel_avx2::available(),
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => {
-                simd_shape
-                    && !int8
-                    && crate::kernel_avx2::available()
-                    && crate::kernel_avx512::available()
+                simd_shape && crate::kernel_avx2::available() && crate::kernel_avx512::available()
             }
             #[cfg(target_arch = "aarch64")]
             Self::Neon => simd_shape && !int8 && crate::kernel_neon::available(),

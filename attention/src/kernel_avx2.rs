@@ -146,7 +146,7 @@ unsafe fn block_as<E: Elem>(
     let int8 = dt == KvDType::I8;
     // AVX-512 keeps a whole group of 2..8 heads in registers for full 32-token blocks (each K
     // and V element converted once per group); `avx512` says the CPU has it.
-    let wide = avx512 && !int8 && b == 32 && len == 32 && (2..=8).contains(&g);
+    let wide = avx512 && b == 32 && len == 32 && (2..=8).contains(&g);
     // SAFETY: forwarded from this function's contract; `s` holds G x b scores; `wide` checked
     // the CPU.
     let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s, pf) };

@@ -36,8 +36,8 @@ unsafe fn load16(dtype: KvDType, p: *const u8) -> __m512 {
                 let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
             }
-            // `KernelPath::runs` sends int8 blocks to the portable path.
-            KvDType::I8 => unreachable!("int8 KV on the AVX-512 path"),
+            // The integers as they are: the caller applies the per-token scales.
+            KvDType::I8 => _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))),
         }
     }
 }
