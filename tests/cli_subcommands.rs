@@ -145,6 +145,45 @@ fn bench_fidelity_reports_each_case_against_full() {
     assert!(case("scout b64 guard")["tokens_per_s"].as_f64().unwrap() > 0.0);
 }
 
+/// `bench fidelity --kv-dtypes`: every case on each host dtype, all against `full` on the
+/// first; int8 moves the distribution a little (it is measured, not assumed equal), and
+/// hgca with a budget over the whole context equals full on the same pool.
+#[test]
+fn bench_fidelity_compares_host_kv_dtypes() {
+    let v = run_json(&[
+        "bench",
+        "fidelity",
+        "--json",
+        "--model",
+        "tiny",
+        "--context",
+        "300",
+        "--prompts",
+        "1",
+        "--forced",
+        "8",
+        "--budgets",
+        "4096",
+        "--modes",
+        "full,hgca",
+        "--block-size",
+        "16",
+        "--kv-dtypes",
+        "f32,int8",
+    ]);
+    assert_eq!(v["reference"], "full f32", "{v}");
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    let case = |name: &str| rows.iter().find(|r| r["case"] == name).unwrap();
+    assert_eq!(case("full f32")["mean_kl_from_full"], 0.0);
+    let (full8, hgca8) = (case("full int8"), case("hgca b4096 int8"));
+    assert_eq!(full8["kv_dtype"], "int8");
+    let kl = full8["mean_kl_from_full"].as_f64().unwrap();
+    assert!(kl > 0.0 && kl < 1e-3, "{full8}");
+    let kl_hgca = hgca8["mean_kl_from_full"].as_f64().unwrap();
+    assert!((kl_hgca - kl).abs() < 1e-9, "{hgca8} against {full8}");
+}
+
 /// A short `bench soak`: requests with random cancels, killed pushes and gone orchestrators,
 /// and a fault every second (stalled push, bad CRC, DropKv mid-push, pusher gone, wrong lease,
 /// waiter gone) each answered with its code; the pool comes back to its start byte for byte.

@@ -9,13 +9,17 @@
 //!   sources, built into the binary): after a prefill of the context, the text's next tokens are fed one by
 //!   one; top-1 agreement with full's next-token distribution and its mean KL divergence.
 //!
+//! With `--kv-dtypes`, every case runs on a host pool of each dtype, fed the same f32 prefill,
+//! and `full` on the first dtype is the reference: what a host dtype costs, next to what a
+//! mode and budget cost.
+//!
 //! Speed is measured on the same steps: tokens/s of the forced decode and the CPU side's
 //! seconds per token (every CPU part, redone ones included), with the guard's fallback share.
 
 use std::time::Instant;
 
 use anyhow::Context;
-use attention::{AttentionConfig, Mode, PredictionGuard};
+use attention::{AttentionConfig, KvDType, Mode, PredictionGuard};
 use kv_transfer::{CommittedKv, HostPool};
 use serde_json::json;
 
@@ -218,11 +222,35 @@ fn run_case(
     })
 }
 
+/// One host pool under test: `bench fidelity --kv-dtypes` runs every case on each.
+struct Store {
+    layout: kv_transfer::KvLayout,
+    pool: HostPool,
+}
+
+/// The host KV dtypes to compare: `--kv-dtypes`, else the node's own pool.
+fn kv_dtypes(args: &FidelityBench, node: &Node) -> anyhow::Result<Vec<KvDType>> {
+    let Some(list) = &args.kv_dtypes else {
+        return Ok(vec![node.layout.geom.dtype]);
+    };
+    let mut out = Vec::new();
+    for s in list.split(',').map(str::trim) {
+        let d = KvDType::parse(s).with_context(|| {
+            format!("--kv-dtypes: unknown dtype {s:?} (expected f32, f16, bf16 or int8)")
+        })?;
+        anyhow::ensure!(!out.contains(&d), "--kv-dtypes: {s} is listed twice");
+        out.push(d);
+    }
+    anyhow::ensure!(!out.is_empty(), "--kv-dtypes is empty");
+    Ok(out)
+}
+
 /// `bench fidelity`.
 pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value> {
     let node = Node::build(&args.common.model)?;
     let geom = node.layout.geom;
-    let cases = cases(args, &node.attention, geom.block_size)?;
+    let base_cases = cases(args, &node.attention, geom.block_size)?;
+    let dtypes = kv_dtypes(args, &node)?;
     let contexts: Vec<usize> = args
         .context
         .split(',')
@@ -239,21 +267,41 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
     let text_ids = tok
         .encode(TEXT)
         .context("bench fidelity needs a model with a tokenizer")?;
-    let per_token = (geom.block_bytes() * node.layout.num_layers) as u64 / geom.block_size as u64;
-    // Two live sequences at most (the one decoding, the next being ingested) plus slack.
-    let pool = HostPool::new(
-        geom,
-        2 * per_token * (longest as u64 + 2 * geom.block_size as u64) + (64 << 20),
-    )?;
+    // Every pool gets the same values: the prefill's own f32 when several are compared.
+    let wire = if args.kv_dtypes.is_some() {
+        KvDType::F32
+    } else {
+        node.wire_dtype()
+    };
+    let stores = dtypes
+        .iter()
+        .map(|&dtype| {
+            let mut layout = node.layout.clone();
+            layout.geom.dtype = dtype;
+            let g = layout.geom;
+            let per_token = (g.block_bytes() * layout.num_layers) as u64 / g.block_size as u64;
+            // Two live sequences at most (the one decoding, the next being ingested) plus slack.
+            let pool = HostPool::new(
+                g,
+                2 * per_token * (longest as u64 + 2 * g.block_size as u64) + (64 << 20),
+            )?;
+            Ok(Store { layout, pool })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Each case on each pool; the reference (`full` on the first pool) comes first.
+    let cases: Vec<(usize, Case)> = (0..stores.len())
+        .flat_map(|s| base_cases.iter().map(move |c| (s, c.clone())))
+        .map(|(s, mut c)| {
+            if args.kv_dtypes.is_some() {
+                c.label = format!("{} {}", c.label, dtypes[s]);
+            }
+            (s, c)
+        })
+        .collect();
     let cpu_pool = rayon::ThreadPoolBuilder::new()
         .num_threads(rayon::current_num_threads())
         .thread_name(|i| format!("cpu-attn-{i}"))
         .build()?;
-    let cx = Ctx {
-        node: &node,
-        cpu_pool: &cpu_pool,
-        pool: &pool,
-    };
     let mut tallies = vec![Tally::default(); cases.len()];
     let mut rows = Vec::new();
     for &ctx in &contexts {
@@ -264,11 +312,16 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             let key = format!("{:05}", 10_000 + r.next_u64() % 90_000);
             let depth = (p as f64 + 0.5) / args.prompts as f64;
             let ids = passkey_prompt(tok, ctx, &key, depth)?;
-            let kv = prefill_kv(&node.model, &ids, "fidelity", node.wire_dtype())?;
+            let kv = prefill_kv(&node.model, &ids, "fidelity", wire)?;
             let first = kv.header.next_token_id;
             let mut reference: Option<Vec<u32>> = None;
-            for (c, case) in cases.iter().enumerate() {
-                let committed = ingest_local(&node.layout, &pool, &kv)?;
+            for (c, (s, case)) in cases.iter().enumerate() {
+                let cx = Ctx {
+                    node: &node,
+                    cpu_pool: &cpu_pool,
+                    pool: &stores[*s].pool,
+                };
+                let committed = ingest_local(&stores[*s].layout, cx.pool, &kv)?;
                 let mut generated = vec![first];
                 let run = run_case(
                     &cx,
@@ -308,11 +361,16 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             "the built-in text has {} tokens; context {ctx} + {forced} forced needs more",
             text_ids.len()
         );
-        let kv = prefill_kv(&node.model, &text_ids[..ctx], "fidelity", node.wire_dtype())?;
+        let kv = prefill_kv(&node.model, &text_ids[..ctx], "fidelity", wire)?;
         let feed = &text_ids[ctx..ctx + forced + 1];
         let mut reference: Option<Vec<Vec<f64>>> = None;
-        for (c, case) in cases.iter().enumerate() {
-            let committed = ingest_local(&node.layout, &pool, &kv)?;
+        for (c, (s, case)) in cases.iter().enumerate() {
+            let cx = Ctx {
+                node: &node,
+                cpu_pool: &cpu_pool,
+                pool: &stores[*s].pool,
+            };
+            let committed = ingest_local(&stores[*s].layout, cx.pool, &kv)?;
             let run = run_case(&cx, &case.cfg, committed, feed[0], forced, |i, _| {
                 feed[i + 1]
             })?;
@@ -333,15 +391,27 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             t.forced += forced;
             tally_speed(t, &run);
         }
-        for (c, case) in cases.iter().enumerate() {
-            let row = report(&format!("{ctx}"), case, &t_ctx[c], args.common.json);
+        for (c, (s, case)) in cases.iter().enumerate() {
+            let row = report(
+                &format!("{ctx}"),
+                case,
+                dtypes[*s],
+                &t_ctx[c],
+                args.common.json,
+            );
             rows.push(row);
             merge(&mut tallies[c], &t_ctx[c]);
         }
     }
     if contexts.len() > 1 {
-        for (c, case) in cases.iter().enumerate() {
-            rows.push(report("all", case, &tallies[c], args.common.json));
+        for (c, (s, case)) in cases.iter().enumerate() {
+            rows.push(report(
+                "all",
+                case,
+                dtypes[*s],
+                &tallies[c],
+                args.common.json,
+            ));
         }
     }
     Ok(json!({
@@ -350,6 +420,7 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
         "block_size": geom.block_size,
         "prompts": args.prompts,
         "forced_tokens": forced,
+        "reference": format!("full {}", dtypes[0]),
         "results": rows,
     }))
 }
@@ -390,7 +461,7 @@ fn merge(a: &mut Tally, b: &Tally) {
     a.guard_fallbacks += b.guard_fallbacks;
 }
 
-fn report(ctx: &str, case: &Case, t: &Tally, quiet: bool) -> serde_json::Value {
+fn report(ctx: &str, case: &Case, kv_dtype: KvDType, t: &Tally, quiet: bool) -> serde_json::Value {
     let r = |a: usize, b: usize| {
         if b == 0 {
             f64::NAN
@@ -424,7 +495,7 @@ fn report(ctx: &str, case: &Case, t: &Tally, quiet: bool) -> serde_json::Value {
             }
         };
         eprintln!(
-            "fidelity ctx={ctx:>5} {:<18} passkey {}  generated=full {}  top1=full {}  KL {}  | {tps:6.1} tok/s  CPU part {cpu_ms:6.2} ms/tok  CPU share {:.2}  guard redo {:.2}",
+            "fidelity ctx={ctx:>5} {:<23} passkey {}  generated=full {}  top1=full {}  KL {}  | {tps:6.1} tok/s  CPU part {cpu_ms:6.2} ms/tok  CPU share {:.2}  guard redo {:.2}",
             case.label,
             show(passkey, 2),
             show(gen_eq, 3),
@@ -435,7 +506,7 @@ fn report(ctx: &str, case: &Case, t: &Tally, quiet: bool) -> serde_json::Value {
         );
     }
     json!({
-        "context": ctx, "case": case.label, "mode": case.cfg.mode.name(),
+        "context": ctx, "case": case.label, "mode": case.cfg.mode.name(), "kv_dtype": kv_dtype.name(),
         "budget_tokens": case.cfg.budget_tokens, "guard": case.guard,
         "passkey_accuracy": passkey, "generated_equal_to_full": gen_eq,
         "top1_agreement_with_full": top1, "mean_kl_from_full": kl,
