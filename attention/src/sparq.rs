@@ -128,13 +128,21 @@ impl ChannelQuery {
                         *r = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
                     }
                 }
+                // Inline, so it widens eight at a time (the scales come after the sums).
+                KvDType::I8 => {
+                    for (r, b) in row.iter_mut().zip(src) {
+                        *r = f32::from(*b as i8);
+                    }
+                }
                 _ => decode_to_f32(geom.dtype, src, row),
             }
-            // Int8: each token's K scale.
-            if let Some(ks) = k_scales {
-                for (t, r) in row.iter_mut().enumerate() {
-                    *r *= crate::block::scale_at(ks, t);
-                }
+        }
+        // Int8: each token's K scale, applied once to each head's sum rather than to every
+        // row read (the score is linear in the key).
+        let scales = &mut buf.scales[..len];
+        if let Some(ks) = k_scales {
+            for (t, s) in scales.iter_mut().enumerate() {
+                *s = crate::block::scale_at(ks, t);
             }
         }
         let acc = &mut buf.acc[..len];
@@ -157,6 +165,11 @@ impl ChannelQuery {
                 *a = taps
                     .iter()
                     .fold(0.0, |s, &(i, w)| buf.rows[i * bs + t].mul_add(w, s));
+            }
+            if k_scales.is_some() {
+                for (a, s) in acc.iter_mut().zip(scales.iter()) {
+                    *a *= s;
+                }
             }
             *o = log2_sum_exp2(acc);
         }
@@ -188,6 +201,8 @@ struct Buf {
     rows: Vec<f32>,
     /// `[block_size]`: one head's approximate scores.
     acc: Vec<f32>,
+    /// `[block_size]`: an int8 block's K scales.
+    scales: Vec<f32>,
 }
 
 /// `log2 sum 2^x`, stable; -inf for no elements. Ranking needs little precision, so the
@@ -267,6 +282,7 @@ pub(crate) fn block_scores(
     let scratch = || Buf {
         rows: vec![0f32; cq.rows.len() * bs],
         acc: vec![0f32; bs],
+        scales: vec![0f32; bs],
     };
     let one = |buf: &mut Buf, (j, out): (usize, &mut [f32])| {
         let b = blocks[j];
