@@ -8,7 +8,8 @@ vLLM loads it by module path:
         "kv_connector_extra_config": {"target": "decode-0:50051"}}'
 
 A request opts in with `kv_transfer_params={"decode_node_request_id": "r1"}` (and optionally
-`"decode_node_target"` to send it to another node than the configured one), and runs with
+`"decode_node_target"` to send it to another node than the configured one, and
+`"decode_node_reuse_prefix"` to override the configured `reuse_prefix`), and runs with
 `max_tokens=1`; the orchestrator then calls `Generate("r1")` on that node. The scheduler side
 tracks which prompt tokens each step computes (chunked prefill included) and, when the request
 finishes, the token it sampled; the worker side gathers those tokens out of the paged cache in
@@ -18,7 +19,11 @@ step (`has_pending_push_work` keeps the engine stepping until then).
 `kv_connector_extra_config` keys: `target` (host:port), `token` or `token_file` (bearer token),
 `ca_cert`, `client_cert`, `client_key`, `domain` (TLS, as `channel()`), `layout` (the paged
 cache's: `flash_attn`, the default, `flash_attn_hnd` or `flashinfer`, see `gather_paged`),
-`commit_timeout_s` (30).
+`commit_timeout_s` (30), `reuse_prefix` (false): ask the node to keep what its prefix cache holds
+of the prompt's start (`decode-node serve --prefix-cache-bytes`); those tokens, whole blocks of an
+earlier request's prompt and output, are then neither gathered nor sent, so a conversation's next
+turn pushes only its new tokens. The first layer's push waits for the header's acknowledgement
+(one round trip per request) to learn how many.
 
 Tensor parallelism: each worker rank opens its own stream of the request's push
 (`KvHeader.num_streams`) and pushes the KV heads it holds; the node assembles them and commits when
@@ -70,6 +75,18 @@ except ImportError:  # pragma: no cover - exercised where vLLM is installed
 log = logging.getLogger(__name__)
 
 
+def _flag(value: Any, name: str) -> bool:
+    """A boolean setting given as a bool or as JSON/CLI text would give it."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{name}: expected a boolean, got {value!r}")
+
+
 def _tp_rank() -> int:
     """This worker's tensor-parallel rank (vLLM's parallel state; 0 without vLLM)."""
     try:
@@ -78,11 +95,12 @@ def _tp_rank() -> int:
         return 0
     return int(get_tensor_model_parallel_rank())
 
-__all__ = ["DecodeNodeConnector", "DecodeNodeConnectorMetadata", "PUSH_ID", "PUSH_TARGET"]
+__all__ = ["DecodeNodeConnector", "DecodeNodeConnectorMetadata", "PUSH_ID", "PUSH_REUSE", "PUSH_TARGET"]
 
 # Keys of a request's kv_transfer_params.
 PUSH_ID = "decode_node_request_id"
 PUSH_TARGET = "decode_node_target"
+PUSH_REUSE = "decode_node_reuse_prefix"
 
 
 @dataclass
@@ -95,6 +113,7 @@ class SaveSpec:
     block_ids: List[int]
     start: int
     end: int
+    reuse_prefix: bool = False
 
 
 @dataclass
@@ -111,6 +130,7 @@ class _Tracked:
     push_id: str
     target: str
     prompt: List[int]
+    reuse_prefix: bool = False
     blocks: List[int] = field(default_factory=list)
     pushed_to: int = 0  # prompt tokens scheduled for pushing so far
 
@@ -131,6 +151,7 @@ class DecodeNodeConnector(KVConnectorBase_V1):
         self._tls = {k: extra[k] for k in ("ca_cert", "client_cert", "client_key", "domain") if k in extra}
         self._layout: str = extra.get("layout", "flash_attn")
         self._commit_timeout = float(extra.get("commit_timeout_s", 30))
+        self._reuse_prefix = _flag(extra.get("reuse_prefix", False), "reuse_prefix")
         parallel = getattr(vllm_config, "parallel_config", None)
         self._tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) != 1:
@@ -167,7 +188,8 @@ class DecodeNodeConnector(KVConnectorBase_V1):
         if not target:
             log.warning("request %s asks for a push but no decode-node target is configured", request.request_id)
             return
-        self._tracked[request.request_id] = _Tracked(str(push_id), target, list(request.prompt_token_ids))
+        reuse = _flag(params.get(PUSH_REUSE, self._reuse_prefix), PUSH_REUSE)
+        self._tracked[request.request_id] = _Tracked(str(push_id), target, list(request.prompt_token_ids), reuse)
 
     def build_connector_meta(self, scheduler_output) -> DecodeNodeConnectorMetadata:
         meta = DecodeNodeConnectorMetadata(commits=self._commits, aborts=self._aborts)
@@ -200,7 +222,8 @@ class DecodeNodeConnector(KVConnectorBase_V1):
         end = min(computed + scheduled, len(t.prompt))
         start = max(computed, t.pushed_to)
         if end > start:
-            meta.saves.append(SaveSpec(req_id, t.push_id, t.target, t.prompt, list(t.blocks), start, end))
+            meta.saves.append(SaveSpec(req_id, t.push_id, t.target, t.prompt, list(t.blocks), start, end,
+                                       t.reuse_prefix))
             t.pushed_to = end
 
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
@@ -274,7 +297,7 @@ class DecodeNodeConnector(KVConnectorBase_V1):
                 self._streams[save.req_id] = PushStream(
                     ch, save.push_id, save.prompt_token_ids, num_layers=len(self._layers),
                     num_kv_heads=self._heads, head_dim=self._head_dim, model_id=model_id, dtype=dtype,
-                    token=self._token, num_streams=self._streams_per_push)
+                    token=self._token, num_streams=self._streams_per_push, reuse_prefix=save.reuse_prefix)
             except DecodeNodeError as e:
                 log.warning("push of request %s could not start: %s", save.req_id, e)
 
@@ -290,9 +313,13 @@ class DecodeNodeConnector(KVConnectorBase_V1):
             s = self._streams.get(save.req_id)
             if s is None:
                 continue
-            k, v = gather_paged(kv_layer, save.block_ids, save.start, save.end, layout=self._layout)
             try:
-                s.push(layer, k, v, token_start=save.start, head_start=self._head_start)
+                # Tokens the node already holds (a reused prefix) are neither gathered nor sent.
+                start = max(save.start, s.reused_tokens) if save.reuse_prefix else save.start
+                if start >= save.end:
+                    continue
+                k, v = gather_paged(kv_layer, save.block_ids, start, save.end, layout=self._layout)
+                s.push(layer, k, v, token_start=start, head_start=self._head_start)
             except (DecodeNodeError, RuntimeError) as e:
                 log.warning("push of request %s failed: %s", save.req_id, e)
                 self._streams.pop(save.req_id).abort()

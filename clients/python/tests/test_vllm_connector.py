@@ -8,10 +8,10 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 
-from conftest import golden, load
+from conftest import golden, load, serve
 from decode_node_client import generate_all
 from decode_node_client import vllm_connector
-from decode_node_client.vllm_connector import PUSH_ID, PUSH_TARGET, DecodeNodeConnector, KVConnectorRole
+from decode_node_client.vllm_connector import PUSH_ID, PUSH_REUSE, PUSH_TARGET, DecodeNodeConnector, KVConnectorRole
 
 BLOCK = 4
 
@@ -43,12 +43,11 @@ def step(sched, worker, out, caches, names):
     worker.clear_connector_metadata()
 
 
-def test_a_chunked_prefill_reaches_the_node_and_decodes_the_golden_greedy(node):
-    g, layers = golden()
-    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+def paged(layers, seed=3):
+    """The golden KV in a paged numpy cache (noise elsewhere) at a shuffled block table."""
     tokens, heads, dim = layers[0][0].shape
     nblocks = -(-tokens // BLOCK)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     table = [int(b) for b in rng.permutation(nblocks + 4)[:nblocks]]
     names = [f"model.layers.{i}.self_attn.attn" for i in range(len(layers))]
     caches = {}
@@ -58,6 +57,14 @@ def test_a_chunked_prefill_reaches_the_node_and_decodes_the_golden_greedy(node):
             cache[0, table[t // BLOCK], t % BLOCK] = k[t]
             cache[1, table[t // BLOCK], t % BLOCK] = v[t]
         caches[name] = cache
+    return table, names, caches
+
+
+def test_a_chunked_prefill_reaches_the_node_and_decodes_the_golden_greedy(node):
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    tokens = layers[0][0].shape[0]
+    table, names, caches = paged(layers)
     sched = DecodeNodeConnector(config(node), KVConnectorRole.SCHEDULER)
     worker = DecodeNodeConnector(config(node), KVConnectorRole.WORKER)
     worker.register_kv_caches(caches)
@@ -170,3 +177,52 @@ def test_tensor_parallel_ranks_each_push_their_heads_into_one_request(node, monk
     assert [t.id for t in got] == greedy[1:]
     for w in workers:
         w.shutdown()
+
+
+@pytest.fixture(scope="module")
+def caching_node():
+    yield from serve("--prefix-cache-bytes", "64Mi", "--block-size", str(BLOCK))
+
+
+def test_a_repeated_prompt_gathers_and_sends_only_what_the_node_lacks(caching_node, monkeypatch):
+    """With `reuse_prefix`, the second request of the same prompt gathers from the paged cache
+    only the tokens after the blocks the node kept from the first, and still decodes the golden
+    greedy; a request that opts out sends everything."""
+    g, layers = golden()
+    prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
+    tokens = len(prompt)
+    whole = tokens // BLOCK * BLOCK
+    assert whole > 0, "the golden prompt must span a whole block"
+    table, names, caches = paged(layers)
+    gathered = []
+    real_gather = vllm_connector.gather_paged
+
+    def spy(kv, blocks, start, end, layout):
+        gathered.append((start, end))
+        return real_gather(kv, blocks, start, end, layout=layout)
+
+    monkeypatch.setattr(vllm_connector, "gather_paged", spy)
+    sched = DecodeNodeConnector(config(caching_node, reuse_prefix="true"), KVConnectorRole.SCHEDULER)
+    worker = DecodeNodeConnector(config(caching_node, reuse_prefix="true"), KVConnectorRole.WORKER)
+    worker.register_kv_caches(caches)
+
+    def request(n, params):
+        gathered.clear()
+        req = NS(request_id=f"vllm-r{n}", prompt_token_ids=prompt, kv_transfer_params=params,
+                 output_token_ids=[])
+        sched.update_state_after_alloc(req, None, 0)
+        step(sched, worker, scheduler_output(new=[(req.request_id, table, 0)], scheduled={req.request_id: tokens}),
+             caches, names)
+        req.output_token_ids = [greedy[0]]
+        sched.request_finished(req, table)
+        step(sched, worker, scheduler_output(), caches, names)
+        got, _ = generate_all(caching_node, params[PUSH_ID], max_new_tokens=3, ignore_eos=True)
+        assert [t.id for t in got] == greedy[1:4]
+        return set(gathered)
+
+    assert request(1, {PUSH_ID: "dn-r1"}) == {(0, tokens)}
+    assert request(2, {PUSH_ID: "dn-r2"}) == ({(whole, tokens)} if whole < tokens else set())
+    assert request(3, {PUSH_ID: "dn-r3", PUSH_REUSE: False}) == {(0, tokens)}
+    with pytest.raises(ValueError):
+        DecodeNodeConnector(config(caching_node, reuse_prefix="maybe"), KVConnectorRole.WORKER)
+    worker.shutdown()
