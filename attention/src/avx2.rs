@@ -71,6 +71,30 @@ pub struct AsBf16;
 /// Signed 8-bit integers, widened to their values (scales are applied by the caller).
 #[derive(Debug)]
 pub struct AsI8;
+/// fp8 e4m3 codes, widened to their values (scales are applied by the caller).
+#[derive(Debug)]
+pub struct AsF8;
+
+impl Elem for AsF8 {
+    const SIZE: usize = 1;
+    /// As [`crate::dtype::f8_e4m3_value`]: sign-extend each code to 32 bits and shift it so
+    /// its exponent and mantissa sit at the top of f32's fields; the mask keeps those and the
+    /// sign; one multiply by 2^120 moves the exponent bias from 7 to 127.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable bytes at `p`.
+        let w = unsafe { _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())) };
+        let bits = _mm256_and_si256(
+            _mm256_slli_epi32::<20>(w),
+            _mm256_set1_epi32(crate::dtype::F8_MASK as i32),
+        );
+        _mm256_mul_ps(
+            _mm256_castsi256_ps(bits),
+            _mm256_set1_ps(crate::dtype::F8_REBIAS),
+        )
+    }
+}
 
 impl Elem for AsI8 {
     const SIZE: usize = 1;

@@ -4,7 +4,7 @@
 //! each head's data is contiguous: K transposed (`[head_dim][block_size]`, so scoring a block
 //! streams rows of `block_size` keys for one channel), then V (`[block_size][head_dim]`).
 
-use crate::dtype::{KvDType, decode_to_f32, encode_from_f32, i8_scale, quantize_i8};
+use crate::dtype::{KvDType, decode_to_f32, encode_from_f32, quant_scale, quantize};
 
 /// Shape of a KV block; fixed for the life of a pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,23 +20,24 @@ pub struct BlockGeometry {
 }
 
 impl BlockGeometry {
-    /// Bytes of one head's K and V within a block (with [`KvDType::I8`], each token's K and
-    /// V scale after them).
+    /// Bytes of one head's K and V within a block (with a scaled dtype, [`KvDType::scaled`],
+    /// each token's K and V scale after them).
     pub const fn head_bytes(&self) -> usize {
         2 * self.block_size * self.head_dim * self.dtype.size() + self.scale_bytes()
     }
 
-    /// Bytes of one head's int8 scales within a block: `[block_size]` f32 for K, then for V
-    /// (0 for the float dtypes).
+    /// Bytes of one head's scales within a block: `[block_size]` f32 for K, then for V (0
+    /// for the unscaled dtypes).
     pub const fn scale_bytes(&self) -> usize {
-        match self.dtype {
-            KvDType::I8 => 2 * self.block_size * 4,
-            _ => 0,
+        if self.dtype.scaled() {
+            2 * self.block_size * 4
+        } else {
+            0
         }
     }
 
     /// Each token's K scale and V scale in one head's bytes (`head`, [`BlockGeometry::head_range`]
-    /// of a block), for [`KvDType::I8`]: `(k_scales, v_scales)`, `block_size` each.
+    /// of a block), for a scaled dtype: `(k_scales, v_scales)`, `block_size` each.
     pub fn scales<'a>(&self, head: &'a [u8]) -> (&'a [u8], &'a [u8]) {
         let at = 2 * self.block_size * self.head_dim * self.dtype.size();
         let sc = &head[at..at + self.scale_bytes()];
@@ -64,16 +65,17 @@ impl BlockGeometry {
         let es = self.dtype.size();
         let (b, d) = (self.block_size, self.head_dim);
         let head = &mut block[self.head_range(h)];
-        if self.dtype == KvDType::I8 {
-            let (ks, vs) = (i8_scale(k), i8_scale(v));
+        if self.dtype.scaled() {
+            let dt = self.dtype;
+            let (ks, vs) = (quant_scale(dt, k), quant_scale(dt, v));
             let (kt, rest) = head.split_at_mut(b * d);
             let (vq, sc) = rest.split_at_mut(b * d);
             let mut kq = [0u8; 1];
             for (c, kc) in k.iter().enumerate() {
-                quantize_i8(std::slice::from_ref(kc), ks, &mut kq);
+                quantize(dt, std::slice::from_ref(kc), ks, &mut kq);
                 kt[c * b + slot] = kq[0];
             }
-            quantize_i8(v, vs, &mut vq[slot * d..(slot + 1) * d]);
+            quantize(dt, v, vs, &mut vq[slot * d..(slot + 1) * d]);
             sc[slot * 4..slot * 4 + 4].copy_from_slice(&ks.to_le_bytes());
             sc[(b + slot) * 4..(b + slot) * 4 + 4].copy_from_slice(&vs.to_le_bytes());
             return;
@@ -100,7 +102,7 @@ impl BlockGeometry {
         }
         let at = b * d * es + slot * d * es;
         decode_to_f32(self.dtype, &head[at..at + d * es], v);
-        if self.dtype == KvDType::I8 {
+        if self.dtype.scaled() {
             let (ks, vs) = self.scales(head);
             let (ks, vs) = (scale_at(ks, slot), scale_at(vs, slot));
             k.iter_mut().for_each(|x| *x *= ks);
@@ -290,7 +292,7 @@ impl BlockGeometry {
                 max,
             ),
             KvDType::F32 => fold::<4>(kt, k, shape, f32::from_le_bytes, min, max),
-            KvDType::F16 | KvDType::I8 => {}
+            KvDType::F16 | KvDType::I8 | KvDType::F8E4M3 => {}
         }
     }
 }

@@ -16,6 +16,11 @@ pub enum KvDType {
     /// f32 (max |x| / 127), the scales kept in the block after the vectors. Half of f16's
     /// bytes; converted from the wire dtype on ingest, never sent on the wire.
     I8,
+    /// Host KV only: fp8 e4m3 (OCP "fn": 4 exponent bits, 3 mantissa bits, no infinities),
+    /// scaled per token and head like [`KvDType::I8`] (max |x| / 448, so each vector uses the
+    /// format's whole range). Codes 0x7f and 0xff (the format's NaN) are never written: a
+    /// vector holding a non-finite value gets a NaN scale instead.
+    F8E4M3,
 }
 
 impl KvDType {
@@ -24,7 +29,22 @@ impl KvDType {
         match self {
             KvDType::F32 => 4,
             KvDType::F16 | KvDType::Bf16 => 2,
-            KvDType::I8 => 1,
+            KvDType::I8 | KvDType::F8E4M3 => 1,
+        }
+    }
+
+    /// True for the dtypes stored with a scale per token and head ([`KvDType::I8`],
+    /// [`KvDType::F8E4M3`]): the kernels multiply each token's scores by its K scale and its
+    /// softmax weights by its V scale.
+    pub const fn scaled(self) -> bool {
+        matches!(self, KvDType::I8 | KvDType::F8E4M3)
+    }
+
+    /// The largest magnitude a scaled dtype's code holds (a vector's max |x| maps to it).
+    const fn code_max(self) -> f32 {
+        match self {
+            KvDType::F8E4M3 => 448.0,
+            _ => 127.0,
         }
     }
 
@@ -35,16 +55,18 @@ impl KvDType {
             KvDType::F16 => "f16",
             KvDType::Bf16 => "bf16",
             KvDType::I8 => "int8",
+            KvDType::F8E4M3 => "fp8",
         }
     }
 
-    /// Parses `f32`, `f16` or `bf16`.
+    /// Parses `f32`, `f16`, `bf16`, `int8` or `fp8` (e4m3), and their common spellings.
     pub fn parse(s: &str) -> Option<Self> {
         match s.to_ascii_lowercase().as_str() {
             "f32" | "float32" => Some(KvDType::F32),
             "f16" | "float16" | "half" => Some(KvDType::F16),
             "bf16" | "bfloat16" => Some(KvDType::Bf16),
             "int8" | "i8" => Some(KvDType::I8),
+            "fp8" | "fp8_e4m3" | "f8e4m3" | "float8_e4m3fn" => Some(KvDType::F8E4M3),
             _ => None,
         }
     }
@@ -57,7 +79,8 @@ impl std::fmt::Display for KvDType {
 }
 
 /// Decodes little-endian elements of `dtype` from `src` into `dst` (`dst.len()` elements).
-/// [`KvDType::I8`] elements decode to their integer values: the caller applies the scales.
+/// Scaled dtypes ([`KvDType::scaled`]) decode to their codes' values: the caller applies the
+/// scales.
 ///
 /// `src` may be unaligned (it usually comes straight off the wire).
 pub fn decode_to_f32(dtype: KvDType, src: &[u8], dst: &mut [f32]) {
@@ -89,11 +112,30 @@ pub fn decode_to_f32(dtype: KvDType, src: &[u8], dst: &mut [f32]) {
                 *d = f32::from(*c as i8);
             }
         }
+        KvDType::F8E4M3 => {
+            for (d, c) in dst.iter_mut().zip(src) {
+                *d = f8_e4m3_value(*c);
+            }
+        }
     }
 }
 
+/// 2^120: moves an e4m3 exponent (bias 7) placed in an f32's exponent field (bias 127) to
+/// its value.
+pub(crate) const F8_REBIAS: f32 = f32::from_bits((127 + 120) << 23);
+/// The f32 bits an e4m3 code keeps once sign-extended and shifted left by 20: the sign, and
+/// the exponent and mantissa in the top of f32's fields.
+pub(crate) const F8_MASK: u32 = 0x87f0_0000;
+
+/// The value of an e4m3 code, the way the SIMD paths widen it (sign-extend, shift, mask,
+/// rescale: subnormals come out exact as well). The NaN codes, never written, read as ±480.
+#[inline(always)]
+pub(crate) fn f8_e4m3_value(code: u8) -> f32 {
+    f32::from_bits((((code as i8 as i32) << 20) as u32) & F8_MASK) * F8_REBIAS
+}
+
 /// Encodes `src` as little-endian elements of `dtype` into `dst` (`src.len() * size` bytes).
-/// [`KvDType::I8`] takes values already divided by their scale (rounded, saturated).
+/// Scaled dtypes take values already divided by their scale (rounded, saturated).
 pub fn encode_from_f32(dtype: KvDType, src: &[f32], dst: &mut [u8]) {
     debug_assert_eq!(dst.len(), src.len() * dtype.size());
     match dtype {
@@ -118,13 +160,28 @@ pub fn encode_from_f32(dtype: KvDType, src: &[f32], dst: &mut [u8]) {
                 *c = (s.round() as i8).max(-127) as u8;
             }
         }
+        KvDType::F8E4M3 => {
+            for (s, c) in src.iter().zip(dst) {
+                *c = f8_code(*s);
+            }
+        }
     }
 }
 
-/// The scale of one int8 vector: max |x| / 127 (0 for a zero vector); NaN when `x` holds a
-/// non-finite value, so that every dequantized element is NaN and the output says so, as the
-/// float dtypes' would.
-pub(crate) fn i8_scale(x: &[f32]) -> f32 {
+/// The e4m3 code nearest `x` (ties to even), saturated at ±448; 0 for NaN (a scaled vector
+/// is never NaN: its scale is).
+fn f8_code(x: f32) -> u8 {
+    if x.is_nan() {
+        0
+    } else {
+        float8::F8E4M3::from_f32(x).to_bits()
+    }
+}
+
+/// The scale of one vector of a scaled `dtype`: max |x| / its code's max (0 for a zero
+/// vector); NaN when `x` holds a non-finite value, so that every dequantized element is NaN
+/// and the output says so, as the float dtypes' would.
+pub(crate) fn quant_scale(dtype: KvDType, x: &[f32]) -> f32 {
     let mut m = 0f32;
     for v in x {
         if !v.is_finite() {
@@ -132,14 +189,23 @@ pub(crate) fn i8_scale(x: &[f32]) -> f32 {
         }
         m = m.max(v.abs());
     }
-    m / 127.0
+    m / dtype.code_max()
 }
 
-/// `x` quantized with `scale` into `dst` (one byte per element).
-pub(crate) fn quantize_i8(x: &[f32], scale: f32, dst: &mut [u8]) {
+/// `x` of a scaled `dtype` quantized with `scale` into `dst` (one byte per element).
+pub(crate) fn quantize(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    for (v, d) in x.iter().zip(dst) {
-        *d = ((v * inv).round() as i8).max(-127) as u8;
+    match dtype {
+        KvDType::F8E4M3 => {
+            for (v, d) in x.iter().zip(dst) {
+                *d = f8_code(v * inv);
+            }
+        }
+        _ => {
+            for (v, d) in x.iter().zip(dst) {
+                *d = ((v * inv).round() as i8).max(-127) as u8;
+            }
+        }
     }
 }
 
@@ -160,7 +226,7 @@ mod tests {
                     KvDType::F32 => 0.0,
                     KvDType::F16 => 1e-3,
                     KvDType::Bf16 => 1e-2,
-                    KvDType::I8 => 1.0,
+                    KvDType::I8 | KvDType::F8E4M3 => 1.0,
                 };
                 assert!((a - b).abs() <= tol * a.abs().max(1.0), "{dt} {a} {b}");
             }
@@ -176,6 +242,35 @@ mod tests {
     #[test]
     fn parses_names() {
         assert_eq!(KvDType::parse("BF16"), Some(KvDType::Bf16));
+        assert_eq!(KvDType::parse("FP8"), Some(KvDType::F8E4M3));
         assert_eq!(KvDType::parse("f8"), None);
+    }
+
+    /// Every e4m3 code but the two NaNs widens to the value the `float8` crate (CUDA's
+    /// conversion) gives it, and encoding that value gives the code back.
+    #[test]
+    fn fp8_codes_widen_to_their_values_and_back() {
+        for code in 0..=255u8 {
+            let want = float8::F8E4M3::from_bits(code).to_f32();
+            if code & 0x7f == 0x7f {
+                assert!(want.is_nan());
+                continue;
+            }
+            let got = f8_e4m3_value(code);
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "code {code:#04x}: {got} vs {want}"
+            );
+            if got != 0.0 {
+                assert_eq!(f8_code(got), code, "{got}");
+            }
+        }
+        // Rounding to nearest, saturating, NaN to 0.
+        assert_eq!(f8_e4m3_value(f8_code(1000.0)), 448.0);
+        assert_eq!(f8_e4m3_value(f8_code(-1000.0)), -448.0);
+        assert_eq!(f8_e4m3_value(f8_code(1.06)), 1.0);
+        assert_eq!(f8_e4m3_value(f8_code(1.07)), 1.125);
+        assert_eq!(f8_code(f32::NAN), 0);
     }
 }

@@ -88,10 +88,10 @@ impl KernelPath {
         let _ = geom;
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         let simd_shape = geom.block_size.is_multiple_of(8) && geom.head_dim.is_multiple_of(8);
-        // Int8 blocks (scaled per token) run on AVX2, AVX-512 and the portable path; NEON
-        // reads float blocks only.
+        // Int8 and fp8 blocks (scaled per token) run on AVX2, AVX-512 and the portable path;
+        // NEON reads float blocks only.
         #[cfg(target_arch = "aarch64")]
-        let int8 = geom.dtype == crate::KvDType::I8;
+        let scaled = geom.dtype.scaled();
         match self {
             Self::Scalar => true,
             #[cfg(target_arch = "x86_64")]
@@ -101,7 +101,7 @@ impl KernelPath {
                 simd_shape && crate::kernel_avx2::available() && crate::kernel_avx512::available()
             }
             #[cfg(target_arch = "aarch64")]
-            Self::Neon => simd_shape && !int8 && crate::kernel_neon::available(),
+            Self::Neon => simd_shape && !scaled && crate::kernel_neon::available(),
         }
     }
 
@@ -212,11 +212,11 @@ pub fn attend_blocks_on<'a>(
             continue;
         }
         let (kt, vs) = blk.bytes.split_at(b * d * es);
-        // Int8: each token's K and V scale (1 for the float dtypes).
-        let int8 = geom.dtype == crate::KvDType::I8;
+        // Int8 and fp8: each token's K and V scale (1 for the float dtypes).
+        let scaled = geom.dtype.scaled();
         let (k_scales, v_scales) = geom.scales(&blk.bytes[..geom.head_bytes()]);
         let scale = |row: &[u8], t: usize| {
-            if int8 {
+            if scaled {
                 crate::block::scale_at(row, t)
             } else {
                 1.0
@@ -234,7 +234,7 @@ pub fn attend_blocks_on<'a>(
                 }
             }
         }
-        if int8 {
+        if scaled {
             for h in 0..g {
                 for (t, sv) in s[h * b..h * b + len].iter_mut().enumerate() {
                     *sv *= scale(k_scales, t);
@@ -458,13 +458,42 @@ pub(crate) mod tests {
         assert!((kb[0] - k[0]).abs() <= 3.0 / 127.0);
     }
 
+    /// fp8 e4m3 keeps 3 mantissa bits: each element within half a step of its binade (1/16
+    /// relative) of the vector's scaled value, or of the smallest normal step near zero.
+    #[test]
+    fn fp8_tokens_come_back_within_half_a_step_of_their_binade() {
+        let geom = BlockGeometry {
+            block_size: 8,
+            num_kv_heads: 2,
+            head_dim: 16,
+            dtype: KvDType::F8E4M3,
+        };
+        assert_eq!(geom.head_bytes(), 2 * 8 * 16 + 2 * 8 * 4);
+        let mut blk = vec![0u8; geom.block_bytes()];
+        let k = values(1, 16, 3.0);
+        let v = values(2, 16, 0.01);
+        geom.write_token(&mut blk, 1, 5, &k, &v);
+        let (mut kb, mut vb) = (vec![0f32; 16], vec![0f32; 16]);
+        geom.read_token(&blk, 1, 5, &mut kb, &mut vb);
+        for (x, y) in [(&k, &kb), (&v, &vb)] {
+            let scale = x.iter().fold(0f32, |m, a| m.max(a.abs())) / 448.0;
+            for (a, b) in x.iter().zip(y.iter()) {
+                let tol = (a.abs() / 16.0).max(scale * 2f32.powi(-9)) * 1.0001;
+                assert!((a - b).abs() <= tol, "{a} {b}");
+            }
+        }
+        geom.write_token(&mut blk, 0, 0, &[0.0; 16], &[f32::NAN; 16]);
+        geom.read_token(&blk, 0, 0, &mut kb, &mut vb);
+        assert!(kb.iter().all(|x| *x == 0.0) && vb.iter().all(|x| x.is_nan()));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 128, rng_seed: proptest::test_runner::RngSeed::Fixed(11), ..ProptestConfig::default() })]
         /// The kernel equals a scalar f64 reference to 1e-5 relative for every dtype,
         /// group size, head dim and partly filled last block.
         #[test]
         fn kernel_matches_scalar_reference(
-            dt in prop_oneof![Just(KvDType::F32), Just(KvDType::F16), Just(KvDType::Bf16), Just(KvDType::I8)],
+            dt in prop_oneof![Just(KvDType::F32), Just(KvDType::F16), Just(KvDType::Bf16), Just(KvDType::I8), Just(KvDType::F8E4M3)],
             g in prop_oneof![Just(1usize), Just(2), Just(3), Just(4), Just(5), Just(6), Just(7), Just(8), Just(12)],
             d in prop_oneof![Just(64usize), Just(128), Just(8), Just(12)],
             n in 1usize..150,
@@ -498,7 +527,7 @@ pub(crate) mod tests {
         /// are finite, non-finite in the same heads.
         #[test]
         fn non_finite_inputs_agree_with_the_scalar_path(
-            dt in prop_oneof![Just(KvDType::F32), Just(KvDType::F16), Just(KvDType::Bf16), Just(KvDType::I8)],
+            dt in prop_oneof![Just(KvDType::F32), Just(KvDType::F16), Just(KvDType::Bf16), Just(KvDType::I8), Just(KvDType::F8E4M3)],
             g in prop_oneof![Just(1usize), Just(3), Just(4), Just(8)],
             d in prop_oneof![Just(64usize), Just(8)],
             n in 1usize..100,

@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
-use crate::avx2::{AsBf16, AsF16, AsF32, AsI8, Elem, deinterleave, hsum, interleave};
+use crate::avx2::{AsBf16, AsF8, AsF16, AsF32, AsI8, Elem, deinterleave, hsum, interleave};
 use crate::block::BlockGeometry;
 use crate::dtype::KvDType;
 use crate::kernel::State;
@@ -120,6 +120,7 @@ pub(crate) unsafe fn block(
             KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st, pf, avx512),
             // Int8 never takes the AVX-512 pieces (`block_as` checks the dtype).
             KvDType::I8 => block_as::<AsI8>(geom, qs, bytes, len, st, pf, avx512),
+            KvDType::F8E4M3 => block_as::<AsF8>(geom, qs, bytes, len, st, pf, avx512),
         }
     }
 }
@@ -143,7 +144,7 @@ unsafe fn block_as<E: Elem>(
     debug_assert!(b % 8 == 0 && d % 8 == 0 && bytes.len() >= 2 * b * d * es);
     let nv = len.div_ceil(8);
     let (kt, vs) = bytes.split_at(b * d * es);
-    let int8 = dt == KvDType::I8;
+    let scaled = dt.scaled();
     // AVX-512 keeps a whole group of 2..8 heads in registers for full 32-token blocks (each K
     // and V element converted once per group); `avx512` says the CPU has it.
     let wide = avx512 && b == 32 && len == 32 && (2..=8).contains(&g);
@@ -154,15 +155,15 @@ unsafe fn block_as<E: Elem>(
         // SAFETY: forwarded from this function's contract; `s` holds G x b >= G x 8nv scores.
         unsafe { scores::<E>(kt, b, d, nv, qs, g, st.s, pf) };
     }
-    // Int8: each token's K scale multiplies its scores; after the softmax (whose sums take
-    // the weights as they are), its V scale multiplies its weights.
+    // Int8 and fp8: each token's K scale multiplies its scores; after the softmax (whose sums
+    // take the weights as they are), its V scale multiplies its weights.
     let (k_scales, v_scales) = geom.scales(&bytes[..geom.head_bytes()]);
-    if int8 {
+    if scaled {
         scale_tokens(st.s, g, b, len, k_scales);
     }
     // SAFETY: `s` holds G x b >= G x 8nv scores; `acc`, `m`, `l` hold G heads.
     unsafe { softmax_block(st, g, b, d, nv, len) };
-    if int8 {
+    if scaled {
         scale_tokens(st.s, g, b, len, v_scales);
     }
     // SAFETY: `wide` checked the CPU; a full block of 32 tokens; `s` is [G][b], acc [G][d].

@@ -97,8 +97,8 @@ pub(crate) unsafe fn block(
             KvDType::F32 => block_as::<AsF32>(geom, qs, bytes, len, st),
             KvDType::F16 => block_as::<AsF16>(geom, qs, bytes, len, st),
             KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st),
-            // `KernelPath::runs` sends int8 blocks to the portable path.
-            KvDType::I8 => unreachable!("int8 KV on the NEON path"),
+            // `KernelPath::runs` sends scaled (int8, fp8) blocks to the portable path.
+            KvDType::I8 | KvDType::F8E4M3 => unreachable!("scaled KV on the NEON path"),
         }
     }
 }

@@ -134,10 +134,15 @@ impl ChannelQuery {
                         *r = f32::from(*b as i8);
                     }
                 }
+                KvDType::F8E4M3 => {
+                    for (r, b) in row.iter_mut().zip(src) {
+                        *r = crate::dtype::f8_e4m3_value(*b);
+                    }
+                }
                 _ => decode_to_f32(geom.dtype, src, row),
             }
         }
-        // Int8: each token's K scale, applied once to each head's sum rather than to every
+        // Int8 and fp8: each token's K scale, applied once to each head's sum rather than to every
         // row read (the score is linear in the key).
         let scales = &mut buf.scales[..len];
         if let Some(ks) = k_scales {
@@ -299,7 +304,7 @@ pub(crate) fn block_scores(
             prefetch_rows(&src.block(layer, ahead)[range.clone()], &cq.rows, row_bytes);
         }
         let head = &src.block(layer, b)[range.clone()];
-        let k_scales = (geom.dtype == KvDType::I8).then(|| geom.scales(head).0);
+        let k_scales = geom.dtype.scaled().then(|| geom.scales(head).0);
         cq.block_lse(geom, &head[..k_bytes], k_scales, len, buf, out);
     };
     // The first blocks' rows, which no earlier block prefetches.
@@ -394,7 +399,7 @@ mod tests {
     /// (summed or maxed over the group's heads), from the definition.
     #[test]
     fn all_channels_give_each_blocks_exact_attention_share() {
-        for dtype in [KvDType::F32, KvDType::Bf16, KvDType::I8] {
+        for dtype in [KvDType::F32, KvDType::Bf16, KvDType::I8, KvDType::F8E4M3] {
             let geom = BlockGeometry {
                 block_size: 4,
                 num_kv_heads: 2,

@@ -172,11 +172,11 @@ pub struct ModelArgs {
     /// Turn the accuracy guard off (the paper's behaviour: every prediction is used).
     #[arg(long, env = "DECODE_NODE_NO_GUARD")]
     pub no_guard: bool,
-    /// Host KV storage type: `auto` (the model's dtype), `f32`, `f16`, `bf16`, or `int8` (each
-    /// token's K and V vector per head scaled by its own f32: about half of f16's bytes, so
-    /// twice the context per byte of host memory; CPU backend only; attended on the AVX2,
-    /// AVX-512 or portable path, not yet on NEON's). Pushes still send f32, f16 or bf16
-    /// (`ModelInfo.kv_dtype`).
+    /// Host KV storage type: `auto` (the model's dtype), `f32`, `f16`, `bf16`, `int8` or `fp8`
+    /// (e4m3). The last two store each token's K and V vector per head in 8 bits with its own
+    /// f32 scale: about half of f16's bytes, so twice the context per byte of host memory; CPU
+    /// backend only; attended on the AVX2, AVX-512 or portable path, not yet on NEON's).
+    /// Pushes still send f32, f16 or bf16 (`ModelInfo.kv_dtype`).
     #[arg(long, env = "DECODE_NODE_KV_DTYPE", default_value = "auto")]
     pub kv_dtype: String,
 }
@@ -595,7 +595,7 @@ pub struct FidelityBench {
     /// Accuracy guard for `scout`: `on`, `off` or `both` (compared).
     #[arg(long, default_value = "both", value_parser = ["on", "off", "both"])]
     pub guard: String,
-    /// Host KV dtypes compared, e.g. `f32,f16,bf16,int8`: every case runs on a pool of each,
+    /// Host KV dtypes compared, e.g. `f32,f16,bf16,int8,fp8`: every case runs on a pool of each,
     /// fed the same prefill (sent as f32, converted on ingest), and is measured against `full`
     /// on the first one listed. Without it, the pool is `--kv-dtype`'s.
     #[arg(long)]

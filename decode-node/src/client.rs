@@ -106,8 +106,8 @@ pub fn prefill_kv(
             KvDType::F32 => pb::DType::DtypeF32,
             KvDType::F16 => pb::DType::DtypeF16,
             KvDType::Bf16 => pb::DType::DtypeBf16,
-            KvDType::I8 => {
-                anyhow::bail!("int8 is a host KV dtype, not a wire dtype: push f32, f16 or bf16")
+            KvDType::I8 | KvDType::F8E4M3 => {
+                anyhow::bail!("{dtype} is a host KV dtype, not a wire dtype: push f32, f16 or bf16")
             }
         } as i32,
         num_tokens: prompt.len() as u32,

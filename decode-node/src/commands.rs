@@ -251,7 +251,7 @@ pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
 pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<()> {
     let arch = Arch::parse(&a.arch).with_context(|| format!("--arch {:?}", a.arch))?;
     let dtype = KvDType::parse(&a.dtype)
-        .filter(|d| *d != KvDType::I8)
+        .filter(|d| !d.scaled())
         .with_context(|| format!("--dtype {:?}: expected f32, f16 or bf16", a.dtype))?;
     let name = a.preset.as_deref().unwrap_or("tiny");
     let mut cfg: ModelConfig = preset(name, arch).with_context(|| {
@@ -289,7 +289,8 @@ pub fn run_make_model(a: MakeModelArgs) -> anyhow::Result<()> {
         KvDType::F32 => "float32",
         KvDType::F16 => "float16",
         KvDType::Bf16 => "bfloat16",
-        KvDType::I8 => "int8",
+        // Refused above.
+        KvDType::I8 | KvDType::F8E4M3 => "float32",
     }
     .into();
     cfg.eos_token_ids.retain(|e| (*e as usize) < cfg.vocab_size);

@@ -92,11 +92,11 @@ fn read_intervals(path: &std::path::Path, layers: usize) -> anyhow::Result<Vec<u
 fn kv_dtype(flag: &str, torch_dtype: &str) -> anyhow::Result<KvDType> {
     if flag == "auto" {
         return Ok(KvDType::parse(torch_dtype)
-            .filter(|d| *d != KvDType::I8)
+            .filter(|d| !d.scaled())
             .unwrap_or(KvDType::F32));
     }
     KvDType::parse(flag)
-        .with_context(|| format!("--kv-dtype {flag:?}: expected auto, f32, f16, bf16 or int8"))
+        .with_context(|| format!("--kv-dtype {flag:?}: expected auto, f32, f16, bf16, int8 or fp8"))
 }
 
 impl Node {
@@ -189,14 +189,16 @@ impl Node {
         })
     }
 
-    /// The dtype pushes should send (`ModelInfo.kv_dtype`): the pool's, or for an int8 pool
-    /// (never on the wire) the model's own float dtype, converted on ingest.
+    /// The dtype pushes should send (`ModelInfo.kv_dtype`): the pool's, or for an int8 or fp8
+    /// pool (never on the wire) the model's own float dtype, converted on ingest.
     pub fn wire_dtype(&self) -> KvDType {
         match self.layout.geom.dtype {
-            KvDType::I8 => match KvDType::parse(&self.model.model.cfg.torch_dtype) {
-                Some(d @ (KvDType::F32 | KvDType::Bf16)) => d,
-                _ => KvDType::F16,
-            },
+            KvDType::I8 | KvDType::F8E4M3 => {
+                match KvDType::parse(&self.model.model.cfg.torch_dtype) {
+                    Some(d @ (KvDType::F32 | KvDType::Bf16)) => d,
+                    _ => KvDType::F16,
+                }
+            }
             d => d,
         }
     }
@@ -212,7 +214,7 @@ impl Node {
             kv_dtype: match self.wire_dtype() {
                 KvDType::F32 => pb::DType::DtypeF32,
                 KvDType::Bf16 => pb::DType::DtypeBf16,
-                KvDType::F16 | KvDType::I8 => pb::DType::DtypeF16,
+                KvDType::F16 | KvDType::I8 | KvDType::F8E4M3 => pb::DType::DtypeF16,
             } as i32,
             block_size: self.layout.geom.block_size as u32,
             vocab_size: c.vocab_size as u32,

@@ -66,7 +66,7 @@ fn rows_times_inputs(rows: &[f32], n: usize, x: &[f32], batch: usize, inp: usize
 fn direct_rows(inp: usize, dtype: attention::KvDType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        inp.is_multiple_of(8) && dtype != attention::KvDType::I8 && rows_avx2::available()
+        inp.is_multiple_of(8) && !dtype.scaled() && rows_avx2::available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

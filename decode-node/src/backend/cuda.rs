@@ -285,12 +285,12 @@ impl Backend for CudaBackend {
         capacity_bytes: u64,
         pool: &HostPool,
     ) -> Result<Option<Arc<dyn DeviceKv>>, BackendError> {
-        if geom.dtype == KvDType::I8 {
-            return Err(BackendError::Unsupported(
-                "int8 host KV (--kv-dtype int8) runs on the CPU backend only: the device kernels \
-                 and recall copies read f32, f16 or bf16 blocks"
-                    .into(),
-            ));
+        if geom.dtype.scaled() {
+            return Err(BackendError::Unsupported(format!(
+                "{d} host KV (--kv-dtype {d}) runs on the CPU backend only: the device kernels \
+                 and recall copies read f32, f16 or bf16 blocks",
+                d = geom.dtype
+            )));
         }
         let store = store::CudaKvStore::new(Arc::clone(&self.shared), geom, capacity_bytes, pool)?;
         Ok(Some(Arc::new(store)))

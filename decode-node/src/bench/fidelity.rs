@@ -236,7 +236,7 @@ fn kv_dtypes(args: &FidelityBench, node: &Node) -> anyhow::Result<Vec<KvDType>> 
     let mut out = Vec::new();
     for s in list.split(',').map(str::trim) {
         let d = KvDType::parse(s).with_context(|| {
-            format!("--kv-dtypes: unknown dtype {s:?} (expected f32, f16, bf16 or int8)")
+            format!("--kv-dtypes: unknown dtype {s:?} (expected f32, f16, bf16, int8 or fp8)")
         })?;
         anyhow::ensure!(!out.contains(&d), "--kv-dtypes: {s} is listed twice");
         out.push(d);

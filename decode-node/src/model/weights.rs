@@ -154,6 +154,7 @@ impl WeightMap {
                     KvDType::F16 => Dtype::F16,
                     KvDType::Bf16 => Dtype::BF16,
                     KvDType::I8 => Dtype::I8,
+                    KvDType::F8E4M3 => Dtype::F8_E4M3,
                 };
                 safetensors::tensor::TensorView::new(dt, t.shape.clone(), t.bytes())
                     .map(|v| (n.clone(), v))

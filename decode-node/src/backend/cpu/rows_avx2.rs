@@ -70,7 +70,7 @@ pub(super) unsafe fn rows_times_inputs(
             }
             KvDType::Bf16 => tiles::<AsBf16>(rows, n, x, batch, inp, out),
             // `direct_rows` keeps int8 off this path (and loaders make no int8 weights).
-            KvDType::I8 => unreachable!("int8 weights on the AVX2 row path"),
+            KvDType::I8 | KvDType::F8E4M3 => unreachable!("scaled weights on the AVX2 row path"),
         }
     }
 }

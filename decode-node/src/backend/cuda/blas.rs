@@ -120,7 +120,8 @@ fn half_type(d: KvDType) -> blas_sys::cudaDataType {
         KvDType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
         KvDType::F16 => blas_sys::cudaDataType::CUDA_R_16F,
         KvDType::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
-        // Weights are never int8 (loaders make f32, f16 or bf16 tensors).
+        // Weights are never int8 or fp8 (loaders make f32, f16 or bf16 tensors).
         KvDType::I8 => blas_sys::cudaDataType::CUDA_R_8I,
+        KvDType::F8E4M3 => blas_sys::cudaDataType::CUDA_R_8F_E4M3,
     }
 }
