@@ -10,6 +10,8 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 mod rows_avx2;
+#[cfg(target_arch = "x86_64")]
+mod rows_avx512;
 
 use super::gemm::{Mat, MatMut, gemm};
 use super::{Backend, BackendError};
@@ -29,6 +31,11 @@ const ROWS_PER_TASK: usize = 16;
 /// decode step of 64 went at 348 tokens/s on rows against 184 as a GEMM, 16 at 365 against
 /// 96. Above the default `--max-batch`, so a decode step never widens its weights.
 const GEMM_MIN_BATCH: usize = 128;
+
+/// From this many inputs on, the row path runs on AVX-512 where the CPU has it: a step of
+/// fewer is bound by memory, which wider FMAs do not help.
+#[cfg(target_arch = "x86_64")]
+const AVX512_MIN_BATCH: usize = 3;
 
 /// Inputs per rayon task on the GEMM path.
 const GEMM_ROWS_PER_TASK: usize = 64;
@@ -83,9 +90,12 @@ fn linear_rows(x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mu
     // every input against its rows: read as stored and widened in registers where the CPU
     // allows, else widened to f32 once into a scratch.
     #[cfg(target_arch = "x86_64")]
-    let split = direct.then(|| rows_avx2::reads_split(w.dtype, inp)) == Some(true);
+    let wide =
+        direct && batch >= AVX512_MIN_BATCH && inp.is_multiple_of(16) && rows_avx512::available();
     #[cfg(target_arch = "x86_64")]
-    let xs = if split {
+    let xs = if wide && rows_avx512::reads_split(w.dtype, inp) {
+        std::borrow::Cow::Owned(rows_avx512::split_order(x, inp))
+    } else if !wide && direct && rows_avx2::reads_split(w.dtype, inp) {
         std::borrow::Cow::Owned(rows_avx2::split_order(x, inp))
     } else {
         std::borrow::Cow::Borrowed(x)
@@ -104,10 +114,18 @@ fn linear_rows(x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mu
                         let row_bytes = inp * w.dtype.size();
                         let bytes = &w.bytes()[r0 * row_bytes..(r0 + n) * row_bytes];
                         // SAFETY: `direct_rows` checked the CPU and that `inp` is a multiple
-                        // of 8; `bytes` holds `n` rows, `x` `batch` inputs and `chunk`
-                        // `n * batch` outputs.
+                        // of 8 (`wide`: AVX-512 and 16); `bytes` holds `n` rows, `x` `batch`
+                        // inputs and `chunk` `n * batch` outputs.
                         unsafe {
-                            rows_avx2::rows_times_inputs(w.dtype, bytes, n, &xs, batch, inp, chunk)
+                            if wide {
+                                rows_avx512::rows_times_inputs(
+                                    w.dtype, bytes, n, &xs, batch, inp, chunk,
+                                )
+                            } else {
+                                rows_avx2::rows_times_inputs(
+                                    w.dtype, bytes, n, &xs, batch, inp, chunk,
+                                )
+                            }
                         };
                     }
                 } else {
@@ -242,9 +260,11 @@ mod tests {
                 check_linear_in(dtype, 37, 64, batch);
             }
         }
-        // bf16 rows of a multiple of 8 but not of 16 are read in order, not split.
+        // bf16 rows of a multiple of 8 but not of 16 are read in order, not split; on
+        // AVX-512 (from three inputs on), rows of a multiple of 16 but not of 32 too.
         for batch in [1, 2, 5, 8] {
             check_linear_in(KvDType::Bf16, 21, 72, batch);
+            check_linear_in(KvDType::Bf16, 21, 80, batch);
         }
     }
 
