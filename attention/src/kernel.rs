@@ -88,10 +88,6 @@ impl KernelPath {
         let _ = geom;
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         let simd_shape = geom.block_size.is_multiple_of(8) && geom.head_dim.is_multiple_of(8);
-        // Int8 and fp8 blocks (scaled per token) run on AVX2, AVX-512 and the portable path;
-        // NEON reads float blocks only.
-        #[cfg(target_arch = "aarch64")]
-        let scaled = geom.dtype.scaled();
         match self {
             Self::Scalar => true,
             #[cfg(target_arch = "x86_64")]
@@ -101,7 +97,7 @@ impl KernelPath {
                 simd_shape && crate::kernel_avx2::available() && crate::kernel_avx512::available()
             }
             #[cfg(target_arch = "aarch64")]
-            Self::Neon => simd_shape && !scaled && crate::kernel_neon::available(),
+            Self::Neon => simd_shape && crate::kernel_neon::available(),
         }
     }
 
@@ -271,6 +267,18 @@ pub fn attend_blocks_on<'a>(
         }
     }
     out
+}
+
+/// `s[h][t] *= scale[t]` for every head and the first `len` tokens (`scale`: little-endian
+/// f32 per token): a scaled dtype's K scales on the scores, then its V scales on the weights
+/// (the SIMD paths' share of [`crate::KvDType::scaled`]).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) fn scale_tokens(s: &mut [f32], g: usize, b: usize, len: usize, scale: &[u8]) {
+    for h in 0..g {
+        for (t, x) in s[h * b..h * b + len].iter_mut().enumerate() {
+            *x *= crate::block::scale_at(scale, t);
+        }
+    }
 }
 
 /// The online softmax over one block's scores (`s`, `[G][b]`, the first `len` of each

@@ -159,12 +159,12 @@ unsafe fn block_as<E: Elem>(
     // take the weights as they are), its V scale multiplies its weights.
     let (k_scales, v_scales) = geom.scales(&bytes[..geom.head_bytes()]);
     if scaled {
-        scale_tokens(st.s, g, b, len, k_scales);
+        crate::kernel::scale_tokens(st.s, g, b, len, k_scales);
     }
     // SAFETY: `s` holds G x b >= G x 8nv scores; `acc`, `m`, `l` hold G heads.
     unsafe { softmax_block(st, g, b, d, nv, len) };
     if scaled {
-        scale_tokens(st.s, g, b, len, v_scales);
+        crate::kernel::scale_tokens(st.s, g, b, len, v_scales);
     }
     // SAFETY: `wide` checked the CPU; a full block of 32 tokens; `s` is [G][b], acc [G][d].
     if wide && unsafe { crate::kernel_avx512::accumulate_v_dyn(g, dt, vs, d, st.s, b, st.acc, pf) }
@@ -188,16 +188,6 @@ unsafe fn block_as<E: Elem>(
             }
         }
         h0 += n;
-    }
-}
-
-/// `s[h][t] *= scale[t]` for every head and the first `len` tokens (`scale`: little-endian
-/// f32 per token).
-fn scale_tokens(s: &mut [f32], g: usize, b: usize, len: usize, scale: &[u8]) {
-    for h in 0..g {
-        for (t, x) in s[h * b..h * b + len].iter_mut().enumerate() {
-            *x *= crate::block::scale_at(scale, t);
-        }
     }
 }
 

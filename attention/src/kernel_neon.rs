@@ -6,7 +6,8 @@
 //! tiles of up to eight heads x eight channels held in registers. So each K and V element is
 //! loaded and converted once per eight heads, where the portable loop reloads its score and
 //! accumulator rows from memory for every head. Every loop is compiled once per element type
-//! ([`Elem`]), so no branch on the type sits inside one.
+//! ([`Elem`]), so no branch on the type sits inside one. Int8 and fp8 blocks are widened the
+//! same way, their per-token scales applied to the scores and the weights around the softmax.
 //!
 //! Not here, for want of an arm64 host to measure on: software prefetch of the next block
 //! (the x86 paths need it because blocks lie anywhere in the pool; arm64 cores' prefetchers
@@ -37,6 +38,49 @@ trait Elem {
 struct AsF32;
 struct AsF16;
 struct AsBf16;
+/// Signed 8-bit integers as their values (the caller applies the scales).
+struct AsI8;
+/// fp8 e4m3 codes as their values (the caller applies the scales).
+struct AsF8;
+
+/// Four signed bytes at `p`, sign-extended to 32-bit lanes. Reads exactly four bytes (a
+/// wider load could run past the block's last row).
+///
+/// # Safety
+/// `p` must point at 4 readable bytes.
+#[inline(always)]
+unsafe fn widen4_i8(p: *const u8) -> int32x4_t {
+    // SAFETY: the caller guarantees 4 readable bytes.
+    let w = unsafe { std::ptr::read_unaligned(p.cast::<u32>()) };
+    // SAFETY: register-only NEON operations.
+    unsafe {
+        let b = vreinterpret_s8_u32(vdup_n_u32(w));
+        vmovl_s16(vget_low_s16(vmovl_s8(b)))
+    }
+}
+
+impl Elem for AsI8 {
+    const SIZE: usize = 1;
+    #[inline(always)]
+    unsafe fn load4(p: *const u8) -> float32x4_t {
+        // SAFETY: forwarded (4 readable bytes).
+        unsafe { vcvtq_f32_s32(widen4_i8(p)) }
+    }
+}
+
+impl Elem for AsF8 {
+    const SIZE: usize = 1;
+    /// As [`crate::dtype::f8_e4m3_value`]: shift, mask, one multiply.
+    #[inline(always)]
+    unsafe fn load4(p: *const u8) -> float32x4_t {
+        // SAFETY: forwarded (4 readable bytes); the rest is register-only.
+        unsafe {
+            let w = vshlq_n_s32::<20>(widen4_i8(p));
+            let bits = vandq_u32(vreinterpretq_u32_s32(w), vdupq_n_u32(crate::dtype::F8_MASK));
+            vmulq_n_f32(vreinterpretq_f32_u32(bits), crate::dtype::F8_REBIAS)
+        }
+    }
+}
 
 impl Elem for AsF32 {
     const SIZE: usize = 4;
@@ -97,8 +141,8 @@ pub(crate) unsafe fn block(
             KvDType::F32 => block_as::<AsF32>(geom, qs, bytes, len, st),
             KvDType::F16 => block_as::<AsF16>(geom, qs, bytes, len, st),
             KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st),
-            // `KernelPath::runs` sends scaled (int8, fp8) blocks to the portable path.
-            KvDType::I8 | KvDType::F8E4M3 => unreachable!("scaled KV on the NEON path"),
+            KvDType::I8 => block_as::<AsI8>(geom, qs, bytes, len, st),
+            KvDType::F8E4M3 => block_as::<AsF8>(geom, qs, bytes, len, st),
         }
     }
 }
@@ -140,7 +184,17 @@ unsafe fn block_as<E: Elem>(
         }
         h0 += n;
     }
+    // Int8 and fp8: each token's K scale on its scores, then (after the softmax, whose sums
+    // take the weights as they are) its V scale on its weights.
+    let scaled = geom.dtype.scaled();
+    let (k_scales, v_scales) = geom.scales(&bytes[..geom.head_bytes()]);
+    if scaled {
+        crate::kernel::scale_tokens(st.s, g, b, len, k_scales);
+    }
     crate::kernel::softmax_block(st.s, st.acc, st.m, st.l, g, b, d, len);
+    if scaled {
+        crate::kernel::scale_tokens(st.s, g, b, len, v_scales);
+    }
     let mut h0 = 0;
     while h0 < g {
         let n = (g - h0).min(8);
