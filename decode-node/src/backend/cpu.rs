@@ -94,9 +94,9 @@ fn linear_rows(x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mu
         direct && batch >= AVX512_MIN_BATCH && inp.is_multiple_of(16) && rows_avx512::available();
     #[cfg(target_arch = "x86_64")]
     let xs = if wide && rows_avx512::reads_split(w.dtype, inp) {
-        std::borrow::Cow::Owned(rows_avx512::split_order(x, inp))
+        std::borrow::Cow::Owned(rows_avx2::split_order(x, inp, 32))
     } else if !wide && direct && rows_avx2::reads_split(w.dtype, inp) {
-        std::borrow::Cow::Owned(rows_avx2::split_order(x, inp))
+        std::borrow::Cow::Owned(rows_avx2::split_order(x, inp, 16))
     } else {
         std::borrow::Cow::Borrowed(x)
     };

@@ -20,7 +20,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use attention::{AttentionConfig, KvDType, Mode, PredictionGuard};
-use kv_transfer::{CommittedKv, HostPool};
+use kv_transfer::HostPool;
+use kv_transfer::client::PromptKv;
 use serde_json::json;
 
 use super::{parse_list, parse_tokens};
@@ -189,21 +190,22 @@ struct Run {
 struct Ctx<'a> {
     node: &'a Node,
     cpu_pool: &'a rayon::ThreadPool,
-    pool: &'a HostPool,
 }
 
-/// Decodes from `kv`, feeding `first`, then `feed(i, last_logits)` after step `i`; returns
-/// every step's logits.
+/// Ingests `kv` into `store` and decodes from it, feeding `first`, then `feed(i, last_logits)`
+/// after step `i`; returns every step's logits.
 fn run_case(
     ctx: &Ctx<'_>,
+    store: &Store,
     cfg: &AttentionConfig,
-    kv: CommittedKv,
+    kv: &PromptKv,
     first: u32,
     steps: usize,
     mut feed: impl FnMut(usize, &[f32]) -> u32,
 ) -> anyhow::Result<Run> {
     let model = &ctx.node.model.model;
-    let mut dec = SoloDecoder::new(model, cfg, ctx.cpu_pool, ctx.pool, kv, steps)?;
+    let kv = ingest_local(&store.layout, &store.pool, kv)?;
+    let mut dec = SoloDecoder::new(model, cfg, ctx.cpu_pool, &store.pool, kv, steps)?;
     let mut logits = Vec::with_capacity(steps);
     let t = Instant::now();
     let mut tok = first;
@@ -302,6 +304,10 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
         .num_threads(rayon::current_num_threads())
         .thread_name(|i| format!("cpu-attn-{i}"))
         .build()?;
+    let cx = Ctx {
+        node: &node,
+        cpu_pool: &cpu_pool,
+    };
     let mut tallies = vec![Tally::default(); cases.len()];
     let mut rows = Vec::new();
     for &ctx in &contexts {
@@ -316,17 +322,12 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             let first = kv.header.next_token_id;
             let mut reference: Option<Vec<u32>> = None;
             for (c, (s, case)) in cases.iter().enumerate() {
-                let cx = Ctx {
-                    node: &node,
-                    cpu_pool: &cpu_pool,
-                    pool: &stores[*s].pool,
-                };
-                let committed = ingest_local(&stores[*s].layout, cx.pool, &kv)?;
                 let mut generated = vec![first];
                 let run = run_case(
                     &cx,
+                    &stores[*s],
                     &case.cfg,
-                    committed,
+                    &kv,
                     first,
                     PASSKEY_TOKENS - 1,
                     |_, l| {
@@ -365,13 +366,7 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
         let feed = &text_ids[ctx..ctx + forced + 1];
         let mut reference: Option<Vec<Vec<f64>>> = None;
         for (c, (s, case)) in cases.iter().enumerate() {
-            let cx = Ctx {
-                node: &node,
-                cpu_pool: &cpu_pool,
-                pool: &stores[*s].pool,
-            };
-            let committed = ingest_local(&stores[*s].layout, cx.pool, &kv)?;
-            let run = run_case(&cx, &case.cfg, committed, feed[0], forced, |i, _| {
+            let run = run_case(&cx, &stores[*s], &case.cfg, &kv, feed[0], forced, |i, _| {
                 feed[i + 1]
             })?;
             let lps: Vec<Vec<f64>> = run.logits.iter().map(|l| log_softmax(l)).collect();

@@ -23,18 +23,18 @@ pub(super) fn available() -> bool {
 
 /// Whether rows of `dtype` and `inp` elements are read 16 at a time as their even and odd
 /// elements (bf16: one op per widened vector, where widening in order costs a shuffle and a
-/// shift on the ports the FMAs use). The inputs must then come in [`split_order`].
+/// shift on the ports the FMAs use). The inputs must then come in [`split_order`] by 16.
 pub(super) fn reads_split(dtype: KvDType, inp: usize) -> bool {
     dtype == KvDType::Bf16 && inp.is_multiple_of(16)
 }
 
-/// `x` (rows of `inp` values) with each 16-value chunk reordered as its even values, then its
-/// odd ones: the lane order of a split read (a dot product does not care about the order, as
-/// long as both sides share it).
-pub(super) fn split_order(x: &[f32], inp: usize) -> Vec<f32> {
-    debug_assert!(inp.is_multiple_of(16) && x.len().is_multiple_of(inp));
+/// `x` (rows of `inp` values, a multiple of `chunk`) with each `chunk`-value run reordered as
+/// its even values, then its odd ones: the lane order of a split read, 16 values here and 32
+/// on AVX-512 (a dot product does not care about the order, as long as both sides share it).
+pub(super) fn split_order(x: &[f32], inp: usize, chunk: usize) -> Vec<f32> {
+    debug_assert!(inp.is_multiple_of(chunk) && x.len().is_multiple_of(inp));
     let mut out = Vec::with_capacity(x.len());
-    for chunk in x.chunks_exact(16) {
+    for chunk in x.chunks_exact(chunk) {
         out.extend(chunk.iter().step_by(2));
         out.extend(chunk.iter().skip(1).step_by(2));
     }

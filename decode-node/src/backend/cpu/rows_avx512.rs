@@ -17,25 +17,14 @@ pub(super) fn available() -> bool {
 }
 
 /// Whether rows of `dtype` and `inp` elements are read 32 at a time as their even and odd
-/// elements (bf16: one op per widened vector); the inputs must then come in [`split_order`].
+/// elements (bf16: one op per widened vector); the inputs must then come in
+/// [`super::rows_avx2::split_order`] by 32.
 pub(super) fn reads_split(dtype: KvDType, inp: usize) -> bool {
     dtype == KvDType::Bf16 && inp.is_multiple_of(32)
 }
 
-/// `x` (rows of `inp` values) with each 32-value chunk reordered as its even values, then its
-/// odd ones: the lane order of a split read.
-pub(super) fn split_order(x: &[f32], inp: usize) -> Vec<f32> {
-    debug_assert!(inp.is_multiple_of(32) && x.len().is_multiple_of(inp));
-    let mut out = Vec::with_capacity(x.len());
-    for chunk in x.chunks_exact(32) {
-        out.extend(chunk.iter().step_by(2));
-        out.extend(chunk.iter().skip(1).step_by(2));
-    }
-    out
-}
-
 /// `out[r * batch + b] = row[r] · x[b]` for `n` weight rows of `inp` elements of `dtype`
-/// (little-endian bytes in `rows`) and `batch` f32 inputs, given in [`split_order`] where
+/// (little-endian bytes in `rows`) and `batch` f32 inputs, given in split order by 32 where
 /// [`reads_split`] says so.
 ///
 /// # Safety
