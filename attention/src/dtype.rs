@@ -154,22 +154,27 @@ pub fn encode_from_f32(dtype: KvDType, src: &[f32], dst: &mut [u8]) {
                 c.copy_from_slice(&bf16::from_f32(*s).to_le_bytes());
             }
         }
-        KvDType::I8 => {
+        KvDType::I8 | KvDType::F8E4M3 => {
             for (s, c) in src.iter().zip(dst) {
-                // `as` saturates and sends NaN to 0.
-                *c = (s.round() as i8).max(-127) as u8;
-            }
-        }
-        KvDType::F8E4M3 => {
-            for (s, c) in src.iter().zip(dst) {
-                *c = f8_code(*s);
+                *c = scaled_code(dtype, *s);
             }
         }
     }
 }
 
-/// The e4m3 code nearest `x` (ties to even), saturated at ±448; 0 for NaN (a scaled vector
-/// is never NaN: its scale is).
+/// The code of a scaled dtype nearest `x` (a value already divided by its scale): int8
+/// rounded and saturated at ±127, fp8 as [`f8_code`]. NaN becomes 0 (a scaled vector is
+/// never NaN: its scale is).
+#[inline(always)]
+fn scaled_code(dtype: KvDType, x: f32) -> u8 {
+    match dtype {
+        KvDType::F8E4M3 => f8_code(x),
+        // `as` saturates and sends NaN to 0.
+        _ => (x.round() as i8).max(-127) as u8,
+    }
+}
+
+/// The e4m3 code nearest `x` (ties to even), saturated at ±448; 0 for NaN.
 fn f8_code(x: f32) -> u8 {
     if x.is_nan() {
         0
@@ -195,17 +200,8 @@ pub(crate) fn quant_scale(dtype: KvDType, x: &[f32]) -> f32 {
 /// `x` of a scaled `dtype` quantized with `scale` into `dst` (one byte per element).
 pub(crate) fn quantize(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    match dtype {
-        KvDType::F8E4M3 => {
-            for (v, d) in x.iter().zip(dst) {
-                *d = f8_code(v * inv);
-            }
-        }
-        _ => {
-            for (v, d) in x.iter().zip(dst) {
-                *d = ((v * inv).round() as i8).max(-127) as u8;
-            }
-        }
+    for (v, d) in x.iter().zip(dst) {
+        *d = scaled_code(dtype, v * inv);
     }
 }
 

@@ -231,11 +231,7 @@ pub fn attend_blocks_on<'a>(
             }
         }
         if scaled {
-            for h in 0..g {
-                for (t, sv) in s[h * b..h * b + len].iter_mut().enumerate() {
-                    *sv *= scale(k_scales, t);
-                }
-            }
+            scale_tokens(s, g, b, len, k_scales);
         }
         softmax_block(s, acc, m, l, g, b, d, len);
         for t in 0..len {
@@ -271,8 +267,7 @@ pub fn attend_blocks_on<'a>(
 
 /// `s[h][t] *= scale[t]` for every head and the first `len` tokens (`scale`: little-endian
 /// f32 per token): a scaled dtype's K scales on the scores, then its V scales on the weights
-/// (the SIMD paths' share of [`crate::KvDType::scaled`]).
-#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+/// (every path's share of [`crate::KvDType::scaled`]).
 pub(crate) fn scale_tokens(s: &mut [f32], g: usize, b: usize, len: usize, scale: &[u8]) {
     for h in 0..g {
         for (t, x) in s[h * b..h * b + len].iter_mut().enumerate() {

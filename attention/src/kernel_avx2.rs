@@ -118,7 +118,6 @@ pub(crate) unsafe fn block(
             KvDType::F32 => block_as::<AsF32>(geom, qs, bytes, len, st, pf, avx512),
             KvDType::F16 => block_as::<AsF16>(geom, qs, bytes, len, st, pf, avx512),
             KvDType::Bf16 => block_as::<AsBf16>(geom, qs, bytes, len, st, pf, avx512),
-            // Int8 never takes the AVX-512 pieces (`block_as` checks the dtype).
             KvDType::I8 => block_as::<AsI8>(geom, qs, bytes, len, st, pf, avx512),
             KvDType::F8E4M3 => block_as::<AsF8>(geom, qs, bytes, len, st, pf, avx512),
         }

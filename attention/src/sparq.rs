@@ -206,7 +206,7 @@ struct Buf {
     rows: Vec<f32>,
     /// `[block_size]`: one head's approximate scores.
     acc: Vec<f32>,
-    /// `[block_size]`: an int8 block's K scales.
+    /// `[block_size]`: an int8 or fp8 block's K scales.
     scales: Vec<f32>,
 }
 
