@@ -131,6 +131,37 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// The MLP's input to its down projection, `y = silu(x · gateᵀ) * (x · upᵀ)`, for `gate`
+    /// and `up` of one shape: the CPU backend runs both in one pass over their rows.
+    fn linear_glu(
+        &self,
+        x: &[f32],
+        batch: usize,
+        gate: &Tensor,
+        up: &Tensor,
+        y: &mut [f32],
+    ) -> Result<(), BackendError> {
+        let mut u = vec![0f32; y.len()];
+        self.linear_many(
+            x,
+            batch,
+            &mut [
+                LinearOut {
+                    w: gate,
+                    bias: None,
+                    y,
+                },
+                LinearOut {
+                    w: up,
+                    bias: None,
+                    y: &mut u,
+                },
+            ],
+        )?;
+        self.silu_mul(y, &u);
+        Ok(())
+    }
+
     /// Bytes per second the device's memory moves (a copy's read plus write), measured now;
     /// `None` for the CPU backend, whose bound the benches measure themselves.
     fn memory_bandwidth(&self) -> Option<f64> {
@@ -164,7 +195,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `gate[i] = silu(gate[i]) * up[i]`.
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
         for (g, u) in gate.iter_mut().zip(up) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
+            *g = silu_times(*g, *u);
         }
     }
+}
+
+/// `silu(g) * u`, written as HF's f32 graph computes it.
+fn silu_times(g: f32, u: f32) -> f32 {
+    g / (1.0 + (-g).exp()) * u
 }

@@ -2,7 +2,9 @@
 //!
 //! A projection of a few rows (a decode step) is memory-bound: each task runs every input
 //! against a slice of weight rows, read as stored and widened in registers (AVX2; elsewhere
-//! widened to f32 once per task). A projection of many rows (a
+//! widened to f32 once per task). Projections of one input (q/k/v, gate/up) share one
+//! parallel region, and gate/up leave only `silu(gate) * up`: a step of a small model is
+//! otherwise a few hundred wake-ups and joins. A projection of many rows (a
 //! prefill) is compute-bound: the weight is widened once and multiplied with a blocked GEMM,
 //! tiles of inputs in parallel.
 
@@ -14,7 +16,7 @@ mod rows_avx2;
 mod rows_avx512;
 
 use super::gemm::{Mat, MatMut, gemm};
-use super::{Backend, BackendError};
+use super::{Backend, BackendError, LinearOut};
 use crate::tensor::Tensor;
 
 /// The CPU backend: rayon across output rows (few inputs) or input tiles (many).
@@ -82,70 +84,171 @@ fn direct_rows(inp: usize, dtype: attention::KvDType) -> bool {
     }
 }
 
-/// `y = x · wᵀ + bias` one weight row at a time (few inputs).
-fn linear_rows(x: &[f32], batch: usize, w: &Tensor, bias: Option<&[f32]>, y: &mut [f32]) {
-    let (out, inp) = (w.rows(), w.cols());
-    let direct = direct_rows(inp, w.dtype);
-    // Computed transposed ([out][batch]) so each task owns a contiguous slice. A task runs
-    // every input against its rows: read as stored and widened in registers where the CPU
-    // allows, else widened to f32 once into a scratch.
+/// The inner loop a projection of few inputs runs its weight rows through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RowKernel {
+    /// AVX-512 tiles of the stored dtype (x86-64, from [`AVX512_MIN_BATCH`] inputs).
     #[cfg(target_arch = "x86_64")]
-    let wide =
-        direct && batch >= AVX512_MIN_BATCH && inp.is_multiple_of(16) && rows_avx512::available();
+    Avx512,
+    /// AVX2 + FMA + F16C tiles of the stored dtype (x86-64).
     #[cfg(target_arch = "x86_64")]
-    let xs = if wide && rows_avx512::reads_split(w.dtype, inp) {
-        std::borrow::Cow::Owned(rows_avx2::split_order(x, inp, 32))
-    } else if !wide && direct && rows_avx2::reads_split(w.dtype, inp) {
-        std::borrow::Cow::Owned(rows_avx2::split_order(x, inp, 16))
-    } else {
-        std::borrow::Cow::Borrowed(x)
-    };
-    let mut yt = vec![0f32; out * batch];
+    Avx2,
+    /// Rows widened to f32 into a scratch, then plain dot products.
+    Widen,
+}
+
+/// One projection on the row path: its weight, bias, inner loop and the inputs in the order
+/// that loop reads them.
+struct RowJob<'a> {
+    w: &'a Tensor,
+    bias: Option<&'a [f32]>,
+    kernel: RowKernel,
+    x: std::borrow::Cow<'a, [f32]>,
+}
+
+impl<'a> RowJob<'a> {
+    fn new(x: &'a [f32], batch: usize, w: &'a Tensor, bias: Option<&'a [f32]>) -> Self {
+        let inp = w.cols();
+        let direct = direct_rows(inp, w.dtype);
+        #[cfg(target_arch = "x86_64")]
+        let (kernel, x) = {
+            let wide = direct
+                && batch >= AVX512_MIN_BATCH
+                && inp.is_multiple_of(16)
+                && rows_avx512::available();
+            let (kernel, split) = if wide {
+                (
+                    RowKernel::Avx512,
+                    rows_avx512::reads_split(w.dtype, inp).then_some(32),
+                )
+            } else if direct {
+                (
+                    RowKernel::Avx2,
+                    rows_avx2::reads_split(w.dtype, inp).then_some(16),
+                )
+            } else {
+                (RowKernel::Widen, None)
+            };
+            let x = match split {
+                Some(chunk) => std::borrow::Cow::Owned(rows_avx2::split_order(x, inp, chunk)),
+                None => std::borrow::Cow::Borrowed(x),
+            };
+            (kernel, x)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let (kernel, x) = {
+            let _ = (batch, direct);
+            (RowKernel::Widen, std::borrow::Cow::Borrowed(x))
+        };
+        Self { w, bias, kernel, x }
+    }
+
+    /// Rows `r0..r0 + n` against every input, into `chunk` (`[n][batch]`); `rows` is the
+    /// task's scratch for widened rows.
+    fn run(&self, r0: usize, batch: usize, chunk: &mut [f32], rows: &mut Vec<f32>) {
+        let (w, inp) = (self.w, self.w.cols());
+        let n = chunk.len() / batch;
+        match self.kernel {
+            #[cfg(target_arch = "x86_64")]
+            RowKernel::Avx512 | RowKernel::Avx2 => {
+                let row_bytes = inp * w.dtype.size();
+                let bytes = &w.bytes()[r0 * row_bytes..(r0 + n) * row_bytes];
+                // SAFETY: `RowJob::new` checked the CPU and that `inp` is a multiple of 8
+                // (AVX-512: and of 16); `bytes` holds `n` rows, `x` `batch` inputs and
+                // `chunk` `n * batch` outputs.
+                unsafe {
+                    if self.kernel == RowKernel::Avx512 {
+                        rows_avx512::rows_times_inputs(
+                            w.dtype, bytes, n, &self.x, batch, inp, chunk,
+                        )
+                    } else {
+                        rows_avx2::rows_times_inputs(w.dtype, bytes, n, &self.x, batch, inp, chunk)
+                    }
+                };
+            }
+            RowKernel::Widen => {
+                rows.resize(n * inp, 0.0);
+                for (ri, row) in rows.chunks_exact_mut(inp).enumerate() {
+                    w.row_f32(r0 + ri, row);
+                }
+                rows_times_inputs(rows, n, &self.x, batch, inp, chunk);
+            }
+        }
+        if let Some(b) = self.bias {
+            for (ri, c) in chunk.chunks_exact_mut(batch).enumerate() {
+                c.iter_mut().for_each(|v| *v += b[r0 + ri]);
+            }
+        }
+    }
+}
+
+/// `y = x · wᵀ + bias` for every projection of `outs`, one weight row at a time (few
+/// inputs), as ONE parallel region over all their rows: a decode step of a small model has
+/// a few hundred such projections, and each region costs a wake-up and a join.
+fn linear_rows(x: &[f32], batch: usize, outs: &mut [LinearOut<'_>]) {
+    let jobs: Vec<RowJob<'_>> = outs
+        .iter()
+        .map(|o| RowJob::new(x, batch, o.w, o.bias))
+        .collect();
+    // Computed transposed ([out][batch]) so each task owns a contiguous slice.
+    let mut yts: Vec<Vec<f32>> = outs.iter().map(|o| vec![0f32; o.y.len()]).collect();
+    let tasks: Vec<(usize, usize, &mut [f32])> = yts
+        .iter_mut()
+        .enumerate()
+        .flat_map(|(j, yt)| {
+            yt.chunks_mut(ROWS_PER_TASK * batch)
+                .enumerate()
+                .map(move |(ci, chunk)| (j, ci * ROWS_PER_TASK, chunk))
+        })
+        .collect();
+    tasks
+        .into_par_iter()
+        .for_each_init(Vec::new, |rows, (j, r0, chunk)| {
+            jobs[j].run(r0, batch, chunk, rows)
+        });
+    for (o, yt) in outs.iter_mut().zip(&yts) {
+        transpose_into(yt, batch, o.y);
+    }
+}
+
+/// `y[b][o] = yt[o][b]`.
+fn transpose_into(yt: &[f32], batch: usize, y: &mut [f32]) {
+    if batch == 1 {
+        y.copy_from_slice(yt);
+        return;
+    }
+    let out = yt.len() / batch;
+    for (o, col) in yt.chunks_exact(batch).enumerate() {
+        for (b, v) in col.iter().enumerate() {
+            y[b * out + o] = *v;
+        }
+    }
+}
+
+/// `y = silu(x · gateᵀ) * (x · upᵀ)` on the row path, in one parallel region: each task
+/// runs the same rows of both weights and writes only their product.
+fn glu_rows(x: &[f32], batch: usize, gate: &Tensor, up: &Tensor, y: &mut [f32]) {
+    let (g, u) = (
+        RowJob::new(x, batch, gate, None),
+        RowJob::new(x, batch, up, None),
+    );
+    let mut yt = vec![0f32; y.len()];
     yt.par_chunks_mut(ROWS_PER_TASK * batch)
         .enumerate()
         .for_each_init(
-            || vec![0f32; if direct { 0 } else { ROWS_PER_TASK * inp }],
-            |rows, (ci, chunk)| {
+            || (Vec::new(), Vec::new()),
+            |(rows, ups), (ci, chunk)| {
                 let r0 = ci * ROWS_PER_TASK;
-                let n = chunk.len() / batch;
-                if direct {
-                    #[cfg(target_arch = "x86_64")]
-                    {
-                        let row_bytes = inp * w.dtype.size();
-                        let bytes = &w.bytes()[r0 * row_bytes..(r0 + n) * row_bytes];
-                        // SAFETY: `direct_rows` checked the CPU and that `inp` is a multiple
-                        // of 8 (`wide`: AVX-512 and 16); `bytes` holds `n` rows, `x` `batch`
-                        // inputs and `chunk` `n * batch` outputs.
-                        unsafe {
-                            if wide {
-                                rows_avx512::rows_times_inputs(
-                                    w.dtype, bytes, n, &xs, batch, inp, chunk,
-                                )
-                            } else {
-                                rows_avx2::rows_times_inputs(
-                                    w.dtype, bytes, n, &xs, batch, inp, chunk,
-                                )
-                            }
-                        };
-                    }
-                } else {
-                    for (ri, row) in rows.chunks_exact_mut(inp).take(n).enumerate() {
-                        w.row_f32(r0 + ri, row);
-                    }
-                    rows_times_inputs(rows, n, x, batch, inp, chunk);
-                }
-                if let Some(b) = bias {
-                    for (ri, c) in chunk.chunks_exact_mut(batch).enumerate() {
-                        c.iter_mut().for_each(|v| *v += b[r0 + ri]);
-                    }
-                }
+                g.run(r0, batch, chunk, rows);
+                ups.resize(chunk.len(), 0.0);
+                u.run(r0, batch, ups, rows);
+                chunk
+                    .iter_mut()
+                    .zip(ups.iter())
+                    .for_each(|(a, b)| *a = super::silu_times(*a, *b));
             },
         );
-    for o in 0..out {
-        for b in 0..batch {
-            y[b * out + o] = yt[o * batch + b];
-        }
-    }
+    transpose_into(&yt, batch, y);
 }
 
 /// `y = x · wᵀ + bias` as a GEMM over tiles of inputs (many inputs).
@@ -196,12 +299,46 @@ impl Backend for CpuBackend {
         bias: Option<&[f32]>,
         y: &mut [f32],
     ) -> Result<(), BackendError> {
-        debug_assert_eq!(x.len(), batch * w.cols());
-        debug_assert_eq!(y.len(), batch * w.rows());
+        self.linear_many(x, batch, &mut [LinearOut { w, bias, y }])
+    }
+
+    fn linear_many(
+        &self,
+        x: &[f32],
+        batch: usize,
+        outs: &mut [LinearOut<'_>],
+    ) -> Result<(), BackendError> {
+        for o in outs.iter() {
+            debug_assert_eq!(x.len(), batch * o.w.cols());
+            debug_assert_eq!(o.y.len(), batch * o.w.rows());
+        }
         if batch >= GEMM_MIN_BATCH {
-            linear_gemm(x, w, bias, y);
+            for o in outs.iter_mut() {
+                linear_gemm(x, o.w, o.bias, o.y);
+            }
         } else {
-            linear_rows(x, batch, w, bias, y);
+            linear_rows(x, batch, outs);
+        }
+        Ok(())
+    }
+
+    fn linear_glu(
+        &self,
+        x: &[f32],
+        batch: usize,
+        gate: &Tensor,
+        up: &Tensor,
+        y: &mut [f32],
+    ) -> Result<(), BackendError> {
+        debug_assert_eq!((gate.rows(), gate.cols()), (up.rows(), up.cols()));
+        debug_assert_eq!(y.len(), batch * gate.rows());
+        if batch >= GEMM_MIN_BATCH {
+            let mut u = vec![0f32; y.len()];
+            linear_gemm(x, gate, None, y);
+            linear_gemm(x, up, None, &mut u);
+            self.silu_mul(y, &u);
+        } else {
+            glu_rows(x, batch, gate, up, y);
         }
         Ok(())
     }
@@ -265,6 +402,75 @@ mod tests {
         for batch in [1, 2, 5, 8] {
             check_linear_in(KvDType::Bf16, 21, 72, batch);
             check_linear_in(KvDType::Bf16, 21, 80, batch);
+        }
+    }
+
+    fn ramp(n: usize, dtype: KvDType, seed: usize) -> Tensor {
+        let v: Vec<f32> = (0..n)
+            .map(|i| ((i * seed % 17) as f32 - 8.0) * 0.05)
+            .collect();
+        let mut bytes = vec![0u8; n * dtype.size()];
+        encode_from_f32(dtype, &v, &mut bytes);
+        Tensor::from_bytes(vec![n / 64, 64], dtype, bytes)
+    }
+
+    /// One region over several projections (rows of different counts, dtypes and biases)
+    /// gives what each alone gives, bit for bit; so does the fused gate/up.
+    #[test]
+    fn linear_many_and_glu_equal_separate_projections() {
+        for batch in [1, 2, 3, 8, GEMM_MIN_BATCH] {
+            let x: Vec<f32> = (0..batch * 64)
+                .map(|i| ((i % 23) as f32 - 11.0) * 0.1)
+                .collect();
+            let ws = [
+                ramp(37 * 64, KvDType::Bf16, 7),
+                ramp(5 * 64, KvDType::F16, 5),
+                ramp(33 * 64, KvDType::F32, 3),
+            ];
+            let bias: Vec<f32> = (0..37).map(|i| i as f32 * 0.01).collect();
+            let alone: Vec<Vec<f32>> = ws
+                .iter()
+                .enumerate()
+                .map(|(j, w)| {
+                    let mut y = vec![0f32; batch * w.rows()];
+                    let b = (j == 0).then_some(&bias[..]);
+                    CpuBackend.linear(&x, batch, w, b, &mut y).unwrap();
+                    y
+                })
+                .collect();
+            let mut ys: Vec<Vec<f32>> = ws
+                .iter()
+                .map(|w| vec![f32::NAN; batch * w.rows()])
+                .collect();
+            let mut outs: Vec<LinearOut<'_>> = ws
+                .iter()
+                .zip(ys.iter_mut())
+                .enumerate()
+                .map(|(j, (w, y))| LinearOut {
+                    w,
+                    bias: (j == 0).then_some(&bias[..]),
+                    y,
+                })
+                .collect();
+            CpuBackend.linear_many(&x, batch, &mut outs).unwrap();
+            assert_eq!(ys, alone, "batch {batch}");
+
+            let (gate, up) = (
+                ramp(37 * 64, KvDType::Bf16, 7),
+                ramp(37 * 64, KvDType::Bf16, 11),
+            );
+            let mut want = vec![0f32; batch * 37];
+            let mut u = vec![0f32; batch * 37];
+            CpuBackend
+                .linear(&x, batch, &gate, None, &mut want)
+                .unwrap();
+            CpuBackend.linear(&x, batch, &up, None, &mut u).unwrap();
+            CpuBackend.silu_mul(&mut want, &u);
+            let mut got = vec![f32::NAN; batch * 37];
+            CpuBackend
+                .linear_glu(&x, batch, &gate, &up, &mut got)
+                .unwrap();
+            assert_eq!(got, want, "glu, batch {batch}");
         }
     }
 

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::ModelError;
 use super::config::ModelConfig;
-use super::rope;
+use super::rope::{self, Rotations};
 use super::weights::{Tensor, WeightMap};
 use crate::backend::gemm::{Mat, MatMut, gemm};
 use crate::backend::{Backend, LinearOut};
@@ -229,36 +229,36 @@ impl Model {
         x
     }
 
-    /// Per-head norm (Qwen3) and RoPE at `positions`, in place, of q or k rows.
-    fn norm_rope(&self, y: &mut [f32], head_norm: Option<&[f32]>, positions: &[usize]) {
-        let width = y.len() / positions.len().max(1);
+    /// Per-head norm (Qwen3) and RoPE by `rot`, in place, of q or k rows.
+    fn norm_rope(&self, y: &mut [f32], head_norm: Option<&[f32]>, rot: &Rotations) {
+        let width = y.len() / rot.positions().max(1);
         if let Some(w) = head_norm {
             let tmp = y.to_vec();
             self.backend.rms_norm(&tmp, w, self.eps(), y);
         }
-        for (row, p) in y.chunks_exact_mut(width).zip(positions) {
-            rope::apply(row, &self.inv_freq, *p);
+        for (i, row) in y.chunks_exact_mut(width).enumerate() {
+            rot.rotate(i, row);
         }
     }
 
-    /// q projection of normed rows `xn`, with per-head norm and RoPE at `positions`.
+    /// q projection of normed rows `xn`, with per-head norm and RoPE by `rot`.
     fn project_q(
         &self,
         layer: &Layer,
         xn: &[f32],
-        positions: &[usize],
+        rot: &Rotations,
     ) -> Result<Vec<f32>, ModelError> {
-        let n = positions.len();
+        let n = rot.positions();
         let mut q = vec![0f32; n * layer.q.w.rows()];
         self.backend
             .linear(xn, n, &layer.q.w, layer.q.b.as_deref(), &mut q)?;
-        self.norm_rope(&mut q, layer.q_norm.as_deref(), positions);
+        self.norm_rope(&mut q, layer.q_norm.as_deref(), rot);
         Ok(q)
     }
 
     /// q, k (normed, RoPE'd) and v of normed rows `xn`, in one backend call.
-    fn qkv(&self, layer: &Layer, xn: &[f32], positions: &[usize]) -> Result<Qkv, ModelError> {
-        let n = positions.len();
+    fn qkv(&self, layer: &Layer, xn: &[f32], rot: &Rotations) -> Result<Qkv, ModelError> {
+        let n = rot.positions();
         let mut q = vec![0f32; n * layer.q.w.rows()];
         let mut k = vec![0f32; n * layer.k.w.rows()];
         let mut v = vec![0f32; n * layer.v.w.rows()];
@@ -287,8 +287,8 @@ impl Model {
                 },
             ],
         )?;
-        self.norm_rope(&mut q, layer.q_norm.as_deref(), positions);
-        self.norm_rope(&mut k, layer.k_norm.as_deref(), positions);
+        self.norm_rope(&mut q, layer.q_norm.as_deref(), rot);
+        self.norm_rope(&mut k, layer.k_norm.as_deref(), rot);
         Ok((q, k, v))
     }
 
@@ -317,26 +317,9 @@ impl Model {
         let mut xn = vec![0f32; n * h];
         self.backend
             .rms_norm(x, &layer.post_norm, self.eps(), &mut xn);
-        let inter = self.cfg.intermediate_size;
-        let mut gate = vec![0f32; n * inter];
-        let mut up = vec![0f32; n * inter];
-        self.backend.linear_many(
-            &xn,
-            n,
-            &mut [
-                LinearOut {
-                    w: &layer.gate.w,
-                    bias: None,
-                    y: &mut gate,
-                },
-                LinearOut {
-                    w: &layer.up.w,
-                    bias: None,
-                    y: &mut up,
-                },
-            ],
-        )?;
-        self.backend.silu_mul(&mut gate, &up);
+        let mut gate = vec![0f32; n * self.cfg.intermediate_size];
+        self.backend
+            .linear_glu(&xn, n, &layer.gate.w, &layer.up.w, &mut gate)?;
         self.backend.linear(&gate, n, &layer.down.w, None, &mut o)?;
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         Ok(())
@@ -363,6 +346,7 @@ impl Model {
             cfg.num_kv_heads,
         );
         let positions: Vec<usize> = (0..n).collect();
+        let rot = Rotations::new(&self.inv_freq, &positions);
         let mut x = self.embed(tokens);
         let mut keys = Vec::with_capacity(cfg.num_layers);
         let mut values = Vec::with_capacity(cfg.num_layers);
@@ -371,7 +355,7 @@ impl Model {
             let mut xn = vec![0f32; n * h];
             self.backend
                 .rms_norm(&x, &layer.input_norm, self.eps(), &mut xn);
-            let (q, k, v) = self.qkv(layer, &xn, &positions)?;
+            let (q, k, v) = self.qkv(layer, &xn, &rot)?;
             let attn = causal_attention(&q, &k, &v, n, nh, nkv, hd, scale);
             self.finish_layer(layer, &mut x, &attn, n)?;
             keys.push(k);
@@ -425,6 +409,7 @@ impl Model {
         let n = tokens.len();
         let cfg = &self.cfg;
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let rot = Rotations::new(&self.inv_freq, positions);
         let mut x = self.embed(tokens);
         let mut xn = vec![0f32; n * h];
         for (i, layer) in self.layers.iter().enumerate() {
@@ -434,12 +419,12 @@ impl Model {
             {
                 self.backend
                     .rms_norm(&x, &next.input_norm, self.eps(), &mut xn);
-                let qp = self.project_q(next, &xn, positions)?;
+                let qp = self.project_q(next, &xn, &rot)?;
                 attn.predicted(i + 1, &qp);
             }
             self.backend
                 .rms_norm(&x, &layer.input_norm, self.eps(), &mut xn);
-            let (q, k, v) = self.qkv(layer, &xn, positions)?;
+            let (q, k, v) = self.qkv(layer, &xn, &rot)?;
             let mut out = vec![0f32; n * cfg.num_heads * hd];
             attn.attend(i, &q, &k, &v, &mut out)?;
             self.finish_layer(layer, &mut x, &out, n)?;

@@ -33,18 +33,80 @@ pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
     f.into_iter().map(|x| x as f32).collect()
 }
 
+/// The rotations of a set of positions: each position's cosines and sines, computed once and
+/// shared by every layer's q and k (a decode step of a 30-layer model would otherwise take a
+/// sine and a cosine per element, per layer).
+#[derive(Debug, Clone)]
+pub struct Rotations {
+    half: usize,
+    /// `[position][half]` of (cos, sin).
+    cos_sin: Vec<(f32, f32)>,
+}
+
+impl Rotations {
+    /// The rotations to `positions` for `inv_freq` (`head_dim / 2`).
+    pub fn new(inv_freq: &[f32], positions: &[usize]) -> Self {
+        let cos_sin = positions
+            .iter()
+            .flat_map(|&p| {
+                inv_freq.iter().map(move |f| {
+                    // HF multiplies in f32: freqs = position.float() * inv_freq.
+                    let (sin, cos) = (p as f32 * f).sin_cos();
+                    (cos, sin)
+                })
+            })
+            .collect();
+        Self {
+            half: inv_freq.len(),
+            cos_sin,
+        }
+    }
+
+    /// How many positions.
+    pub fn positions(&self) -> usize {
+        self.cos_sin.len() / self.half.max(1)
+    }
+
+    /// Rotates every `head_dim`-sized head of `x` (one token) to the `i`-th position.
+    pub fn rotate(&self, i: usize, x: &mut [f32]) {
+        let half = self.half;
+        let cs = &self.cos_sin[i * half..(i + 1) * half];
+        for head in x.chunks_exact_mut(2 * half) {
+            let (lo, hi) = head.split_at_mut(half);
+            for ((a, b), &(cos, sin)) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
+                let (x0, x1) = (*a, *b);
+                *a = x0 * cos - x1 * sin;
+                *b = x1 * cos + x0 * sin;
+            }
+        }
+    }
+}
+
 /// Rotates every `head_dim`-sized head of `x` (one token) to position `pos`.
 pub fn apply(x: &mut [f32], inv_freq: &[f32], pos: usize) {
-    let half = inv_freq.len();
-    let d = 2 * half;
-    for head in x.chunks_exact_mut(d) {
-        for (i, f) in inv_freq.iter().enumerate() {
-            // HF multiplies in f32: freqs = position.float() * inv_freq.
-            let angle = pos as f32 * f;
-            let (sin, cos) = angle.sin_cos();
-            let (a, b) = (head[i], head[i + half]);
-            head[i] = a * cos - b * sin;
-            head[i + half] = b * cos + a * sin;
-        }
+    Rotations::new(inv_freq, &[pos]).rotate(0, x);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_row_rotates_to_its_own_position() {
+        let inv: Vec<f32> = (0..4).map(|i| 1.0 / 10f32.powi(i)).collect();
+        let x: Vec<f32> = (0..16).map(|i| i as f32 - 7.5).collect();
+        let table = Rotations::new(&inv, &[0, 5, 9]);
+        assert_eq!(table.positions(), 3);
+        let mut at0 = x.clone();
+        table.rotate(0, &mut at0);
+        assert_eq!(at0, x, "position 0 is the identity");
+        let (mut a, mut b) = (x.clone(), x.clone());
+        table.rotate(2, &mut a);
+        apply(&mut b, &inv, 9);
+        assert_eq!(a, b);
+        // Both heads of the token turn alike: the first pair by 9 radians.
+        let (s, c) = 9f32.sin_cos();
+        assert_eq!(a[0], x[0] * c - x[4] * s);
+        assert_eq!(a[12], x[12] * c + x[8] * s);
     }
 }
