@@ -184,6 +184,27 @@ fn cpu_part(
     attend_lists(kv, shape, layer, &lists, q, Some(cancel))
 }
 
+/// The answer on `rx`, `None` when its sender is gone. On a thread of a rayon pool (the step
+/// of the CPU device runs in the CPU-attention pool itself) the wait runs the pool's pending
+/// jobs meanwhile: the CPU part waited for may be queued behind this very thread, which would
+/// deadlock a blocking receive on a pool of one thread.
+fn recv_in_pool<T>(rx: &mpsc::Receiver<T>) -> Option<T> {
+    if rayon::current_thread_index().is_none() {
+        return rx.recv().ok();
+    }
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Some(v),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) => {
+                if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+}
+
 impl<'a> BatchAttention<'a> {
     pub(crate) fn new(
         cfg: &'a AttentionConfig,
@@ -231,7 +252,7 @@ impl<'a> BatchAttention<'a> {
     /// silently change the attention.
     fn wait(&mut self, b: usize, job: &CpuJob) -> Result<Vec<Partial>, ModelError> {
         let t = Instant::now();
-        let r = job.rx.recv().map_err(|_| {
+        let r = recv_in_pool(&job.rx).ok_or_else(|| {
             ModelError::Attention("the CPU part of attention was lost (its task failed)".into())
         });
         self.slots[b].device_wait += t.elapsed().as_secs_f64();

@@ -47,7 +47,9 @@ pub struct EngineConfig {
     pub device_kv_bytes: u64,
     /// Longest a job may wait for admission.
     pub queue_timeout: Duration,
-    /// Threads of the CPU attention pool (separate from the device's).
+    /// Threads of the CPU-attention pool. On a backend that runs on rayon (the CPU device),
+    /// the whole step runs in this pool: model, selection and attention share its threads
+    /// rather than two pools contending for the same cores.
     pub cpu_threads: usize,
     /// Where a finished request's KV goes for the next turn (none: back to the pool).
     pub prefix_cache: Option<Arc<kv_transfer::PrefixCache>>,

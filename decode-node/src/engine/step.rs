@@ -81,10 +81,13 @@ impl StepLoop {
             .collect();
         let mut batch = BatchAttention::new(&self.cfg.attention, shape, &self.cpu_pool, slots);
         let t = Instant::now();
-        let result = self
-            .model
-            .model
-            .decode_step(&tokens, &positions, &mut batch);
+        let model = &self.model.model;
+        let result = if model.backend().parallel_on_rayon() {
+            self.cpu_pool
+                .install(|| model.decode_step(&tokens, &positions, &mut batch))
+        } else {
+            model.decode_step(&tokens, &positions, &mut batch)
+        };
         let model_s = t.elapsed().as_secs_f64();
         for g in &batch.guard_checks {
             self.metrics.observe_guard(g.layer, g.cosine, g.fell_back);

@@ -41,7 +41,22 @@ impl Rig {
         device_kv_bytes: u64,
         engine_model: Option<Arc<LoadedModel>>,
     ) -> Self {
-        let args = Args::parse_from(["t", "--model", "tiny", "--attention", "full"]);
+        Self::start_with(
+            max_batch,
+            device_kv_bytes,
+            engine_model,
+            &["--attention", "full"],
+        )
+    }
+
+    /// A rig with the node flags `flags` (attention mode and policy).
+    fn start_with(
+        max_batch: usize,
+        device_kv_bytes: u64,
+        engine_model: Option<Arc<LoadedModel>>,
+        flags: &[&str],
+    ) -> Self {
+        let args = Args::parse_from(["t", "--model", "tiny"].iter().chain(flags));
         let node = Node::build(&args.model).unwrap();
         let pool = HostPool::new(node.layout.geom, 64 << 20).unwrap();
         let cfg = EngineConfig {
@@ -161,6 +176,44 @@ fn more_requests_than_the_batch_all_stream_their_greedy_tokens() {
             } => assert_eq!((reason, generated), (FinishReason::Length, 6)),
             e => panic!("{e:?}"),
         }
+    }
+    rig.wait_pool_empty();
+}
+
+/// On the CPU device the whole step runs in the CPU-attention pool: with one thread, the
+/// layer-ahead CPU parts queued behind the step must run while it waits for them (a blocking
+/// wait would never return). A budget over the whole context keeps scout equal to full.
+#[test]
+fn scout_on_a_pool_of_one_thread_streams_the_greedy_tokens() {
+    let flags = [
+        "--attention",
+        "scout",
+        "--block-size",
+        "8",
+        "--budget-tokens",
+        "4096",
+        "--device-blocks",
+        "1",
+    ];
+    let rig = Rig::start_with(2, 1 << 30, None, &flags);
+    let prompts: Vec<Vec<u32>> = (0..2).map(Rig::prompt).collect();
+    let mut streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| rig.submit(&format!("s{i}"), p, 6))
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let got: Vec<Vec<u32>> = streams.iter_mut().map(|s| drain(s).0).collect();
+        let _ = tx.send(got);
+    });
+    let Ok(got) = rx.recv_timeout(Duration::from_secs(60)) else {
+        // Its engine thread is stuck: dropping the rig would join it forever.
+        std::mem::forget(rig);
+        panic!("the step never finished: a wait for a CPU part blocked the pool");
+    };
+    for (p, ids) in prompts.iter().zip(got) {
+        assert_eq!(ids, rig.reference(p, 6));
     }
     rig.wait_pool_empty();
 }

@@ -105,6 +105,8 @@ pub async fn serve(
             device_kv_bytes: args.device_kv_bytes,
             queue_timeout: Duration::from_secs(60),
             cpu_threads: match args.cpu_attention_threads {
+                // On the CPU device the pool runs the model too: every core.
+                0 if node.model.model.backend().parallel_on_rayon() => cpus,
                 0 => (cpus / 4).max(1),
                 n => n.min(1024),
             },
