@@ -141,25 +141,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         up: &Tensor,
         y: &mut [f32],
     ) -> Result<(), BackendError> {
-        let mut u = vec![0f32; y.len()];
-        self.linear_many(
-            x,
-            batch,
-            &mut [
-                LinearOut {
-                    w: gate,
-                    bias: None,
-                    y,
-                },
-                LinearOut {
-                    w: up,
-                    bias: None,
-                    y: &mut u,
-                },
-            ],
-        )?;
-        self.silu_mul(y, &u);
-        Ok(())
+        glu_unfused(self, x, batch, gate, up, y)
     }
 
     /// Bytes per second the device's memory moves (a copy's read plus write), measured now;
@@ -198,6 +180,36 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             *g = silu_times(*g, *u);
         }
     }
+}
+
+/// [`Backend::linear_glu`] as two projections in one call, then the SiLU-mul.
+fn glu_unfused<B: Backend + ?Sized>(
+    b: &B,
+    x: &[f32],
+    batch: usize,
+    gate: &Tensor,
+    up: &Tensor,
+    y: &mut [f32],
+) -> Result<(), BackendError> {
+    let mut u = vec![0f32; y.len()];
+    b.linear_many(
+        x,
+        batch,
+        &mut [
+            LinearOut {
+                w: gate,
+                bias: None,
+                y,
+            },
+            LinearOut {
+                w: up,
+                bias: None,
+                y: &mut u,
+            },
+        ],
+    )?;
+    b.silu_mul(y, &u);
+    Ok(())
 }
 
 /// `silu(g) * u`, written as HF's f32 graph computes it.

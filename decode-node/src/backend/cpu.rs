@@ -333,10 +333,7 @@ impl Backend for CpuBackend {
         debug_assert_eq!((gate.rows(), gate.cols()), (up.rows(), up.cols()));
         debug_assert_eq!(y.len(), batch * gate.rows());
         if batch >= GEMM_MIN_BATCH {
-            let mut u = vec![0f32; y.len()];
-            linear_gemm(x, gate, None, y);
-            linear_gemm(x, up, None, &mut u);
-            self.silu_mul(y, &u);
+            super::glu_unfused(self, x, batch, gate, up, y)?;
         } else {
             glu_rows(x, batch, gate, up, y);
         }
