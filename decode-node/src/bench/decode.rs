@@ -25,8 +25,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             .model
             .weight_bytes();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let buf: Vec<f32> = (0..(512usize << 20) / 4).map(|i| (i % 7) as f32).collect();
-        Some((weights, read_bandwidth(&buf, threads, 1.0)))
+        Some((weights, host_read_bandwidth(threads)))
     } else {
         None
     };
@@ -141,6 +140,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 "gb_per_s": traffic.map(|t| t.1 / 1e9),
                 "read_gb_per_s": traffic.map(|t| t.2 / 1e9),
                 "ratio_to_read_bandwidth": traffic.map(|t| t.1 / t.2),
+                "fits_in_cache": traffic.map(|t| cache_note(t.0 * nb).is_some()),
             });
             if !args.common.json {
                 eprintln!(
@@ -160,6 +160,9 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                         bw / 1e9,
                         gbps / bw
                     );
+                    if let Some(note) = cache_note(per_token * nb) {
+                        eprintln!("decode ctx={ctx} {mode:>6}: {note}");
+                    }
                 }
             }
             rows.push(row);

@@ -17,10 +17,13 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
         "group sizes and head dims must lie in 1..=1024"
     );
     anyhow::ensure!(
-        (1..=65536).contains(&args.working_set_mib),
-        "--working-set-mib must lie in 1..=65536"
+        args.working_set_mib <= 65536,
+        "--working-set-mib must lie in 0..=65536"
     );
-    let working_set = args.working_set_mib << 20;
+    let working_set = match args.working_set_mib {
+        0 => beyond_cache(256 << 20),
+        mib => mib << 20,
+    };
     let paths: Vec<String> = parse_list(&args.paths, "kernel path")?;
     anyhow::ensure!(
         paths

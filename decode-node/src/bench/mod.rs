@@ -44,6 +44,60 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// This CPU's last-level cache in bytes (Linux: from sysfs), if it says.
+fn last_level_cache_bytes() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok();
+    dir.filter_map(|e| {
+        let p = e.ok()?.path();
+        let level: u32 = read(p.join("level"))?.trim().parse().ok()?;
+        Some((level, cache_size(&read(p.join("size"))?)?))
+    })
+    .max()
+    .map(|(_, bytes)| bytes)
+}
+
+/// A sysfs cache size (`32K`, `491520K`, `4M`) in bytes.
+fn cache_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit())?);
+    let shift = match unit {
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        _ => return None,
+    };
+    n.parse::<usize>().ok()?.checked_mul(1 << shift)
+}
+
+/// Bytes a bandwidth measurement must scan to measure memory, not cache: twice the
+/// last-level cache (some server parts hold hundreds of MiB), at least `floor`.
+fn beyond_cache(floor: usize) -> usize {
+    last_level_cache_bytes().map_or(floor, |c| floor.max(2 * c))
+}
+
+/// Host read bandwidth of `threads` threads over a buffer beyond the last-level cache.
+fn host_read_bandwidth(threads: usize) -> f64 {
+    let buf: Vec<f32> = (0..beyond_cache(512 << 20) / 4)
+        .map(|i| (i % 7) as f32)
+        .collect();
+    read_bandwidth(&buf, threads, 1.0)
+}
+
+/// A note for a figure whose `bytes` per step fit in the last-level cache: its reads may come
+/// from the cache, so a ratio to memory bandwidth above 1 says nothing of memory.
+fn cache_note(bytes: f64) -> Option<String> {
+    let llc = last_level_cache_bytes()?;
+    (bytes <= llc as f64).then(|| {
+        format!(
+            "note: the {:.0} MB read per step fit in this CPU's {:.0} MB last-level cache; the \
+             ratio to memory bandwidth may exceed what memory allows",
+            bytes / 1e6,
+            llc as f64 / 1e6
+        )
+    })
+}
+
 /// Bytes/s of reading `buf` with `threads` threads (best of a few passes).
 fn read_bandwidth(buf: &[f32], threads: usize, seconds: f64) -> f64 {
     let chunk = buf.len().div_ceil(threads);
@@ -193,4 +247,19 @@ fn model_config(model: &crate::cli::ModelArgs) -> anyhow::Result<crate::model::M
     } else {
         crate::model::ModelConfig::from_dir(path)?
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_sizes_read_as_sysfs_writes_them() {
+        assert_eq!(cache_size("32K\n"), Some(32 << 10));
+        assert_eq!(cache_size("491520K"), Some(491_520 << 10));
+        assert_eq!(cache_size("4M"), Some(4 << 20));
+        for bad in ["", "K", "12", "12Q", "-1K", "99999999999999999999G"] {
+            assert_eq!(cache_size(bad), None, "{bad:?}");
+        }
+    }
 }

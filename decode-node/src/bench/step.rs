@@ -40,11 +40,12 @@ pub(super) fn step(args: &StepBench) -> anyhow::Result<serde_json::Value> {
     // The bound: the device's own memory where weights live there, else host read bandwidth.
     let bw = match m.backend().memory_bandwidth() {
         Some(bw) => bw,
-        None => {
-            let buf: Vec<f32> = (0..(512usize << 20) / 4).map(|i| (i % 7) as f32).collect();
-            read_bandwidth(&buf, threads, 1.0)
-        }
+        None => host_read_bandwidth(threads),
     };
+    let cached = cache_note(m.weight_bytes() as f64);
+    if let Some(note) = cached.as_ref().filter(|_| !args.common.json) {
+        eprintln!("{note}");
+    }
     let mut rows = Vec::new();
     for batch in [1usize, args.batch.max(1) as usize] {
         let mut attn = SelfOnly {
@@ -77,7 +78,7 @@ pub(super) fn step(args: &StepBench) -> anyhow::Result<serde_json::Value> {
         rows.push(json!({
             "batch": batch, "seconds_per_step": per_step, "tokens_per_s": batch as f64 / per_step,
             "weight_bytes": m.weight_bytes(), "weights_gb_per_s": gbps / 1e9, "read_gb_per_s": bw / 1e9,
-            "ratio": gbps / bw, "threads": threads,
+            "ratio": gbps / bw, "threads": threads, "weights_fit_in_cache": cached.is_some(),
         }));
         if args.batch <= 1 {
             break;
