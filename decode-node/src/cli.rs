@@ -467,8 +467,8 @@ pub struct KernelsBench {
     #[arg(long, default_value = "64,128")]
     pub head_dims: String,
     /// KV bytes scanned per pass, in MiB: well above the last-level cache measures memory,
-    /// a few MiB measures the kernel's own speed. 0: twice this CPU's last-level cache, at
-    /// least 256.
+    /// a few MiB measures the kernel's own speed. 0: four times this CPU's last-level cache,
+    /// at least 256.
     #[arg(long, default_value_t = 0)]
     pub working_set_mib: usize,
     /// Kernel paths: `best` (what the node runs on this CPU), `scalar` (the portable path,

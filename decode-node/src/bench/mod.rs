@@ -70,10 +70,11 @@ fn cache_size(s: &str) -> Option<usize> {
     n.parse::<usize>().ok()?.checked_mul(1 << shift)
 }
 
-/// Bytes a bandwidth measurement must scan to measure memory, not cache: twice the
-/// last-level cache (some server parts hold hundreds of MiB), at least `floor`.
+/// Bytes a bandwidth measurement must scan to measure memory, not cache: four times the
+/// last-level cache (some server parts hold hundreds of MiB, and keep part of a scan of
+/// twice their size), at least `floor`.
 fn beyond_cache(floor: usize) -> usize {
-    last_level_cache_bytes().map_or(floor, |c| floor.max(2 * c))
+    last_level_cache_bytes().map_or(floor, |c| floor.max(4 * c))
 }
 
 /// Host read bandwidth of `threads` threads over a buffer beyond the last-level cache.
@@ -117,14 +118,27 @@ fn read_bandwidth(buf: &[f32], threads: usize, seconds: f64) -> f64 {
     best
 }
 
+/// Sum of `c`, read as fast as this core reads memory: the loads of each 64-byte line come
+/// with a prefetch 8 KiB ahead (+10-15% over hardware prefetch alone on a 2-core Xeon, as the
+/// kernels' own prefetches get; without it the bound sat below what the row kernel streamed).
 fn sum(c: &[f32]) -> f32 {
+    const AHEAD: usize = 2048; // f32s: 8 KiB
     let mut acc = [0f32; 16];
-    for x in c.chunks_exact(16) {
+    for (k, x) in c.chunks_exact(16).enumerate() {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(p) = c.get(16 * k + AHEAD) {
+            // SAFETY: a prefetch reads nothing the program sees; `p` lies inside `c`.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    (p as *const f32).cast(),
+                )
+            };
+        }
         for i in 0..16 {
             acc[i] += x[i];
         }
     }
-    acc.iter().sum()
+    acc.iter().sum::<f32>() + c.chunks_exact(16).remainder().iter().sum::<f32>()
 }
 
 /// Bytes/s of single-thread memcpy (best of a few passes).
