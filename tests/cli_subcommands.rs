@@ -324,3 +324,48 @@ fn bench_ingest_reports_the_store_path_stage_by_stage() {
             < 1e-9
     );
 }
+
+/// `bench capacity`: `full` holds every request's whole KV on the device, the sparse modes
+/// only their budget, so on the same memory `full` is bounded by the device and `scout` by
+/// the host pool; every request admitted runs alongside the others.
+#[test]
+fn bench_capacity_bounds_full_by_the_device_and_scout_by_the_host() {
+    // tiny: 4 layers, 2 KV heads of 16 dims in f32, so 1 KiB of KV per token. A request of
+    // 256 tokens with 4 to generate may hold 261 positions: 17 blocks of 16 tokens, 272 KiB
+    // on the device in `full`; 4 blocks (the 64-token budget), 64 KiB, in `scout`. In the
+    // host pool it takes 17 blocks of each layer (68 x 4 KiB): 2 MiB holds 7 of them.
+    let v = run_json(&[
+        "bench",
+        "capacity",
+        "--json",
+        "--context",
+        "256",
+        "--tokens",
+        "4",
+        "--modes",
+        "full,scout",
+        "--block-size",
+        "16",
+        "--budget-tokens",
+        "64",
+        "--device-kv-bytes",
+        "600000",
+        "--host-kv-bytes",
+        "2Mi",
+    ]);
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{v}");
+    let want = [
+        ("full", 2, "device KV", 272 << 10),
+        ("scout", 7, "host KV", 64 << 10),
+    ];
+    for (r, (mode, n, bound, device)) in rows.iter().zip(want) {
+        assert_eq!(r["mode"], mode, "{r}");
+        assert_eq!(r["device_bytes_per_request"], device, "{r}");
+        assert_eq!(r["concurrent"], n, "{r}");
+        assert_eq!(r["bound"], bound, "{r}");
+        assert_eq!(r["queued"], 0, "{r}");
+        assert_eq!(r["failed"], 0, "{r}");
+        assert!(r["aggregate_tokens_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}

@@ -65,7 +65,7 @@ pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
 pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on};
 pub use merge::Partial;
 pub use peak::{fma_peak, fma_peak_on};
-pub use policy::{AttentionConfig, BlockScorer, Mode, PredictionGuard, RecallPolicy};
+pub use policy::{AttentionConfig, BlockScorer, Mode, PredictionGuard, RecallLimits, RecallPolicy};
 pub use residency::DeviceBlock;
 pub use select::{select_spans, select_top_k};
 pub use sequence::{

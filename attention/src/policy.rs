@@ -55,6 +55,47 @@ pub enum RecallPolicy {
     },
 }
 
+/// How much recall may move, and when a layer backs off (`scout`).
+///
+/// Unbounded, recall re-queues every CPU block of a layer whose CPU share passed the
+/// threshold: at a high share that is most of the budget per layer and step, and when the
+/// selection moves on, the blocks it brought in are not used before they are evicted again.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RecallLimits {
+    /// Bytes one sequence may recall per decode step over all its layers (0: no limit). Each
+    /// layer earns its share every step and may save up a few steps of it, so a small budget
+    /// moves a layer's blocks over several steps rather than never.
+    pub bytes_per_step: u64,
+    /// A layer fewer than `min_used` of whose recalled blocks were selected at its next step
+    /// waits twice as long before its next recall (up to [`RecallLimits::MAX_COOLDOWN`]
+    /// steps); one whose recall paid off waits half as long again (down to every step).
+    /// 0: no backoff.
+    pub min_used: f32,
+}
+
+impl RecallLimits {
+    /// The longest a layer waits between recalls under backoff, in steps.
+    pub const MAX_COOLDOWN: u32 = 64;
+    /// Steps of its byte share a layer may save up.
+    pub const SAVED_STEPS: u64 = 4;
+    /// No limit, no backoff: the paper's behaviour.
+    pub const OFF: Self = Self {
+        bytes_per_step: 0,
+        min_used: 0.0,
+    };
+}
+
+impl Default for RecallLimits {
+    /// 64 MiB per step (a few milliseconds of PCIe per token, next to a step of tens of
+    /// milliseconds at long context), backoff on.
+    fn default() -> Self {
+        Self {
+            bytes_per_step: 64 << 20,
+            min_used: 0.5,
+        }
+    }
+}
+
 /// Configuration of the attention engine, shared by every sequence.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttentionConfig {
@@ -66,6 +107,8 @@ pub struct AttentionConfig {
     pub precompute: bool,
     /// Periodic recall (`scout`).
     pub recall: RecallPolicy,
+    /// Bounds on what recall moves (`scout`).
+    pub recall_limits: RecallLimits,
     /// Rerun the CPU part with the real query, so a full budget equals `full` exactly.
     pub exact: bool,
     /// Device-resident blocks allowed per (sequence, layer, KV head) in sparse modes.
@@ -178,6 +221,7 @@ impl AttentionConfig {
             budget_tokens,
             precompute: true,
             recall: RecallPolicy::Adaptive { threshold: 0.12 },
+            recall_limits: RecallLimits::default(),
             exact: false,
             profile: false,
             guard: PredictionGuard::default(),

@@ -13,7 +13,7 @@ use crate::digest::{GroupQuery, HeadDigests};
 use crate::kernel::{Scratch, attend_blocks};
 use crate::merge::Partial;
 use crate::plan::{self, PARALLEL_SELECT_BLOCKS};
-use crate::policy::{AttentionConfig, BlockScorer, Mode, RecallPolicy};
+use crate::policy::{AttentionConfig, BlockScorer, Mode, RecallLimits, RecallPolicy};
 use crate::residency::{DeviceBlock, Residency};
 use crate::select::select_spans;
 use crate::sparq;
@@ -87,6 +87,9 @@ pub struct SeqStats {
     pub recall_blocks: u64,
     /// Bytes of those copies.
     pub recall_bytes: u64,
+    /// Blocks a periodic recall moved that the layer selected at its next step: what the
+    /// copies were worth (`scout`).
+    pub recall_used_blocks: u64,
     /// Blocks selected by the real query that the predicted query also selected.
     pub prediction_hits: u64,
     /// Blocks selected by the real query, where a prediction was made.
@@ -120,12 +123,21 @@ fn ratio(a: u64, b: u64) -> f64 {
 struct HeadState {
     digests: HeadDigests,
     res: Residency,
+    /// The CPU part of this head's last plan (sorted): blocks selected on the CPU twice in a
+    /// row go first when recall cannot move them all.
+    prev_cpu: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Default)]
 struct LayerState {
     initialised: bool,
     steps_since_recall: u32,
+    /// Steps this layer waits between recalls (0 counts as 1), under backoff.
+    cooldown: u32,
+    /// A recall ran after the last step: the next plan judges whether it was used.
+    judge_recall: bool,
+    /// Bytes this layer may still recall (under `RecallLimits::bytes_per_step`).
+    recall_credit: u64,
     cpu_tokens: u64,
     selected_tokens: u64,
     /// CPU share at each step, when profiling.
@@ -160,6 +172,7 @@ impl SeqAttention {
                 HeadState {
                     digests: d,
                     res: Residency::new(n),
+                    prev_cpu: Vec::new(),
                 }
             })
             .collect();
@@ -457,7 +470,40 @@ impl SeqAttention {
             };
             plans.push(plan);
         }
+        if cfg.mode == Mode::Scout {
+            self.judge_recall(cfg, layer, &plans);
+        }
         plans
+    }
+
+    /// The first plan of `layer` after a recall: counts the recalled blocks it put on the
+    /// device, and under backoff lengthens the layer's wait between recalls when too few were
+    /// (the selection moved on: the copies were wasted), or shortens it again.
+    fn judge_recall(&mut self, cfg: &AttentionConfig, layer: usize, plans: &[HeadPlan]) {
+        if !std::mem::take(&mut self.layers[layer].judge_recall) {
+            return;
+        }
+        let hk = self.geom.num_kv_heads;
+        let (mut moved, mut used) = (0u64, 0u64);
+        for (st, p) in self.heads[layer * hk..(layer + 1) * hk].iter().zip(plans) {
+            let recalled = st.res.recalled();
+            moved += recalled.len() as u64;
+            used += recalled
+                .iter()
+                .filter(|b| p.device.binary_search(b).is_ok())
+                .count() as u64;
+        }
+        self.stats.recall_used_blocks += used;
+        let min_used = cfg.recall_limits.min_used;
+        if min_used > 0.0 && moved > 0 {
+            let ls = &mut self.layers[layer];
+            let c = ls.cooldown.max(1);
+            ls.cooldown = if (used as f32) < min_used * moved as f32 {
+                (2 * c).min(RecallLimits::MAX_COOLDOWN)
+            } else {
+                c / 2
+            };
+        }
     }
 
     /// Records a layer's plans after its attention ran; recalls its CPU blocks when due
@@ -478,6 +524,7 @@ impl SeqAttention {
         for st in &mut self.heads[layer * hk..(layer + 1) * hk] {
             st.res.clear_recalled();
         }
+        let num_layers = self.layers.len() as u64;
         let ls = &mut self.layers[layer];
         ls.selected_tokens += sel;
         ls.cpu_tokens += cpu;
@@ -492,6 +539,14 @@ impl SeqAttention {
         if cfg.mode != Mode::Scout {
             return;
         }
+        let limits = cfg.recall_limits;
+        let head_bytes = self.geom.head_bytes() as u64;
+        if limits.bytes_per_step > 0 {
+            let share = limits.bytes_per_step / num_layers.max(1);
+            // Savings reach at least one block per head, or a budget below that never moves.
+            let ceiling = (share * RecallLimits::SAVED_STEPS).max(hk as u64 * head_bytes);
+            ls.recall_credit = (ls.recall_credit + share).min(ceiling);
+        }
         let due = match &cfg.recall {
             RecallPolicy::Off => false,
             RecallPolicy::Intervals(iv) => {
@@ -501,17 +556,30 @@ impl SeqAttention {
             RecallPolicy::Adaptive { threshold } => {
                 sel > 0 && (cpu as f32 / sel as f32) > *threshold
             }
+        } && ls.steps_since_recall >= ls.cooldown.max(1);
+        let allowance = if limits.bytes_per_step > 0 {
+            (ls.recall_credit / head_bytes.max(1)) as usize
+        } else {
+            usize::MAX
         };
-        if !due || cpu == 0 {
-            return;
-        }
-        ls.steps_since_recall = 0;
-        let cap = cfg.resident_blocks_per_head();
-        for (h, p) in plans.iter().enumerate() {
-            let st = &mut self.heads[layer * hk + h];
-            let moved = st.res.recall(p.cpu.iter().copied(), self.step, cap) as u64;
+        let heads = &mut self.heads[layer * hk..(layer + 1) * hk];
+        if due && cpu > 0 && allowance > 0 {
+            let picks = recall_picks(heads, plans, allowance);
+            let cap = cfg.resident_blocks_per_head();
+            let mut moved = 0u64;
+            for (st, pick) in heads.iter_mut().zip(picks) {
+                moved += st.res.recall(pick, self.step, cap) as u64;
+            }
+            ls.steps_since_recall = 0;
+            ls.judge_recall = moved > 0;
+            if limits.bytes_per_step > 0 {
+                ls.recall_credit = ls.recall_credit.saturating_sub(moved * head_bytes);
+            }
             self.stats.recall_blocks += moved;
-            self.stats.recall_bytes += moved * self.geom.head_bytes() as u64;
+            self.stats.recall_bytes += moved * head_bytes;
+        }
+        for (st, p) in heads.iter_mut().zip(plans) {
+            st.prev_cpu.clone_from(&p.cpu);
         }
     }
 
@@ -573,6 +641,48 @@ impl SeqAttention {
 
 /// Blocks from which sparq scoring runs heads in parallel.
 const PARALLEL_SPARQ_BLOCKS: usize = 32;
+
+/// Which CPU blocks of a layer's plans a recall of at most `allowance` blocks moves, per head:
+/// the heads take turns, and each offers first the blocks its CPU part attended at the
+/// previous step too (a selection that persists is what a copy pays off on).
+fn recall_picks(heads: &[HeadState], plans: &[HeadPlan], allowance: usize) -> Vec<Vec<usize>> {
+    // Each queue pops its next pick from the end: persisting blocks, then the rest, each
+    // class in block order.
+    let mut queues: Vec<Vec<usize>> = heads
+        .iter()
+        .zip(plans)
+        .map(|(st, p)| {
+            let mut q: Vec<usize> = p
+                .cpu
+                .iter()
+                .copied()
+                .filter(|&b| !st.res.is_resident(b))
+                .collect();
+            q.sort_by_key(|b| st.prev_cpu.binary_search(b).is_err());
+            q.reverse();
+            q
+        })
+        .collect();
+    let mut picks = vec![Vec::new(); queues.len()];
+    let mut left = allowance;
+    while left > 0 {
+        let mut took = false;
+        for (q, pick) in queues.iter_mut().zip(&mut picks) {
+            if left == 0 {
+                break;
+            }
+            if let Some(b) = q.pop() {
+                pick.push(b);
+                left -= 1;
+                took = true;
+            }
+        }
+        if !took {
+            break;
+        }
+    }
+    picks
+}
 
 /// `f` of every head `0..hk`, in parallel when `par`.
 fn each_head<T: Send>(par: bool, hk: usize, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
@@ -796,6 +906,119 @@ mod tests {
         run(&cfg, &mem, &mut seq, &qb);
         assert_eq!(seq.stats().cpu_tokens, cpu_before);
         assert!(seq.resident_blocks() <= 8);
+    }
+
+    /// Scout over `steps` steps of one layer, a new query each step from `query(step)`.
+    fn scout_steps(
+        cfg: &AttentionConfig,
+        mem: &Mem,
+        digests: &[HeadDigests],
+        steps: u64,
+        query: impl Fn(u64) -> Vec<f32>,
+    ) -> SeqAttention {
+        let mut seq = SeqAttention::new(mem.geom, 1, mem.n, digests.to_vec());
+        for s in 0..steps {
+            run(cfg, mem, &mut seq, &query(s));
+            seq.step += 1;
+        }
+        seq
+    }
+
+    fn small_device(budget_tokens: usize) -> AttentionConfig {
+        let mut cfg = AttentionConfig::scout(16);
+        cfg.budget_tokens = budget_tokens;
+        cfg.device_blocks_per_head = budget_tokens / 16;
+        cfg
+    }
+
+    #[test]
+    fn recall_backs_off_where_its_blocks_go_unused_and_returns_where_they_are_used() {
+        let (mem, digests, _) = setup(1024, 1, 16, 21);
+        let mut cfg = small_device(128);
+        // A selection that moves on every step: most recalled blocks are not selected again.
+        let wandering = |s: u64| values(1000 + s, 16, 1.0);
+        cfg.recall_limits = RecallLimits::OFF;
+        let unbounded = scout_steps(&cfg, &mem, &digests, 40, wandering);
+        let u = unbounded.stats();
+        assert!(
+            u.recall_blocks > 40 && 2 * u.recall_used_blocks < u.recall_blocks,
+            "the test must thrash: {u:?}"
+        );
+        cfg.recall_limits = RecallLimits::default();
+        let mut seq = scout_steps(&cfg, &mem, &digests, 40, wandering);
+        let b = *seq.stats();
+        assert!(
+            4 * b.recall_blocks < u.recall_blocks,
+            "backoff: {b:?}, unbounded: {u:?}"
+        );
+        assert!(seq.layers[0].cooldown >= 8, "{}", seq.layers[0].cooldown);
+        // The same query step after step: what a recall brings is used, and the wait shrinks.
+        let before = seq.layers[0].cooldown;
+        let steady = values(7, 16, 1.0);
+        let base = seq.step;
+        while seq.step < base + 200 && seq.layers[0].cooldown >= before {
+            run(&cfg, &mem, &mut seq, &steady);
+            seq.step += 1;
+        }
+        assert!(
+            seq.layers[0].cooldown < before,
+            "{}",
+            seq.layers[0].cooldown
+        );
+        assert!(seq.stats().recall_used_blocks > b.recall_used_blocks);
+    }
+
+    #[test]
+    fn recall_moves_at_most_its_byte_budget_and_still_moves_everything_in_time() {
+        let (mem, digests, _) = setup(1024, 1, 16, 22);
+        let mut cfg = small_device(128);
+        let head_bytes = mem.geom.head_bytes() as u64;
+        cfg.recall_limits.bytes_per_step = 2 * head_bytes;
+        let mut seq = SeqAttention::new(mem.geom, 1, mem.n, digests);
+        // Step 0 fills the device from query a; query b then leaves blocks on the CPU.
+        let qa = values(30, 16, 1.0);
+        run(&cfg, &mem, &mut seq, &qa);
+        seq.step += 1;
+        let qb: Vec<f32> = qa.iter().map(|x| -x).collect();
+        let mut cpu_last = u64::MAX;
+        for step in 1..=8u64 {
+            let cpu_before = seq.stats().cpu_tokens;
+            run(&cfg, &mem, &mut seq, &qb);
+            seq.step += 1;
+            cpu_last = seq.stats().cpu_tokens - cpu_before;
+            // What a step moves averages out at the budget: steps 0..=step earned it.
+            assert!(
+                seq.stats().recall_bytes <= (step + 1) * 2 * head_bytes,
+                "step {step}: {:?}",
+                seq.stats()
+            );
+        }
+        assert!(seq.stats().recall_blocks >= 4, "{:?}", seq.stats());
+        assert_eq!(cpu_last, 0, "every selected block is resident in the end");
+    }
+
+    #[test]
+    fn recall_takes_turns_across_heads_and_persisting_blocks_first() {
+        let head = |prev_cpu: Vec<usize>| HeadState {
+            digests: HeadDigests::new(8, 4),
+            res: Residency::new(8),
+            prev_cpu,
+        };
+        let heads = [head(vec![3, 7]), head(vec![])];
+        let plan = |cpu: Vec<usize>| HeadPlan {
+            device: vec![],
+            cpu,
+        };
+        let plans = [plan(vec![1, 2, 3]), plan(vec![4, 5])];
+        assert_eq!(recall_picks(&heads, &plans, 3), vec![vec![3, 1], vec![4]]);
+        assert_eq!(
+            recall_picks(&heads, &plans, 100),
+            vec![vec![3, 1, 2], vec![4, 5]]
+        );
+        assert_eq!(
+            recall_picks(&heads, &plans, 0),
+            vec![Vec::<usize>::new(); 2]
+        );
     }
 
     #[test]

@@ -117,6 +117,16 @@ pub struct ModelArgs {
     /// Recall a layer's CPU blocks when its CPU share of selected tokens passes this.
     #[arg(long, env = "DECODE_NODE_RECALL_THRESHOLD", default_value_t = 0.12)]
     pub recall_threshold: f32,
+    /// MiB one request may recall per decode step over all layers (0: no limit). Each layer
+    /// gets its share and may save a few steps of it; blocks the CPU attended two steps in a
+    /// row go first.
+    #[arg(long, env = "DECODE_NODE_RECALL_BUDGET_MIB", default_value_t = 64)]
+    pub recall_budget_mib: u64,
+    /// Recall backoff: a layer that selected fewer than this share of its recalled blocks at
+    /// its next step waits twice as long before recalling again (up to 64 steps), and half
+    /// as long after a recall that paid off (0: recall whenever the threshold is passed).
+    #[arg(long, env = "DECODE_NODE_RECALL_MIN_USED", default_value_t = 0.5)]
+    pub recall_min_used: f32,
     /// Select and attend every layer with the real query: the layer-ahead CPU part is always
     /// redone, so a full budget equals `full` and any budget equals a plain block top-k.
     #[arg(long, env = "DECODE_NODE_EXACT")]
@@ -423,6 +433,9 @@ pub enum Bench {
     Ingest(IngestBench),
     /// Tokens/s and TTFT of each attention mode at each context length, through `serve`.
     Decode(DecodeBench),
+    /// How many requests of one context length each mode serves at once on this node's
+    /// device and host KV memory, and their aggregate tokens/s, through `serve`.
+    Capacity(CapacityBench),
     /// One batched decode step's dense work (projections, norms, MLP; attention reduced to
     /// the token itself) against the weights' memory-bandwidth bound, in process.
     Step(StepBench),
@@ -508,6 +521,32 @@ pub struct DecodeBench {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 32)]
     pub tokens: u32,
+}
+
+/// `bench capacity`.
+#[derive(Debug, Clone, Args)]
+pub struct CapacityBench {
+    #[command(flatten)]
+    pub common: BenchCommon,
+    /// Context length of every request, e.g. `8k`, `64k`.
+    #[arg(long, default_value = "8k")]
+    pub context: String,
+    /// Attention modes, compared in one run (ratios to `full` when it comes first).
+    #[arg(long, default_value = "full,hgca,scout")]
+    pub modes: String,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 16)]
+    pub tokens: u32,
+    /// Host DRAM for the KV pool: what bounds the sparse modes, which keep all KV there.
+    #[arg(long, default_value = "4Gi", value_parser = parse_bytes)]
+    pub host_kv_bytes: u64,
+    /// Device memory for KV: what bounds `full`, which keeps every block of every request
+    /// there (the sparse modes keep their resident blocks: `--device-blocks` or the budget).
+    #[arg(long, default_value = "1Gi", value_parser = parse_bytes)]
+    pub device_kv_bytes: u64,
+    /// Most requests tried per mode (also the node's batch limit).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_requests: u32,
 }
 
 /// `bench step`.

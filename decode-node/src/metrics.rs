@@ -161,6 +161,8 @@ pub struct Metrics {
     pub recall_blocks: Counter,
     /// Bytes recalled.
     pub recall_bytes: Counter,
+    /// Recalled blocks that their layer selected at its next step.
+    pub recall_used_blocks: Counter,
     /// Seconds the device side waited on CPU attention results.
     pub device_wait_seconds: FloatCounter,
     /// Seconds per decode step.
@@ -223,6 +225,7 @@ impl Metrics {
             attention_cpu_ratio: FloatGauge::default(),
             recall_blocks: Counter::default(),
             recall_bytes: Counter::default(),
+            recall_used_blocks: Counter::default(),
             device_wait_seconds: FloatCounter::default(),
             step_duration: hist(&ITL_BUCKETS),
             query_prediction_hit_ratio: FloatGauge::default(),
@@ -367,6 +370,11 @@ impl Metrics {
             "recall_bytes",
             "KV bytes recalled to the device",
             self.recall_bytes.clone(),
+        );
+        r.register(
+            "recall_used_blocks",
+            "Recalled KV blocks that their layer selected at its next step",
+            self.recall_used_blocks.clone(),
         );
         r.register(
             "device_wait_seconds",

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use attention::{
     AttentionConfig, BlockGeometry, BlockScorer, GroupScore, KvDType, Mode, PredictionGuard,
-    RecallPolicy,
+    RecallLimits, RecallPolicy,
 };
 use decode_node_proto::v1 as pb;
 use kv_transfer::KvLayout;
@@ -88,8 +88,77 @@ fn read_intervals(path: &std::path::Path, layers: usize) -> anyhow::Result<Vec<u
     Ok(iv)
 }
 
+/// The attention settings `args` ask for, for KV of `geom` in a model of `num_layers` layers.
+pub(crate) fn attention_config(
+    args: &ModelArgs,
+    geom: BlockGeometry,
+    num_layers: usize,
+) -> anyhow::Result<AttentionConfig> {
+    let mode = Mode::parse(&args.attention)
+        .with_context(|| format!("--attention {:?}", args.attention))?;
+    if !(0.0..=1.0).contains(&args.recall_threshold) {
+        bail!("--recall-threshold must be within [0, 1]");
+    }
+    if !(0.0..=1.0).contains(&args.recall_min_used) {
+        bail!("--recall-min-used must be within [0, 1]");
+    }
+    if !(-1.0..=1.0).contains(&args.guard_min_cosine) {
+        bail!("--guard-min-cosine must be within [-1, 1]");
+    }
+    let block_size = geom.block_size;
+    let budget_tokens = (args.budget_tokens as usize).max(2 * block_size);
+    Ok(AttentionConfig {
+        mode,
+        budget_tokens,
+        precompute: !args.no_precompute,
+        recall: match (&args.recall_profile, args.no_recall) {
+            (_, true) => RecallPolicy::Off,
+            (Some(path), false) => RecallPolicy::Intervals(read_intervals(path, num_layers)?),
+            (None, false) => RecallPolicy::Adaptive {
+                threshold: args.recall_threshold,
+            },
+        },
+        recall_limits: RecallLimits {
+            bytes_per_step: args
+                .recall_budget_mib
+                .checked_mul(1 << 20)
+                .context("--recall-budget-mib is too large")?,
+            min_used: args.recall_min_used,
+        },
+        exact: args.exact,
+        profile: false,
+        guard: if args.no_guard {
+            PredictionGuard::OFF
+        } else {
+            PredictionGuard {
+                min_cosine: args.guard_min_cosine,
+                real_query_layers: (args.guard_real_query_layers as usize).max(1),
+                device_real_query: !args.guard_predicted_device,
+            }
+        },
+        group_score: GroupScore::parse(&args.group_score)
+            .with_context(|| format!("--group-score {:?}", args.group_score))?,
+        local_window_tokens: args.local_window as usize,
+        select_spans: args.select_spans,
+        dense_layers: args.dense_layers as usize,
+        scorer: BlockScorer::parse(
+            &args.block_scorer,
+            match args.scorer_channels {
+                0 => (geom.head_dim / 4).max(1),
+                n => n as usize,
+            },
+            args.scorer_candidates as usize,
+        )
+        .with_context(|| format!("--block-scorer {:?}", args.block_scorer))?,
+        device_blocks_per_head: match args.device_blocks {
+            0 => budget_tokens.div_ceil(block_size),
+            n => n as usize,
+        },
+    })
+}
+
 /// Dtype of the host pool: `--kv-dtype`, or the model's.
-fn kv_dtype(flag: &str, torch_dtype: &str) -> anyhow::Result<KvDType> {
+pub(crate) fn kv_dtype(flag: &str, torch_dtype: &str) -> anyhow::Result<KvDType> {
     if flag == "auto" {
         return Ok(KvDType::parse(torch_dtype)
             .filter(|d| !d.scaled())
@@ -130,58 +199,7 @@ impl Node {
             vocab_size: cfg.vocab_size,
             max_context: cfg.max_context(),
         };
-        let mode = Mode::parse(&args.attention)
-            .with_context(|| format!("--attention {:?}", args.attention))?;
-        if !(0.0..=1.0).contains(&args.recall_threshold) {
-            bail!("--recall-threshold must be within [0, 1]");
-        }
-        if !(-1.0..=1.0).contains(&args.guard_min_cosine) {
-            bail!("--guard-min-cosine must be within [-1, 1]");
-        }
-        let budget_tokens = (args.budget_tokens as usize).max(2 * block_size);
-        let attention = AttentionConfig {
-            mode,
-            budget_tokens,
-            precompute: !args.no_precompute,
-            recall: match (&args.recall_profile, args.no_recall) {
-                (_, true) => RecallPolicy::Off,
-                (Some(path), false) => {
-                    RecallPolicy::Intervals(read_intervals(path, cfg.num_layers)?)
-                }
-                (None, false) => RecallPolicy::Adaptive {
-                    threshold: args.recall_threshold,
-                },
-            },
-            exact: args.exact,
-            profile: false,
-            guard: if args.no_guard {
-                PredictionGuard::OFF
-            } else {
-                PredictionGuard {
-                    min_cosine: args.guard_min_cosine,
-                    real_query_layers: (args.guard_real_query_layers as usize).max(1),
-                    device_real_query: !args.guard_predicted_device,
-                }
-            },
-            group_score: GroupScore::parse(&args.group_score)
-                .with_context(|| format!("--group-score {:?}", args.group_score))?,
-            local_window_tokens: args.local_window as usize,
-            select_spans: args.select_spans,
-            dense_layers: args.dense_layers as usize,
-            scorer: BlockScorer::parse(
-                &args.block_scorer,
-                match args.scorer_channels {
-                    0 => (geom.head_dim / 4).max(1),
-                    n => n as usize,
-                },
-                args.scorer_candidates as usize,
-            )
-            .with_context(|| format!("--block-scorer {:?}", args.block_scorer))?,
-            device_blocks_per_head: match args.device_blocks {
-                0 => budget_tokens.div_ceil(block_size),
-                n => n as usize,
-            },
-        };
+        let attention = attention_config(args, geom, cfg.num_layers)?;
         Ok(Self {
             model: Arc::new(model),
             layout,

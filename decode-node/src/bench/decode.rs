@@ -85,6 +85,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let mut cpu = 0f64;
             let mut hit = 0f64;
             let mut wait = 0f64;
+            let (mut recalled, mut recalled_bytes, mut recalled_used) = (0u64, 0u64, 0u64);
             let mut last_first = t;
             for g in gens {
                 let (out, first) = g.await??;
@@ -94,6 +95,9 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 cpu += s.cpu_attention_ratio;
                 hit += s.prediction_hit_ratio;
                 wait += s.device_wait_seconds;
+                recalled += s.recalled_blocks;
+                recalled_bytes += s.recalled_bytes;
+                recalled_used += s.recalled_blocks_used;
             }
             let secs = t.elapsed().as_secs_f64();
             // Steady decode: tokens after every request's first, over the time after it. The
@@ -131,11 +135,16 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 let gbps = step_bytes * tps / nb;
                 (step_bytes / nb, gbps, bw)
             });
+            // Recall's traffic per generated token, and the share of recalled blocks that their
+            // layer selected at its next step (what the copies were worth).
+            let recall_per_token = recalled_bytes as f64 / tokens.max(1) as f64;
+            let recall_used_share = (recalled > 0).then(|| recalled_used as f64 / recalled as f64);
             let row = json!({
                 "context": ctx, "mode": mode, "batch": args.batch, "tokens_per_s": tps,
                 "first_token_s": first_token_s, "device": node_device,
                 "ratio_to_full": full_tps.map(|f| tps / f),
                 "cpu_share": cpu / nb, "prediction_hit_ratio": hit / nb, "device_wait_share": device_wait_share,
+                "recall_bytes_per_token": recall_per_token, "recall_used_share": recall_used_share,
                 "bytes_per_token": traffic.map(|t| t.0),
                 "gb_per_s": traffic.map(|t| t.1 / 1e9),
                 "read_gb_per_s": traffic.map(|t| t.2 / 1e9),
@@ -152,6 +161,13 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                     hit / nb * 100.0,
                     device_wait_share * 100.0
                 );
+                if recalled > 0 {
+                    eprintln!(
+                        "decode ctx={ctx} {mode:>6}: recall {:.2} MB per token, {:.1}% of recalled blocks used at the next step",
+                        recall_per_token / 1e6,
+                        recall_used_share.unwrap_or(0.0) * 100.0
+                    );
+                }
                 if let Some((per_token, gbps, bw)) = traffic {
                     eprintln!(
                         "decode ctx={ctx} {mode:>6}: {:.1} MB moved per token, {:.2} GB/s / {:.2} GB/s read = {:.2}",

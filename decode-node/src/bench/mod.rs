@@ -10,6 +10,7 @@ use kv_transfer::client::{PromptKv, PushOptions, push_kv};
 use rayon::prelude::*;
 use serde_json::json;
 
+mod capacity;
 mod decode;
 mod fidelity;
 mod ingest;
@@ -32,6 +33,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Bench::Kernels(a) => tokio::task::spawn_blocking(move || kernels::kernels(&a)).await??,
         Bench::Ingest(a) => ingest::ingest(&a).await?,
         Bench::Decode(a) => decode::decode(&a).await?,
+        Bench::Capacity(a) => capacity::capacity(&a).await?,
         Bench::Step(a) => tokio::task::spawn_blocking(move || step::step(&a)).await??,
         Bench::RecallProfile(a) => {
             tokio::task::spawn_blocking(move || recall_profile::recall_profile(&a)).await??

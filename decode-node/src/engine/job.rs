@@ -50,6 +50,10 @@ pub struct RequestStats {
     pub cpu_attention_ratio: f64,
     /// Blocks recalled.
     pub recalled_blocks: u64,
+    /// Bytes recalled.
+    pub recalled_bytes: u64,
+    /// Recalled blocks selected at their layer's next step.
+    pub recalled_blocks_used: u64,
     /// Share of the real selection the predicted query found.
     pub prediction_hit_ratio: f64,
     /// Prompt tokens.

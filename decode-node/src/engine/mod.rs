@@ -6,7 +6,7 @@
 //! with [`attend::BatchAttention`], appends the new KV, samples and streams a token per
 //! request, and retires finished ones (dropping their KV returns it to the pool).
 
-mod admission;
+pub(crate) mod admission;
 mod attend;
 mod error;
 mod job;

@@ -158,6 +158,8 @@ impl Running {
             total_seconds: now.duration_since(arrived).as_secs_f64(),
             cpu_attention_ratio: s.cpu_ratio(),
             recalled_blocks: s.recall_blocks,
+            recalled_bytes: s.recall_bytes,
+            recalled_blocks_used: s.recall_used_blocks,
             prediction_hit_ratio: s.hit_ratio(),
             prompt_tokens: self.kv.info.prompt_token_ids.len() as u32,
             device_wait_seconds: self.device_wait,

@@ -185,6 +185,9 @@ impl StepLoop {
             self.metrics
                 .recall_bytes
                 .inc_by(s.recall_bytes - r.seen.recall_bytes);
+            self.metrics
+                .recall_used_blocks
+                .inc_by(s.recall_used_blocks - r.seen.recall_used_blocks);
             r.seen = s;
 
             let Some(Pick { tok, logprob, top }) = picks[i].take() else {

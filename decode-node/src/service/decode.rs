@@ -149,6 +149,8 @@ fn to_response(ev: Event) -> Result<pb::GenerateResponse, Status> {
                     prediction_hit_ratio: stats.prediction_hit_ratio,
                     prompt_tokens: stats.prompt_tokens,
                     device_wait_seconds: stats.device_wait_seconds,
+                    recalled_bytes: stats.recalled_bytes,
+                    recalled_blocks_used: stats.recalled_blocks_used,
                 }),
             }),
             Event::Error(e) => return Err(engine_status(&e)),

@@ -98,7 +98,7 @@ class TopLogprob(_message.Message):
     def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("queue_seconds", "first_token_seconds", "total_seconds", "cpu_attention_ratio", "recalled_blocks", "prediction_hit_ratio", "prompt_tokens", "device_wait_seconds")
+    __slots__ = ("queue_seconds", "first_token_seconds", "total_seconds", "cpu_attention_ratio", "recalled_blocks", "prediction_hit_ratio", "prompt_tokens", "device_wait_seconds", "recalled_bytes", "recalled_blocks_used")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,8 @@ class RequestStats(_message.Message):
     PREDICTION_HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECALLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECALLED_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     first_token_seconds: float
     total_seconds: float
@@ -115,7 +117,9 @@ class RequestStats(_message.Message):
     prediction_hit_ratio: float
     prompt_tokens: int
     device_wait_seconds: float
-    def __init__(self, queue_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., cpu_attention_ratio: _Optional[float] = ..., recalled_blocks: _Optional[int] = ..., prediction_hit_ratio: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., device_wait_seconds: _Optional[float] = ...) -> None: ...
+    recalled_bytes: int
+    recalled_blocks_used: int
+    def __init__(self, queue_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., cpu_attention_ratio: _Optional[float] = ..., recalled_blocks: _Optional[int] = ..., prediction_hit_ratio: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., device_wait_seconds: _Optional[float] = ..., recalled_bytes: _Optional[int] = ..., recalled_blocks_used: _Optional[int] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("reason", "generated_tokens", "stats")
