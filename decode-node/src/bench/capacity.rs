@@ -53,7 +53,7 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
     };
     anyhow::ensure!(
         ctx + 1 < cfg.max_context(),
-        "context {ctx} exceeds the model's {}",
+        "context {ctx} leaves no room to generate within the model's {} positions",
         cfg.max_context()
     );
     let mut rows = Vec::new();
