@@ -184,8 +184,9 @@ pub struct ModelArgs {
     pub no_guard: bool,
     /// Host KV storage type: `auto` (the model's dtype), `f32`, `f16`, `bf16`, `int8` or `fp8`
     /// (e4m3). The last two store each token's K and V vector per head in 8 bits with its own
-    /// f32 scale: about half of f16's bytes, so twice the context per byte of host memory; CPU
-    /// backend only; attended on every CPU kernel path: AVX2, AVX-512, NEON, portable).
+    /// f32 scale: about half of f16's bytes, so twice the context per byte of host memory (and
+    /// of device memory: the CUDA backend copies and attends them as stored); attended on every
+    /// CPU kernel path: AVX2, AVX-512, NEON, portable).
     /// Pushes still send f32, f16 or bf16 (`ModelInfo.kv_dtype`).
     #[arg(long, env = "DECODE_NODE_KV_DTYPE", default_value = "auto")]
     pub kv_dtype: String,

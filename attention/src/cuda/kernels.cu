@@ -66,11 +66,33 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     return (u16)half;
 }
 
-// dtype: 0 = f32, 1 = f16, 2 = bf16.
+// fp8 e4m3 (OCP, as CUDA's __nv_fp8_e4m3): bias 7, no infinities, S.1111.111 is NaN.
+__device__ __forceinline__ float e4m3_to_f32(unsigned char c) {
+    unsigned int sign = ((unsigned int)c & 0x80u) << 24;
+    unsigned int exp = (c >> 3) & 0xfu;
+    unsigned int man = c & 0x7u;
+    if (exp == 0xfu && man == 0x7u) return __uint_as_float(sign | 0x7fc00000u);
+    if (exp == 0) {
+        // Subnormal: man / 8 * 2^-6, exact in f32.
+        float v = (float)man * 0.001953125f;  // 2^-9
+        return __uint_as_float(sign | __float_as_uint(v));
+    }
+    return __uint_as_float(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// dtype: 0 = f32, 1 = f16, 2 = bf16, 3 = int8, 4 = fp8 e4m3. The 8-bit types are codes of a
+// per-token scale stored after the head block's V, which the caller applies.
 __device__ __forceinline__ float load_kv(const unsigned char* p, long long i, int dtype) {
     if (dtype == 0) return ((const float*)p)[i];
+    if (dtype == 3) return (float)((const signed char*)p)[i];
+    if (dtype == 4) return e4m3_to_f32(p[i]);
     u16 h = ((const u16*)p)[i];
     return dtype == 1 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
+// Bytes of one stored element.
+__device__ __forceinline__ int kv_elem_size(int dtype) {
+    return dtype == 0 ? 4 : (dtype >= 3 ? 1 : 2);
 }
 
 __device__ __forceinline__ void store_kv(unsigned char* p, long long i, int dtype, float v) {
@@ -171,12 +193,13 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, long long n) {
 }
 
 // Appends one token's K and V (f32, [head_dim]) of one KV head at `slot` of its head block,
-// and folds K into the block's digest. One thread per channel.
+// and folds K into the block's digest. One thread per channel. Float dtypes only (0..2): an
+// 8-bit block needs the token's scale over all channels first.
 extern "C" __global__ void kv_append(unsigned char* head_block, const float* k, const float* v, int slot,
                                      int head_dim, int block_size, int dtype, float* dmin, float* dmax) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= head_dim) return;
-    int es = dtype == 0 ? 4 : 2;
+    if (c >= head_dim || dtype > 2) return;
+    int es = kv_elem_size(dtype);
     store_kv(head_block, (long long)c * block_size + slot, dtype, k[c]);
     store_kv(head_block + (long long)block_size * head_dim * es, (long long)slot * head_dim + c, dtype, v[c]);
     dmin[c] = fminf(dmin[c], k[c]);
@@ -199,7 +222,9 @@ extern "C" __global__ void f32_to_half(const float* x, u16* y, long long n, int 
 // walking K^T row by row would wait on memory latency at every row), then scored and
 // accumulated from there. It writes a partial (out, lse2) per query head to
 // part_out [h][splits][group][head_dim] / part_lse [h][splits][group]; `combine_splits`
-// merges the splits. 128 threads; group <= 8, head_dim <= 128.
+// merges the splits. 128 threads; group <= 8, head_dim <= 128. An 8-bit head block (dtype 3
+// or 4) ends with each token's K scale and V scale (f32, block_size each), applied as its
+// tiles load: the host pool's bytes are attended as they are, no dequantized copy.
 #define ATT_THREADS 128
 #define ATT_WARPS 4
 #define MAX_G 8
@@ -222,7 +247,8 @@ extern "C" __global__ void sparse_attention_split(
     if (tid < MAX_G) { m_sh[tid] = NEG_INF; l_sh[tid] = 0.f; a_sh[tid] = 1.f; }
     const int b0 = head_start[h] + s * chunk;
     const int b1 = min(b0 + chunk, head_start[h + 1]);
-    const int es = dtype == 0 ? 4 : 2;
+    const int es = kv_elem_size(dtype);
+    const bool scaled = dtype >= 3;
     float acc[MAX_G];
 #pragma unroll
     for (int g = 0; g < MAX_G; g++) acc[g] = 0.f;
@@ -230,6 +256,8 @@ extern "C" __global__ void sparse_attention_split(
     for (int bi = b0; bi < b1; bi++) {
         const unsigned char* kt = arena + offs[bi];
         const unsigned char* vs = kt + (long long)block_size * head_dim * es;
+        const float* k_scale = (const float*)(vs + (long long)block_size * head_dim * es);
+        const float* v_scale = k_scale + block_size;
         const int len = lens[bi];
         for (int t0 = 0; t0 < len; t0 += TILE) {
             const int n = min(TILE, len - t0);
@@ -238,13 +266,15 @@ extern "C" __global__ void sparse_attention_split(
             {
                 const int t = tid & (TILE - 1);
                 const long long krow = (long long)t0 + t;
+                const float ks = (scaled && t < n) ? k_scale[krow] : 1.f;
                 for (int c = tid / TILE; c < head_dim; c += ATT_THREADS / TILE)
-                    k_sh[c * TILE + t] = t < n ? load_kv(kt, (long long)c * block_size + krow, dtype) : 0.f;
+                    k_sh[c * TILE + t] = t < n ? load_kv(kt, (long long)c * block_size + krow, dtype) * ks : 0.f;
             }
             for (int t = 0; t < TILE; t++) {
                 const long long vrow = (long long)(t0 + t) * head_dim;
+                const float vsc = (scaled && t < n) ? v_scale[t0 + t] : 1.f;
                 for (int c = tid; c < head_dim; c += ATT_THREADS)
-                    v_sh[t * head_dim + c] = t < n ? load_kv(vs, vrow + c, dtype) : 0.f;
+                    v_sh[t * head_dim + c] = t < n ? load_kv(vs, vrow + c, dtype) * vsc : 0.f;
             }
             __syncthreads();
             // Scores: warp w takes query heads w, w+4, ...; lane = token.

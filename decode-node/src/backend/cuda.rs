@@ -285,13 +285,9 @@ impl Backend for CudaBackend {
         capacity_bytes: u64,
         pool: &HostPool,
     ) -> Result<Option<Arc<dyn DeviceKv>>, BackendError> {
-        if geom.dtype.scaled() {
-            return Err(BackendError::Unsupported(format!(
-                "{d} host KV (--kv-dtype {d}) runs on the CPU backend only: the device kernels \
-                 and recall copies read f32, f16 or bf16 blocks",
-                d = geom.dtype
-            )));
-        }
+        // Int8 and fp8 blocks go to the device as the pool holds them (codes and per-token
+        // scales, about half of f16's bytes to copy and keep); the attention kernel applies
+        // the scales as it loads each tile.
         let store = store::CudaKvStore::new(Arc::clone(&self.shared), geom, capacity_bytes, pool)?;
         Ok(Some(Arc::new(store)))
     }

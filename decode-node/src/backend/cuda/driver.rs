@@ -290,7 +290,7 @@ pub(crate) fn dtype_code(d: KvDType) -> i32 {
         KvDType::F32 => 0,
         KvDType::F16 => 1,
         KvDType::Bf16 => 2,
-        // Refused before any kernel sees them (`CudaBackend::device_kv`).
+        // Codes with per-token scales: only the attention kernel reads them.
         KvDType::I8 => 3,
         KvDType::F8E4M3 => 4,
     }

@@ -196,6 +196,10 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         (KvDType::Bf16, 8, 128),
         (KvDType::F32, 2, 128),
         (KvDType::Bf16, 5, 64),
+        (KvDType::I8, 1, 64),
+        (KvDType::I8, 4, 128),
+        (KvDType::F8E4M3, 8, 128),
+        (KvDType::F8E4M3, 5, 64),
     ] {
         add(
             &format!("sparse_attention_split+combine {dt:?} G={g} D={d}"),
