@@ -287,7 +287,19 @@ impl Backend for CudaBackend {
     ) -> Result<Option<Arc<dyn DeviceKv>>, BackendError> {
         // Int8 and fp8 blocks go to the device as the pool holds them (codes and per-token
         // scales, about half of f16's bytes to copy and keep); the attention kernel applies
-        // the scales as it loads each tile.
+        // the scales as it loads each tile. That path is checked on this device before it
+        // serves: a kernel that disagrees with the CPU's is refused, not used.
+        if geom.dtype.scaled() {
+            let err = selftest::check_split_attention(&self.shared, geom.dtype, 4, geom.head_dim)?;
+            if err.is_nan() || err > selftest::ATTENTION_TOLERANCE {
+                return Err(BackendError::Unsupported(format!(
+                    "{d} host KV (--kv-dtype {d}): the device attention kernel disagrees with \
+                     the CPU's on this device (relative error {err:e}); use --device cpu or a \
+                     float --kv-dtype",
+                    d = geom.dtype
+                )));
+            }
+        }
         let store = store::CudaKvStore::new(Arc::clone(&self.shared), geom, capacity_bytes, pool)?;
         Ok(Some(Arc::new(store)))
     }
