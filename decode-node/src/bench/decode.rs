@@ -1,6 +1,7 @@
 //! `bench decode`: tokens/s per attention mode and context length through a node on
-//! loopback, as a ratio to `full` in the same run; on the CPU, also the bytes a step moves
-//! (weights + KV attended) per second as a ratio to read bandwidth measured in the same run.
+//! loopback, as a ratio to `full` in the same run, with the bytes a step moves (weights + KV
+//! attended) per second as a ratio to a bound measured in the same run: host read bandwidth
+//! on the CPU, the device's copy bandwidth on a GPU.
 
 use super::*; // the shared helpers and imports of `bench`
 
@@ -16,19 +17,24 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
         .split(',')
         .map(|m| m.trim().to_string())
         .collect();
-    // On the CPU the step streams the weights and the KV it attends from host memory: the
-    // bound is the read bandwidth of all cores. (A device's bound is its own memory.)
+    // A step streams the weights and the KV it attends: on the CPU from host memory, whose
+    // bound is the read bandwidth of all cores; on a device from its own memory, whose copy
+    // bandwidth the backend measures (with the model loaded once here, then freed).
     let cfg = model_config(&args.common.model)?;
-    let cpu_bound = if args.common.model.device == "cpu" {
-        let weights = crate::node::Node::build(&args.common.model)?
-            .model
-            .model
-            .weight_bytes();
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Some((weights, host_read_bandwidth(threads)))
-    } else {
-        None
+    let on_device = args.common.model.device != "cpu";
+    let (weights, bw) = {
+        let node = crate::node::Node::build(&args.common.model)?;
+        let m = &node.model.model;
+        let bw = match m.backend().memory_bandwidth() {
+            Some(bw) => bw,
+            None => {
+                host_read_bandwidth(std::thread::available_parallelism().map_or(1, |n| n.get()))
+            }
+        };
+        (m.weight_bytes(), bw)
     };
+    let bound_name = if on_device { "device copy" } else { "read" };
+    let pool_dtype = crate::node::kv_dtype(&args.common.model.kv_dtype, &cfg.torch_dtype)?;
     let mut rows = Vec::new();
     for &ctx in &contexts {
         let mut full_tps = None;
@@ -114,27 +120,26 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let nb = args.batch.max(1) as f64;
             // Bytes a step moves: the weights once for the batch, and each request's KV over
             // the tokens it attends (its mean context in `full`, at most the budget otherwise).
-            let traffic = cpu_bound.map(|(weights, bw)| {
+            let traffic = {
                 let mean_ctx = ctx as f64 + f64::from(args.tokens) / 2.0;
                 let attended = if mode == "full" {
                     mean_ctx
                 } else {
                     mean_ctx.min(f64::from(args.common.model.budget_tokens))
                 };
-                let kv_es = if info.kv_dtype == pb::DType::DtypeF32 as i32 {
-                    4.0
-                } else {
-                    2.0
+                // The pool's bytes per token (int8 and fp8 with their scales), all layers.
+                let geom = BlockGeometry {
+                    block_size: info.block_size.max(1) as usize,
+                    num_kv_heads: info.num_kv_heads as usize,
+                    head_dim: info.head_dim as usize,
+                    dtype: pool_dtype,
                 };
-                let kv_per_token = 2.0
-                    * f64::from(info.num_layers)
-                    * f64::from(info.num_kv_heads)
-                    * f64::from(info.head_dim)
-                    * kv_es;
+                let kv_per_token =
+                    (geom.block_bytes() * info.num_layers as usize) as f64 / geom.block_size as f64;
                 let step_bytes = weights as f64 + nb * attended * kv_per_token;
                 let gbps = step_bytes * tps / nb;
                 (step_bytes / nb, gbps, bw)
-            });
+            };
             // Recall's traffic per generated token, and the share of recalled blocks that their
             // layer selected at its next step (what the copies were worth).
             let recall_per_token = recalled_bytes as f64 / tokens.max(1) as f64;
@@ -145,11 +150,11 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 "ratio_to_full": full_tps.map(|f| tps / f),
                 "cpu_share": cpu / nb, "prediction_hit_ratio": hit / nb, "device_wait_share": device_wait_share,
                 "recall_bytes_per_token": recall_per_token, "recall_used_share": recall_used_share,
-                "bytes_per_token": traffic.map(|t| t.0),
-                "gb_per_s": traffic.map(|t| t.1 / 1e9),
-                "read_gb_per_s": traffic.map(|t| t.2 / 1e9),
-                "ratio_to_read_bandwidth": traffic.map(|t| t.1 / t.2),
-                "fits_in_cache": traffic.map(|t| cache_note(t.0 * nb).is_some()),
+                "bytes_per_token": traffic.0,
+                "gb_per_s": traffic.1 / 1e9,
+                "read_gb_per_s": traffic.2 / 1e9, "bound": bound_name,
+                "ratio_to_read_bandwidth": traffic.1 / traffic.2,
+                "fits_in_cache": !on_device && cache_note(traffic.0 * nb).is_some(),
             });
             if !args.common.json {
                 eprintln!(
@@ -168,17 +173,16 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                         recall_used_share.unwrap_or(0.0) * 100.0
                     );
                 }
-                if let Some((per_token, gbps, bw)) = traffic {
-                    eprintln!(
-                        "decode ctx={ctx} {mode:>6}: {:.1} MB moved per token, {:.2} GB/s / {:.2} GB/s read = {:.2}",
-                        per_token / 1e6,
-                        gbps / 1e9,
-                        bw / 1e9,
-                        gbps / bw
-                    );
-                    if let Some(note) = cache_note(per_token * nb) {
-                        eprintln!("decode ctx={ctx} {mode:>6}: {note}");
-                    }
+                let (per_token, gbps, bw) = traffic;
+                eprintln!(
+                    "decode ctx={ctx} {mode:>6}: {:.1} MB moved per token, {:.2} GB/s / {:.2} GB/s {bound_name} = {:.2}",
+                    per_token / 1e6,
+                    gbps / 1e9,
+                    bw / 1e9,
+                    gbps / bw
+                );
+                if let Some(note) = cache_note(per_token * nb).filter(|_| !on_device) {
+                    eprintln!("decode ctx={ctx} {mode:>6}: {note}");
                 }
             }
             rows.push(row);
