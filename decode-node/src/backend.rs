@@ -49,6 +49,23 @@ pub struct LinearOut<'a> {
     pub y: &'a mut [f32],
 }
 
+/// The weights of a decoder layer's second half, [`Backend::finish_layer`].
+#[derive(Debug, Clone, Copy)]
+pub struct LayerOut<'a> {
+    /// Output projection `[hidden][heads * head_dim]`.
+    pub o: &'a Tensor,
+    /// RMSNorm weight before the MLP `[hidden]`.
+    pub post_norm: &'a [f32],
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// MLP gate `[intermediate][hidden]`.
+    pub gate: &'a Tensor,
+    /// MLP up, the gate's shape.
+    pub up: &'a Tensor,
+    /// MLP down `[hidden][intermediate]`.
+    pub down: &'a Tensor,
+}
+
 /// Device memory for hot KV blocks, shared by every sequence of the engine.
 pub trait DeviceKv: Send + Sync + std::fmt::Debug {
     /// Per-sequence device state with `blocks_per_head` slots per (layer, KV head); dropping
@@ -144,6 +161,19 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         glu_unfused(self, x, batch, gate, up, y)
     }
 
+    /// The second half of a decoder layer on the residual `x` (`[batch][hidden]`), in place:
+    /// `x += attn · oᵀ`, then `x += down(silu(gate(m)) * up(m))` with `m` the RMSNorm of `x`.
+    /// A device backend runs it in one round trip instead of one per projection.
+    fn finish_layer(
+        &self,
+        x: &mut [f32],
+        attn: &[f32],
+        batch: usize,
+        w: LayerOut<'_>,
+    ) -> Result<(), BackendError> {
+        finish_layer_unfused(self, x, attn, batch, w)
+    }
+
     /// Bytes per second the device's memory moves (a copy's read plus write), measured now;
     /// `None` for the CPU backend, whose bound the benches measure themselves.
     fn memory_bandwidth(&self) -> Option<f64> {
@@ -180,6 +210,28 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             *g = silu_times(*g, *u);
         }
     }
+}
+
+/// [`Backend::finish_layer`] op by op: each projection a call of its own, the residual adds
+/// and the norm on the host.
+pub(crate) fn finish_layer_unfused<B: Backend + ?Sized>(
+    b: &B,
+    x: &mut [f32],
+    attn: &[f32],
+    n: usize,
+    w: LayerOut<'_>,
+) -> Result<(), BackendError> {
+    let h = w.post_norm.len();
+    let mut o = vec![0f32; n * h];
+    b.linear(attn, n, w.o, None, &mut o)?;
+    x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+    let mut xn = vec![0f32; n * h];
+    b.rms_norm(x, w.post_norm, w.eps, &mut xn);
+    let mut gate = vec![0f32; n * w.gate.rows()];
+    b.linear_glu(&xn, n, w.gate, w.up, &mut gate)?;
+    b.linear(&gate, n, w.down, None, &mut o)?;
+    x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+    Ok(())
 }
 
 /// [`Backend::linear_glu`] as two projections in one call, then the SiLU-mul.

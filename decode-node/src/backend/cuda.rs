@@ -13,6 +13,7 @@
 mod blas;
 mod call;
 mod driver;
+mod layer;
 pub mod selftest;
 mod slots;
 mod store;
@@ -65,6 +66,8 @@ pub enum CudaError {
 pub struct CudaBackend {
     shared: Arc<Shared>,
     blas: Mutex<Blas>,
+    /// Whether the one-round-trip layer agreed with the op-by-op one on this device.
+    fused: layer::FusedCheck,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -118,6 +121,7 @@ impl CudaBackend {
                 k,
             }),
             blas: Mutex::new(blas_state),
+            fused: layer::FusedCheck::default(),
         })
     }
 
@@ -272,6 +276,43 @@ impl Backend for CudaBackend {
                 }
             }
         }
+        Ok(())
+    }
+
+    fn finish_layer(
+        &self,
+        x: &mut [f32],
+        attn: &[f32],
+        batch: usize,
+        w: super::LayerOut<'_>,
+    ) -> Result<(), BackendError> {
+        match self.fused.state() {
+            Some(true) => return self.finish_layer_fused(x, attn, batch, &w),
+            Some(false) => return super::finish_layer_unfused(self, x, attn, batch, w),
+            None => {}
+        }
+        // First use on this device: both paths, the fused one kept only if they agree.
+        let mut want = x.to_vec();
+        super::finish_layer_unfused(self, &mut want, attn, batch, w)?;
+        let fused = self.finish_layer_fused(x, attn, batch, &w);
+        if let Err(e @ BackendError::DeviceLost(_)) = fused {
+            return Err(e);
+        }
+        let diff = match &fused {
+            Ok(()) => layer::rel_diff(x, &want),
+            Err(_) => f64::NAN,
+        };
+        let agrees = diff <= layer::FUSED_TOLERANCE;
+        if agrees {
+            tracing::info!(
+                diff,
+                "the one-round-trip layer agrees with the op-by-op one; using it"
+            );
+        } else {
+            tracing::error!(diff, error = ?fused.err(), "the one-round-trip layer disagrees with the op-by-op one on this device; using the op-by-op path");
+            x.copy_from_slice(&want);
+        }
+        self.fused.record(agrees);
         Ok(())
     }
 

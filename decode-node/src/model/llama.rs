@@ -11,7 +11,7 @@ use super::config::ModelConfig;
 use super::rope::{self, Rotations};
 use super::weights::{Tensor, WeightMap};
 use crate::backend::gemm::{Mat, MatMut, gemm};
-use crate::backend::{Backend, LinearOut};
+use crate::backend::{Backend, LayerOut, LinearOut};
 
 /// A projection: weight `[out][in]` and optional bias.
 #[derive(Debug)]
@@ -310,19 +310,15 @@ impl Model {
         attn: &[f32],
         n: usize,
     ) -> Result<(), ModelError> {
-        let h = self.cfg.hidden_size;
-        let mut o = vec![0f32; n * h];
-        self.backend.linear(attn, n, &layer.o.w, None, &mut o)?;
-        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-        let mut xn = vec![0f32; n * h];
-        self.backend
-            .rms_norm(x, &layer.post_norm, self.eps(), &mut xn);
-        let mut gate = vec![0f32; n * self.cfg.intermediate_size];
-        self.backend
-            .linear_glu(&xn, n, &layer.gate.w, &layer.up.w, &mut gate)?;
-        self.backend.linear(&gate, n, &layer.down.w, None, &mut o)?;
-        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-        Ok(())
+        let w = LayerOut {
+            o: &layer.o.w,
+            post_norm: &layer.post_norm,
+            eps: self.eps(),
+            gate: &layer.gate.w,
+            up: &layer.up.w,
+            down: &layer.down.w,
+        };
+        Ok(self.backend.finish_layer(x, attn, n, w)?)
     }
 
     /// Runs a whole prompt (causal, dense attention) and returns its KV and last logits.

@@ -70,7 +70,28 @@ impl Blas {
         x: u64,
         y: u64,
     ) -> Result<(), BackendError> {
-        let (alpha, beta) = (1f32, 0f32);
+        // SAFETY: forwarded.
+        unsafe { self.gemm_beta(dtype, rows, batch, cols, w, x, y, 0.0) }
+    }
+
+    /// [`Blas::gemm`] adding to what `y` holds times `beta`: `y = x · wᵀ + beta y` (1: a
+    /// residual add inside the GEMM).
+    ///
+    /// # Safety
+    /// As [`Blas::gemm`]; `y` holds initialised floats when `beta` is not 0.
+    #[allow(clippy::too_many_arguments)] // the GEMM's shape and operands, spelled out
+    pub(crate) unsafe fn gemm_beta(
+        &mut self,
+        dtype: KvDType,
+        rows: usize,
+        batch: usize,
+        cols: usize,
+        w: u64,
+        x: u64,
+        y: u64,
+        beta: f32,
+    ) -> Result<(), BackendError> {
+        let alpha = 1f32;
         let ty = half_type(dtype);
         // Row-major y = x · wᵀ is, column-major, Y(rows×batch) = Wᵀ(rows×cols) · X(cols×batch)
         // with W stored as (cols×rows).
@@ -99,6 +120,15 @@ impl Blas {
             )
         }
         .map_err(|e| lib_err("cuBLAS GemmEx", e))
+    }
+}
+
+/// The device address of `w`, uploaded on first use.
+pub(crate) fn weight_ptr(g: &mut Blas, sh: &Shared, w: &Tensor) -> Result<u64, BackendError> {
+    let key = upload(g, sh, w)?;
+    match g.weights.get(&key) {
+        Some(d) => Ok(cudarc::driver::DevicePtr::device_ptr(d, &sh.stream).0),
+        None => Err(BackendError::Device("weight cache".into())),
     }
 }
 

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use kv_transfer::HostPool;
 
 use super::{CudaBackend, Shared, dtype_code};
-use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv};
+use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv, LayerOut};
 use crate::model::random::SplitMix;
 use crate::tensor::Tensor;
 
@@ -181,6 +181,13 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
             check_linear(backend, dt),
         );
     }
+    for dt in [KvDType::F32, KvDType::Bf16] {
+        add(
+            &format!("finish_layer one round trip vs op by op {dt:?}"),
+            super::layer::FUSED_TOLERANCE,
+            check_finish_layer(backend, dt),
+        );
+    }
     let sh = backend.shared();
     add("f32_to_half", 0.0, check_f32_to_half(sh));
     add("rms_norm", 1e-5, check_rms_norm(sh));
@@ -208,6 +215,43 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         );
     }
     out
+}
+
+/// The fused second half of a layer against the op-by-op one on the same device (SmolLM2's
+/// widths, three rows).
+fn check_finish_layer(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError> {
+    let mut r = SplitMix(21);
+    let (n, hidden, attn_w, inter) = (3, 576, 576, 1536);
+    let mut tensor = |rows: usize, cols: usize| {
+        let v = random(&mut r, rows * cols, 0.05);
+        let mut bytes = vec![0u8; v.len() * dt.size()];
+        encode_from_f32(dt, &v, &mut bytes);
+        Tensor::from_bytes(vec![rows, cols], dt, bytes)
+    };
+    let (o, gate, up, down) = (
+        tensor(hidden, attn_w),
+        tensor(inter, hidden),
+        tensor(inter, hidden),
+        tensor(hidden, inter),
+    );
+    let norm = random(&mut r, hidden, 1.0);
+    let x = random(&mut r, n * hidden, 1.0);
+    let attn = random(&mut r, n * attn_w, 1.0);
+    let w = LayerOut {
+        o: &o,
+        post_norm: &norm,
+        eps: 1e-6,
+        gate: &gate,
+        up: &up,
+        down: &down,
+    };
+    let mut want = x.clone();
+    let mut got = x;
+    let res = crate::backend::finish_layer_unfused(b, &mut want, &attn, n, w)
+        .and_then(|()| b.finish_layer_fused(&mut got, &attn, n, &w));
+    b.clear_weights()?;
+    res?;
+    Ok(super::layer::rel_diff(&got, &want))
 }
 
 fn check_linear(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError> {
