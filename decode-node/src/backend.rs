@@ -66,6 +66,74 @@ pub struct LayerOut<'a> {
     pub down: &'a Tensor,
 }
 
+/// One decode step's residual stream `[batch][hidden]`, kept where the backend computes: a
+/// device backend holds it in device memory from the embedding to the LM head, so a layer
+/// sends the host only what the host needs (q, k, v) and receives only what the host made
+/// (the attention output).
+pub trait Residual {
+    /// `outs[i].y = (rms_norm(x) * norm) · outs[i].wᵀ + bias` of the residual `x`.
+    fn norm_project(
+        &mut self,
+        norm: &[f32],
+        eps: f32,
+        outs: &mut [LinearOut<'_>],
+    ) -> Result<(), BackendError>;
+
+    /// [`Backend::finish_layer`] on the residual.
+    fn finish_layer(&mut self, attn: &[f32], w: LayerOut<'_>) -> Result<(), BackendError>;
+}
+
+/// The residual in host memory, each op a call of its backend.
+#[derive(Debug)]
+pub struct HostResidual<'a, B: ?Sized> {
+    b: &'a B,
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    batch: usize,
+}
+
+impl<'a, B: Backend + ?Sized> HostResidual<'a, B> {
+    /// The residual `x` (`[batch][hidden]`) on the host of `b`.
+    pub fn new(b: &'a B, x: Vec<f32>, batch: usize) -> Self {
+        let xn = vec![0f32; x.len()];
+        Self { b, x, xn, batch }
+    }
+}
+
+impl<B: Backend + ?Sized> Residual for HostResidual<'_, B> {
+    fn norm_project(
+        &mut self,
+        norm: &[f32],
+        eps: f32,
+        outs: &mut [LinearOut<'_>],
+    ) -> Result<(), BackendError> {
+        self.b.rms_norm(&self.x, norm, eps, &mut self.xn);
+        self.b.linear_many(&self.xn, self.batch, outs)
+    }
+
+    fn finish_layer(&mut self, attn: &[f32], w: LayerOut<'_>) -> Result<(), BackendError> {
+        self.b.finish_layer(&mut self.x, attn, self.batch, w)
+    }
+}
+
+/// Largest `|got - want|` over the largest `|want|`: NaN where either holds NaN or their
+/// lengths differ, which no tolerance accepts.
+pub(crate) fn rel_diff(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::NAN;
+    }
+    let scale = want.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
+    let mut diff = 0f64;
+    for (a, b) in got.iter().zip(want) {
+        let d = f64::from(a - b).abs();
+        if d.is_nan() {
+            return f64::NAN;
+        }
+        diff = diff.max(d);
+    }
+    diff / scale.max(1e-30)
+}
+
 /// Device memory for hot KV blocks, shared by every sequence of the engine.
 pub trait DeviceKv: Send + Sync + std::fmt::Debug {
     /// Per-sequence device state with `blocks_per_head` slots per (layer, KV head); dropping
@@ -173,6 +241,26 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> Result<(), BackendError> {
         finish_layer_unfused(self, x, attn, batch, w)
     }
+
+    /// A decode step's residual stream, starting from the embeddings `x` (`[batch][hidden]`):
+    /// on the host by default, in device memory on a device backend.
+    fn residual<'a>(
+        &'a self,
+        x: Vec<f32>,
+        batch: usize,
+    ) -> Result<Box<dyn Residual + 'a>, BackendError> {
+        Ok(Box::new(HostResidual::new(self, x, batch)))
+    }
+
+    /// True when [`Backend::residual`] keeps the residual off the host: the model then checks
+    /// it once against [`HostResidual`].
+    fn residual_on_device(&self) -> bool {
+        false
+    }
+
+    /// From now on [`Backend::residual`] keeps the residual on the host (a check found the
+    /// device path wrong).
+    fn keep_residual_on_host(&self) {}
 
     /// Bytes per second the device's memory moves (a copy's read plus write), measured now;
     /// `None` for the CPU backend, whose bound the benches measure themselves.

@@ -389,7 +389,12 @@ fn kernel_checks(device: &str) -> anyhow::Result<usize> {
     let backend = crate::backend::cuda::CudaBackend::new(ordinal)
         .with_context(|| format!("--device {device}"))?;
     let mut failed = 0;
-    for c in crate::backend::cuda::selftest::run(&backend) {
+    let mut checks = crate::backend::cuda::selftest::run(&backend);
+    drop(backend);
+    checks.push(crate::backend::cuda::selftest::check_device_residual(
+        ordinal,
+    ));
+    for c in checks {
         let verdict = if c.passed() { "PASS" } else { "FAIL" };
         match &c.error {
             Some(e) => println!("{verdict} {:<48} error: {e}", c.name),

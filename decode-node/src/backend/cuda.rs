@@ -68,6 +68,8 @@ pub struct CudaBackend {
     blas: Mutex<Blas>,
     /// Whether the one-round-trip layer agreed with the op-by-op one on this device.
     fused: layer::FusedCheck,
+    /// Decode steps keep their residual in device memory (until a model's check says no).
+    residual_on_device: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -122,6 +124,7 @@ impl CudaBackend {
             }),
             blas: Mutex::new(blas_state),
             fused: layer::FusedCheck::default(),
+            residual_on_device: std::sync::atomic::AtomicBool::new(true),
         })
     }
 
@@ -277,6 +280,28 @@ impl Backend for CudaBackend {
             }
         }
         Ok(())
+    }
+
+    fn residual<'a>(
+        &'a self,
+        x: Vec<f32>,
+        batch: usize,
+    ) -> Result<Box<dyn super::Residual + 'a>, BackendError> {
+        if self.residual_on_device() {
+            Ok(Box::new(self.device_residual(x, batch)?))
+        } else {
+            Ok(Box::new(super::HostResidual::new(self, x, batch)))
+        }
+    }
+
+    fn residual_on_device(&self) -> bool {
+        self.residual_on_device
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn keep_residual_on_host(&self) {
+        self.residual_on_device
+            .store(false, std::sync::atomic::Ordering::Release);
     }
 
     fn finish_layer(

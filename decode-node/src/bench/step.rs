@@ -2,34 +2,6 @@
 
 use super::*; // the shared helpers and imports of `bench`
 
-/// Attention over the token itself only: the step's cost is then the weights it streams.
-#[derive(Debug)]
-struct SelfOnly {
-    group: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-}
-
-impl crate::model::DecodeAttention for SelfOnly {
-    fn attend(
-        &mut self,
-        _layer: usize,
-        _q: &[f32],
-        _k: &[f32],
-        v: &[f32],
-        out: &mut [f32],
-    ) -> Result<(), crate::model::ModelError> {
-        let d = self.head_dim;
-        let heads = self.group * self.num_kv_heads;
-        for (i, o) in out.chunks_exact_mut(d).enumerate() {
-            let (b, h) = (i / heads, i % heads);
-            let at = (b * self.num_kv_heads + h / self.group) * d;
-            o.copy_from_slice(&v[at..at + d]);
-        }
-        Ok(())
-    }
-}
-
 /// One decode step of the model: tokens/s and weight bytes streamed per second ÷ read
 /// bandwidth measured in the same run (all cores).
 pub(super) fn step(args: &StepBench) -> anyhow::Result<serde_json::Value> {
@@ -48,11 +20,8 @@ pub(super) fn step(args: &StepBench) -> anyhow::Result<serde_json::Value> {
     }
     let mut rows = Vec::new();
     for batch in [1usize, args.batch.max(1) as usize] {
-        let mut attn = SelfOnly {
-            group: cfg.num_heads / cfg.num_kv_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-        };
+        // Attention over the token itself only: the step's cost is then the weights it streams.
+        let mut attn = crate::model::SelfAttention::of(cfg);
         let tokens = vec![1u32; batch];
         let positions = vec![8usize; batch];
         // Warm-up step maps the weights in.

@@ -11,7 +11,7 @@ use super::config::ModelConfig;
 use super::rope::{self, Rotations};
 use super::weights::{Tensor, WeightMap};
 use crate::backend::gemm::{Mat, MatMut, gemm};
-use crate::backend::{Backend, LayerOut, LinearOut};
+use crate::backend::{Backend, HostResidual, LayerOut, LinearOut, Residual, rel_diff};
 
 /// A projection: weight `[out][in]` and optional bias.
 #[derive(Debug)]
@@ -175,7 +175,7 @@ impl Model {
         for left in wm.remaining() {
             tracing::warn!(tensor = left, "unused tensor in checkpoint");
         }
-        Ok(Self {
+        let model = Self {
             model_id: cfg.model_id(name),
             inv_freq: rope::inv_freq(&cfg),
             cfg,
@@ -184,7 +184,9 @@ impl Model {
             layers,
             norm,
             lm_head,
-        })
+        };
+        model.check_residual()?;
+        Ok(model)
     }
 
     /// Bytes of weights one decode step streams (every projection and the LM head).
@@ -241,21 +243,6 @@ impl Model {
         }
     }
 
-    /// q projection of normed rows `xn`, with per-head norm and RoPE by `rot`.
-    fn project_q(
-        &self,
-        layer: &Layer,
-        xn: &[f32],
-        rot: &Rotations,
-    ) -> Result<Vec<f32>, ModelError> {
-        let n = rot.positions();
-        let mut q = vec![0f32; n * layer.q.w.rows()];
-        self.backend
-            .linear(xn, n, &layer.q.w, layer.q.b.as_deref(), &mut q)?;
-        self.norm_rope(&mut q, layer.q_norm.as_deref(), rot);
-        Ok(q)
-    }
-
     /// q, k (normed, RoPE'd) and v of normed rows `xn`, in one backend call.
     fn qkv(&self, layer: &Layer, xn: &[f32], rot: &Rotations) -> Result<Qkv, ModelError> {
         let n = rot.positions();
@@ -310,15 +297,9 @@ impl Model {
         attn: &[f32],
         n: usize,
     ) -> Result<(), ModelError> {
-        let w = LayerOut {
-            o: &layer.o.w,
-            post_norm: &layer.post_norm,
-            eps: self.eps(),
-            gate: &layer.gate.w,
-            up: &layer.up.w,
-            down: &layer.down.w,
-        };
-        Ok(self.backend.finish_layer(x, attn, n, w)?)
+        Ok(self
+            .backend
+            .finish_layer(x, attn, n, self.layer_out(layer))?)
     }
 
     /// Runs a whole prompt (causal, dense attention) and returns its KV and last logits.
@@ -394,7 +375,7 @@ impl Model {
         }
     }
 
-    /// [`Self::decode_step`] on the calling thread.
+    /// [`Self::decode_step`] on the calling thread, the residual where the backend keeps it.
     fn decode_step_here(
         &self,
         tokens: &[u32],
@@ -402,30 +383,179 @@ impl Model {
         attn: &mut dyn DecodeAttention,
     ) -> Result<Vec<f32>, ModelError> {
         self.check_tokens(tokens)?;
-        let n = tokens.len();
+        let r = self.backend.residual(self.embed(tokens), tokens.len())?;
+        self.decode_on(r, positions, attn)
+    }
+
+    /// The layers and LM head of a decode step over the residual `r` (the batch's
+    /// embeddings), one row per position.
+    fn decode_on(
+        &self,
+        mut r: Box<dyn Residual + '_>,
+        positions: &[usize],
+        attn: &mut dyn DecodeAttention,
+    ) -> Result<Vec<f32>, ModelError> {
+        let n = positions.len();
         let cfg = &self.cfg;
-        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let rot = Rotations::new(&self.inv_freq, positions);
-        let mut x = self.embed(tokens);
-        let mut xn = vec![0f32; n * h];
         for (i, layer) in self.layers.iter().enumerate() {
             // Layer-ahead: layer i+1's query from layer i's input (residuals change it little).
             if let Some(next) = self.layers.get(i + 1)
                 && attn.wants_prediction(i + 1)
             {
-                self.backend
-                    .rms_norm(&x, &next.input_norm, self.eps(), &mut xn);
-                let qp = self.project_q(next, &xn, &rot)?;
+                let mut qp = vec![0f32; n * next.q.w.rows()];
+                r.norm_project(
+                    &next.input_norm,
+                    self.eps(),
+                    &mut [LinearOut {
+                        w: &next.q.w,
+                        bias: next.q.b.as_deref(),
+                        y: &mut qp,
+                    }],
+                )?;
+                self.norm_rope(&mut qp, next.q_norm.as_deref(), &rot);
                 attn.predicted(i + 1, &qp);
             }
-            self.backend
-                .rms_norm(&x, &layer.input_norm, self.eps(), &mut xn);
-            let (q, k, v) = self.qkv(layer, &xn, &rot)?;
-            let mut out = vec![0f32; n * cfg.num_heads * hd];
+            let (q, k, v) = self.qkv_of(layer, &mut *r, &rot)?;
+            let mut out = vec![0f32; n * cfg.num_heads * cfg.head_dim];
             attn.attend(i, &q, &k, &v, &mut out)?;
-            self.finish_layer(layer, &mut x, &out, n)?;
+            r.finish_layer(&out, self.layer_out(layer))?;
         }
-        self.lm_head(&x, n)
+        let mut logits = vec![0f32; n * cfg.vocab_size];
+        r.norm_project(
+            &self.norm,
+            self.eps(),
+            &mut [LinearOut {
+                w: self.lm_head.as_ref().unwrap_or(&self.embed),
+                bias: None,
+                y: &mut logits,
+            }],
+        )?;
+        Ok(logits)
+    }
+
+    /// q, k (normed, RoPE'd) and v of `layer` from the residual `r`, in one call.
+    fn qkv_of(
+        &self,
+        layer: &Layer,
+        r: &mut dyn Residual,
+        rot: &Rotations,
+    ) -> Result<Qkv, ModelError> {
+        let n = rot.positions();
+        let mut q = vec![0f32; n * layer.q.w.rows()];
+        let mut k = vec![0f32; n * layer.k.w.rows()];
+        let mut v = vec![0f32; n * layer.v.w.rows()];
+        let mut outs =
+            [(&layer.q, &mut q), (&layer.k, &mut k), (&layer.v, &mut v)].map(|(l, y)| LinearOut {
+                w: &l.w,
+                bias: l.b.as_deref(),
+                y,
+            });
+        r.norm_project(&layer.input_norm, self.eps(), &mut outs)?;
+        self.norm_rope(&mut q, layer.q_norm.as_deref(), rot);
+        self.norm_rope(&mut k, layer.k_norm.as_deref(), rot);
+        Ok((q, k, v))
+    }
+
+    /// The weights of `layer`'s second half.
+    fn layer_out<'a>(&'a self, layer: &'a Layer) -> LayerOut<'a> {
+        LayerOut {
+            o: &layer.o.w,
+            post_norm: &layer.post_norm,
+            eps: self.eps(),
+            gate: &layer.gate.w,
+            up: &layer.up.w,
+            down: &layer.down.w,
+        }
+    }
+
+    /// A backend that keeps the residual on its device must give the host path's logits:
+    /// checked once per model on a decode step of two tokens that attend only themselves;
+    /// where they differ, the backend keeps the residual on the host from then on.
+    fn check_residual(&self) -> Result<(), ModelError> {
+        if !self.backend.residual_on_device() {
+            return Ok(());
+        }
+        let (diff, err) = self.residual_diff()?;
+        if diff <= RESIDUAL_TOLERANCE {
+            tracing::info!(
+                diff,
+                "the device-resident residual gives the host path's logits"
+            );
+        } else {
+            tracing::error!(diff, error = ?err, "the device-resident residual does not give the host path's logits; keeping the residual on the host");
+            self.backend.keep_residual_on_host();
+        }
+        Ok(())
+    }
+
+    /// How far the logits of the backend's residual are from the host path's on a decode step
+    /// of two tokens that attend only themselves (relative to the largest; NaN with the
+    /// device path's error where it failed).
+    pub fn residual_diff(&self) -> Result<(f64, Option<ModelError>), ModelError> {
+        let vocab = self.cfg.vocab_size as u32;
+        let tokens = [1.min(vocab - 1), 2.min(vocab - 1)];
+        let positions = [0usize, 1];
+        let mut attn = SelfAttention::of(&self.cfg);
+        let on_host = self.decode_on(
+            Box::new(HostResidual::new(&*self.backend, self.embed(&tokens), 2)),
+            &positions,
+            &mut attn,
+        )?;
+        let on_device = self.decode_on(
+            self.backend.residual(self.embed(&tokens), 2)?,
+            &positions,
+            &mut attn,
+        );
+        Ok(match on_device {
+            Ok(l) => (rel_diff(&l, &on_host), None),
+            Err(e) => (f64::NAN, Some(e)),
+        })
+    }
+}
+
+/// Largest difference of logits (relative to the largest) between the device-resident
+/// residual and the host path: both round the same activations to the weights' type, but
+/// norms run on different processors, so a value on a rounding edge may round the other way.
+pub const RESIDUAL_TOLERANCE: f64 = 1e-2;
+
+/// Attention of each token to itself only (`out` of a head = its KV head's new `v`): a decode
+/// step's dense work without any KV, for checks and `bench step`.
+#[derive(Debug, Clone, Copy)]
+pub struct SelfAttention {
+    group: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl SelfAttention {
+    /// For a model of `cfg`'s shape.
+    pub fn of(cfg: &ModelConfig) -> Self {
+        Self {
+            group: cfg.num_heads / cfg.num_kv_heads.max(1),
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        }
+    }
+}
+
+impl DecodeAttention for SelfAttention {
+    fn attend(
+        &mut self,
+        _layer: usize,
+        _q: &[f32],
+        _k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let d = self.head_dim;
+        let heads = self.group * self.num_kv_heads;
+        for (i, o) in out.chunks_exact_mut(d).enumerate() {
+            let (b, h) = (i / heads, i % heads);
+            let at = (b * self.num_kv_heads + h / self.group) * d;
+            o.copy_from_slice(&v[at..at + d]);
+        }
+        Ok(())
     }
 }
 
@@ -573,6 +703,77 @@ mod tests {
             for (a, b) in dense.keys[1].iter().zip(&full.keys[1]) {
                 assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0));
             }
+        }
+    }
+
+    /// A backend that claims to keep the residual on a device: `skew` makes that path wrong
+    /// (the residual scaled), as a faulty device kernel would.
+    #[derive(Debug)]
+    struct FakeDevice {
+        on_device: std::sync::atomic::AtomicBool,
+        skew: f32,
+    }
+
+    impl Backend for FakeDevice {
+        fn name(&self) -> String {
+            "fake".into()
+        }
+        fn linear(
+            &self,
+            x: &[f32],
+            batch: usize,
+            w: &Tensor,
+            bias: Option<&[f32]>,
+            y: &mut [f32],
+        ) -> Result<(), crate::backend::BackendError> {
+            CpuBackend.linear(x, batch, w, bias, y)
+        }
+        fn residual<'a>(
+            &'a self,
+            mut x: Vec<f32>,
+            batch: usize,
+        ) -> Result<Box<dyn Residual + 'a>, crate::backend::BackendError> {
+            if self.residual_on_device() {
+                x.iter_mut().for_each(|v| *v *= self.skew);
+            }
+            Ok(Box::new(HostResidual::new(self, x, batch)))
+        }
+        fn residual_on_device(&self) -> bool {
+            self.on_device.load(std::sync::atomic::Ordering::Relaxed)
+        }
+        fn keep_residual_on_host(&self) {
+            self.on_device
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn a_device_residual_that_disagrees_with_the_host_path_is_turned_off_at_load() {
+        let mut cfg = preset("tiny", Arch::Llama).unwrap();
+        cfg.vocab_size = 300;
+        let toks = [5u32, 77];
+        let reference = Model::from_weights(
+            cfg.clone(),
+            "t",
+            random_weights(&cfg, 4, KvDType::F32),
+            Arc::new(CpuBackend),
+        )
+        .unwrap()
+        .decode_step(&toks, &[0, 1], &mut SelfAttention::of(&cfg))
+        .unwrap();
+        for (skew, kept) in [(1.0, true), (1.5, false)] {
+            let b = Arc::new(FakeDevice {
+                on_device: true.into(),
+                skew,
+            });
+            let wm = random_weights(&cfg, 4, KvDType::F32);
+            let m = Model::from_weights(cfg.clone(), "t", wm, b.clone()).unwrap();
+            assert_eq!(b.residual_on_device(), kept, "skew {skew}");
+            // Whatever the check decided, decoding now gives the host path's logits.
+            let got = m
+                .decode_step(&toks, &[0, 1], &mut SelfAttention::of(&cfg))
+                .unwrap();
+            assert_eq!(got, reference, "skew {skew}");
         }
     }
 

@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use config::{Arch, ModelConfig};
-pub use llama::{DecodeAttention, Model, PrefillOutput};
+pub use llama::{DecodeAttention, Model, PrefillOutput, SelfAttention};
 pub use sampling::{Sampler, Sampling};
 pub use tokenizer::Tokenizer;
 

@@ -19,6 +19,9 @@ pub(crate) struct Blas {
     pub(crate) x: DevBuf,
     pub(crate) xh: DevBuf,
     pub(crate) y: DevBuf,
+    /// A decode step's residual, and the scratch of the ops on it (`layer::CudaResidual`).
+    pub(crate) res: DevBuf,
+    pub(crate) work: DevBuf,
     /// Host side of `x` and `y`.
     pub(crate) staging: Pinned,
 }
@@ -45,6 +48,8 @@ impl Blas {
             x: DevBuf::default(),
             xh: DevBuf::default(),
             y: DevBuf::default(),
+            res: DevBuf::default(),
+            work: DevBuf::default(),
             staging: Pinned::empty(),
         };
         // SAFETY: the handle is valid and the stream outlives it (both owned by the backend).

@@ -1,21 +1,30 @@
-//! A decoder layer's second half on the device in one round trip (#21 item 1, first part):
-//! the residual and the attention output go up once, the output projection adds into the
-//! residual inside its GEMM (beta = 1), RMSNorm, gate and up, SiLU-mul and the down
-//! projection (beta = 1 again) run back to back on the stream, and the residual comes back
-//! with the step's one wait, where the op-by-op path crosses PCIe and waits three times and
-//! adds, norms and multiplies on the host in between.
+//! The layers' dense work on the device (#21 item 1).
 //!
-//! Until it has been compared on this device, it is not trusted: the first call runs both
-//! paths and keeps the fused one only when they agree ([`FusedCheck`]).
+//! A layer's second half is one queue of work: the output projection adds into the residual
+//! inside its GEMM (beta = 1), then RMSNorm, gate and up, SiLU-mul and the down projection
+//! (beta = 1 again) run back to back on the stream ([`queue_layer`]), where the op-by-op path
+//! crosses PCIe and waits three times and adds, norms and multiplies on the host in between.
+//!
+//! [`CudaResidual`] keeps a decode step's residual in device memory from the embeddings to the
+//! LM head: a layer's first half norms it and projects on the device and brings back only
+//! q, k and v (one wait), its second half sends only the attention output (no wait).
+//!
+//! Neither is trusted before it has been compared on the device at hand: the standalone
+//! [`CudaBackend::finish_layer_fused`] on its first call against the op-by-op path
+//! ([`FusedCheck`]), the device residual by the model at load against the host residual
+//! (`Model::residual_diff`); a disagreement keeps the op-by-op path.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use attention::KvDType;
 
+use cudarc::driver::{result as drv, sys};
+
 use super::blas::{Blas, weight_ptr};
-use super::driver::{Shared, dtoh_f32, dtype_code, f32_bytes, htod};
+use super::driver::{Shared, dev_err, dtoh_f32, dtype_code, f32_bytes, htod};
 use super::{BackendError, CudaBackend};
-use crate::backend::LayerOut;
+pub(super) use crate::backend::rel_diff;
+use crate::backend::{LayerOut, LinearOut, Residual};
 
 /// Largest relative difference (to the largest magnitude of the op-by-op result) the fused
 /// path may show: both round the same activations to the weights' type, but the norm runs on
@@ -42,24 +51,6 @@ impl FusedCheck {
         self.0
             .store(if agrees { AGREES } else { DISAGREES }, Ordering::Release);
     }
-}
-
-/// Largest `|got - want|` over the largest `|want|` (0 for two empty slices; NaN anywhere
-/// gives NaN, which no tolerance accepts).
-pub(super) fn rel_diff(got: &[f32], want: &[f32]) -> f64 {
-    if got.len() != want.len() {
-        return f64::NAN;
-    }
-    let scale = want.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
-    let mut diff = 0f64;
-    for (a, b) in got.iter().zip(want) {
-        let d = f64::from(a - b).abs();
-        if d.is_nan() {
-            return f64::NAN;
-        }
-        diff = diff.max(d);
-    }
-    diff / scale.max(1e-30)
 }
 
 /// Offsets (in floats) of the fused layer's device buffers, each 64-float aligned.
@@ -128,6 +119,114 @@ fn as_input(
     Ok(half)
 }
 
+/// Device addresses of the fused layer's operands.
+#[derive(Debug, Clone, Copy)]
+struct Operands {
+    /// Residual `[n][hidden]`, updated in place.
+    x: u64,
+    /// Attention output `[n][attn_w]`.
+    attn: u64,
+    /// RMSNorm weight `[hidden]`.
+    norm: u64,
+    /// Scratch: normed rows `[n][hidden]`, gate and up `[n][inter]`, and halves of the widest.
+    xn: u64,
+    gate: u64,
+    up: u64,
+    half: u64,
+}
+
+/// The shapes of a layer's second half, checked against its weights: `(hidden, attn_w,
+/// inter)`.
+fn layer_shape(
+    n: usize,
+    x_len: usize,
+    attn_len: usize,
+    w: &LayerOut<'_>,
+) -> Result<(usize, usize, usize), BackendError> {
+    let hidden = w.post_norm.len();
+    let inter = w.gate.rows();
+    let attn_w = attn_len / n.max(1);
+    let ok = n > 0
+        && x_len == n * hidden
+        && attn_len == n * attn_w
+        && (w.o.rows(), w.o.cols()) == (hidden, attn_w)
+        && w.gate.cols() == hidden
+        && (w.up.rows(), w.up.cols()) == (inter, hidden)
+        && (w.down.rows(), w.down.cols()) == (hidden, inter);
+    if ok {
+        Ok((hidden, attn_w, inter))
+    } else {
+        Err(BackendError::Unsupported(format!(
+            "layer of {n} rows: residual {x_len} floats, attention {attn_len} floats, o {}x{}, gate {}x{}, up {}x{}, down {}x{}, norm {hidden}",
+            w.o.rows(),
+            w.o.cols(),
+            w.gate.rows(),
+            w.gate.cols(),
+            w.up.rows(),
+            w.up.cols(),
+            w.down.rows(),
+            w.down.cols()
+        )))
+    }
+}
+
+/// Queues a layer's second half on the main stream over operands already on the device.
+///
+/// # Safety
+/// The operands are device ranges of the sizes [`Operands`] names for `n` rows of the shape
+/// `(hidden, attn_w, inter)` that [`layer_shape`] returned for `w`; `half` holds
+/// `n * max(hidden, attn_w, inter)` halves.
+unsafe fn queue_layer(
+    sh: &Shared,
+    g: &mut Blas,
+    n: usize,
+    (hidden, attn_w, inter): (usize, usize, usize),
+    w: &LayerOut<'_>,
+    op: Operands,
+) -> Result<(), BackendError> {
+    let (wo, wg, wu, wd) = (
+        weight_ptr(g, sh, w.o)?,
+        weight_ptr(g, sh, w.gate)?,
+        weight_ptr(g, sh, w.up)?,
+        weight_ptr(g, sh, w.down)?,
+    );
+    // x += attn · oᵀ
+    let a_in = as_input(sh, w.o.dtype, op.attn, n * attn_w, op.half)?;
+    // SAFETY (every GEMM and launch below): the caller's ranges; the weights are cached
+    // device copies of tensors of the checked shapes.
+    unsafe { g.gemm_beta(w.o.dtype, hidden, n, attn_w, wo, a_in, op.x, 1.0) }?;
+    let dim = hidden as i32;
+    unsafe {
+        sh.launch(
+            &sh.k.rms_norm,
+            (n as u32, 1),
+            256,
+            &[&op.x, &op.norm, &op.xn, &dim, &w.eps],
+        )?;
+    }
+    let m_in = as_input(sh, w.gate.dtype, op.xn, n * hidden, op.half)?;
+    unsafe { g.gemm(w.gate.dtype, inter, n, hidden, wg, m_in, op.gate) }?;
+    // The up projection reads the same rounded input unless its type differs (the stream
+    // orders the conversion after the gate GEMM that reads `half`).
+    let m_in = if w.up.dtype == w.gate.dtype {
+        m_in
+    } else {
+        as_input(sh, w.up.dtype, op.xn, n * hidden, op.half)?
+    };
+    unsafe { g.gemm(w.up.dtype, inter, n, hidden, wu, m_in, op.up) }?;
+    let len = (n * inter) as i64;
+    unsafe {
+        sh.launch(
+            &sh.k.silu_mul,
+            (((n * inter) as u32).div_ceil(256), 1),
+            256,
+            &[&op.gate, &op.up, &len],
+        )?;
+    }
+    let d_in = as_input(sh, w.down.dtype, op.gate, n * inter, op.half)?;
+    unsafe { g.gemm_beta(w.down.dtype, hidden, n, inter, wd, d_in, op.x, 1.0) }
+}
+
 impl CudaBackend {
     /// [`crate::backend::Backend::finish_layer`] in one round trip (see the module).
     pub(super) fn finish_layer_fused(
@@ -137,31 +236,8 @@ impl CudaBackend {
         n: usize,
         w: &LayerOut<'_>,
     ) -> Result<(), BackendError> {
-        let hidden = w.post_norm.len();
-        let inter = w.gate.rows();
-        let attn_w = attn.len() / n.max(1);
-        let shapes_ok = n > 0
-            && x.len() == n * hidden
-            && attn.len() == n * attn_w
-            && (w.o.rows(), w.o.cols()) == (hidden, attn_w)
-            && w.gate.cols() == hidden
-            && (w.up.rows(), w.up.cols()) == (inter, hidden)
-            && (w.down.rows(), w.down.cols()) == (hidden, inter);
-        if !shapes_ok {
-            return Err(BackendError::Unsupported(format!(
-                "layer of {n} rows: residual {} floats, attention {} floats, o {}x{}, gate {}x{}, up {}x{}, down {}x{}, norm {hidden}",
-                x.len(),
-                attn.len(),
-                w.o.rows(),
-                w.o.cols(),
-                w.gate.rows(),
-                w.gate.cols(),
-                w.up.rows(),
-                w.up.cols(),
-                w.down.rows(),
-                w.down.cols()
-            )));
-        }
+        let shape = layer_shape(n, x.len(), attn.len(), w)?;
+        let (hidden, attn_w, inter) = shape;
         let sh = &*self.shared;
         sh.bind()?;
         let mut guard = self.lock()?;
@@ -169,58 +245,227 @@ impl CudaBackend {
         let p = Plan::new(n, hidden, attn_w, inter);
         let base = g.y.ptr(&sh.stream, p.total * 4)?;
         let at = |floats: usize| base + (floats * 4) as u64;
-        let widest = attn_w.max(hidden).max(inter);
-        let half = g.xh.ptr(&sh.stream, n * widest * 2)?;
-        let (wo, wg, wu, wd) = (
-            weight_ptr(g, sh, w.o)?,
-            weight_ptr(g, sh, w.gate)?,
-            weight_ptr(g, sh, w.up)?,
-            weight_ptr(g, sh, w.down)?,
-        );
+        let half =
+            g.xh.ptr(&sh.stream, n * attn_w.max(hidden).max(inter) * 2)?;
         let stage = g.staging.get(p.upload)?;
         stage[p.x..p.attn].copy_from_slice(x);
         stage[p.attn..p.norm].copy_from_slice(attn);
         stage[p.norm..p.upload].copy_from_slice(w.post_norm);
         htod(base, f32_bytes(&stage[..p.upload]), &sh.stream)?;
-        // x += attn · oᵀ
-        let a_in = as_input(sh, w.o.dtype, at(p.attn), n * attn_w, half)?;
-        // SAFETY (every GEMM and launch below): the ranges are the plan's, sized above for
-        // these shapes; weights are cached device copies of the tensors' shapes (checked).
-        unsafe { g.gemm_beta(w.o.dtype, hidden, n, attn_w, wo, a_in, at(p.x), 1.0) }?;
-        let (xp, np, xnp, dim) = (at(p.x), at(p.norm), at(p.xn), hidden as i32);
+        let op = Operands {
+            x: at(p.x),
+            attn: at(p.attn),
+            norm: at(p.norm),
+            xn: at(p.xn),
+            gate: at(p.gate),
+            up: at(p.up),
+            half,
+        };
+        // SAFETY: the plan's ranges for this shape, `half` sized for the widest input.
+        unsafe { queue_layer(sh, g, n, shape, w, op) }?;
+        let back = &mut g.staging.get(p.upload)?[..n * hidden];
+        dtoh_f32(back, op.x, &sh.stream)?;
+        x.copy_from_slice(back);
+        Ok(())
+    }
+
+    /// A decode step's residual in device memory (see [`CudaResidual`]).
+    pub(super) fn device_residual(
+        &self,
+        x: Vec<f32>,
+        batch: usize,
+    ) -> Result<CudaResidual<'_>, BackendError> {
+        let sh = &*self.shared;
+        sh.bind()?;
+        let mut g = self.lock()?;
+        if batch == 0 || !x.len().is_multiple_of(batch) {
+            return Err(BackendError::Unsupported(format!(
+                "a residual of {} floats for {batch} rows",
+                x.len()
+            )));
+        }
+        let x_dev = g.res.ptr(&sh.stream, x.len() * 4)?;
+        let stage = g.staging.get(x.len())?;
+        stage[..x.len()].copy_from_slice(&x);
+        htod(x_dev, f32_bytes(&stage[..x.len()]), &sh.stream)?;
+        let mut r = CudaResidual {
+            b: self,
+            g,
+            x: x_dev,
+            n: batch,
+            hidden: x.len() / batch,
+            fence: None,
+        };
+        r.fence()?;
+        Ok(r)
+    }
+}
+
+/// A decode step's residual stream in device memory: uploaded once with the embeddings;
+/// [`Residual::norm_project`] norms it and projects on the device and brings back only the
+/// projections (the one wait of a layer's first half), and [`Residual::finish_layer`] sends
+/// only the attention output and waits for nothing. Holds the backend's projection state for
+/// the whole step (the step thread is its only user meanwhile).
+pub(super) struct CudaResidual<'a> {
+    b: &'a CudaBackend,
+    g: std::sync::MutexGuard<'a, Blas>,
+    /// The residual, `n * hidden` floats (`Blas::res`).
+    x: u64,
+    n: usize,
+    hidden: usize,
+    /// Marks the end of the last upload from the pinned staging, which the host must not
+    /// rewrite before then.
+    fence: Option<sys::CUevent>,
+}
+
+impl CudaResidual<'_> {
+    /// Records the fence after the uploads queued so far.
+    fn fence(&mut self) -> Result<(), BackendError> {
+        let ev = match self.fence {
+            Some(e) => e,
+            None => {
+                let e = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|e| dev_err("creating an event", e))?;
+                self.fence = Some(e);
+                e
+            }
+        };
+        // SAFETY: the event and the stream are live.
+        unsafe { drv::event::record(ev, self.b.shared.stream.cu_stream()) }
+            .map_err(|e| dev_err("recording an upload", e))
+    }
+
+    /// Waits until the staging may be written again (the last upload has been read).
+    fn wait_fence(&self) -> Result<(), BackendError> {
+        match self.fence {
+            // SAFETY: a live event.
+            Some(e) => unsafe { drv::event::synchronize(e) }
+                .map_err(|e| dev_err("waiting on an upload", e)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for CudaResidual<'_> {
+    fn drop(&mut self) {
+        // The staging outlives this value: nothing may still read it after the step.
+        let _ = self.wait_fence();
+        if let Some(e) = self.fence.take() {
+            // SAFETY: created by `event::create`, destroyed once.
+            let _ = unsafe { drv::event::destroy(e) };
+        }
+    }
+}
+
+impl Residual for CudaResidual<'_> {
+    fn norm_project(
+        &mut self,
+        norm: &[f32],
+        eps: f32,
+        outs: &mut [LinearOut<'_>],
+    ) -> Result<(), BackendError> {
+        let (n, hidden) = (self.n, self.hidden);
+        for o in outs.iter() {
+            if norm.len() != hidden || o.w.cols() != hidden || o.y.len() != n * o.w.rows() {
+                return Err(BackendError::Unsupported(format!(
+                    "projection of {}x{} into {} floats after a norm of {} on a residual of {n}x{hidden}",
+                    o.w.rows(),
+                    o.w.cols(),
+                    o.y.len(),
+                    norm.len()
+                )));
+            }
+        }
+        let sh = &*self.b.shared;
+        self.wait_fence()?;
+        let g = &mut *self.g;
+        let total: usize = outs.iter().map(|o| o.y.len()).sum();
+        // Device scratch: the norm weight, the normed rows, then every projection's output.
+        let norm_at = 0usize;
+        let xn_at = (hidden).div_ceil(64) * 64;
+        let y_at = (xn_at + n * hidden).div_ceil(64) * 64;
+        let base = g.work.ptr(&sh.stream, (y_at + total) * 4)?;
+        let at = |floats: usize| base + (floats * 4) as u64;
+        let half = g.xh.ptr(&sh.stream, n * hidden * 2)?;
+        let stage = g.staging.get(hidden.max(total))?;
+        stage[..hidden].copy_from_slice(norm);
+        htod(at(norm_at), f32_bytes(&stage[..hidden]), &sh.stream)?;
+        let (xp, np, xnp, dim) = (self.x, at(norm_at), at(xn_at), hidden as i32);
+        // SAFETY: the residual holds n rows of `hidden`, the scratch ranges are sized above.
         unsafe {
             sh.launch(
                 &sh.k.rms_norm,
                 (n as u32, 1),
                 256,
-                &[&xp, &np, &xnp, &dim, &w.eps],
+                &[&xp, &np, &xnp, &dim, &eps],
             )?;
         }
-        let m_in = as_input(sh, w.gate.dtype, xnp, n * hidden, half)?;
-        unsafe { g.gemm(w.gate.dtype, inter, n, hidden, wg, m_in, at(p.gate)) }?;
-        // The up projection reads the same rounded input unless its type differs (the stream
-        // orders the conversion after the gate GEMM that reads `half`).
-        let m_in = if w.up.dtype == w.gate.dtype {
-            m_in
-        } else {
-            as_input(sh, w.up.dtype, xnp, n * hidden, half)?
-        };
-        unsafe { g.gemm(w.up.dtype, inter, n, hidden, wu, m_in, at(p.up)) }?;
-        let (gp, upp, len) = (at(p.gate), at(p.up), (n * inter) as i64);
-        unsafe {
-            sh.launch(
-                &sh.k.silu_mul,
-                (((n * inter) as u32).div_ceil(256), 1),
-                256,
-                &[&gp, &upp, &len],
-            )?;
+        let mut converted: Option<(KvDType, u64)> = None;
+        let mut y = y_at;
+        for o in outs.iter() {
+            let rows = o.w.rows();
+            let w_dev = weight_ptr(g, sh, o.w)?;
+            let input = match converted {
+                Some((d, p)) if d == o.w.dtype => p,
+                _ => {
+                    let p = as_input(sh, o.w.dtype, xnp, n * hidden, half)?;
+                    converted = Some((o.w.dtype, p));
+                    p
+                }
+            };
+            // SAFETY: the weight is `rows x hidden`, the input `n x hidden`, the output range
+            // `n x rows` floats of the scratch.
+            unsafe { g.gemm(o.w.dtype, rows, n, hidden, w_dev, input, at(y)) }?;
+            y += n * rows;
         }
-        let d_in = as_input(sh, w.down.dtype, gp, n * inter, half)?;
-        unsafe { g.gemm_beta(w.down.dtype, hidden, n, inter, wd, d_in, at(p.x), 1.0) }?;
-        let back = &mut g.staging.get(p.upload)?[..n * hidden];
-        dtoh_f32(back, at(p.x), &sh.stream)?;
-        x.copy_from_slice(back);
+        // The wait for the projections also ends the norm weight's upload.
+        let back = &mut g.staging.get(hidden.max(total))?[..total];
+        dtoh_f32(back, at(y_at), &sh.stream)?;
+        let mut from = 0usize;
+        for o in outs.iter_mut() {
+            let len = o.y.len();
+            o.y.copy_from_slice(&back[from..from + len]);
+            from += len;
+            if let Some(b) = o.bias {
+                for row in o.y.chunks_exact_mut(b.len()) {
+                    row.iter_mut().zip(b).for_each(|(v, bb)| *v += bb);
+                }
+            }
+        }
         Ok(())
+    }
+
+    fn finish_layer(&mut self, attn: &[f32], w: LayerOut<'_>) -> Result<(), BackendError> {
+        let n = self.n;
+        let shape = layer_shape(n, n * self.hidden, attn.len(), &w)?;
+        let (hidden, attn_w, inter) = shape;
+        let sh = &*self.b.shared;
+        self.wait_fence()?;
+        let g = &mut *self.g;
+        // The plan's residual slot goes unused: the residual stays in `Blas::res`.
+        let p = Plan::new(n, hidden, attn_w, inter);
+        let base = g.work.ptr(&sh.stream, p.total * 4)?;
+        let at = |floats: usize| base + (floats * 4) as u64;
+        let half =
+            g.xh.ptr(&sh.stream, n * attn_w.max(hidden).max(inter) * 2)?;
+        let stage = g.staging.get(p.upload)?;
+        stage[p.attn..p.norm].copy_from_slice(attn);
+        stage[p.norm..p.upload].copy_from_slice(w.post_norm);
+        htod(at(p.attn), f32_bytes(&stage[p.attn..p.upload]), &sh.stream)?;
+        let op = Operands {
+            x: self.x,
+            attn: at(p.attn),
+            norm: at(p.norm),
+            xn: at(p.xn),
+            gate: at(p.gate),
+            up: at(p.up),
+            half,
+        };
+        // SAFETY: the residual holds n rows of `hidden`; the plan's ranges for this shape.
+        unsafe { queue_layer(sh, g, n, shape, &w, op) }?;
+        // No wait: the next call orders after this on the stream; only the staging must not
+        // be rewritten before its upload has been read.
+        self.fence()
     }
 }
 
@@ -251,6 +496,7 @@ mod tests {
 
     #[test]
     fn rel_diff_is_relative_to_the_largest_value_and_refuses_nan() {
+        // (crate::backend::rel_diff, which the checks here use)
         assert_eq!(rel_diff(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
         assert!((rel_diff(&[1.0, 4.1], &[1.0, 4.0]) - 0.025).abs() < 1e-6);
         assert!(rel_diff(&[f32::NAN, 1.0], &[1.0, 1.0]).is_nan());

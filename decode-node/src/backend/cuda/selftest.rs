@@ -217,6 +217,43 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
     out
 }
 
+/// A random bf16 model (the `small` preset) on a fresh backend of device `ordinal`: its
+/// decode step with the residual in device memory against the host path's. A disagreement
+/// at load has already turned the device residual off, which fails the check too.
+pub fn check_device_residual(ordinal: usize) -> Check {
+    let run = || -> Result<f64, String> {
+        let backend = Arc::new(CudaBackend::new(ordinal).map_err(|e| e.to_string())?);
+        let cfg = crate::model::random::preset("small", crate::model::Arch::Llama)
+            .ok_or("no `small` preset")?;
+        let wm = crate::model::random::random_weights(&cfg, 0x5e1f, KvDType::Bf16);
+        let m = crate::model::Model::from_weights(cfg, "selftest", wm, backend.clone())
+            .map_err(|e| e.to_string())?;
+        if !backend.residual_on_device() {
+            return Err("the model's check at load turned the device residual off".into());
+        }
+        match m.residual_diff().map_err(|e| e.to_string())? {
+            (d, None) => Ok(d),
+            (_, Some(e)) => Err(e.to_string()),
+        }
+    };
+    let name = "decode step, residual on the device vs on the host".to_string();
+    let tolerance = crate::model::llama::RESIDUAL_TOLERANCE;
+    match run() {
+        Ok(e) => Check {
+            name,
+            max_rel_err: e,
+            tolerance,
+            error: None,
+        },
+        Err(e) => Check {
+            name,
+            max_rel_err: f64::INFINITY,
+            tolerance,
+            error: Some(e),
+        },
+    }
+}
+
 /// The fused second half of a layer against the op-by-op one on the same device (SmolLM2's
 /// widths, three rows).
 fn check_finish_layer(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError> {
