@@ -71,16 +71,24 @@ pub struct LayerOut<'a> {
 /// sends the host only what the host needs (q, k, v) and receives only what the host made
 /// (the attention output).
 pub trait Residual {
-    /// `outs[i].y = (rms_norm(x) * norm) · outs[i].wᵀ + bias` of the residual `x`.
-    fn norm_project(
-        &mut self,
-        norm: &[f32],
-        eps: f32,
-        outs: &mut [LinearOut<'_>],
-    ) -> Result<(), BackendError>;
+    /// For each group in order, `outs[i].y = (rms_norm(x) * norm) · outs[i].wᵀ + bias` of the
+    /// residual `x`: several norms of the same residual in one call (a layer's QKV and the
+    /// next layer's predicted query) come back with one wait.
+    fn norm_project(&mut self, groups: &mut [NormProject<'_, '_>]) -> Result<(), BackendError>;
 
     /// [`Backend::finish_layer`] on the residual.
     fn finish_layer(&mut self, attn: &[f32], w: LayerOut<'_>) -> Result<(), BackendError>;
+}
+
+/// One group of [`Residual::norm_project`]: projections of the residual normed by `norm`.
+#[derive(Debug)]
+pub struct NormProject<'a, 'b> {
+    /// RMSNorm weight `[hidden]`.
+    pub norm: &'a [f32],
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Projections of the normed rows.
+    pub outs: &'b mut [LinearOut<'a>],
 }
 
 /// The residual in host memory, each op a call of its backend.
@@ -101,14 +109,12 @@ impl<'a, B: Backend + ?Sized> HostResidual<'a, B> {
 }
 
 impl<B: Backend + ?Sized> Residual for HostResidual<'_, B> {
-    fn norm_project(
-        &mut self,
-        norm: &[f32],
-        eps: f32,
-        outs: &mut [LinearOut<'_>],
-    ) -> Result<(), BackendError> {
-        self.b.rms_norm(&self.x, norm, eps, &mut self.xn);
-        self.b.linear_many(&self.xn, self.batch, outs)
+    fn norm_project(&mut self, groups: &mut [NormProject<'_, '_>]) -> Result<(), BackendError> {
+        for g in groups {
+            self.b.rms_norm(&self.x, g.norm, g.eps, &mut self.xn);
+            self.b.linear_many(&self.xn, self.batch, g.outs)?;
+        }
+        Ok(())
     }
 
     fn finish_layer(&mut self, attn: &[f32], w: LayerOut<'_>) -> Result<(), BackendError> {

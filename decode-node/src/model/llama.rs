@@ -11,7 +11,7 @@ use super::config::ModelConfig;
 use super::rope::{self, Rotations};
 use super::weights::{Tensor, WeightMap};
 use crate::backend::gemm::{Mat, MatMut, gemm};
-use crate::backend::{Backend, HostResidual, LayerOut, LinearOut, Residual, rel_diff};
+use crate::backend::{Backend, HostResidual, LayerOut, LinearOut, NormProject, Residual, rel_diff};
 
 /// A projection: weight `[out][in]` and optional bias.
 #[derive(Debug)]
@@ -389,72 +389,73 @@ impl Model {
 
     /// The layers and LM head of a decode step over the residual `r` (the batch's
     /// embeddings), one row per position.
-    fn decode_on(
-        &self,
-        mut r: Box<dyn Residual + '_>,
+    fn decode_on<'a>(
+        &'a self,
+        mut r: Box<dyn Residual + 'a>,
         positions: &[usize],
         attn: &mut dyn DecodeAttention,
     ) -> Result<Vec<f32>, ModelError> {
         let n = positions.len();
         let cfg = &self.cfg;
         let rot = Rotations::new(&self.inv_freq, positions);
+        let lin = |l: &'a Linear| (&l.w, l.b.as_deref());
         for (i, layer) in self.layers.iter().enumerate() {
-            // Layer-ahead: layer i+1's query from layer i's input (residuals change it little).
-            if let Some(next) = self.layers.get(i + 1)
-                && attn.wants_prediction(i + 1)
-            {
-                let mut qp = vec![0f32; n * next.q.w.rows()];
-                r.norm_project(
-                    &next.input_norm,
-                    self.eps(),
-                    &mut [LinearOut {
-                        w: &next.q.w,
-                        bias: next.q.b.as_deref(),
-                        y: &mut qp,
-                    }],
-                )?;
-                self.norm_rope(&mut qp, next.q_norm.as_deref(), &rot);
+            // Layer-ahead: layer i+1's query from layer i's input (residuals change it little),
+            // projected in the same call as this layer's q, k and v.
+            let next = self
+                .layers
+                .get(i + 1)
+                .filter(|_| attn.wants_prediction(i + 1));
+            let width = |l: &Linear| n * l.w.rows();
+            let mut qp = vec![0f32; next.map_or(0, |l| width(&l.q))];
+            let (mut q, mut k, mut v) = (
+                vec![0f32; width(&layer.q)],
+                vec![0f32; width(&layer.k)],
+                vec![0f32; width(&layer.v)],
+            );
+            let out = |(w, bias): (&'a Tensor, Option<&'a [f32]>), y| LinearOut { w, bias, y };
+            let mut pred = next.map(|l| [out(lin(&l.q), &mut qp)]);
+            let mut qkv = [
+                out(lin(&layer.q), &mut q),
+                out(lin(&layer.k), &mut k),
+                out(lin(&layer.v), &mut v),
+            ];
+            let mut groups = Vec::with_capacity(2);
+            if let (Some(l), Some(p)) = (next, pred.as_mut()) {
+                groups.push(NormProject {
+                    norm: &l.input_norm,
+                    eps: self.eps(),
+                    outs: p,
+                });
+            }
+            groups.push(NormProject {
+                norm: &layer.input_norm,
+                eps: self.eps(),
+                outs: &mut qkv,
+            });
+            r.norm_project(&mut groups)?;
+            drop(groups);
+            if let Some(l) = next {
+                self.norm_rope(&mut qp, l.q_norm.as_deref(), &rot);
                 attn.predicted(i + 1, &qp);
             }
-            let (q, k, v) = self.qkv_of(layer, &mut *r, &rot)?;
+            self.norm_rope(&mut q, layer.q_norm.as_deref(), &rot);
+            self.norm_rope(&mut k, layer.k_norm.as_deref(), &rot);
             let mut out = vec![0f32; n * cfg.num_heads * cfg.head_dim];
             attn.attend(i, &q, &k, &v, &mut out)?;
             r.finish_layer(&out, self.layer_out(layer))?;
         }
         let mut logits = vec![0f32; n * cfg.vocab_size];
-        r.norm_project(
-            &self.norm,
-            self.eps(),
-            &mut [LinearOut {
+        r.norm_project(&mut [NormProject {
+            norm: &self.norm,
+            eps: self.eps(),
+            outs: &mut [LinearOut {
                 w: self.lm_head.as_ref().unwrap_or(&self.embed),
                 bias: None,
                 y: &mut logits,
             }],
-        )?;
+        }])?;
         Ok(logits)
-    }
-
-    /// q, k (normed, RoPE'd) and v of `layer` from the residual `r`, in one call.
-    fn qkv_of(
-        &self,
-        layer: &Layer,
-        r: &mut dyn Residual,
-        rot: &Rotations,
-    ) -> Result<Qkv, ModelError> {
-        let n = rot.positions();
-        let mut q = vec![0f32; n * layer.q.w.rows()];
-        let mut k = vec![0f32; n * layer.k.w.rows()];
-        let mut v = vec![0f32; n * layer.v.w.rows()];
-        let mut outs =
-            [(&layer.q, &mut q), (&layer.k, &mut k), (&layer.v, &mut v)].map(|(l, y)| LinearOut {
-                w: &l.w,
-                bias: l.b.as_deref(),
-                y,
-            });
-        r.norm_project(&layer.input_norm, self.eps(), &mut outs)?;
-        self.norm_rope(&mut q, layer.q_norm.as_deref(), rot);
-        self.norm_rope(&mut k, layer.k_norm.as_deref(), rot);
-        Ok((q, k, v))
     }
 
     /// The weights of `layer`'s second half.

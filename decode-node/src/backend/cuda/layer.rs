@@ -7,7 +7,8 @@
 //!
 //! [`CudaResidual`] keeps a decode step's residual in device memory from the embeddings to the
 //! LM head: a layer's first half norms it and projects on the device and brings back only
-//! q, k and v (one wait), its second half sends only the attention output (no wait).
+//! q, k and v, with the next layer's predicted q where scout asks for it (one wait), its
+//! second half sends only the attention output (no wait).
 //!
 //! Neither is trusted before it has been compared on the device at hand: the standalone
 //! [`CudaBackend::finish_layer_fused`] on its first call against the op-by-op path
@@ -24,7 +25,7 @@ use super::blas::{Blas, weight_ptr};
 use super::driver::{Shared, dev_err, dtoh_f32, dtype_code, f32_bytes, htod};
 use super::{BackendError, CudaBackend};
 pub(super) use crate::backend::rel_diff;
-use crate::backend::{LayerOut, LinearOut, Residual};
+use crate::backend::{LayerOut, NormProject, Residual};
 
 /// Largest relative difference (to the largest magnitude of the op-by-op result) the fused
 /// path may show: both round the same activations to the weights' type, but the norm runs on
@@ -358,71 +359,81 @@ impl Drop for CudaResidual<'_> {
 }
 
 impl Residual for CudaResidual<'_> {
-    fn norm_project(
-        &mut self,
-        norm: &[f32],
-        eps: f32,
-        outs: &mut [LinearOut<'_>],
-    ) -> Result<(), BackendError> {
+    fn norm_project(&mut self, groups: &mut [NormProject<'_, '_>]) -> Result<(), BackendError> {
         let (n, hidden) = (self.n, self.hidden);
-        for o in outs.iter() {
-            if norm.len() != hidden || o.w.cols() != hidden || o.y.len() != n * o.w.rows() {
-                return Err(BackendError::Unsupported(format!(
-                    "projection of {}x{} into {} floats after a norm of {} on a residual of {n}x{hidden}",
-                    o.w.rows(),
-                    o.w.cols(),
-                    o.y.len(),
-                    norm.len()
-                )));
+        for gr in groups.iter() {
+            for o in gr.outs.iter() {
+                if gr.norm.len() != hidden || o.w.cols() != hidden || o.y.len() != n * o.w.rows() {
+                    return Err(BackendError::Unsupported(format!(
+                        "projection of {}x{} into {} floats after a norm of {} on a residual of {n}x{hidden}",
+                        o.w.rows(),
+                        o.w.cols(),
+                        o.y.len(),
+                        gr.norm.len()
+                    )));
+                }
             }
         }
         let sh = &*self.b.shared;
         self.wait_fence()?;
         let g = &mut *self.g;
-        let total: usize = outs.iter().map(|o| o.y.len()).sum();
-        // Device scratch: the norm weight, the normed rows, then every projection's output.
-        let norm_at = 0usize;
-        let xn_at = (hidden).div_ceil(64) * 64;
-        let y_at = (xn_at + n * hidden).div_ceil(64) * 64;
+        let align = |v: usize| v.div_ceil(64) * 64;
+        let total: usize = groups
+            .iter()
+            .flat_map(|gr| gr.outs.iter())
+            .map(|o| o.y.len())
+            .sum();
+        // Device scratch: every group's norm weight (uploaded at once), the normed rows (one
+        // group after another: the stream orders each group's norm after the last one's
+        // GEMMs), then every projection's output (brought back at once).
+        let norms = groups.len() * hidden;
+        let xn_at = align(norms);
+        let y_at = align(xn_at + n * hidden);
         let base = g.work.ptr(&sh.stream, (y_at + total) * 4)?;
         let at = |floats: usize| base + (floats * 4) as u64;
         let half = g.xh.ptr(&sh.stream, n * hidden * 2)?;
-        let stage = g.staging.get(hidden.max(total))?;
-        stage[..hidden].copy_from_slice(norm);
-        htod(at(norm_at), f32_bytes(&stage[..hidden]), &sh.stream)?;
-        let (xp, np, xnp, dim) = (self.x, at(norm_at), at(xn_at), hidden as i32);
-        // SAFETY: the residual holds n rows of `hidden`, the scratch ranges are sized above.
-        unsafe {
-            sh.launch(
-                &sh.k.rms_norm,
-                (n as u32, 1),
-                256,
-                &[&xp, &np, &xnp, &dim, &eps],
-            )?;
+        let stage = g.staging.get(norms.max(total))?;
+        for (k, gr) in groups.iter().enumerate() {
+            stage[k * hidden..(k + 1) * hidden].copy_from_slice(gr.norm);
         }
-        let mut converted: Option<(KvDType, u64)> = None;
+        htod(at(0), f32_bytes(&stage[..norms]), &sh.stream)?;
+        let (xp, xnp, dim) = (self.x, at(xn_at), hidden as i32);
         let mut y = y_at;
-        for o in outs.iter() {
-            let rows = o.w.rows();
-            let w_dev = weight_ptr(g, sh, o.w)?;
-            let input = match converted {
-                Some((d, p)) if d == o.w.dtype => p,
-                _ => {
-                    let p = as_input(sh, o.w.dtype, xnp, n * hidden, half)?;
-                    converted = Some((o.w.dtype, p));
-                    p
-                }
-            };
-            // SAFETY: the weight is `rows x hidden`, the input `n x hidden`, the output range
-            // `n x rows` floats of the scratch.
-            unsafe { g.gemm(o.w.dtype, rows, n, hidden, w_dev, input, at(y)) }?;
-            y += n * rows;
+        for (k, gr) in groups.iter().enumerate() {
+            let (np, eps) = (at(k * hidden), gr.eps);
+            // SAFETY: the residual holds n rows of `hidden`, the scratch ranges are sized
+            // above.
+            unsafe {
+                sh.launch(
+                    &sh.k.rms_norm,
+                    (n as u32, 1),
+                    256,
+                    &[&xp, &np, &xnp, &dim, &eps],
+                )?;
+            }
+            let mut converted: Option<(KvDType, u64)> = None;
+            for o in gr.outs.iter() {
+                let rows = o.w.rows();
+                let w_dev = weight_ptr(g, sh, o.w)?;
+                let input = match converted {
+                    Some((d, p)) if d == o.w.dtype => p,
+                    _ => {
+                        let p = as_input(sh, o.w.dtype, xnp, n * hidden, half)?;
+                        converted = Some((o.w.dtype, p));
+                        p
+                    }
+                };
+                // SAFETY: the weight is `rows x hidden`, the input `n x hidden`, the output
+                // range `n x rows` floats of the scratch.
+                unsafe { g.gemm(o.w.dtype, rows, n, hidden, w_dev, input, at(y)) }?;
+                y += n * rows;
+            }
         }
-        // The wait for the projections also ends the norm weight's upload.
-        let back = &mut g.staging.get(hidden.max(total))?[..total];
+        // The wait for the projections also ends the norm weights' upload.
+        let back = &mut g.staging.get(norms.max(total))?[..total];
         dtoh_f32(back, at(y_at), &sh.stream)?;
         let mut from = 0usize;
-        for o in outs.iter_mut() {
+        for o in groups.iter_mut().flat_map(|gr| gr.outs.iter_mut()) {
             let len = o.y.len();
             o.y.copy_from_slice(&back[from..from + len]);
             from += len;
