@@ -16,4 +16,5 @@ pub const ENTRY_POINTS: &[&str] = &[
     "sparse_attention_split",
     "combine_splits",
     "gather_copy",
+    "copy_tokens",
 ];

@@ -365,3 +365,39 @@ extern "C" __global__ void gather_copy(const unsigned long long* src, const unsi
     const long long words = bytes / 16;
     for (long long w = threadIdx.x; w < words; w += blockDim.x) d[w] = s[w];
 }
+
+// Copies tokens [from[i], to[i]) of n head blocks from src[i] (the mapped host pool) to dst[i]
+// (arena slots that hold the tokens before them): the K^T column of each token, its V row and,
+// for an 8-bit dtype, its two scales. One CUDA block per head block. The newest block of a
+// sequence grows by a token each step; a whole copy would move `block_size` times its bytes.
+extern "C" __global__ void copy_tokens(const unsigned long long* table, int n, int head_dim,
+                                       int block_size, int dtype) {
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    const unsigned char* s = (const unsigned char*)table[i];
+    unsigned char* d = (unsigned char*)table[n + i];
+    const int t0 = (int)table[2 * n + i], t1 = (int)table[3 * n + i];
+    const int nt = t1 - t0;
+    if (nt <= 0) return;
+    const int es = kv_elem_size(dtype);
+    // K^T [c][t]: token t of channel c, es bytes.
+    for (int idx = threadIdx.x; idx < head_dim * nt * es; idx += blockDim.x) {
+        const int byte = idx % es, e = idx / es;
+        const int c = e / nt, t = t0 + e % nt;
+        const long long off = ((long long)c * block_size + t) * es + byte;
+        d[off] = s[off];
+    }
+    // V [t][c]: the rows t0..t1, contiguous.
+    const long long vbase = (long long)block_size * head_dim * es;
+    const long long v0 = vbase + (long long)t0 * head_dim * es, v1 = vbase + (long long)t1 * head_dim * es;
+    for (long long b = v0 + threadIdx.x; b < v1; b += blockDim.x) d[b] = s[b];
+    if (dtype >= 3) {
+        // Per-token f32 scales after V: K's [block_size], then V's.
+        const float* ss = (const float*)(s + 2 * vbase);
+        float* ds = (float*)(d + 2 * vbase);
+        for (int t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+            ds[t] = ss[t];
+            ds[block_size + t] = ss[block_size + t];
+        }
+    }
+}

@@ -112,6 +112,7 @@ impl CudaBackend {
             lse2_merge: f("lse2_merge")?,
             kv_append: f("kv_append")?,
             gather_copy: f("gather_copy")?,
+            copy_tokens: f("copy_tokens")?,
         };
         let blas_state = Blas::new(&stream)?;
         Ok(Self {

@@ -100,6 +100,7 @@ pub(crate) struct Kernels {
     pub(crate) lse2_merge: CudaFunction,
     pub(crate) kv_append: CudaFunction,
     pub(crate) gather_copy: CudaFunction,
+    pub(crate) copy_tokens: CudaFunction,
 }
 
 /// What the backend and its KV store share.

@@ -605,7 +605,8 @@ pub(super) fn check_split_attention(
         blk.bytes_mut().copy_from_slice(b);
         held.push(blk);
     }
-    let pooled = PoolKv { blocks: held, n };
+    let mut pooled = PoolKv { blocks: held, n };
+    let mut kv = kv;
     let store = super::store::CudaKvStore::new(Arc::clone(sh), geom, 64 << 20, &pool)?;
     let mut seq = Arc::new(store).new_seq(1, usize::MAX);
     // Each head's residency would number its slots densely: the list order does.
@@ -619,9 +620,24 @@ pub(super) fn check_split_attention(
         })
         .collect();
     let refs: Vec<&[DeviceBlock]> = placed.iter().map(Vec::as_slice).collect();
-    // Twice: the second call reads the slots the first one filled.
+    // Twice: the second call reads the slots the first one filled; then the sequence grows by
+    // two tokens, which reach the device as the newest block's tail (`copy_tokens`).
     let mut worst = 0f64;
-    for _ in 0..2 {
+    for round in 0..3 {
+        if round == 2 {
+            let last = nb - 1;
+            for t in kv.n - last * geom.block_size..kv.n - last * geom.block_size + 2 {
+                for h in 0..hk {
+                    let k = random(&mut r, d, 1.0);
+                    let v = random(&mut r, d, 1.0);
+                    geom.write_token(&mut kv.blocks[last], h, t, &k, &v);
+                    geom.write_token(pooled.blocks[last].bytes_mut(), h, t, &k, &v);
+                }
+            }
+            kv.n += 2;
+            pooled.n += 2;
+        }
+        let n = kv.n;
         let got = seq.attend(&pooled, 0, &refs, &q, scale)?;
         for (h, list) in lists.iter().enumerate() {
             let one = BlockGeometry {

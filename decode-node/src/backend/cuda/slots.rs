@@ -18,6 +18,21 @@ struct HeadSlots {
     holds: Vec<(usize, u32)>,
 }
 
+/// What a slot needs before it is attended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fill {
+    /// It holds the block's tokens already.
+    Keep,
+    /// A copy of the whole head block (the slot held another block, or nothing yet).
+    Whole,
+    /// It holds the block's first `from` tokens: only the tokens after them are new (the
+    /// newest block grows by one token a step).
+    Tail {
+        /// Tokens the slot holds already.
+        from: usize,
+    },
+}
+
 /// Why a block found no arena slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum NoSlot {
@@ -44,16 +59,17 @@ impl SlotTable {
         }
     }
 
-    /// The arena slot for `b` of head `lh` and whether it must be (re)filled to hold `len`
-    /// tokens: the residency slot held another block, or this one with fewer tokens. Arena
-    /// slots are taken from `free` as residency slots are first used.
+    /// The arena slot for `b` of head `lh` and what it needs to hold `len` tokens: the whole
+    /// block where the residency slot held another block (or none), the tokens past those it
+    /// holds where this block has grown. Arena slots are taken from `free` as residency slots
+    /// are first used.
     pub(crate) fn slot_for(
         &mut self,
         lh: usize,
         b: DeviceBlock,
         len: usize,
         free: &mut dyn FnMut() -> Option<u32>,
-    ) -> Result<(u32, bool), NoSlot> {
+    ) -> Result<(u32, Fill), NoSlot> {
         let s = b.slot as usize;
         if s >= self.cap {
             return Err(NoSlot::PastCap {
@@ -67,7 +83,14 @@ impl SlotTable {
             hs.holds.push((usize::MAX, 0));
         }
         let (block, valid) = hs.holds[s];
-        let fill = block != b.block || (valid as usize) < len;
+        let valid = valid as usize;
+        let fill = if block != b.block || valid == 0 {
+            Fill::Whole
+        } else if valid < len {
+            Fill::Tail { from: valid }
+        } else {
+            Fill::Keep
+        };
         if block != b.block {
             hs.holds[s] = (b.block, 0);
         }
@@ -101,45 +124,51 @@ mod tests {
     }
 
     #[test]
-    fn blocks_are_filled_once_and_again_when_they_grow_or_their_slot_changes_hands() {
+    fn blocks_are_filled_once_then_by_their_new_tokens_and_again_when_their_slot_changes_hands() {
         let mut free = arena(8);
         let mut t = SlotTable::new(2, 4);
         let (s, fill) = t.slot_for(0, at(5, 0), 32, &mut || free.pop()).unwrap();
-        assert!(fill);
+        assert_eq!(fill, Fill::Whole);
         t.set_valid(0, at(5, 0), 32);
         assert_eq!(
             t.slot_for(0, at(5, 0), 32, &mut || free.pop()),
-            Ok((s, false))
+            Ok((s, Fill::Keep))
         );
-        // The newest block grows by a token: copied again.
+        // The newest block grows by a token: only that token is copied.
         let (s7, _) = t.slot_for(0, at(7, 1), 3, &mut || free.pop()).unwrap();
         t.set_valid(0, at(7, 1), 3);
         assert_eq!(
             t.slot_for(0, at(7, 1), 4, &mut || free.pop()),
-            Ok((s7, true))
+            Ok((s7, Fill::Tail { from: 3 }))
         );
-        // Residency gave slot 0 to block 9: same arena slot, filled again, then settled.
+        t.set_valid(0, at(7, 1), 4);
+        assert_eq!(
+            t.slot_for(0, at(7, 1), 4, &mut || free.pop()),
+            Ok((s7, Fill::Keep))
+        );
+        // Residency gave slot 0 to block 9: same arena slot, filled whole, then settled.
         assert_eq!(
             t.slot_for(0, at(9, 0), 32, &mut || free.pop()),
-            Ok((s, true))
+            Ok((s, Fill::Whole))
         );
         t.set_valid(0, at(9, 0), 32);
         assert_eq!(
             t.slot_for(0, at(9, 0), 32, &mut || free.pop()),
-            Ok((s, false))
+            Ok((s, Fill::Keep))
         );
-        // A slot handed over and not filled (the copy failed) is filled at the next use.
+        // A slot handed over and not filled (the copy failed) is filled whole at the next use,
+        // never by a tail over another block's tokens.
         assert_eq!(
             t.slot_for(0, at(5, 0), 32, &mut || free.pop()),
-            Ok((s, true))
+            Ok((s, Fill::Whole))
         );
         assert_eq!(
             t.slot_for(0, at(5, 0), 32, &mut || free.pop()),
-            Ok((s, true))
+            Ok((s, Fill::Whole))
         );
         // Heads do not share arena slots.
         let (other, fill) = t.slot_for(1, at(5, 0), 32, &mut || free.pop()).unwrap();
-        assert!(fill && other != s);
+        assert!(fill == Fill::Whole && other != s);
         assert_eq!(free.len(), 5);
     }
 

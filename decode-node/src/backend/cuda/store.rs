@@ -14,7 +14,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, result as drv, sys};
 use kv_transfer::HostPool;
 
 use super::call::{SlotList, SplitK, pack, partials};
-use super::slots::{NoSlot, SlotTable};
+use super::slots::{Fill, NoSlot, SlotTable};
 use super::{DevBuf, Shared, dev_err, dtoh_f32, htod};
 use crate::backend::{BackendError, DeviceKv, DeviceSeq};
 
@@ -172,18 +172,78 @@ impl CudaKvStore {
         }
     }
 
-    /// Copies host ranges to device addresses on `lane`: one `gather_copy` launch where the
-    /// pool is mapped (a block is 16 KiB: a driver call per copy would cost more than the
-    /// copy), else one by one.
-    fn copy_in(&self, copies: &[(u64, &[u8])], lane: Lane) -> Result<(), BackendError> {
-        if copies.len() > 2 && self.gather(copies, lane)? {
+    /// Copies host head blocks to their slots on `lane`: whole ones with one `gather_copy`
+    /// launch where the pool is mapped (a block is 16 KiB: a driver call per copy would cost
+    /// more than the copy), else one by one; the new tokens of grown ones with one
+    /// `copy_tokens` launch where the pool is mapped, else whole.
+    fn copy_in(&self, copies: &Copies<'_>, lane: Lane) -> Result<(), BackendError> {
+        let mut whole = copies.whole.clone();
+        if !copies.tails.is_empty() && !self.copy_tails(&copies.tails, lane)? {
+            whole.extend(copies.tails.iter().map(|&(dst, src, _, _)| (dst, src)));
+        }
+        if whole.is_empty() || (whole.len() > 2 && self.gather(&whole, lane)?) {
             return Ok(());
         }
         let stream = self.lane(lane).0;
-        for (dst, src) in copies {
+        for (dst, src) in &whole {
             htod(*dst, src, stream)?;
         }
         Ok(())
+    }
+
+    /// The new tokens `[from, to)` of each `(dst, src, from, to)` with one `copy_tokens`
+    /// launch reading the mapped pool; false (nothing done) where that does not apply.
+    fn copy_tails(&self, tails: &[Tail<'_>], lane: Lane) -> Result<bool, BackendError> {
+        let Some((host, len, dev)) = self.mapped else {
+            return Ok(false);
+        };
+        let hb = self.geom.head_bytes();
+        let bs = self.geom.block_size;
+        let fits = |&(_, src, from, to): &Tail<'_>| {
+            let p = src.as_ptr() as usize;
+            p >= host && p + src.len() <= host + len && src.len() == hb && from < to && to <= bs
+        };
+        if !tails.iter().all(fits) {
+            return Ok(false);
+        }
+        let n = tails.len();
+        let mut table = Vec::with_capacity(n * 32);
+        for &(_, src, _, _) in tails {
+            table.extend_from_slice(&(dev + (src.as_ptr() as usize - host) as u64).to_le_bytes());
+        }
+        for &(dst, _, _, _) in tails {
+            table.extend_from_slice(&dst.to_le_bytes());
+        }
+        for &(_, _, from, _) in tails {
+            table.extend_from_slice(&(from as u64).to_le_bytes());
+        }
+        for &(_, _, _, to) in tails {
+            table.extend_from_slice(&(to as u64).to_le_bytes());
+        }
+        let (stream, buf) = self.lane(lane);
+        let mut buf = buf
+            .lock()
+            .map_err(|_| BackendError::Device("gather table lock poisoned".into()))?;
+        let t = buf.ptr(stream, table.len())?;
+        htod(t, &table, stream)?;
+        let (count, d, b, dt) = (
+            n as i32,
+            self.geom.head_dim as i32,
+            bs as i32,
+            super::dtype_code(self.geom.dtype),
+        );
+        // SAFETY: the table holds n sources (mapped pool ranges of a whole head block,
+        // checked above), n slots we own, and token ranges within a block.
+        unsafe {
+            super::launch_on(
+                stream,
+                &self.shared.k.copy_tokens,
+                (n as u32, 1),
+                128,
+                &[&t, &count, &d, &b, &dt],
+            )?;
+        }
+        Ok(true)
     }
 
     /// Copies with one `gather_copy` launch reading the mapped pool; false (nothing done)
@@ -337,6 +397,23 @@ struct Event(sys::CUevent);
 // SAFETY: a CUevent is a handle usable from any thread of the context.
 unsafe impl Send for Event {}
 
+/// A grown block's copy: slot address, the whole host head block, and the new tokens'
+/// range `[from, to)`.
+type Tail<'a> = (u64, &'a [u8], usize, usize);
+
+/// The copies a call queues: whole head blocks, and the new tokens of grown ones.
+#[derive(Debug, Default)]
+struct Copies<'a> {
+    whole: Vec<(u64, &'a [u8])>,
+    tails: Vec<Tail<'a>>,
+}
+
+impl Copies<'_> {
+    fn is_empty(&self) -> bool {
+        self.whole.is_empty() && self.tails.is_empty()
+    }
+}
+
 /// One sequence's slots.
 #[derive(Debug)]
 struct CudaSeq {
@@ -348,13 +425,13 @@ struct CudaSeq {
 }
 
 impl CudaSeq {
-    /// The arena slot of `b` of head `lh` and whether it must be (re)filled for `len` tokens.
+    /// The arena slot of `b` of head `lh` and what it needs to hold `len` tokens.
     fn slot_for(
         &mut self,
         lh: usize,
         b: DeviceBlock,
         len: usize,
-    ) -> Result<(u32, bool), BackendError> {
+    ) -> Result<(u32, Fill), BackendError> {
         let store = &self.store;
         self.table
             .slot_for(lh, b, len, &mut || store.take_slot())
@@ -375,7 +452,7 @@ impl CudaSeq {
         layer: usize,
         h: usize,
         list: &[DeviceBlock],
-        copies: &mut Vec<(u64, &'a [u8])>,
+        copies: &mut Copies<'a>,
         mut each: impl FnMut(u32, usize),
     ) -> Result<(), BackendError> {
         let geom = self.store.geom;
@@ -385,11 +462,16 @@ impl CudaSeq {
         for &b in list.iter().filter(|b| b.block * bs < n) {
             let len = (n - b.block * bs).min(bs);
             let (slot, fill) = self.slot_for(lh, b, len)?;
-            if fill {
-                copies.push((
-                    self.store.slot_addr(slot),
-                    head_bytes(kv, &geom, layer, b.block, h),
-                ));
+            let (dst, src) = (
+                self.store.slot_addr(slot),
+                head_bytes(kv, &geom, layer, b.block, h),
+            );
+            match fill {
+                Fill::Keep => {}
+                Fill::Whole => copies.whole.push((dst, src)),
+                Fill::Tail { from } => copies.tails.push((dst, src, from, len)),
+            }
+            if fill != Fill::Keep {
                 self.table.set_valid(lh, b, len);
             }
             each(slot, len);
@@ -478,7 +560,7 @@ impl DeviceSeq for CudaSeq {
         sh.bind()?;
         self.after_recall(layer)?;
         let mut list = SlotList::new();
-        let mut copies: Vec<(u64, &[u8])> = Vec::new();
+        let mut copies = Copies::default();
         for (h, heads_blocks) in blocks.iter().enumerate() {
             self.place(kv, layer, h, heads_blocks, &mut copies, |slot, len| {
                 list.push(slot as i64 * geom.head_bytes() as i64, len)
@@ -494,7 +576,8 @@ impl DeviceSeq for CudaSeq {
         tracing::trace!(
             layer,
             entries = list.offs.len(),
-            copies = copies.len(),
+            copies = copies.whole.len(),
+            tails = copies.tails.len(),
             seconds = t_start.elapsed().as_secs_f64(),
             "device attention"
         );
@@ -518,7 +601,7 @@ impl DeviceSeq for CudaSeq {
         }
         let sh = &*store.shared;
         sh.bind()?;
-        let mut copies: Vec<(u64, &[u8])> = Vec::new();
+        let mut copies = Copies::default();
         for (h, list) in blocks.iter().enumerate() {
             self.place(kv, layer, h, list, &mut copies, |_, _| {})?;
         }
