@@ -125,22 +125,7 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
         let t = Instant::now();
         let mut gens = Vec::new();
         for i in 0..admitted {
-            let req = pb::GenerateRequest {
-                request_id: format!("c{i}"),
-                sampling: Some(pb::SamplingParams::default()),
-                max_new_tokens: args.tokens,
-                ignore_eos: true,
-                ..Default::default()
-            };
-            let ch = ch.clone();
-            gens.push(tokio::spawn(async move {
-                let mut first = None;
-                let out = client::generate(ch, None, req, |_| {
-                    first.get_or_insert_with(Instant::now);
-                })
-                .await;
-                out.map(|o| (o, first, Instant::now()))
-            }));
+            gens.push(spawn_generate(ch.clone(), format!("c{i}"), args.tokens));
         }
         let (mut tokens, mut cpu, mut queued, mut refused) = (0u64, 0f64, 0u64, 0u64);
         let mut last_first = t;

@@ -70,22 +70,11 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let t = Instant::now();
             let mut gens = Vec::new();
             for b in 0..args.batch.max(1) {
-                let req = pb::GenerateRequest {
-                    request_id: format!("d{b}"),
-                    sampling: Some(pb::SamplingParams::default()),
-                    max_new_tokens: args.tokens.max(1),
-                    ignore_eos: true,
-                    ..Default::default()
-                };
-                let ch = ch.clone();
-                gens.push(tokio::spawn(async move {
-                    let mut first = None;
-                    let out = client::generate(ch, None, req, |_| {
-                        first.get_or_insert_with(Instant::now);
-                    })
-                    .await;
-                    out.map(|o| (o, first))
-                }));
+                gens.push(spawn_generate(
+                    ch.clone(),
+                    format!("d{b}"),
+                    args.tokens.max(1),
+                ));
             }
             let mut tokens = 0u64;
             let mut cpu = 0f64;
@@ -94,7 +83,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let (mut recalled, mut recalled_bytes, mut recalled_used) = (0u64, 0u64, 0u64);
             let mut last_first = t;
             for g in gens {
-                let (out, first) = g.await??;
+                let (out, first, _) = g.await??;
                 last_first = last_first.max(first.unwrap_or(t));
                 tokens += out.ids.len() as u64;
                 let s = out.finish.and_then(|f| f.stats).unwrap_or_default();

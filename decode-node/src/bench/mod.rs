@@ -186,6 +186,32 @@ async fn start_node(
         .context("the bench node did not start")
 }
 
+/// What a bench's Generate came back with: the stream, when its first token and its end came.
+type Timed = (client::Generated, Option<Instant>, Instant);
+
+/// Starts a greedy Generate of `tokens` tokens (EOS ignored) for pushed request `id`.
+fn spawn_generate(
+    ch: tonic::transport::Channel,
+    id: String,
+    tokens: u32,
+) -> tokio::task::JoinHandle<anyhow::Result<Timed>> {
+    let req = pb::GenerateRequest {
+        request_id: id,
+        sampling: Some(pb::SamplingParams::default()),
+        max_new_tokens: tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    tokio::spawn(async move {
+        let mut first = None;
+        let out = client::generate(ch, None, req, |_| {
+            first.get_or_insert_with(Instant::now);
+        })
+        .await;
+        out.map(|o| (o, first, Instant::now()))
+    })
+}
+
 /// Random KV for `info`'s layout, as a push for `id` of `tokens` tokens.
 fn synthetic_kv(info: &pb::ModelInfo, id: &str, tokens: usize, seed: u64) -> PromptKv {
     let dtype = match pb::DType::try_from(info.kv_dtype) {

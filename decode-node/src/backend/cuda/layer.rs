@@ -228,6 +228,43 @@ unsafe fn queue_layer(
     unsafe { g.gemm_beta(w.down.dtype, hidden, n, inter, wd, d_in, op.x, 1.0) }
 }
 
+/// Places a layer's second half in `base` by `p` (and `half`), and queues the upload of its
+/// inputs from the pinned staging: the residual `x` where given (else the caller's residual
+/// stays where it is and `x` of the result must be replaced), the attention output and the
+/// norm weight, back to back.
+#[allow(clippy::too_many_arguments)] // the layer's inputs and where they go, spelled out
+fn upload_layer(
+    sh: &Shared,
+    g: &mut Blas,
+    base: u64,
+    half: u64,
+    p: &Plan,
+    x: Option<&[f32]>,
+    attn: &[f32],
+    norm: &[f32],
+) -> Result<Operands, BackendError> {
+    let at = |floats: usize| base + (floats * 4) as u64;
+    let stage = g.staging.get(p.upload)?;
+    let from = if let Some(x) = x {
+        stage[p.x..p.attn].copy_from_slice(x);
+        p.x
+    } else {
+        p.attn
+    };
+    stage[p.attn..p.norm].copy_from_slice(attn);
+    stage[p.norm..p.upload].copy_from_slice(norm);
+    htod(at(from), f32_bytes(&stage[from..p.upload]), &sh.stream)?;
+    Ok(Operands {
+        x: at(p.x),
+        attn: at(p.attn),
+        norm: at(p.norm),
+        xn: at(p.xn),
+        gate: at(p.gate),
+        up: at(p.up),
+        half,
+    })
+}
+
 impl CudaBackend {
     /// [`crate::backend::Backend::finish_layer`] in one round trip (see the module).
     pub(super) fn finish_layer_fused(
@@ -245,23 +282,9 @@ impl CudaBackend {
         let g: &mut Blas = &mut guard;
         let p = Plan::new(n, hidden, attn_w, inter);
         let base = g.y.ptr(&sh.stream, p.total * 4)?;
-        let at = |floats: usize| base + (floats * 4) as u64;
         let half =
             g.xh.ptr(&sh.stream, n * attn_w.max(hidden).max(inter) * 2)?;
-        let stage = g.staging.get(p.upload)?;
-        stage[p.x..p.attn].copy_from_slice(x);
-        stage[p.attn..p.norm].copy_from_slice(attn);
-        stage[p.norm..p.upload].copy_from_slice(w.post_norm);
-        htod(base, f32_bytes(&stage[..p.upload]), &sh.stream)?;
-        let op = Operands {
-            x: at(p.x),
-            attn: at(p.attn),
-            norm: at(p.norm),
-            xn: at(p.xn),
-            gate: at(p.gate),
-            up: at(p.up),
-            half,
-        };
+        let op = upload_layer(sh, g, base, half, &p, Some(x), attn, w.post_norm)?;
         // SAFETY: the plan's ranges for this shape, `half` sized for the widest input.
         unsafe { queue_layer(sh, g, n, shape, w, op) }?;
         let back = &mut g.staging.get(p.upload)?[..n * hidden];
@@ -456,21 +479,11 @@ impl Residual for CudaResidual<'_> {
         // The plan's residual slot goes unused: the residual stays in `Blas::res`.
         let p = Plan::new(n, hidden, attn_w, inter);
         let base = g.work.ptr(&sh.stream, p.total * 4)?;
-        let at = |floats: usize| base + (floats * 4) as u64;
         let half =
             g.xh.ptr(&sh.stream, n * attn_w.max(hidden).max(inter) * 2)?;
-        let stage = g.staging.get(p.upload)?;
-        stage[p.attn..p.norm].copy_from_slice(attn);
-        stage[p.norm..p.upload].copy_from_slice(w.post_norm);
-        htod(at(p.attn), f32_bytes(&stage[p.attn..p.upload]), &sh.stream)?;
         let op = Operands {
             x: self.x,
-            attn: at(p.attn),
-            norm: at(p.norm),
-            xn: at(p.xn),
-            gate: at(p.gate),
-            up: at(p.up),
-            half,
+            ..upload_layer(sh, g, base, half, &p, None, attn, w.post_norm)?
         };
         // SAFETY: the residual holds n rows of `hidden`; the plan's ranges for this shape.
         unsafe { queue_layer(sh, g, n, shape, &w, op) }?;

@@ -220,12 +220,7 @@ impl CudaKvStore {
         for &(_, _, _, to) in tails {
             table.extend_from_slice(&(to as u64).to_le_bytes());
         }
-        let (stream, buf) = self.lane(lane);
-        let mut buf = buf
-            .lock()
-            .map_err(|_| BackendError::Device("gather table lock poisoned".into()))?;
-        let t = buf.ptr(stream, table.len())?;
-        htod(t, &table, stream)?;
+        let (stream, t) = self.upload_table(lane, &table)?;
         let (count, d, b, dt) = (
             n as i32,
             self.geom.head_dim as i32,
@@ -244,6 +239,22 @@ impl CudaKvStore {
             )?;
         }
         Ok(true)
+    }
+
+    /// Queues the copy of a launch's address table to `lane`'s table buffer (the lane's later
+    /// uses of it are ordered after the launch that reads it); its stream and the address.
+    fn upload_table(
+        &self,
+        lane: Lane,
+        table: &[u8],
+    ) -> Result<(&Arc<CudaStream>, u64), BackendError> {
+        let (stream, buf) = self.lane(lane);
+        let mut buf = buf
+            .lock()
+            .map_err(|_| BackendError::Device("gather table lock poisoned".into()))?;
+        let t = buf.ptr(stream, table.len())?;
+        htod(t, table, stream)?;
+        Ok((stream, t))
     }
 
     /// Copies with one `gather_copy` launch reading the mapped pool; false (nothing done)
@@ -267,12 +278,7 @@ impl CudaKvStore {
         for c in copies {
             table.extend_from_slice(&c.0.to_le_bytes());
         }
-        let (stream, buf) = self.lane(lane);
-        let mut buf = buf
-            .lock()
-            .map_err(|_| BackendError::Device("gather table lock poisoned".into()))?;
-        let t = buf.ptr(stream, table.len())?;
-        htod(t, &table, stream)?;
+        let (stream, t) = self.upload_table(lane, &table)?;
         let n = copies.len() as i32;
         let srcs = t;
         let dsts = t + (copies.len() * 8) as u64;
