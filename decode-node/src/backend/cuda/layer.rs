@@ -406,6 +406,9 @@ impl Residual for CudaResidual<'_> {
             .flat_map(|gr| gr.outs.iter())
             .map(|o| o.y.len())
             .sum();
+        if total == 0 {
+            return Ok(());
+        }
         // Device scratch: every group's norm weight (uploaded at once), the normed rows (one
         // group after another: the stream orders each group's norm after the last one's
         // GEMMs), then every projection's output (brought back at once).
