@@ -362,3 +362,16 @@ fn glu_unfused<B: Backend + ?Sized>(
 fn silu_times(g: f32, u: f32) -> f32 {
     g / (1.0 + (-g).exp()) * u
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rel_diff_is_relative_to_the_largest_value_and_refuses_nan() {
+        assert_eq!(rel_diff(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert!((rel_diff(&[1.0, 4.1], &[1.0, 4.0]) - 0.025).abs() < 1e-6);
+        assert!(rel_diff(&[f32::NAN, 1.0], &[1.0, 1.0]).is_nan());
+        assert!(rel_diff(&[1.0], &[1.0, 2.0]).is_nan());
+    }
+}
