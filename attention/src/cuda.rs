@@ -17,4 +17,14 @@ pub const ENTRY_POINTS: &[&str] = &[
     "combine_splits",
     "gather_copy",
     "copy_tokens",
+    "sample_rows",
 ];
+
+/// Words of one row's spec for `sample_rows`.
+pub const SAMPLE_SPEC_WORDS: usize = 6;
+/// Words of one row's result from `sample_rows`.
+pub const SAMPLE_OUT_WORDS: usize = 4 + 2 * SAMPLE_TOP;
+/// Top log-probabilities `sample_rows` reports at most.
+pub const SAMPLE_TOP: usize = 20;
+/// Threads of one `sample_rows` block (its reductions assume this power of two).
+pub const SAMPLE_THREADS: u32 = 256;

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use attention::{BlockGeometry, DeviceBlock, KvSource, Partial};
 use kv_transfer::HostPool;
 
+use crate::model::pick::{PickSpec, RowOut};
 use crate::tensor::Tensor;
 
 /// Why a backend op failed (only device backends fail).
@@ -78,6 +79,53 @@ pub trait Residual {
 
     /// [`Backend::finish_layer`] on the residual.
     fn finish_layer(&mut self, attn: &[f32], w: LayerOut<'_>) -> Result<(), BackendError>;
+
+    /// The step's LM head, one [`RowOut`] per row (`picks` has one entry per row): a device
+    /// backend picks the token of each row with a spec where the logits are, and brings back
+    /// the logits of the rest and of any row its pick leaves to the host
+    /// ([`crate::model::pick::pick_row`] is what it must meet). Here every row comes back as
+    /// its logits.
+    fn lm_head(
+        &mut self,
+        head: LmHead<'_>,
+        picks: &[Option<PickSpec>],
+    ) -> Result<Vec<RowOut>, BackendError> {
+        logits_rows(self, head, picks.len())
+    }
+}
+
+/// [`Residual::lm_head`] with every row's logits brought back (`n` rows).
+pub(crate) fn logits_rows<R: Residual + ?Sized>(
+    r: &mut R,
+    head: LmHead<'_>,
+    n: usize,
+) -> Result<Vec<RowOut>, BackendError> {
+    let vocab = head.w.rows();
+    let mut logits = vec![0f32; n * vocab];
+    r.norm_project(&mut [NormProject {
+        norm: head.norm,
+        eps: head.eps,
+        outs: &mut [LinearOut {
+            w: head.w,
+            bias: None,
+            y: &mut logits,
+        }],
+    }])?;
+    Ok(logits
+        .chunks_exact(vocab.max(1))
+        .map(|row| RowOut::Logits(row.to_vec()))
+        .collect())
+}
+
+/// The LM head of [`Residual::lm_head`]: `rms_norm(x) * norm · wᵀ`.
+#[derive(Debug, Clone, Copy)]
+pub struct LmHead<'a> {
+    /// Final RMSNorm weight `[hidden]`.
+    pub norm: &'a [f32],
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Projection onto the vocabulary `[vocab][hidden]`.
+    pub w: &'a Tensor,
 }
 
 /// One group of [`Residual::norm_project`]: projections of the residual normed by `norm`.
@@ -267,6 +315,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// From now on [`Backend::residual`] keeps the residual on the host (a check found the
     /// device path wrong).
     fn keep_residual_on_host(&self) {}
+
+    /// True when [`Residual::lm_head`] picks tokens where the logits are: the model then
+    /// checks those picks once against the host's.
+    fn picks_on_device(&self) -> bool {
+        false
+    }
+
+    /// From now on [`Residual::lm_head`] brings every row's logits back (a check found the
+    /// device's picks wrong).
+    fn keep_picks_on_host(&self) {}
 
     /// Bytes per second the device's memory moves (a copy's read plus write), measured now;
     /// `None` for the CPU backend, whose bound the benches measure themselves.

@@ -394,6 +394,7 @@ fn kernel_checks(device: &str) -> anyhow::Result<usize> {
     checks.push(crate::backend::cuda::selftest::check_device_residual(
         ordinal,
     ));
+    checks.push(crate::backend::cuda::selftest::check_device_picks(ordinal));
     for c in checks {
         let verdict = if c.passed() { "PASS" } else { "FAIL" };
         match &c.error {

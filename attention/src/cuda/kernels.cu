@@ -401,3 +401,240 @@ extern "C" __global__ void copy_tokens(const unsigned long long* table, int n, i
         }
     }
 }
+
+// Device sampling (#21 item 2): the token of each row of the LM head's logits, picked where
+// they are, so a step brings back a few words per row instead of the vocabulary's logits.
+// One CUDA block of SAMPLE_THREADS threads per row. The pick is the host's for the same draw
+// (decode-node's `model::pick::pick_row` is the definition): greedy is the first largest
+// logit; a tempered pick walks the SAMPLE_HEAD most likely tokens (by logit, the lower id
+// first on ties) with weights exp((x - max) / T) in f64, under top-k and top-p as the host
+// does. Where that needs tokens past the head, or the row holds a non-finite logit, the row is
+// left to the host (status 1), which then reads its logits.
+//
+// spec [n][SAMPLE_SPEC_WORDS]: temperature (f32 bits), top_k (0 = off), top_p (f32 bits),
+// top logprobs wanted (<= SAMPLE_TOP), the draw (f64, low word then high; ignored unless
+// tempered). out [n][SAMPLE_OUT_WORDS]: status, token, logprob (f32 bits), top count, then
+// (id, logprob bits) per top token, most likely first.
+#define SAMPLE_THREADS 256
+#define SAMPLE_HEAD 256
+#define SAMPLE_TOP 20
+#define SAMPLE_SPEC_WORDS 6
+#define SAMPLE_OUT_WORDS (4 + 2 * SAMPLE_TOP)
+
+__device__ __forceinline__ bool finite_f32(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// Orders tokens as the host's sort does: larger logit first in the total order (-0 < +0),
+// then the lower id; so every key is distinct.
+__device__ __forceinline__ unsigned long long sample_key(float x, unsigned int id) {
+    unsigned int b = __float_as_uint(x);
+    unsigned int k = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((unsigned long long)k << 32) | (unsigned long long)(0xffffffffu - id);
+}
+
+__device__ __forceinline__ unsigned int sample_id(unsigned long long key) {
+    return 0xffffffffu - (unsigned int)(key & 0xffffffffull);
+}
+
+extern "C" __global__ void sample_rows(const float* logits, const unsigned int* spec, unsigned int* out,
+                                       int vocab) {
+    __shared__ float best_v[SAMPLE_THREADS];
+    __shared__ unsigned int best_i[SAMPLE_THREADS];
+    __shared__ double sum_e[SAMPLE_THREADS];
+    __shared__ double sum_t[SAMPLE_THREADS];
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned long long head[SAMPLE_HEAD];
+    __shared__ unsigned long long prefix;
+    __shared__ unsigned int want, taken;
+    __shared__ int bad;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const unsigned int n = (unsigned int)vocab;
+    const float* x = logits + (long long)blockIdx.x * vocab;
+    const unsigned int* sp = spec + (long long)blockIdx.x * SAMPLE_SPEC_WORDS;
+    unsigned int* o = out + (long long)blockIdx.x * SAMPLE_OUT_WORDS;
+    const float temp = __uint_as_float(sp[0]);
+    const unsigned int top_k = sp[1];
+    const float top_p = __uint_as_float(sp[2]);
+    const unsigned int ntop = min(min(sp[3], (unsigned int)SAMPLE_TOP), n);
+    const double draw = __hiloint2double((int)sp[5], (int)sp[4]);
+    // The host's greedy test: temperature <= 0 or not finite.
+    const bool tempered = temp > 0.f && finite_f32(temp);
+
+    // The largest logit and its first id (`>`: -0 and +0 tie, as in the host's argmax).
+    if (tid == 0) bad = 0;
+    __syncthreads();
+    float bv = NEG_INF;
+    unsigned int bi = 0xffffffffu;
+    for (unsigned int i = tid; i < n; i += nt) {
+        float v = x[i];
+        if (!finite_f32(v)) bad = 1;
+        if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }
+    }
+    best_v[tid] = bv;
+    best_i[tid] = bi;
+    __syncthreads();
+    for (int s = nt / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            float v = best_v[tid + s];
+            unsigned int i = best_i[tid + s];
+            if (i != 0xffffffffu && (best_i[tid] == 0xffffffffu || v > best_v[tid] ||
+                                     (v == best_v[tid] && i < best_i[tid]))) {
+                best_v[tid] = v;
+                best_i[tid] = i;
+            }
+        }
+        __syncthreads();
+    }
+    if (bad || n == 0) {
+        if (tid == 0) o[0] = 1;
+        return;
+    }
+    const float m = best_v[0];
+
+    // sum exp(x - m) for the log-probabilities, sum exp((x - m) / T) for the draw.
+    double se = 0.0, st = 0.0;
+    for (unsigned int i = tid; i < n; i += nt) {
+        float v = x[i];
+        se += exp((double)(v - m));
+        if (tempered) st += exp((double)((v - m) / temp));
+    }
+    sum_e[tid] = se;
+    sum_t[tid] = st;
+    __syncthreads();
+    for (int s = nt / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            sum_e[tid] += sum_e[tid + s];
+            sum_t[tid] += sum_t[tid + s];
+        }
+        __syncthreads();
+    }
+
+    // The head: the `h` largest keys, by a radix select of the h-th largest (a byte a pass,
+    // most significant first), then gathered and sorted.
+    const unsigned int keep = tempered ? (top_k > 0 ? min(top_k, n) : n) : 0;
+    const unsigned int walk = min(keep, (unsigned int)SAMPLE_HEAD);
+    const unsigned int h = min(max(walk, ntop), n);
+    if (h > 0) {
+        if (tid == 0) {
+            prefix = 0ull;
+            want = h;
+        }
+        unsigned long long mask = 0ull;
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            for (int i = tid; i < 256; i += nt) hist[i] = 0;
+            __syncthreads();
+            const unsigned long long pre = prefix;
+            for (unsigned int i = tid; i < n; i += nt) {
+                unsigned long long k = sample_key(x[i], i);
+                if ((k & mask) == pre) atomicAdd(&hist[(k >> shift) & 255ull], 1u);
+            }
+            __syncthreads();
+            if (tid == 0) {
+                unsigned int above = 0;
+                for (int b = 255; b >= 0; b--) {
+                    if (above + hist[b] >= want) {
+                        want -= above;
+                        prefix |= (unsigned long long)b << shift;
+                        break;
+                    }
+                    above += hist[b];
+                }
+            }
+            __syncthreads();
+            mask |= 255ull << shift;
+        }
+        if (tid == 0) taken = 0;
+        for (int i = tid; i < SAMPLE_HEAD; i += nt) head[i] = 0ull;
+        __syncthreads();
+        const unsigned long long kth = prefix;
+        for (unsigned int i = tid; i < n; i += nt) {
+            unsigned long long k = sample_key(x[i], i);
+            if (k >= kth) head[atomicAdd(&taken, 1u)] = k;
+        }
+        __syncthreads();
+        // Bitonic sort, largest first; the zero padding sorts last.
+        for (unsigned int size = 2; size <= SAMPLE_HEAD; size <<= 1) {
+            for (unsigned int stride = size >> 1; stride > 0; stride >>= 1) {
+                for (unsigned int i = tid; i < SAMPLE_HEAD; i += nt) {
+                    unsigned int j = i ^ stride;
+                    if (j > i) {
+                        unsigned long long a = head[i], b = head[j];
+                        bool largest_first = (i & size) == 0;
+                        if (largest_first ? a < b : a > b) {
+                            head[i] = b;
+                            head[j] = a;
+                        }
+                    }
+                }
+                __syncthreads();
+            }
+        }
+    }
+    if (tid != 0) return;
+
+    // The walk, as the host's: one thread over at most SAMPLE_HEAD tokens.
+    unsigned int status = 0, tok = best_i[0];
+    if (tempered) {
+        double total = sum_t[0];
+        if (keep < n) {
+            if (keep > walk) status = 1;  // the top-k's mass reaches past the head
+            total = 0.0;
+            for (unsigned int j = 0; j < walk; j++) total += exp((double)((x[sample_id(head[j])] - m) / temp));
+        }
+        const bool nucleus = top_p > 0.f && top_p < 1.f;
+        unsigned int len = walk;
+        double kept = total;
+        bool done = status != 0;
+        if (!done && nucleus) {
+            double acc = 0.0;
+            bool found = false;
+            for (unsigned int j = 0; j < walk; j++) {
+                acc += exp((double)((x[sample_id(head[j])] - m) / temp)) / total;
+                if (acc >= (double)top_p) {
+                    len = j + 1;
+                    found = true;
+                    break;
+                }
+            }
+            if (!found) {
+                done = true;
+                if (walk == keep) tok = sample_id(head[keep - 1]);
+                else status = 1;
+            } else {
+                kept = 0.0;
+                for (unsigned int j = 0; j < len; j++) kept += exp((double)((x[sample_id(head[j])] - m) / temp));
+            }
+        }
+        if (!done) {
+            double r = draw * kept;
+            bool picked = false;
+            for (unsigned int j = 0; j < len; j++) {
+                unsigned int id = sample_id(head[j]);
+                double w = exp((double)((x[id] - m) / temp));
+                if (r < w) {
+                    tok = id;
+                    picked = true;
+                    break;
+                }
+                r -= w;
+            }
+            if (!picked) {
+                if (nucleus || len == keep) tok = sample_id(head[len - 1]);
+                else status = 1;
+            }
+        }
+    }
+    o[0] = status;
+    if (status != 0) return;
+    const float ln_sum = (float)log(sum_e[0]);
+    const float lse = m + ln_sum;
+    o[1] = tok;
+    o[2] = __float_as_uint((x[tok] - m) - ln_sum);
+    o[3] = ntop;
+    for (unsigned int j = 0; j < ntop; j++) {
+        unsigned int id = sample_id(head[j]);
+        o[4 + 2 * j] = id;
+        o[5 + 2 * j] = __float_as_uint(x[id] - lse);
+    }
+}

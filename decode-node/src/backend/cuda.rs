@@ -5,15 +5,16 @@
 //! memory; f16/bf16 weights multiply activations rounded to the same type, f32 accumulation)
 //! and the device part of attention over hot KV blocks kept in GPU memory ([`store`]): a
 //! split-K block-sparse kernel and its log-sum-exp combine, recall copies on their own stream
-//! ordered by events, the host pool page-locked for asynchronous copies. Activations cross
-//! PCIe once per projection group (they are a few KiB per token); norms, RoPE and SwiGLU run
-//! on the host between them. Their device kernels exist and are checked by `selftest`;
-//! keeping whole layers on the device is the next step.
+//! ordered by events, the host pool page-locked for asynchronous copies. A decode step's
+//! residual stays in device memory ([`layer`]): norms, SwiGLU and the residual adds run there,
+//! and the LM head's tokens are picked there ([`pick`]); q, k and v cross PCIe for the host's
+//! q/k-norm, RoPE and selection, and the attention output comes back.
 
 mod blas;
 mod call;
 mod driver;
 mod layer;
+mod pick;
 pub mod selftest;
 mod slots;
 mod store;
@@ -33,6 +34,22 @@ use kv_transfer::HostPool;
 
 use super::{Backend, BackendError, DeviceKv, LinearOut};
 use crate::tensor::Tensor;
+
+/// Fills each projection's output from `back` (their results one after another) and adds its
+/// bias.
+fn take_outputs<'a, 'b: 'a>(back: &[f32], outs: impl Iterator<Item = &'a mut LinearOut<'b>>) {
+    let mut at = 0usize;
+    for o in outs {
+        let n = o.y.len();
+        o.y.copy_from_slice(&back[at..at + n]);
+        at += n;
+        if let Some(b) = o.bias {
+            for row in o.y.chunks_exact_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(v, bb)| *v += bb);
+            }
+        }
+    }
+}
 
 /// Why CUDA cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +87,8 @@ pub struct CudaBackend {
     fused: layer::FusedCheck,
     /// Decode steps keep their residual in device memory (until a model's check says no).
     residual_on_device: std::sync::atomic::AtomicBool,
+    /// The device residual's LM head picks tokens on the device (until a check says no).
+    picks_on_device: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -113,6 +132,7 @@ impl CudaBackend {
             kv_append: f("kv_append")?,
             gather_copy: f("gather_copy")?,
             copy_tokens: f("copy_tokens")?,
+            sample_rows: f("sample_rows")?,
         };
         let blas_state = Blas::new(&stream)?;
         Ok(Self {
@@ -126,6 +146,7 @@ impl CudaBackend {
             blas: Mutex::new(blas_state),
             fused: layer::FusedCheck::default(),
             residual_on_device: std::sync::atomic::AtomicBool::new(true),
+            picks_on_device: std::sync::atomic::AtomicBool::new(true),
         })
     }
 
@@ -269,17 +290,7 @@ impl Backend for CudaBackend {
         let host = g.staging.get(x.len().max(total))?;
         let host = &mut host[..total];
         dtoh_f32(host, y_dev, &sh.stream)?;
-        let mut at = 0usize;
-        for o in outs.iter_mut() {
-            let n = o.y.len();
-            o.y.copy_from_slice(&host[at..at + n]);
-            at += n;
-            if let Some(b) = o.bias {
-                for row in o.y.chunks_exact_mut(b.len()) {
-                    row.iter_mut().zip(b).for_each(|(v, bb)| *v += bb);
-                }
-            }
-        }
+        take_outputs(host, outs.iter_mut());
         Ok(())
     }
 
@@ -302,6 +313,18 @@ impl Backend for CudaBackend {
 
     fn keep_residual_on_host(&self) {
         self.residual_on_device
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+
+    fn picks_on_device(&self) -> bool {
+        self.residual_on_device()
+            && self
+                .picks_on_device
+                .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn keep_picks_on_host(&self) {
+        self.picks_on_device
             .store(false, std::sync::atomic::Ordering::Release);
     }
 

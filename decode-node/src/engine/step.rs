@@ -12,6 +12,7 @@ use super::attend::{AttnTiming, BatchAttention, SeqSlot, Shape};
 use super::running::{Latency, Running};
 use super::{EngineError, Event, FinishReason, LoadSnapshot, StepLoop, TopLogprob, solo};
 use crate::metrics::{OutcomeLabel, ReasonLabel};
+use crate::model::pick::{PickSpec, RowOut};
 use crate::model::{logits, sampling};
 
 /// One f32 row per layer (a token's K or V).
@@ -19,8 +20,10 @@ type LayerRows = Vec<Vec<f32>>;
 
 /// What the forward pass of a step gives back.
 struct Forward {
-    /// `[batch][vocab]` logits.
-    logits: Vec<f32>,
+    /// Per request: its token picked by the backend, or its logits `[vocab]`.
+    rows: Vec<RowOut>,
+    /// Per request: the draw its pick uses (`None`: greedy).
+    draws: Vec<Option<f64>>,
     /// Per request: the new token's K and V rows, and the seconds the device waited on its
     /// CPU attention.
     new_kv: Vec<(LayerRows, LayerRows, f64)>,
@@ -66,6 +69,19 @@ impl StepLoop {
             scale: self.model.model.attn_scale(),
         };
         let tokens: Vec<u32> = self.running.iter().map(|r| r.next_token).collect();
+        // Each request's draw before the logits exist, so a backend that picks where the
+        // logits are picks what the host would. Penalties and bans need the host.
+        let draws: Vec<Option<f64>> = self.running.iter_mut().map(|r| r.sampler.draw()).collect();
+        let picks: Vec<Option<PickSpec>> = self
+            .running
+            .iter()
+            .zip(&draws)
+            .map(|(r, &draw)| {
+                let plain = !r.logits.penalises() && r.banned(cfg).is_empty();
+                let top = r.job.output.top_logprobs as usize;
+                plain.then(|| PickSpec::of(&r.sampler, draw, top)).flatten()
+            })
+            .collect();
         let positions: Vec<usize> = self.running.iter().map(|r| r.kv.num_tokens()).collect();
         let slots = self
             .running
@@ -84,9 +100,9 @@ impl StepLoop {
         let model = &self.model.model;
         let result = if model.backend().parallel_on_rayon() {
             self.cpu_pool
-                .install(|| model.decode_step(&tokens, &positions, &mut batch))
+                .install(|| model.decode_step_picking(&tokens, &positions, &mut batch, &picks))
         } else {
-            model.decode_step(&tokens, &positions, &mut batch)
+            model.decode_step_picking(&tokens, &positions, &mut batch, &picks)
         };
         let model_s = t.elapsed().as_secs_f64();
         for g in &batch.guard_checks {
@@ -99,7 +115,8 @@ impl StepLoop {
             .map(|s| (s.new_k, s.new_v, s.device_wait))
             .collect();
         Ok(Forward {
-            logits: result?,
+            rows: result?,
+            draws,
             new_kv,
             model_s,
             timing,
@@ -127,21 +144,31 @@ impl StepLoop {
     /// Per request: appends the step's KV, samples and streams a token, decides its end.
     fn emit(&mut self, fwd: &Forward, now: Instant) -> Vec<Outcome> {
         let cfg = &self.model.model.cfg;
-        let vocab = cfg.vocab_size;
         // Every request's token first, in parallel: a sampled token costs passes over the
         // whole vocabulary (softmax, log-probability), one request after another at batch 64.
         // Non-finite logits are not sampled; the loop below ends their request.
         let mut picks: Vec<Option<Pick>> = self
             .running
             .par_iter_mut()
-            .zip(fwd.logits.par_chunks(vocab))
-            .map(|(r, logits)| {
+            .zip(fwd.rows.par_iter().zip(&fwd.draws))
+            .map(|(r, (row, &draw))| {
+                let logits = match row {
+                    RowOut::Picked(p) => {
+                        r.logits.observe(p.token);
+                        return Some(Pick {
+                            tok: p.token,
+                            logprob: p.logprob,
+                            top: p.top.clone(),
+                        });
+                    }
+                    RowOut::Logits(l) => l,
+                };
                 if !logits.iter().all(|x| x.is_finite()) {
                     return None;
                 }
                 // Penalties and bans change what is picked, not the reported log-probabilities.
                 let banned = r.banned(cfg);
-                let tok = r.sampler.pick(r.logits.apply(logits, &banned));
+                let tok = r.sampler.pick_drawn(r.logits.apply(logits, &banned), draw);
                 r.logits.observe(tok);
                 let top = r.job.output.top_logprobs as usize;
                 Some(Pick {
@@ -191,12 +218,12 @@ impl StepLoop {
             r.seen = s;
 
             let Some(Pick { tok, logprob, top }) = picks[i].take() else {
-                let logits = &fwd.logits[i * vocab..(i + 1) * vocab];
-                let bad = logits
-                    .iter()
-                    .find(|x| !x.is_finite())
-                    .copied()
-                    .unwrap_or(f32::NAN);
+                // A backend's pick is never of non-finite logits: those rows come back whole.
+                let bad = match &fwd.rows[i] {
+                    RowOut::Logits(l) => l.iter().find(|x| !x.is_finite()).copied(),
+                    RowOut::Picked(_) => None,
+                }
+                .unwrap_or(f32::NAN);
                 r.job.span.in_scope(
                     || tracing::warn!(value = %bad, generated = r.generated, "non-finite logits"),
                 );

@@ -488,3 +488,137 @@ fn a_lost_device_ends_what_runs_and_refuses_what_comes_after() {
     );
     rig.wait_pool_empty();
 }
+
+/// The CPU backend with a correct device pick: the LM head's rows that may be picked where
+/// the logits are come back picked (by the definition the CUDA kernel meets), and counted.
+#[derive(Debug, Default)]
+struct PickingDevice {
+    picked: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl crate::backend::Backend for PickingDevice {
+    fn name(&self) -> String {
+        "picking".into()
+    }
+
+    fn linear(
+        &self,
+        x: &[f32],
+        batch: usize,
+        w: &crate::tensor::Tensor,
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+    ) -> Result<(), crate::backend::BackendError> {
+        crate::backend::CpuBackend.linear(x, batch, w, bias, y)
+    }
+
+    fn residual<'a>(
+        &'a self,
+        x: Vec<f32>,
+        batch: usize,
+    ) -> Result<Box<dyn crate::backend::Residual + 'a>, crate::backend::BackendError> {
+        Ok(Box::new(crate::model::pick::PickingResidual {
+            inner: crate::backend::HostResidual::new(self, x, batch),
+            shift: Some(0),
+            picked: self.picked.clone(),
+        }))
+    }
+
+    fn picks_on_device(&self) -> bool {
+        true
+    }
+
+    fn parallel_on_rayon(&self) -> bool {
+        // As the CPU backend: the same pool, so the same sums, so the same logits.
+        true
+    }
+}
+
+/// A streamed token: id, log-probability, the top list as (id, log-probability).
+type Scored = (u32, f32, Vec<(u32, f32)>);
+
+/// Every token event of a stream.
+fn drain_scored(rx: &mut mpsc::UnboundedReceiver<Event>) -> Vec<Scored> {
+    let mut toks = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Token {
+                id,
+                logprob,
+                top_logprobs,
+                ..
+            } => toks.push((
+                id,
+                logprob,
+                top_logprobs.iter().map(|t| (t.id, t.logprob)).collect(),
+            )),
+            Event::Finish { .. } => return toks,
+            e => panic!("{e:?}"),
+        }
+    }
+    panic!("the stream ended without a last event");
+}
+
+/// A batch where the backend picks some rows (greedy with a top list, a seeded draw under
+/// top-k and top-p) and the host picks the rest (a repetition penalty, EOS banned under
+/// `min_tokens`) streams exactly what the host alone streams: each request's draws are taken
+/// in the same order whichever side picks.
+#[test]
+fn tokens_picked_where_the_logits_are_equal_the_host_picks() {
+    let dev = Arc::new(PickingDevice::default());
+    let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
+    let host = Rig::start(4, 1 << 30);
+    let device = Rig::start_on(4, 1 << 30, Some(model));
+    let tunes: [fn(&mut JobSpec); 4] = [
+        |s| s.output.top_logprobs = 3,
+        |s| {
+            s.sampling = Sampling {
+                temperature: 0.9,
+                top_k: 40,
+                top_p: 0.95,
+                seed: 7,
+                ..Sampling::default()
+            };
+            s.output.top_logprobs = 2;
+        },
+        |s| {
+            s.sampling = Sampling {
+                temperature: 1.1,
+                seed: 3,
+                repetition_penalty: 1.3,
+                ..Sampling::default()
+            }
+        },
+        |s| {
+            s.sampling = Sampling {
+                temperature: 0.7,
+                seed: 11,
+                ..Sampling::default()
+            };
+            s.ignore_eos = false;
+            s.output.min_tokens = 4;
+        },
+    ];
+    let run = |rig: &Rig| {
+        let mut streams: Vec<_> = tunes
+            .iter()
+            .enumerate()
+            .map(|(i, tune)| rig.submit_with(&format!("r{i}"), &Rig::prompt(i as u32), 12, *tune))
+            .collect();
+        streams.iter_mut().map(drain_scored).collect::<Vec<_>>()
+    };
+    let want = run(&host);
+    let before = dev.picked.load(std::sync::atomic::Ordering::Relaxed);
+    let got = run(&device);
+    assert_eq!(got, want);
+    let picked = dev.picked.load(std::sync::atomic::Ordering::Relaxed) - before;
+    // Requests 0 and 1 are picked by the device at every step; 2 (penalty) never, 3 (EOS
+    // banned) only after its first 4 tokens.
+    let steps = |i: usize| want[i].len().saturating_sub(1);
+    assert!(
+        picked >= steps(0) + steps(1) && picked <= steps(0) + steps(1) + steps(3),
+        "{picked} rows picked on the device"
+    );
+    host.wait_pool_empty();
+    device.wait_pool_empty();
+}

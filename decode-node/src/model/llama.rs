@@ -8,10 +8,14 @@ use rayon::prelude::*;
 
 use super::ModelError;
 use super::config::ModelConfig;
+use super::pick::{PickSpec, RowOut, pick_row};
 use super::rope::{self, Rotations};
 use super::weights::{Tensor, WeightMap};
 use crate::backend::gemm::{Mat, MatMut, gemm};
-use crate::backend::{Backend, HostResidual, LayerOut, LinearOut, NormProject, Residual, rel_diff};
+use crate::backend::{
+    Backend, BackendError, HostResidual, LayerOut, LinearOut, LmHead, NormProject, Residual,
+    rel_diff,
+};
 
 /// A projection: weight `[out][in]` and optional bias.
 #[derive(Debug)]
@@ -186,6 +190,7 @@ impl Model {
             lm_head,
         };
         model.check_residual()?;
+        model.check_picks();
         Ok(model)
     }
 
@@ -365,26 +370,64 @@ impl Model {
         positions: &[usize],
         attn: &mut dyn DecodeAttention,
     ) -> Result<Vec<f32>, ModelError> {
+        let rows = self.decode_step_picking(tokens, positions, attn, &vec![None; tokens.len()])?;
+        self.logits_of(rows)
+    }
+
+    /// [`Self::decode_step`] where the backend may pick row `b`'s token itself by
+    /// `picks[b]` (see [`Residual::lm_head`]): one [`RowOut`] per row.
+    pub fn decode_step_picking(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        attn: &mut dyn DecodeAttention,
+        picks: &[Option<PickSpec>],
+    ) -> Result<Vec<RowOut>, ModelError> {
+        if picks.len() != tokens.len() {
+            return Err(ModelError::Input(format!(
+                "{} pick specs for {} rows",
+                picks.len(),
+                tokens.len()
+            )));
+        }
         if self.backend.parallel_on_rayon() {
             // Each of the step's ~200 small parallel ops then starts and ends on the pool's
             // own threads; called from outside, every op would put its caller to sleep and
             // wake it again (+17% tokens/s at batch 1 on SmolLM2, 2 cores).
-            rayon::scope(|_| self.decode_step_here(tokens, positions, attn))
+            rayon::scope(|_| self.decode_step_here(tokens, positions, attn, picks))
         } else {
-            self.decode_step_here(tokens, positions, attn)
+            self.decode_step_here(tokens, positions, attn, picks)
         }
     }
 
-    /// [`Self::decode_step`] on the calling thread, the residual where the backend keeps it.
+    /// [`Self::decode_step_picking`] on the calling thread, the residual where the backend
+    /// keeps it.
     fn decode_step_here(
         &self,
         tokens: &[u32],
         positions: &[usize],
         attn: &mut dyn DecodeAttention,
-    ) -> Result<Vec<f32>, ModelError> {
+        picks: &[Option<PickSpec>],
+    ) -> Result<Vec<RowOut>, ModelError> {
         self.check_tokens(tokens)?;
         let r = self.backend.residual(self.embed(tokens), tokens.len())?;
-        self.decode_on(r, positions, attn)
+        self.decode_on(r, positions, attn, picks)
+    }
+
+    /// The logits `[batch][vocab]` of rows no backend picked.
+    fn logits_of(&self, rows: Vec<RowOut>) -> Result<Vec<f32>, ModelError> {
+        let mut logits = Vec::with_capacity(rows.len() * self.cfg.vocab_size);
+        for row in rows {
+            match row {
+                RowOut::Logits(l) if l.len() == self.cfg.vocab_size => logits.extend(l),
+                other => {
+                    return Err(ModelError::Backend(BackendError::Unsupported(format!(
+                        "the LM head gave {other:?} for a row that asked for logits"
+                    ))));
+                }
+            }
+        }
+        Ok(logits)
     }
 
     /// The layers and LM head of a decode step over the residual `r` (the batch's
@@ -394,7 +437,8 @@ impl Model {
         mut r: Box<dyn Residual + 'a>,
         positions: &[usize],
         attn: &mut dyn DecodeAttention,
-    ) -> Result<Vec<f32>, ModelError> {
+        picks: &[Option<PickSpec>],
+    ) -> Result<Vec<RowOut>, ModelError> {
         let n = positions.len();
         let cfg = &self.cfg;
         let rot = Rotations::new(&self.inv_freq, positions);
@@ -445,17 +489,14 @@ impl Model {
             attn.attend(i, &q, &k, &v, &mut out)?;
             r.finish_layer(&out, self.layer_out(layer))?;
         }
-        let mut logits = vec![0f32; n * cfg.vocab_size];
-        r.norm_project(&mut [NormProject {
-            norm: &self.norm,
-            eps: self.eps(),
-            outs: &mut [LinearOut {
+        Ok(r.lm_head(
+            LmHead {
+                norm: &self.norm,
+                eps: self.eps(),
                 w: self.lm_head.as_ref().unwrap_or(&self.embed),
-                bias: None,
-                y: &mut logits,
-            }],
-        }])?;
-        Ok(logits)
+            },
+            picks,
+        )?)
     }
 
     /// The weights of `layer`'s second half.
@@ -490,6 +531,85 @@ impl Model {
         Ok(())
     }
 
+    /// A backend that picks tokens where the logits are must pick what the host picks from
+    /// the same logits: checked once per model on a decode step of two tokens (greedy with a
+    /// top list, and a tempered draw under top-k and top-p); where it does not, the backend
+    /// brings every row's logits back from then on.
+    fn check_picks(&self) {
+        if !self.backend.picks_on_device() {
+            return;
+        }
+        match self.picks_diff() {
+            Ok(None) => tracing::info!("the device picks the host path's tokens"),
+            Ok(Some(why)) => {
+                tracing::error!(%why, "the device does not pick the host path's tokens; picking on the host");
+                self.backend.keep_picks_on_host();
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "device picks failed; picking on the host");
+                self.backend.keep_picks_on_host();
+            }
+        }
+    }
+
+    /// Where the backend's picks on a decode step of two tokens that attend only themselves
+    /// differ from [`pick_row`] over the same step's logits (`None`: they agree).
+    pub fn picks_diff(&self) -> Result<Option<String>, ModelError> {
+        let vocab = self.cfg.vocab_size as u32;
+        let tokens = [1.min(vocab - 1), 2.min(vocab - 1)];
+        let positions = [0usize, 1];
+        let specs = [
+            Some(PickSpec {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 0.0,
+                draw: None,
+                top_logprobs: 5,
+            }),
+            Some(PickSpec {
+                temperature: 0.8,
+                top_k: 50,
+                top_p: 0.9,
+                draw: Some(0.37),
+                top_logprobs: 3,
+            }),
+        ];
+        let mut attn = SelfAttention::of(&self.cfg);
+        let residual = || self.backend.residual(self.embed(&tokens), 2);
+        let logits = self.decode_on(residual()?, &positions, &mut attn, &[None, None])?;
+        let logits = self.logits_of(logits)?;
+        let rows = self.decode_on(residual()?, &positions, &mut attn, &specs)?;
+        let v = self.cfg.vocab_size;
+        for (i, (row, spec)) in rows.iter().zip(&specs).enumerate() {
+            let want = spec.and_then(|s| pick_row(&logits[i * v..(i + 1) * v], &s));
+            let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs().max(1.0);
+            let agree = match (row, &want) {
+                (RowOut::Picked(got), Some(want)) => {
+                    got.token == want.token
+                        && close(got.logprob, want.logprob)
+                        && got.top.len() == want.top.len()
+                        && got
+                            .top
+                            .iter()
+                            .zip(&want.top)
+                            .all(|(a, b)| a.0 == b.0 && close(a.1, b.1))
+                }
+                (RowOut::Logits(l), None) => l.len() == v,
+                _ => false,
+            };
+            if !agree {
+                let got = match row {
+                    RowOut::Picked(p) => format!("{p:?}"),
+                    RowOut::Logits(_) => "logits".into(),
+                };
+                return Ok(Some(format!(
+                    "row {i} ({spec:?}): the device gave {got}, the host picks {want:?}"
+                )));
+            }
+        }
+        Ok(None)
+    }
+
     /// How far the logits of the backend's residual are from the host path's on a decode step
     /// of two tokens that attend only themselves (relative to the largest; NaN with the
     /// device path's error where it failed).
@@ -502,12 +622,17 @@ impl Model {
             Box::new(HostResidual::new(&*self.backend, self.embed(&tokens), 2)),
             &positions,
             &mut attn,
-        )?;
-        let on_device = self.decode_on(
-            self.backend.residual(self.embed(&tokens), 2)?,
-            &positions,
-            &mut attn,
+            &[None, None],
         );
+        let on_host = self.logits_of(on_host?)?;
+        let on_device = self
+            .decode_on(
+                self.backend.residual(self.embed(&tokens), 2)?,
+                &positions,
+                &mut attn,
+                &[None, None],
+            )
+            .and_then(|rows| self.logits_of(rows));
         Ok(match on_device {
             Ok(l) => (rel_diff(&l, &on_host), None),
             Err(e) => (f64::NAN, Some(e)),
@@ -713,6 +838,20 @@ mod tests {
     struct FakeDevice {
         on_device: std::sync::atomic::AtomicBool,
         skew: f32,
+        /// Picks tokens "on the device" (the host's pick plus `pick_shift`).
+        picks: std::sync::atomic::AtomicBool,
+        pick_shift: u32,
+    }
+
+    impl FakeDevice {
+        fn new(skew: f32, pick_shift: u32) -> Self {
+            Self {
+                on_device: true.into(),
+                skew,
+                picks: true.into(),
+                pick_shift,
+            }
+        }
     }
 
     impl Backend for FakeDevice {
@@ -737,7 +876,18 @@ mod tests {
             if self.residual_on_device() {
                 x.iter_mut().for_each(|v| *v *= self.skew);
             }
-            Ok(Box::new(HostResidual::new(self, x, batch)))
+            Ok(Box::new(crate::model::pick::PickingResidual {
+                inner: HostResidual::new(self, x, batch),
+                shift: self.picks_on_device().then_some(self.pick_shift),
+                picked: Default::default(),
+            }))
+        }
+        fn picks_on_device(&self) -> bool {
+            self.residual_on_device() && self.picks.load(std::sync::atomic::Ordering::Relaxed)
+        }
+        fn keep_picks_on_host(&self) {
+            self.picks
+                .store(false, std::sync::atomic::Ordering::Relaxed);
         }
         fn residual_on_device(&self) -> bool {
             self.on_device.load(std::sync::atomic::Ordering::Relaxed)
@@ -763,10 +913,7 @@ mod tests {
         .decode_step(&toks, &[0, 1], &mut SelfAttention::of(&cfg))
         .unwrap();
         for (skew, kept) in [(1.0, true), (1.5, false)] {
-            let b = Arc::new(FakeDevice {
-                on_device: true.into(),
-                skew,
-            });
+            let b = Arc::new(FakeDevice::new(skew, 0));
             let wm = random_weights(&cfg, 4, KvDType::F32);
             let m = Model::from_weights(cfg.clone(), "t", wm, b.clone()).unwrap();
             assert_eq!(b.residual_on_device(), kept, "skew {skew}");
@@ -775,6 +922,52 @@ mod tests {
                 .decode_step(&toks, &[0, 1], &mut SelfAttention::of(&cfg))
                 .unwrap();
             assert_eq!(got, reference, "skew {skew}");
+        }
+    }
+
+    #[test]
+    fn device_picks_that_disagree_with_the_host_are_turned_off_at_load() {
+        let mut cfg = preset("tiny", Arch::Llama).unwrap();
+        cfg.vocab_size = 300;
+        let toks = [5u32, 77];
+        let specs = [
+            Some(PickSpec {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 0.0,
+                draw: None,
+                top_logprobs: 2,
+            }),
+            None,
+        ];
+        for (shift, kept) in [(0, true), (1, false)] {
+            let b = Arc::new(FakeDevice::new(1.0, shift));
+            let wm = random_weights(&cfg, 4, KvDType::F32);
+            let m = Model::from_weights(cfg.clone(), "t", wm, b.clone()).unwrap();
+            assert!(b.residual_on_device());
+            assert_eq!(b.picks_on_device(), kept, "shift {shift}");
+            let logits = m
+                .decode_step(&toks, &[0, 1], &mut SelfAttention::of(&cfg))
+                .unwrap();
+            let rows = m
+                .decode_step_picking(&toks, &[0, 1], &mut SelfAttention::of(&cfg), &specs)
+                .unwrap();
+            // A row without a spec always comes back as logits; one with a spec is picked
+            // where the device is trusted, and then as the host picks.
+            assert_eq!(rows[1], RowOut::Logits(logits[300..].to_vec()));
+            match &rows[0] {
+                RowOut::Picked(p) => {
+                    assert!(kept);
+                    assert_eq!(
+                        Some(p.clone()),
+                        pick_row(&logits[..300], &specs[0].unwrap())
+                    );
+                }
+                RowOut::Logits(l) => {
+                    assert!(!kept);
+                    assert_eq!(l[..], logits[..300]);
+                }
+            }
         }
     }
 

@@ -46,7 +46,8 @@ impl LogitsProcessor {
         }
     }
 
-    fn penalises(&self) -> bool {
+    /// True when any penalty changes the logits.
+    pub fn penalises(&self) -> bool {
         self.repetition != 1.0 || self.presence != 0.0 || self.frequency != 0.0
     }
 

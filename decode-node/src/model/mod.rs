@@ -5,6 +5,7 @@ pub mod config;
 pub mod gguf;
 pub mod llama;
 pub mod logits;
+pub mod pick;
 pub mod random;
 pub mod rope;
 pub mod sampling;

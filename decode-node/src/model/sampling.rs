@@ -77,13 +77,34 @@ impl Sampler {
 
     /// Picks the next token from `logits` (greedy or by the request's draw).
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
-        let p = self.params;
-        let tok = if p.temperature <= 0.0 || !p.temperature.is_finite() {
-            argmax(logits)
-        } else {
-            self.sample_tempered(logits)
-        };
-        tok as u32
+        let draw = self.draw();
+        self.pick_drawn(logits, draw)
+    }
+
+    /// The request's parameters.
+    pub fn params(&self) -> &Sampling {
+        &self.params
+    }
+
+    /// True when picks are the argmax (no draw).
+    pub fn is_greedy(&self) -> bool {
+        let t = self.params.temperature;
+        t <= 0.0 || !t.is_finite()
+    }
+
+    /// The uniform draw in [0, 1) the next pick uses, taken from the request's stream; `None`
+    /// when picks are greedy. A step draws before its logits exist, so a device that picks
+    /// the token itself picks what [`Sampler::pick_drawn`] would.
+    pub fn draw(&mut self) -> Option<f64> {
+        (!self.is_greedy()).then(|| self.rng.next_f64())
+    }
+
+    /// Picks from `logits` with `draw` from [`Sampler::draw`] (`None`: greedy).
+    pub fn pick_drawn(&self, logits: &[f32], draw: Option<f64>) -> u32 {
+        match draw {
+            Some(r) if !self.is_greedy() => self.sample_tempered(logits, r) as u32,
+            _ => argmax(logits) as u32,
+        }
     }
 
     /// Temperature, top-k and top-p sampling. Walks the tokens from the most likely down
@@ -91,7 +112,7 @@ impl Sampler {
     /// [`SORTED_HEAD`] by partial selection), the whole vocabulary only when the draw or the
     /// nucleus reaches past it (rare: the head holds nearly all the mass of a trained
     /// model). Same tokens as a full sort for the same seed.
-    fn sample_tempered(&mut self, logits: &[f32]) -> usize {
+    fn sample_tempered(&self, logits: &[f32], r: f64) -> usize {
         let p = self.params;
         let n = logits.len();
         debug_assert!(n > 0, "an empty vocabulary");
@@ -143,7 +164,6 @@ impl Sampler {
             // end of a head, the rest of the order is needed.
             (nucleus || len == keep).then(|| order[len - 1])
         };
-        let r = self.rng.next_f64();
         if let Some(t) = walk(&idx[..head], r) {
             return t;
         }
@@ -153,8 +173,8 @@ impl Sampler {
 }
 
 /// Tokens sorted by partial selection before sampling walks them (see
-/// [`Sampler::sample_tempered`]).
-const SORTED_HEAD: usize = 256;
+/// [`Sampler::sample_tempered`]); a device that samples sorts as many.
+pub const SORTED_HEAD: usize = 256;
 
 #[cfg(test)]
 mod tests {

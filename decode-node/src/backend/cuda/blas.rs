@@ -24,6 +24,9 @@ pub(crate) struct Blas {
     pub(crate) work: DevBuf,
     /// Host side of `x` and `y`.
     pub(crate) staging: Pinned,
+    /// Device picks' spec and results, and their host side (`pick::sample_rows`).
+    pub(crate) pick: DevBuf,
+    pub(crate) pick_staging: Pinned,
 }
 
 // SAFETY: the cuBLAS handle is only used under the backend's mutex, from one thread at a time.
@@ -51,6 +54,8 @@ impl Blas {
             res: DevBuf::default(),
             work: DevBuf::default(),
             staging: Pinned::empty(),
+            pick: DevBuf::default(),
+            pick_staging: Pinned::empty(),
         };
         // SAFETY: the handle is valid and the stream outlives it (both owned by the backend).
         unsafe { blas::set_stream(handle, sh_stream.cu_stream() as _) }

@@ -101,6 +101,7 @@ pub(crate) struct Kernels {
     pub(crate) kv_append: CudaFunction,
     pub(crate) gather_copy: CudaFunction,
     pub(crate) copy_tokens: CudaFunction,
+    pub(crate) sample_rows: CudaFunction,
 }
 
 /// What the backend and its KV store share.

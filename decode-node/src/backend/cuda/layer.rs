@@ -25,7 +25,8 @@ use super::blas::{Blas, weight_ptr};
 use super::driver::{Shared, dev_err, dtoh_f32, dtype_code, f32_bytes, htod};
 use super::{BackendError, CudaBackend};
 pub(super) use crate::backend::rel_diff;
-use crate::backend::{LayerOut, NormProject, Residual};
+use crate::backend::{LayerOut, LinearOut, LmHead, NormProject, Residual, logits_rows};
+use crate::model::pick::{PickSpec, RowOut};
 
 /// Largest relative difference (to the largest magnitude of the op-by-op result) the fused
 /// path may show: both round the same activations to the weights' type, but the norm runs on
@@ -381,17 +382,22 @@ impl Drop for CudaResidual<'_> {
     }
 }
 
-impl Residual for CudaResidual<'_> {
-    fn norm_project(&mut self, groups: &mut [NormProject<'_, '_>]) -> Result<(), BackendError> {
+impl CudaResidual<'_> {
+    /// Queues the norms and projections of `groups` (shapes checked; the outputs' lengths are
+    /// the caller's) after one upload of their norm weights. Returns the device address of
+    /// the outputs, one after another (`n * rows` floats each), and their floats in all.
+    fn queue_norm_project(
+        &mut self,
+        groups: &[NormProject<'_, '_>],
+    ) -> Result<(u64, usize), BackendError> {
         let (n, hidden) = (self.n, self.hidden);
-        for gr in groups.iter() {
+        for gr in groups {
             for o in gr.outs.iter() {
-                if gr.norm.len() != hidden || o.w.cols() != hidden || o.y.len() != n * o.w.rows() {
+                if gr.norm.len() != hidden || o.w.cols() != hidden {
                     return Err(BackendError::Unsupported(format!(
-                        "projection of {}x{} into {} floats after a norm of {} on a residual of {n}x{hidden}",
+                        "projection of {}x{} after a norm of {} on a residual of {n}x{hidden}",
                         o.w.rows(),
                         o.w.cols(),
-                        o.y.len(),
                         gr.norm.len()
                     )));
                 }
@@ -404,14 +410,11 @@ impl Residual for CudaResidual<'_> {
         let total: usize = groups
             .iter()
             .flat_map(|gr| gr.outs.iter())
-            .map(|o| o.y.len())
+            .map(|o| n * o.w.rows())
             .sum();
-        if total == 0 {
-            return Ok(());
-        }
         // Device scratch: every group's norm weight (uploaded at once), the normed rows (one
         // group after another: the stream orders each group's norm after the last one's
-        // GEMMs), then every projection's output (brought back at once).
+        // GEMMs), then every projection's output.
         let norms = groups.len() * hidden;
         let xn_at = align(norms);
         let y_at = align(xn_at + n * hidden);
@@ -455,21 +458,79 @@ impl Residual for CudaResidual<'_> {
                 y += n * rows;
             }
         }
-        // The wait for the projections also ends the norm weights' upload.
-        let back = &mut g.staging.get(norms.max(total))?[..total];
-        dtoh_f32(back, at(y_at), &sh.stream)?;
-        let mut from = 0usize;
-        for o in groups.iter_mut().flat_map(|gr| gr.outs.iter_mut()) {
-            let len = o.y.len();
-            o.y.copy_from_slice(&back[from..from + len]);
-            from += len;
-            if let Some(b) = o.bias {
-                for row in o.y.chunks_exact_mut(b.len()) {
-                    row.iter_mut().zip(b).for_each(|(v, bb)| *v += bb);
-                }
+        Ok((at(y_at), total))
+    }
+
+    /// Copies `floats` floats at device address `src` back (the one wait).
+    fn bring_back(&mut self, src: u64, floats: usize) -> Result<&[f32], BackendError> {
+        let sh = &*self.b.shared;
+        let back = &mut self.g.staging.get(floats)?[..floats];
+        dtoh_f32(back, src, &sh.stream)?;
+        Ok(back)
+    }
+}
+
+impl Residual for CudaResidual<'_> {
+    fn norm_project(&mut self, groups: &mut [NormProject<'_, '_>]) -> Result<(), BackendError> {
+        let n = self.n;
+        for o in groups.iter().flat_map(|gr| gr.outs.iter()) {
+            if o.y.len() != n * o.w.rows() {
+                return Err(BackendError::Unsupported(format!(
+                    "projection of {} rows into {} floats for {n} rows",
+                    o.w.rows(),
+                    o.y.len()
+                )));
             }
         }
+        if groups.iter().all(|gr| gr.outs.is_empty()) {
+            return Ok(());
+        }
+        let (y, total) = self.queue_norm_project(groups)?;
+        // The wait for the projections also ends the norm weights' upload.
+        let back = self.bring_back(y, total)?;
+        super::take_outputs(back, groups.iter_mut().flat_map(|gr| gr.outs.iter_mut()));
         Ok(())
+    }
+
+    fn lm_head(
+        &mut self,
+        head: LmHead<'_>,
+        picks: &[Option<PickSpec>],
+    ) -> Result<Vec<RowOut>, BackendError> {
+        let (n, vocab) = (self.n, head.w.rows());
+        if picks.len() != n {
+            return Err(BackendError::Unsupported(format!(
+                "{} pick specs for {n} rows",
+                picks.len()
+            )));
+        }
+        if !crate::backend::Backend::picks_on_device(self.b) || picks.iter().all(Option::is_none) {
+            return logits_rows(self, head, n);
+        }
+        let (logits, _) = self.queue_norm_project(&[NormProject {
+            norm: head.norm,
+            eps: head.eps,
+            outs: &mut [LinearOut {
+                w: head.w,
+                bias: None,
+                y: &mut [],
+            }],
+        }])?;
+        let sh = &*self.b.shared;
+        let picked = super::pick::sample_rows(sh, &mut self.g, logits, vocab, picks)?;
+        let mut rows = Vec::with_capacity(n);
+        for (i, p) in picked.into_iter().enumerate() {
+            rows.push(match p {
+                Some(p) => RowOut::Picked(p),
+                // Rows the host picks (penalties, bans, a pick past the head) bring back
+                // their logits alone.
+                None => {
+                    let at = logits + (i * vocab * 4) as u64;
+                    RowOut::Logits(self.bring_back(at, vocab)?.to_vec())
+                }
+            });
+        }
+        Ok(rows)
     }
 
     fn finish_layer(&mut self, attn: &[f32], w: LayerOut<'_>) -> Result<(), BackendError> {

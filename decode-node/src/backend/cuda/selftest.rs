@@ -12,6 +12,7 @@ use kv_transfer::HostPool;
 
 use super::{CudaBackend, Shared, dtype_code};
 use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv, LayerOut};
+use crate::model::pick::{PickSpec, pick_row};
 use crate::model::random::SplitMix;
 use crate::tensor::Tensor;
 
@@ -196,6 +197,11 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
     add("quest_scores", 1e-5, check_quest(sh));
     add("lse2_merge", 1e-5, check_merge(sh));
     add("kv_append", 0.0, check_append(sh));
+    add(
+        "sample_rows (device picks) vs pick_row",
+        1e-5,
+        check_sample_rows(backend),
+    );
     for (dt, g, d) in [
         (KvDType::F16, 1, 64),
         (KvDType::Bf16, 4, 128),
@@ -217,17 +223,41 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
     out
 }
 
-/// A random bf16 model (the `small` preset) on a fresh backend of device `ordinal`: its
-/// decode step with the residual in device memory against the host path's. A disagreement
-/// at load has already turned the device residual off, which fails the check too.
+/// A random bf16 model (the `small` preset) on a fresh backend of device `ordinal`.
+fn selftest_model(ordinal: usize) -> Result<(Arc<CudaBackend>, crate::model::Model), String> {
+    let backend = Arc::new(CudaBackend::new(ordinal).map_err(|e| e.to_string())?);
+    let cfg = crate::model::random::preset("small", crate::model::Arch::Llama)
+        .ok_or("no `small` preset")?;
+    let wm = crate::model::random::random_weights(&cfg, 0x5e1f, KvDType::Bf16);
+    let m = crate::model::Model::from_weights(cfg, "selftest", wm, backend.clone())
+        .map_err(|e| e.to_string())?;
+    Ok((backend, m))
+}
+
+/// A check from a model-level comparison: its error, or what went wrong.
+fn model_check(name: &str, tolerance: f64, r: Result<f64, String>) -> Check {
+    match r {
+        Ok(e) => Check {
+            name: name.into(),
+            max_rel_err: e,
+            tolerance,
+            error: None,
+        },
+        Err(e) => Check {
+            name: name.into(),
+            max_rel_err: f64::INFINITY,
+            tolerance,
+            error: Some(e),
+        },
+    }
+}
+
+/// A random bf16 model's decode step with the residual in device memory against the host
+/// path's, on device `ordinal`. A disagreement at load has already turned the device residual
+/// off, which fails the check too.
 pub fn check_device_residual(ordinal: usize) -> Check {
     let run = || -> Result<f64, String> {
-        let backend = Arc::new(CudaBackend::new(ordinal).map_err(|e| e.to_string())?);
-        let cfg = crate::model::random::preset("small", crate::model::Arch::Llama)
-            .ok_or("no `small` preset")?;
-        let wm = crate::model::random::random_weights(&cfg, 0x5e1f, KvDType::Bf16);
-        let m = crate::model::Model::from_weights(cfg, "selftest", wm, backend.clone())
-            .map_err(|e| e.to_string())?;
+        let (backend, m) = selftest_model(ordinal)?;
         if !backend.residual_on_device() {
             return Err("the model's check at load turned the device residual off".into());
         }
@@ -236,22 +266,99 @@ pub fn check_device_residual(ordinal: usize) -> Check {
             (_, Some(e)) => Err(e.to_string()),
         }
     };
-    let name = "decode step, residual on the device vs on the host".to_string();
-    let tolerance = crate::model::llama::RESIDUAL_TOLERANCE;
-    match run() {
-        Ok(e) => Check {
-            name,
-            max_rel_err: e,
-            tolerance,
-            error: None,
-        },
-        Err(e) => Check {
-            name,
-            max_rel_err: f64::INFINITY,
-            tolerance,
-            error: Some(e),
-        },
+    model_check(
+        "decode step, residual on the device vs on the host",
+        crate::model::llama::RESIDUAL_TOLERANCE,
+        run(),
+    )
+}
+
+/// A random bf16 model's tokens picked on the device (LM head and `sample_rows`) against the
+/// host's picks from the same logits, on device `ordinal`.
+pub fn check_device_picks(ordinal: usize) -> Check {
+    let run = || -> Result<f64, String> {
+        let (backend, m) = selftest_model(ordinal)?;
+        if !backend.picks_on_device() {
+            return Err("the model's check at load turned device picks off".into());
+        }
+        match m.picks_diff().map_err(|e| e.to_string())? {
+            None => Ok(0.0),
+            Some(why) => Err(why),
+        }
+    };
+    model_check(
+        "decode step, tokens picked on the device vs on the host",
+        0.0,
+        run(),
+    )
+}
+
+/// `sample_rows` against [`pick_row`] on random logits: a Qwen-sized vocabulary and a small
+/// one, flat and peaked, with ties, every mix of greedy, temperature, top-k (within the
+/// sorted head and past it) and top-p, and a row with a NaN (left to the host). Any pick or
+/// top-list id that differs is an error of 1; else the largest log-probability difference.
+fn check_sample_rows(b: &CudaBackend) -> Result<f64, BackendError> {
+    let mut r = SplitMix(23);
+    let sh = b.shared();
+    let mut worst = 0f64;
+    for (vocab, spread, ties) in [
+        (151_936, 12.0, false),
+        (1000, 3.0, true),
+        (49_152, 30.0, false),
+    ] {
+        let mut picks = Vec::new();
+        let mut logits = Vec::new();
+        for row in 0..12 {
+            let mut l = random(&mut r, vocab, spread);
+            if ties {
+                l.iter_mut().for_each(|v| *v = v.round());
+            }
+            if row == 11 {
+                l[vocab / 2] = f32::NAN;
+            }
+            logits.extend(l);
+            let tempered = row % 4 != 0;
+            picks.push(Some(PickSpec {
+                temperature: if tempered {
+                    0.3 + row as f32 * 0.1
+                } else {
+                    0.0
+                },
+                top_k: [0, 40, 256, 1000][row % 4],
+                top_p: [0.0, 0.9, 0.5][row % 3],
+                draw: tempered.then(|| r.next_f64()),
+                top_logprobs: row % 7 * 3,
+            }));
+        }
+        let mut dev = Dev { sh, held: vec![] };
+        let lp = dev.up_f32(&logits)?;
+        let got = {
+            let mut g = b.lock()?;
+            super::pick::sample_rows(sh, &mut g, lp, vocab, &picks)?
+        };
+        for (i, (got, spec)) in got.iter().zip(&picks).enumerate() {
+            let want = spec.and_then(|s| pick_row(&logits[i * vocab..(i + 1) * vocab], &s));
+            match (got, &want) {
+                (None, None) => {}
+                (Some(g), Some(w))
+                    if g.token == w.token
+                        && g.top.len() == w.top.len()
+                        && g.top.iter().zip(&w.top).all(|(a, b)| a.0 == b.0) =>
+                {
+                    let d = |a: f32, b: f32| f64::from((a - b).abs()) / f64::from(b.abs().max(1.0));
+                    worst = worst.max(d(g.logprob, w.logprob));
+                    for (a, b) in g.top.iter().zip(&w.top) {
+                        worst = worst.max(d(a.1, b.1));
+                    }
+                }
+                _ => {
+                    tracing::error!(vocab, row = i, ?got, ?want, "sample_rows disagrees");
+                    return Ok(1.0);
+                }
+            }
+        }
     }
+    Ok(worst)
 }
 
 /// The fused second half of a layer against the op-by-op one on the same device (SmolLM2's

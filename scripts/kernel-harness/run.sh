@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Runs device kernels' logic on the host (one thread per block, see shim.h) against
+# references written from the host code. Needs a C++17 compiler; no GPU, no CUDA toolkit.
+set -euo pipefail
+cd "$(dirname "$0")"
+cxx=${CXX:-c++}
+if ! command -v "$cxx" >/dev/null; then
+  echo "warning: no C++ compiler ($cxx); the kernel harness is skipped" >&2
+  exit 0
+fi
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+"$cxx" -std=c++17 -O2 -w -o "$out/sample_rows" sample_rows.cpp
+"$out/sample_rows"
