@@ -206,8 +206,23 @@ pub trait DeviceKv: Send + Sync + std::fmt::Debug {
 /// hands over, and the device keeps each slot holding that block, copying it in when the
 /// slot's block changed or the block has grown since it was copied.
 pub trait DeviceSeq: Send + std::fmt::Debug {
-    /// The device part of `layer`: for each KV head `h`, attends `blocks[h]` of `kv` with the
-    /// query group `q[h]` (`q` is `[num_kv_heads][G][head_dim]`).
+    /// Queues the device part of `layer`: for each KV head `h`, attention over `blocks[h]` of
+    /// `kv` with the query group `q[h]` (`q` is `[num_kv_heads][G][head_dim]`). Nothing
+    /// waits: a step queues every sequence's part before it collects the first, so the device
+    /// works through them while the host plans the next.
+    fn submit(
+        &mut self,
+        kv: &dyn KvSource,
+        layer: usize,
+        blocks: &[&[DeviceBlock]],
+        q: &[f32],
+        scale: f32,
+    ) -> Result<(), BackendError>;
+
+    /// The partials (one per KV head) of the last [`DeviceSeq::submit`], waiting for them.
+    fn collect(&mut self) -> Result<Vec<Partial>, BackendError>;
+
+    /// [`DeviceSeq::submit`], then [`DeviceSeq::collect`].
     fn attend(
         &mut self,
         kv: &dyn KvSource,
@@ -215,7 +230,10 @@ pub trait DeviceSeq: Send + std::fmt::Debug {
         blocks: &[&[DeviceBlock]],
         q: &[f32],
         scale: f32,
-    ) -> Result<Vec<Partial>, BackendError>;
+    ) -> Result<Vec<Partial>, BackendError> {
+        self.submit(kv, layer, blocks, q, scale)?;
+        self.collect()
+    }
     /// Starts copying, for each KV head `h`, `blocks[h]` of `layer` into their slots on the
     /// recall stream (one batch); they are ready for the next [`DeviceSeq::attend`] of
     /// `layer`, which orders after the copies on the device without waiting on the host.

@@ -384,10 +384,12 @@ impl DecodeAttention for BatchAttention<'_> {
         let width = num_heads * head_dim;
         let kvw = num_kv_heads * head_dim;
         let group = num_heads / num_kv_heads;
+        // Every sequence's plan and device part first: the device works through the queued
+        // parts while the host plans the next sequence; the first collect below waits.
+        let mut planned = Vec::with_capacity(self.slots.len());
         for b in 0..self.slots.len() {
             let t_plan = Instant::now();
             let qb = &q[b * width..(b + 1) * width];
-            let (kb, vb) = (&k[b * kvw..(b + 1) * kvw], &v[b * kvw..(b + 1) * kvw]);
             let (plans, pending, _predicted) = self.plans_for(b, layer, qb)?;
             #[cfg(test)]
             {
@@ -402,20 +404,29 @@ impl DecodeAttention for BatchAttention<'_> {
                 self.plan_log
                     .push((layer, plans.clone(), _predicted, resident));
             }
-            // Device part with the real query, plus the new token itself.
+            // Device part with the real query.
             let t_dev = Instant::now();
             self.timing.plan += (t_dev - t_plan).as_secs_f64();
             let slot = &mut self.slots[b];
+            if let Some(dev) = slot.dev.as_deref_mut() {
+                let placed = (0..num_kv_heads)
+                    .map(|h| slot.seq.device_blocks(layer, h, &plans[h].device))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| ModelError::Attention(e.to_string()))?;
+                let lists: Vec<&[DeviceBlock]> = placed.iter().map(Vec::as_slice).collect();
+                dev.submit(slot.kv.as_ref(), layer, &lists, qb, scale)?;
+            }
+            self.timing.device += t_dev.elapsed().as_secs_f64();
+            planned.push((plans, pending));
+        }
+        for (b, (plans, pending)) in planned.into_iter().enumerate() {
+            let t_dev = Instant::now();
+            let qb = &q[b * width..(b + 1) * width];
+            let (kb, vb) = (&k[b * kvw..(b + 1) * kvw], &v[b * kvw..(b + 1) * kvw]);
+            let slot = &mut self.slots[b];
             let kv = slot.kv;
             let mut parts: Vec<Partial> = match slot.dev.as_deref_mut() {
-                Some(dev) => {
-                    let placed = (0..num_kv_heads)
-                        .map(|h| slot.seq.device_blocks(layer, h, &plans[h].device))
-                        .collect::<Result<Vec<_>, _>>()
-                        .map_err(|e| ModelError::Attention(e.to_string()))?;
-                    let lists: Vec<&[DeviceBlock]> = placed.iter().map(Vec::as_slice).collect();
-                    dev.attend(kv.as_ref(), layer, &lists, qb, scale)?
-                }
+                Some(dev) => dev.collect()?,
                 // No device memory: the "device" blocks are attended from the host pool, on
                 // the pool this step runs on.
                 None => {
@@ -423,6 +434,7 @@ impl DecodeAttention for BatchAttention<'_> {
                     attend_lists(kv, self.shape, layer, &lists, qb, None)
                 }
             };
+            // Plus the new token itself.
             for (h, part) in parts.iter_mut().enumerate() {
                 part.merge_from(&self_partial(
                     &qb[h * group * head_dim..(h + 1) * group * head_dim],

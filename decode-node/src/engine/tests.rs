@@ -622,3 +622,147 @@ fn tokens_picked_where_the_logits_are_equal_the_host_picks() {
     host.wait_pool_empty();
     device.wait_pool_empty();
 }
+
+/// Device memory for KV that lives on the host: the engine's device path (submit every
+/// sequence's part, then collect each) without a GPU. Each part is computed at submit from the
+/// blocks the residency table names.
+#[derive(Debug)]
+struct HostDeviceKv {
+    geom: attention::BlockGeometry,
+    collected: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[derive(Debug)]
+struct HostDeviceSeq {
+    geom: attention::BlockGeometry,
+    pending: Option<Vec<attention::Partial>>,
+    collected: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl crate::backend::DeviceKv for HostDeviceKv {
+    fn new_seq(
+        self: Arc<Self>,
+        _num_layers: usize,
+        _blocks_per_head: usize,
+    ) -> Box<dyn crate::backend::DeviceSeq> {
+        Box::new(HostDeviceSeq {
+            geom: self.geom,
+            pending: None,
+            collected: self.collected.clone(),
+        })
+    }
+}
+
+impl crate::backend::DeviceSeq for HostDeviceSeq {
+    fn submit(
+        &mut self,
+        kv: &dyn attention::KvSource,
+        layer: usize,
+        blocks: &[&[attention::DeviceBlock]],
+        q: &[f32],
+        scale: f32,
+    ) -> Result<(), crate::backend::BackendError> {
+        if self.pending.is_some() {
+            return Err(crate::backend::BackendError::Unsupported(
+                "submitted twice without a collect".into(),
+            ));
+        }
+        let per = q.len() / blocks.len();
+        let parts = blocks
+            .iter()
+            .enumerate()
+            .map(|(h, list)| {
+                let ids: Vec<usize> = list.iter().map(|d| d.block).collect();
+                let hq = attention::HeadQuery {
+                    layer,
+                    head: h,
+                    q: &q[h * per..(h + 1) * per],
+                    scale,
+                };
+                attention::attend_head(&self.geom, kv, hq, &ids, &mut Default::default())
+            })
+            .collect();
+        self.pending = Some(parts);
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<attention::Partial>, crate::backend::BackendError> {
+        self.collected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.pending
+            .take()
+            .ok_or_else(|| crate::backend::BackendError::Unsupported("nothing submitted".into()))
+    }
+
+    fn recall(
+        &mut self,
+        _kv: &dyn attention::KvSource,
+        _layer: usize,
+        _blocks: &[&[attention::DeviceBlock]],
+    ) -> Result<(), crate::backend::BackendError> {
+        Ok(())
+    }
+}
+
+/// The CPU backend with [`HostDeviceKv`] for device memory.
+#[derive(Debug, Default)]
+struct HostDevice {
+    collected: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl crate::backend::Backend for HostDevice {
+    fn name(&self) -> String {
+        "host-device".into()
+    }
+
+    fn linear(
+        &self,
+        x: &[f32],
+        batch: usize,
+        w: &crate::tensor::Tensor,
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+    ) -> Result<(), crate::backend::BackendError> {
+        crate::backend::CpuBackend.linear(x, batch, w, bias, y)
+    }
+
+    fn parallel_on_rayon(&self) -> bool {
+        true
+    }
+
+    fn device_kv(
+        &self,
+        geom: attention::BlockGeometry,
+        _capacity_bytes: u64,
+        _pool: &HostPool,
+    ) -> Result<Option<Arc<dyn crate::backend::DeviceKv>>, crate::backend::BackendError> {
+        Ok(Some(Arc::new(HostDeviceKv {
+            geom,
+            collected: self.collected.clone(),
+        })))
+    }
+}
+
+/// With device memory, a step submits every sequence's device part before it collects the
+/// first, and each collect gets its own sequence's part: a batch streams the greedy tokens of
+/// full prefills, in the dense mode and in scout.
+#[test]
+fn device_parts_submitted_for_the_whole_batch_give_each_sequence_its_own() {
+    for mode in ["full", "scout"] {
+        let dev = Arc::new(HostDevice::default());
+        let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
+        let rig = Rig::start_with(3, 1 << 30, Some(model), &["--attention", mode]);
+        let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 5)).collect();
+        let mut streams: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| rig.submit(&format!("r{i}"), p, 5))
+            .collect();
+        for (p, rx) in prompts.iter().zip(&mut streams) {
+            assert_eq!(drain(rx).0, rig.reference(p, 5), "{mode}");
+        }
+        let collected = dev.collected.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(collected > 0, "{mode}: the device path ran");
+        rig.wait_pool_empty();
+    }
+}

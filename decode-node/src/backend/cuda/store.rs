@@ -31,12 +31,12 @@ enum Lane {
     Recall,
 }
 
-/// Scratch of the attention calls (one at a time, on the main stream).
+/// Scratch of the attention calls, reused in stream order by one sequence after another
+/// (each sequence's output has its own buffer: it is read after later sequences ran).
 #[derive(Debug, Default)]
 struct Scratch {
     io: DevBuf,
     parts: DevBuf,
-    out: DevBuf,
 }
 
 /// The arena and what every sequence shares.
@@ -305,6 +305,8 @@ impl CudaKvStore {
 impl CudaKvStore {
     /// Uploads `list` and `q`, runs the split and combine kernels on the main stream, and
     /// returns the combine's output (outputs, then base-2 log-sum-exps; see [`partials`]).
+    /// Queues the split-K attention over `list` and its combine into `out` (`[hk][group]`
+    /// outputs then their lse2); returns the floats `out` holds. Nothing waits.
     fn launch_attention(
         &self,
         list: &SlotList,
@@ -312,7 +314,8 @@ impl CudaKvStore {
         group: usize,
         scale: f32,
         split: SplitK,
-    ) -> Result<Vec<f32>, BackendError> {
+        out: &mut DevBuf,
+    ) -> Result<(u64, usize), BackendError> {
         let sh = &*self.shared;
         let (hk, d) = (self.geom.num_kv_heads, self.geom.head_dim);
         let up = pack(list, q);
@@ -326,7 +329,7 @@ impl CudaKvStore {
         let parts_dev = scratch.parts.ptr(&sh.stream, part_floats * 4)?;
         let part_lse = parts_dev + (hk * split.splits * group * d * 4) as u64;
         let out_floats = hk * group * (d + 1);
-        let out_dev = scratch.out.ptr(&sh.stream, out_floats * 4)?;
+        let out_dev = out.ptr(&sh.stream, out_floats * 4)?;
         let lse_dev = out_dev + (hk * group * d * 4) as u64;
         let (offs_dev, lens_dev, heads_dev, q_dev) = (
             io_dev,
@@ -361,9 +364,7 @@ impl CudaKvStore {
                 &[&parts_dev, &part_lse, &s, &g, &dd, &out_dev, &lse_dev],
             )?;
         }
-        let mut host = vec![0f32; out_floats];
-        dtoh_f32(&mut host, out_dev, &sh.stream)?;
-        Ok(host)
+        Ok((out_dev, out_floats))
     }
 }
 
@@ -392,6 +393,8 @@ impl DeviceKv for CudaKvStore {
         Box::new(CudaSeq {
             table: SlotTable::new(num_layers * hk, blocks_per_head),
             recall_events: vec![None; num_layers],
+            out: DevBuf::default(),
+            pending: None,
             store: self,
         })
     }
@@ -428,6 +431,25 @@ struct CudaSeq {
     table: SlotTable,
     /// Per layer: recall copies the next attend of that layer must be ordered after.
     recall_events: Vec<Option<Event>>,
+    /// This sequence's attention output on the device.
+    out: DevBuf,
+    /// What the last submit left for collect.
+    pending: Option<Pending>,
+}
+
+/// A submitted device part, for [`DeviceSeq::collect`].
+#[derive(Debug)]
+enum Pending {
+    /// No block on the device: every head's partial is empty.
+    Empty { hk: usize, group: usize, d: usize },
+    /// Queued; `floats` at `out` once the stream gets there.
+    Queued {
+        out: u64,
+        floats: usize,
+        hk: usize,
+        group: usize,
+        d: usize,
+    },
 }
 
 impl CudaSeq {
@@ -535,14 +557,15 @@ fn head_bytes<'a>(
 }
 
 impl DeviceSeq for CudaSeq {
-    fn attend(
+    fn submit(
         &mut self,
         kv: &dyn KvSource,
         layer: usize,
         blocks: &[&[DeviceBlock]],
         q: &[f32],
         scale: f32,
-    ) -> Result<Vec<Partial>, BackendError> {
+    ) -> Result<(), BackendError> {
+        self.pending = None;
         let store = Arc::clone(&self.store);
         let sh = &*store.shared;
         let geom = store.geom;
@@ -575,19 +598,51 @@ impl DeviceSeq for CudaSeq {
         }
         store.copy_in(&copies, Lane::Main)?;
         if list.is_empty() {
-            return Ok((0..hk).map(|_| Partial::empty(group, d)).collect());
+            self.pending = Some(Pending::Empty { hk, group, d });
+            return Ok(());
         }
         let split = SplitK::new(hk, list.longest_head());
-        let host = store.launch_attention(&list, q, group, scale, split)?;
+        let (out, floats) = store.launch_attention(&list, q, group, scale, split, &mut self.out)?;
         tracing::trace!(
             layer,
             entries = list.offs.len(),
             copies = copies.whole.len(),
             tails = copies.tails.len(),
             seconds = t_start.elapsed().as_secs_f64(),
-            "device attention"
+            "device attention queued"
         );
-        Ok(partials(&host, hk, group, d))
+        self.pending = Some(Pending::Queued {
+            out,
+            floats,
+            hk,
+            group,
+            d,
+        });
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<Partial>, BackendError> {
+        match self.pending.take() {
+            None => Err(BackendError::Unsupported(
+                "collect without a submitted device part".into(),
+            )),
+            Some(Pending::Empty { hk, group, d }) => {
+                Ok((0..hk).map(|_| Partial::empty(group, d)).collect())
+            }
+            Some(Pending::Queued {
+                out,
+                floats,
+                hk,
+                group,
+                d,
+            }) => {
+                let sh = &*self.store.shared;
+                sh.bind()?;
+                let mut host = vec![0f32; floats];
+                dtoh_f32(&mut host, out, &sh.stream)?;
+                Ok(partials(&host, hk, group, d))
+            }
+        }
     }
 
     fn recall(
