@@ -334,6 +334,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// device path wrong).
     fn keep_residual_on_host(&self) {}
 
+    /// Seconds so far the device sat with nothing queued while the host worked (a lower
+    /// bound: gaps between queued launches are not counted); `None` for the CPU backend.
+    fn device_idle_seconds(&self) -> Option<f64> {
+        None
+    }
+
     /// True when [`Residual::lm_head`] picks tokens where the logits are: the model then
     /// checks those picks once against the host's.
     fn picks_on_device(&self) -> bool {

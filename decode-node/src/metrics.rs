@@ -165,6 +165,8 @@ pub struct Metrics {
     pub recall_used_blocks: Counter,
     /// Seconds the device side waited on CPU attention results.
     pub device_wait_seconds: FloatCounter,
+    /// Seconds the device had nothing queued during decode steps (device backends).
+    pub device_idle_seconds: FloatCounter,
     /// Seconds per decode step.
     pub step_duration: Histogram,
     /// Share of the real selection found by the predicted query (over the last minute).
@@ -227,6 +229,7 @@ impl Metrics {
             recall_bytes: Counter::default(),
             recall_used_blocks: Counter::default(),
             device_wait_seconds: FloatCounter::default(),
+            device_idle_seconds: FloatCounter::default(),
             step_duration: hist(&ITL_BUCKETS),
             query_prediction_hit_ratio: FloatGauge::default(),
             query_cosine: Family::new_with_constructor(|| hist(&COSINE_BUCKETS)),
@@ -380,6 +383,11 @@ impl Metrics {
             "device_wait_seconds",
             "Seconds the device side waited on CPU attention",
             self.device_wait_seconds.clone(),
+        );
+        r.register(
+            "device_idle_seconds",
+            "Seconds the device had nothing queued while decode steps ran on the host (a lower bound: gaps between queued launches are not counted); 0 on the CPU backend",
+            self.device_idle_seconds.clone(),
         );
         r.register(
             "step_duration_seconds",

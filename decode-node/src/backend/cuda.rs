@@ -142,6 +142,7 @@ impl CudaBackend {
                 stream,
                 recall,
                 k,
+                idle: Default::default(),
             }),
             blas: Mutex::new(blas_state),
             fused: layer::FusedCheck::default(),
@@ -227,6 +228,7 @@ impl Backend for CudaBackend {
         sh.bind()?;
         let mut g = self.lock()?;
         let g = &mut *g;
+        sh.idle.busy();
         let inp = x.len() / batch.max(1);
         let x_dev = g.x.ptr(&sh.stream, x.len() * 4)?;
         let total: usize = outs.iter().map(|o| o.y.len()).sum();
@@ -289,7 +291,7 @@ impl Backend for CudaBackend {
         }
         let host = g.staging.get(x.len().max(total))?;
         let host = &mut host[..total];
-        dtoh_f32(host, y_dev, &sh.stream)?;
+        sh.read_back(host, y_dev)?;
         take_outputs(host, outs.iter_mut());
         Ok(())
     }
@@ -309,6 +311,10 @@ impl Backend for CudaBackend {
     fn residual_on_device(&self) -> bool {
         self.residual_on_device
             .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn device_idle_seconds(&self) -> Option<f64> {
+        Some(self.shared.idle.seconds())
     }
 
     fn keep_residual_on_host(&self) {

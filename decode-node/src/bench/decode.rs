@@ -80,6 +80,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let mut cpu = 0f64;
             let mut hit = 0f64;
             let mut wait = 0f64;
+            let mut idle = 0f64;
             let (mut recalled, mut recalled_bytes, mut recalled_used) = (0u64, 0u64, 0u64);
             let mut last_first = t;
             for g in gens {
@@ -90,6 +91,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 cpu += s.cpu_attention_ratio;
                 hit += s.prediction_hit_ratio;
                 wait += s.device_wait_seconds;
+                idle += s.device_idle_seconds;
                 recalled += s.recalled_blocks;
                 recalled_bytes += s.recalled_bytes;
                 recalled_used += s.recalled_blocks_used;
@@ -102,6 +104,8 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let tps = tokens.saturating_sub(u64::from(args.batch.max(1))) as f64 / after;
             // The step thread serves the whole batch: its waits add up against wall time.
             let device_wait_share = wait / secs;
+            // Every request of the batch counts the same steps' idle time: their mean.
+            let device_idle_share = on_device.then(|| idle / args.batch.max(1) as f64 / secs);
             node.stop().await?;
             if mode == "full" {
                 full_tps = Some(tps);
@@ -138,6 +142,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 "first_token_s": first_token_s, "device": node_device,
                 "ratio_to_full": full_tps.map(|f| tps / f),
                 "cpu_share": cpu / nb, "prediction_hit_ratio": hit / nb, "device_wait_share": device_wait_share,
+                "device_idle_share": device_idle_share,
                 "recall_bytes_per_token": recall_per_token, "recall_used_share": recall_used_share,
                 "bytes_per_token": traffic.0,
                 "gb_per_s": traffic.1 / 1e9,
@@ -155,6 +160,12 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                     hit / nb * 100.0,
                     device_wait_share * 100.0
                 );
+                if let Some(idle) = device_idle_share {
+                    eprintln!(
+                        "decode ctx={ctx} {mode:>6}: device idle {:.1}% of the time (nothing queued while the host worked)",
+                        idle * 100.0
+                    );
+                }
                 if recalled > 0 {
                     eprintln!(
                         "decode ctx={ctx} {mode:>6}: recall {:.2} MB per token, {:.1}% of recalled blocks used at the next step",

@@ -60,6 +60,8 @@ pub struct RequestStats {
     pub prompt_tokens: u32,
     /// Seconds the device side waited on this request's CPU attention.
     pub device_wait_seconds: f64,
+    /// Seconds the device sat with nothing queued during the steps this request was in.
+    pub device_idle_seconds: f64,
     /// Each layer's CPU share at every step, when the attention config profiles.
     pub layer_cpu_history: Vec<Vec<f32>>,
 }

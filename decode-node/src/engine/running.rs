@@ -36,6 +36,8 @@ pub(super) struct Running {
     pub(super) device_need: u64,
     pub(super) text: TextState,
     pub(super) device_wait: f64,
+    /// Device idle seconds of the steps it was in.
+    pub(super) device_idle: f64,
     /// Attention counters already added to the metrics.
     pub(super) seen: SeqStats,
 }
@@ -90,6 +92,7 @@ impl Running {
             device_need,
             text,
             device_wait: 0.0,
+            device_idle: 0.0,
             seen: SeqStats::default(),
         }
     }
@@ -163,6 +166,7 @@ impl Running {
             prediction_hit_ratio: s.hit_ratio(),
             prompt_tokens: self.kv.info.prompt_token_ids.len() as u32,
             device_wait_seconds: self.device_wait,
+            device_idle_seconds: self.device_idle,
             layer_cpu_history: self.seq.layer_history(),
         }
     }

@@ -48,10 +48,19 @@ impl StepLoop {
     /// One decode step of every running request.
     pub(super) fn step(&mut self) {
         let t0 = Instant::now();
+        let idle0 = self.model.model.backend().device_idle_seconds();
         let fwd = match self.forward() {
             Ok(f) => f,
             Err(e) => return self.fail_batch(e),
         };
+        // The device's idle time inside this step (its wait between steps is not counted).
+        if let (Some(a), Some(b)) = (idle0, self.model.model.backend().device_idle_seconds()) {
+            let idle = (b - a).max(0.0);
+            self.metrics.device_idle_seconds.inc_by(idle);
+            for r in &mut self.running {
+                r.device_idle += idle;
+            }
+        }
         let now = Instant::now();
         let outcomes = self.emit(&fwd, now);
         self.record(t0, now, &fwd);

@@ -149,6 +149,7 @@ fn to_response(ev: Event) -> Result<pb::GenerateResponse, Status> {
                     prediction_hit_ratio: stats.prediction_hit_ratio,
                     prompt_tokens: stats.prompt_tokens,
                     device_wait_seconds: stats.device_wait_seconds,
+                    device_idle_seconds: stats.device_idle_seconds,
                     recalled_bytes: stats.recalled_bytes,
                     recalled_blocks_used: stats.recalled_blocks_used,
                 }),

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from decode_node.v1 import common_pb2 as decode__node_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x65\x63ode_node/v1/decode.proto\x12\x0e\x64\x65\x63ode_node.v1\x1a\x1b\x64\x65\x63ode_node/v1/common.proto\"\xa2\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\"\xf9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x08sampling\x18\x02 \x01(\x0b\x32\x1e.decode_node.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x15\n\rkv_timeout_ms\x18\x06 \x01(\r\x12\r\n\x05lease\x18\x07 \x01(\t\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\"m\n\x10GenerateResponse\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x15.decode_node.v1.TokenH\x00\x12(\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x16.decode_node.v1.FinishH\x00\x42\x07\n\x05\x65vent\"s\n\x05Token\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x30\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1a.decode_node.v1.TopLogprob\"7\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x97\x02\n\x0cRequestStats\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13\x63pu_attention_ratio\x18\x04 \x01(\x01\x12\x17\n\x0frecalled_blocks\x18\x05 \x01(\x04\x12\x1c\n\x14prediction_hit_ratio\x18\x06 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x1b\n\x13\x64\x65vice_wait_seconds\x18\x08 \x01(\x01\x12\x16\n\x0erecalled_bytes\x18\t \x01(\x04\x12\x1c\n\x14recalled_blocks_used\x18\n \x01(\x04\"}\n\x06\x46inish\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.decode_node.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12+\n\x05stats\x18\x03 \x01(\x0b\x32\x1c.decode_node.v1.RequestStats\"2\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xf4\x01\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x1a\n\x12host_kv_bytes_used\x18\x03 \x01(\x04\x12\x1e\n\x16host_kv_bytes_capacity\x18\x04 \x01(\x04\x12\x1c\n\x14\x64\x65vice_kv_bytes_used\x18\x05 \x01(\x04\x12 \n\x18\x64\x65vice_kv_bytes_capacity\x18\x06 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x1b\n\x13\x63ommitted_unclaimed\x18\t \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x89\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\'\n\x08kv_dtype\x18\x05 \x01(\x0e\x32\x15.decode_node.v1.DType\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x13\n\x0bmax_context\x18\t \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12\x1b\n\x13num_attention_heads\x18\x0b \x01(\r*\xb3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1e\n\x1a\x46INISH_REASON_CONTEXT_FULL\x10\x05\x32\x86\x03\n\x06\x44\x65\x63ode\x12O\n\x08Generate\x12\x1f.decode_node.v1.GenerateRequest\x1a .decode_node.v1.GenerateResponse0\x01\x12G\n\x06\x43\x61ncel\x12\x1d.decode_node.v1.CancelRequest\x1a\x1e.decode_node.v1.CancelResponse\x12\x45\n\x07GetLoad\x12\x1e.decode_node.v1.GetLoadRequest\x1a\x1a.decode_node.v1.LoadReport\x12K\n\tWatchLoad\x12 .decode_node.v1.WatchLoadRequest\x1a\x1a.decode_node.v1.LoadReport0\x01\x12N\n\x0cGetModelInfo\x12#.decode_node.v1.GetModelInfoRequest\x1a\x19.decode_node.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x65\x63ode_node/v1/decode.proto\x12\x0e\x64\x65\x63ode_node.v1\x1a\x1b\x64\x65\x63ode_node/v1/common.proto\"\xa2\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\"\xf9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x08sampling\x18\x02 \x01(\x0b\x32\x1e.decode_node.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x15\n\rkv_timeout_ms\x18\x06 \x01(\r\x12\r\n\x05lease\x18\x07 \x01(\t\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\"m\n\x10GenerateResponse\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x15.decode_node.v1.TokenH\x00\x12(\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x16.decode_node.v1.FinishH\x00\x42\x07\n\x05\x65vent\"s\n\x05Token\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x30\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1a.decode_node.v1.TopLogprob\"7\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xb4\x02\n\x0cRequestStats\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13\x63pu_attention_ratio\x18\x04 \x01(\x01\x12\x17\n\x0frecalled_blocks\x18\x05 \x01(\x04\x12\x1c\n\x14prediction_hit_ratio\x18\x06 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x1b\n\x13\x64\x65vice_wait_seconds\x18\x08 \x01(\x01\x12\x16\n\x0erecalled_bytes\x18\t \x01(\x04\x12\x1c\n\x14recalled_blocks_used\x18\n \x01(\x04\x12\x1b\n\x13\x64\x65vice_idle_seconds\x18\x0b \x01(\x01\"}\n\x06\x46inish\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.decode_node.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12+\n\x05stats\x18\x03 \x01(\x0b\x32\x1c.decode_node.v1.RequestStats\"2\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xf4\x01\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x1a\n\x12host_kv_bytes_used\x18\x03 \x01(\x04\x12\x1e\n\x16host_kv_bytes_capacity\x18\x04 \x01(\x04\x12\x1c\n\x14\x64\x65vice_kv_bytes_used\x18\x05 \x01(\x04\x12 \n\x18\x64\x65vice_kv_bytes_capacity\x18\x06 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x1b\n\x13\x63ommitted_unclaimed\x18\t \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x89\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\'\n\x08kv_dtype\x18\x05 \x01(\x0e\x32\x15.decode_node.v1.DType\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x13\n\x0bmax_context\x18\t \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12\x1b\n\x13num_attention_heads\x18\x0b \x01(\r*\xb3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1e\n\x1a\x46INISH_REASON_CONTEXT_FULL\x10\x05\x32\x86\x03\n\x06\x44\x65\x63ode\x12O\n\x08Generate\x12\x1f.decode_node.v1.GenerateRequest\x1a .decode_node.v1.GenerateResponse0\x01\x12G\n\x06\x43\x61ncel\x12\x1d.decode_node.v1.CancelRequest\x1a\x1e.decode_node.v1.CancelResponse\x12\x45\n\x07GetLoad\x12\x1e.decode_node.v1.GetLoadRequest\x1a\x1a.decode_node.v1.LoadReport\x12K\n\tWatchLoad\x12 .decode_node.v1.WatchLoadRequest\x1a\x1a.decode_node.v1.LoadReport0\x01\x12N\n\x0cGetModelInfo\x12#.decode_node.v1.GetModelInfoRequest\x1a\x19.decode_node.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'decode_node.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1874
-  _globals['_FINISHREASON']._serialized_end=2053
+  _globals['_FINISHREASON']._serialized_start=1903
+  _globals['_FINISHREASON']._serialized_end=2082
   _globals['_SAMPLINGPARAMS']._serialized_start=77
   _globals['_SAMPLINGPARAMS']._serialized_end=239
   _globals['_GENERATEREQUEST']._serialized_start=242
@@ -45,23 +45,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROB']._serialized_start=721
   _globals['_TOPLOGPROB']._serialized_end=776
   _globals['_REQUESTSTATS']._serialized_start=779
-  _globals['_REQUESTSTATS']._serialized_end=1058
-  _globals['_FINISH']._serialized_start=1060
-  _globals['_FINISH']._serialized_end=1185
-  _globals['_CANCELREQUEST']._serialized_start=1187
-  _globals['_CANCELREQUEST']._serialized_end=1237
-  _globals['_CANCELRESPONSE']._serialized_start=1239
-  _globals['_CANCELRESPONSE']._serialized_end=1274
-  _globals['_GETLOADREQUEST']._serialized_start=1276
-  _globals['_GETLOADREQUEST']._serialized_end=1292
-  _globals['_WATCHLOADREQUEST']._serialized_start=1294
-  _globals['_WATCHLOADREQUEST']._serialized_end=1333
-  _globals['_LOADREPORT']._serialized_start=1336
-  _globals['_LOADREPORT']._serialized_end=1580
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1582
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1603
-  _globals['_MODELINFO']._serialized_start=1606
-  _globals['_MODELINFO']._serialized_end=1871
-  _globals['_DECODE']._serialized_start=2056
-  _globals['_DECODE']._serialized_end=2446
+  _globals['_REQUESTSTATS']._serialized_end=1087
+  _globals['_FINISH']._serialized_start=1089
+  _globals['_FINISH']._serialized_end=1214
+  _globals['_CANCELREQUEST']._serialized_start=1216
+  _globals['_CANCELREQUEST']._serialized_end=1266
+  _globals['_CANCELRESPONSE']._serialized_start=1268
+  _globals['_CANCELRESPONSE']._serialized_end=1303
+  _globals['_GETLOADREQUEST']._serialized_start=1305
+  _globals['_GETLOADREQUEST']._serialized_end=1321
+  _globals['_WATCHLOADREQUEST']._serialized_start=1323
+  _globals['_WATCHLOADREQUEST']._serialized_end=1362
+  _globals['_LOADREPORT']._serialized_start=1365
+  _globals['_LOADREPORT']._serialized_end=1609
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1611
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1632
+  _globals['_MODELINFO']._serialized_start=1635
+  _globals['_MODELINFO']._serialized_end=1900
+  _globals['_DECODE']._serialized_start=2085
+  _globals['_DECODE']._serialized_end=2475
 # @@protoc_insertion_point(module_scope)

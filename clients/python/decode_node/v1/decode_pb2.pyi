@@ -98,7 +98,7 @@ class TopLogprob(_message.Message):
     def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("queue_seconds", "first_token_seconds", "total_seconds", "cpu_attention_ratio", "recalled_blocks", "prediction_hit_ratio", "prompt_tokens", "device_wait_seconds", "recalled_bytes", "recalled_blocks_used")
+    __slots__ = ("queue_seconds", "first_token_seconds", "total_seconds", "cpu_attention_ratio", "recalled_blocks", "prediction_hit_ratio", "prompt_tokens", "device_wait_seconds", "recalled_bytes", "recalled_blocks_used", "device_idle_seconds")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class RequestStats(_message.Message):
     DEVICE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECALLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RECALLED_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     first_token_seconds: float
     total_seconds: float
@@ -119,7 +120,8 @@ class RequestStats(_message.Message):
     device_wait_seconds: float
     recalled_bytes: int
     recalled_blocks_used: int
-    def __init__(self, queue_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., cpu_attention_ratio: _Optional[float] = ..., recalled_blocks: _Optional[int] = ..., prediction_hit_ratio: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., device_wait_seconds: _Optional[float] = ..., recalled_bytes: _Optional[int] = ..., recalled_blocks_used: _Optional[int] = ...) -> None: ...
+    device_idle_seconds: float
+    def __init__(self, queue_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., cpu_attention_ratio: _Optional[float] = ..., recalled_blocks: _Optional[int] = ..., prediction_hit_ratio: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., device_wait_seconds: _Optional[float] = ..., recalled_bytes: _Optional[int] = ..., recalled_blocks_used: _Optional[int] = ..., device_idle_seconds: _Optional[float] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("reason", "generated_tokens", "stats")

@@ -2,7 +2,7 @@
 //! by the backend and the KV store, device buffers, pinned host memory and copies.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use attention::KvDType;
 use cudarc::driver::{
@@ -114,6 +114,51 @@ pub(crate) struct Shared {
     /// Recall copies, overlapping the main stream.
     pub(crate) recall: Arc<CudaStream>,
     pub(crate) k: Kernels,
+    /// How long the main stream sat empty while the host worked.
+    pub(crate) idle: IdleClock,
+}
+
+/// Time the main stream had nothing to do: from each wait that emptied it (a copy back, a
+/// fence) to the host's next piece of device work. Launch gaps inside queued work are not
+/// counted, so this is a lower bound on the device's idle time; it is what a step driven from
+/// the host loses between its round trips.
+#[derive(Debug)]
+pub(crate) struct IdleClock {
+    state: Mutex<(std::time::Duration, Option<std::time::Instant>)>,
+}
+
+impl Default for IdleClock {
+    /// Idle from creation: nothing is queued yet.
+    fn default() -> Self {
+        Self {
+            state: Mutex::new((std::time::Duration::ZERO, Some(std::time::Instant::now()))),
+        }
+    }
+}
+
+impl IdleClock {
+    /// The stream is empty from now (the host just waited for all of it).
+    pub(crate) fn emptied(&self) {
+        if let Ok(mut s) = self.state.lock() {
+            s.1.get_or_insert_with(std::time::Instant::now);
+        }
+    }
+
+    /// The host is about to queue work: an idle stretch ends.
+    pub(crate) fn busy(&self) {
+        if let Ok(mut s) = self.state.lock()
+            && let Some(since) = s.1.take()
+        {
+            s.0 += since.elapsed();
+        }
+    }
+
+    /// Idle seconds so far, the stretch under way included.
+    pub(crate) fn seconds(&self) -> f64 {
+        self.state.lock().map_or(0.0, |s| {
+            (s.0 + s.1.map_or(std::time::Duration::ZERO, |t| t.elapsed())).as_secs_f64()
+        })
+    }
 }
 
 impl Shared {
@@ -121,6 +166,14 @@ impl Shared {
         self.ctx
             .bind_to_thread()
             .map_err(|e| dev_err("binding the context", e))
+    }
+
+    /// Copies main-stream device address `src` into `dst` and waits for it: the stream is
+    /// empty afterwards ([`IdleClock`]).
+    pub(crate) fn read_back(&self, dst: &mut [f32], src: u64) -> Result<(), BackendError> {
+        let r = dtoh_f32(dst, src, &self.stream);
+        self.idle.emptied();
+        r
     }
 
     /// Launches `f` on the main stream with raw arguments (device pointers as `u64`).
@@ -321,5 +374,25 @@ mod tests {
             assert!(matches!(e, BackendError::Device(_)), "{e:?}");
             assert!(e.to_string().contains("weights"), "{e}");
         }
+    }
+
+    #[test]
+    fn the_idle_clock_counts_only_from_an_emptied_stream_to_the_next_work() {
+        let c = IdleClock::default();
+        c.busy();
+        let start = c.seconds();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(c.seconds(), start, "work queued: not idle");
+        c.emptied();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let during = c.seconds();
+        assert!(during - start >= 0.02, "{during}");
+        // A second wait inside an idle stretch does not restart it.
+        c.emptied();
+        c.busy();
+        let after = c.seconds();
+        assert!(after >= during);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(c.seconds(), after);
     }
 }

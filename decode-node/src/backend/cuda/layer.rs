@@ -22,7 +22,7 @@ use attention::KvDType;
 use cudarc::driver::{result as drv, sys};
 
 use super::blas::{Blas, weight_ptr};
-use super::driver::{Shared, dev_err, dtoh_f32, dtype_code, f32_bytes, htod};
+use super::driver::{Shared, dev_err, dtype_code, f32_bytes, htod};
 use super::{BackendError, CudaBackend};
 pub(super) use crate::backend::rel_diff;
 use crate::backend::{LayerOut, LinearOut, LmHead, NormProject, Residual, logits_rows};
@@ -281,6 +281,7 @@ impl CudaBackend {
         sh.bind()?;
         let mut guard = self.lock()?;
         let g: &mut Blas = &mut guard;
+        sh.idle.busy();
         let p = Plan::new(n, hidden, attn_w, inter);
         let base = g.y.ptr(&sh.stream, p.total * 4)?;
         let half =
@@ -289,7 +290,7 @@ impl CudaBackend {
         // SAFETY: the plan's ranges for this shape, `half` sized for the widest input.
         unsafe { queue_layer(sh, g, n, shape, w, op) }?;
         let back = &mut g.staging.get(p.upload)?[..n * hidden];
-        dtoh_f32(back, op.x, &sh.stream)?;
+        sh.read_back(back, op.x)?;
         x.copy_from_slice(back);
         Ok(())
     }
@@ -309,6 +310,7 @@ impl CudaBackend {
                 x.len()
             )));
         }
+        sh.idle.busy();
         let x_dev = g.res.ptr(&sh.stream, x.len() * 4)?;
         let stage = g.staging.get(x.len())?;
         stage[..x.len()].copy_from_slice(&x);
@@ -363,9 +365,15 @@ impl CudaResidual<'_> {
     /// Waits until the staging may be written again (the last upload has been read).
     fn wait_fence(&self) -> Result<(), BackendError> {
         match self.fence {
-            // SAFETY: a live event.
-            Some(e) => unsafe { drv::event::synchronize(e) }
-                .map_err(|e| dev_err("waiting on an upload", e)),
+            // SAFETY: a live event. The fence is the last work queued whenever the host
+            // waits on it (after a layer's second half, or after a copy back), so the stream
+            // is empty afterwards.
+            Some(e) => {
+                let r = unsafe { drv::event::synchronize(e) }
+                    .map_err(|e| dev_err("waiting on an upload", e));
+                self.b.shared.idle.emptied();
+                r
+            }
             None => Ok(()),
         }
     }
@@ -405,6 +413,7 @@ impl CudaResidual<'_> {
         }
         let sh = &*self.b.shared;
         self.wait_fence()?;
+        sh.idle.busy();
         let g = &mut *self.g;
         let align = |v: usize| v.div_ceil(64) * 64;
         let total: usize = groups
@@ -465,7 +474,7 @@ impl CudaResidual<'_> {
     fn bring_back(&mut self, src: u64, floats: usize) -> Result<&[f32], BackendError> {
         let sh = &*self.b.shared;
         let back = &mut self.g.staging.get(floats)?[..floats];
-        dtoh_f32(back, src, &sh.stream)?;
+        sh.read_back(back, src)?;
         Ok(back)
     }
 }
@@ -539,6 +548,7 @@ impl Residual for CudaResidual<'_> {
         let (hidden, attn_w, inter) = shape;
         let sh = &*self.b.shared;
         self.wait_fence()?;
+        sh.idle.busy();
         let g = &mut *self.g;
         // The plan's residual slot goes unused: the residual stays in `Blas::res`.
         let p = Plan::new(n, hidden, attn_w, inter);

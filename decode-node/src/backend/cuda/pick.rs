@@ -7,7 +7,7 @@ use attention::cuda::{SAMPLE_OUT_WORDS, SAMPLE_SPEC_WORDS, SAMPLE_THREADS, SAMPL
 
 use super::BackendError;
 use super::blas::Blas;
-use super::driver::{Shared, dtoh_f32, f32_bytes, htod};
+use super::driver::{Shared, f32_bytes, htod};
 use crate::model::pick::{PickSpec, Picked};
 
 /// The 32-bit words of `sample_rows`' spec for `picks` (a row without one is greedy with no
@@ -103,7 +103,7 @@ pub(super) fn sample_rows(
         )?;
     }
     let back = &mut g.pick_staging.get(spec.len().max(out_words))?[..out_words];
-    dtoh_f32(back, out, &sh.stream)?;
+    sh.read_back(back, out)?;
     let words: Vec<u32> = back.iter().map(|f| f.to_bits()).collect();
     Ok(parse_out(&words, picks))
 }

@@ -15,7 +15,7 @@ use kv_transfer::HostPool;
 
 use super::call::{SlotList, SplitK, pack, partials};
 use super::slots::{Fill, NoSlot, SlotTable};
-use super::{DevBuf, Shared, dev_err, dtoh_f32, htod};
+use super::{DevBuf, Shared, dev_err, htod};
 use crate::backend::{BackendError, DeviceKv, DeviceSeq};
 
 /// Largest GQA group and head dimension the attention kernel takes.
@@ -587,6 +587,7 @@ impl DeviceSeq for CudaSeq {
         }
         let t_start = std::time::Instant::now();
         sh.bind()?;
+        sh.idle.busy();
         self.after_recall(layer)?;
         let mut list = SlotList::new();
         let mut copies = Copies::default();
@@ -639,7 +640,7 @@ impl DeviceSeq for CudaSeq {
                 let sh = &*self.store.shared;
                 sh.bind()?;
                 let mut host = vec![0f32; floats];
-                dtoh_f32(&mut host, out, &sh.stream)?;
+                sh.read_back(&mut host, out)?;
                 Ok(partials(&host, hk, group, d))
             }
         }
