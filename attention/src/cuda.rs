@@ -11,6 +11,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "rms_norm",
     "rope",
     "silu_mul",
+    "silu_mul_stacked",
     "kv_append",
     "f32_to_half",
     "sparse_attention_split",

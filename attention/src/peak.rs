@@ -113,7 +113,9 @@ mod tests {
     #[test]
     fn the_peak_is_a_plausible_rate() {
         let p = super::fma_peak(0.02);
-        // Between a slow scalar core and a wide server core with two 16-lane FMA ports.
-        assert!((1e8..2e12).contains(&p), "{p}");
+        // Between an emulated core (CI runs the arm64 tests under qemu, on a busy host: 6e7
+        // once) and a wide server core with two 16-lane FMA ports; a broken measurement gives
+        // zero, infinity or NaN.
+        assert!((1e6..2e12).contains(&p), "{p}");
     }
 }

@@ -274,6 +274,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// Makes `parts` ready as [`Backend::prepare`] does, where a device backend may keep them as
+    /// one stacked matrix (q|k|v, gate|up of a layer) and project consecutive ones with one
+    /// call.
+    fn prepare_stack(&self, parts: &[&Tensor]) -> Result<(), BackendError> {
+        for w in parts {
+            self.prepare(w)?;
+        }
+        Ok(())
+    }
+
     /// Several projections of the same input (q/k/v, gate/up): a device backend uploads `x`
     /// once and waits once.
     fn linear_many(

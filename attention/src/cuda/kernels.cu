@@ -192,6 +192,18 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, long long n) {
     }
 }
 
+// out[b][i] = silu(gu[b][i]) * gu[b][inter + i]: gate|up of n rows from one GEMM over weights
+// stacked at load ([n][2 * inter]); the same arithmetic as silu_mul.
+extern "C" __global__ void silu_mul_stacked(const float* gu, float* out, int inter, long long n) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n) {
+        long long row = j / inter, i = j % inter;
+        const float* r = gu + row * 2 * inter;
+        float g = r[i];
+        out[j] = g / (1.f + expf(-g)) * r[inter + i];
+    }
+}
+
 // Appends one token's K and V (f32, [head_dim]) of one KV head at `slot` of its head block,
 // and folds K into the block's digest. One thread per channel. Float dtypes only (0..2): an
 // 8-bit block needs the token's scale over all channels first.

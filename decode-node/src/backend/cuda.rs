@@ -127,6 +127,7 @@ impl CudaBackend {
             rms_norm: f("rms_norm")?,
             rope: f("rope")?,
             silu_mul: f("silu_mul")?,
+            silu_mul_stacked: f("silu_mul_stacked")?,
             quest_scores: f("quest_scores")?,
             lse2_merge: f("lse2_merge")?,
             kv_append: f("kv_append")?,
@@ -163,7 +164,10 @@ impl CudaBackend {
 
     /// Forgets device copies of weights (their host tensors are about to be dropped).
     pub fn clear_weights(&self) -> Result<(), BackendError> {
-        self.lock()?.weights.clear();
+        let mut g = self.lock()?;
+        g.weights.clear();
+        g.parts.clear();
+        g.stacks.clear();
         Ok(())
     }
 
@@ -218,6 +222,17 @@ impl Backend for CudaBackend {
         upload(&mut *self.lock()?, &self.shared, w).map(|_| ())
     }
 
+    fn prepare_stack(&self, parts: &[&Tensor]) -> Result<(), BackendError> {
+        self.shared.bind()?;
+        let mut g = self.lock()?;
+        if !blas::upload_stack(&mut g, &self.shared, parts)? {
+            for w in parts {
+                upload(&mut g, &self.shared, w)?;
+            }
+        }
+        Ok(())
+    }
+
     fn linear_many(
         &self,
         x: &[f32],
@@ -247,11 +262,7 @@ impl Backend for CudaBackend {
                     "projection of {rows}x{cols} for input width {inp}"
                 )));
             }
-            let key = upload(g, sh, o.w)?;
-            let w_dev = match g.weights.get(&key) {
-                Some(w) => w.device_ptr(&sh.stream).0,
-                None => return Err(BackendError::Device("weight cache".into())),
-            };
+            let w_dev = blas::weight_ptr(g, sh, o.w)?;
             // Activations in the weights' type (cuBLAS takes one input type).
             let b_dev = match o.w.dtype {
                 KvDType::F32 => x_dev,

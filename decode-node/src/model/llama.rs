@@ -171,9 +171,10 @@ impl Model {
             Some(wm.take("lm_head.weight", &[cfg.vocab_size, h])?)
         };
         for l in &layers {
-            for lin in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
-                backend.prepare(&lin.w)?;
-            }
+            backend.prepare_stack(&[&l.q.w, &l.k.w, &l.v.w])?;
+            backend.prepare(&l.o.w)?;
+            backend.prepare_stack(&[&l.gate.w, &l.up.w])?;
+            backend.prepare(&l.down.w)?;
         }
         backend.prepare(lm_head.as_ref().unwrap_or(&embed))?;
         for left in wm.remaining() {

@@ -16,6 +16,10 @@ pub(crate) struct Blas {
     handle: blas_sys::cublasHandle_t,
     /// Device copies of the weights, by [`Tensor::id`].
     pub(crate) weights: HashMap<u64, CudaSlice<u8>>,
+    /// Weights uploaded as parts of one stacked matrix ([`upload_stack`]): each part's device
+    /// address inside its stack, by [`Tensor::id`]; the stacks themselves.
+    pub(crate) parts: HashMap<u64, u64>,
+    pub(crate) stacks: Vec<CudaSlice<u8>>,
     pub(crate) x: DevBuf,
     pub(crate) xh: DevBuf,
     pub(crate) y: DevBuf,
@@ -48,6 +52,8 @@ impl Blas {
         let b = Self {
             handle,
             weights: HashMap::new(),
+            parts: HashMap::new(),
+            stacks: Vec::new(),
             x: DevBuf::default(),
             xh: DevBuf::default(),
             y: DevBuf::default(),
@@ -135,11 +141,54 @@ impl Blas {
 
 /// The device address of `w`, uploaded on first use.
 pub(crate) fn weight_ptr(g: &mut Blas, sh: &Shared, w: &Tensor) -> Result<u64, BackendError> {
+    if let Some(&p) = g.parts.get(&w.id()) {
+        return Ok(p);
+    }
     let key = upload(g, sh, w)?;
     match g.weights.get(&key) {
         Some(d) => Ok(cudarc::driver::DevicePtr::device_ptr(d, &sh.stream).0),
         None => Err(BackendError::Device("weight cache".into())),
     }
+}
+
+/// Uploads `parts` (one type, one width) once as one matrix, their rows one after another, so
+/// consecutive parts project the same input with one GEMM (q|k|v, gate|up); each part is then
+/// addressed inside the stack, with no copy of its own. False (nothing done) where the parts
+/// differ in type or width, or one is on the device already.
+pub(crate) fn upload_stack(
+    g: &mut Blas,
+    sh: &Shared,
+    parts: &[&Tensor],
+) -> Result<bool, BackendError> {
+    let Some(first) = parts.first() else {
+        return Ok(false);
+    };
+    let fits = parts.len() >= 2
+        && parts.iter().all(|t| {
+            t.dtype == first.dtype
+                && t.cols() == first.cols()
+                && !g.weights.contains_key(&t.id())
+                && !g.parts.contains_key(&t.id())
+        });
+    if !fits {
+        return Ok(false);
+    }
+    let mut bytes = Vec::with_capacity(parts.iter().map(|t| t.bytes().len()).sum());
+    for t in parts {
+        bytes.extend_from_slice(t.bytes());
+    }
+    let dev = sh
+        .stream
+        .clone_htod(&bytes)
+        .map_err(|e| dev_err("stacked weights", e))?;
+    let base = cudarc::driver::DevicePtr::device_ptr(&dev, &sh.stream).0;
+    let mut at = 0u64;
+    for t in parts {
+        g.parts.insert(t.id(), base + at);
+        at += t.bytes().len() as u64;
+    }
+    g.stacks.push(dev);
+    Ok(true)
 }
 
 /// Uploads `w` once; returns its cache key.

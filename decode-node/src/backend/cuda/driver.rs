@@ -96,6 +96,7 @@ pub(crate) struct Kernels {
     pub(crate) rms_norm: CudaFunction,
     pub(crate) rope: CudaFunction,
     pub(crate) silu_mul: CudaFunction,
+    pub(crate) silu_mul_stacked: CudaFunction,
     pub(crate) quest_scores: CudaFunction,
     pub(crate) lse2_merge: CudaFunction,
     pub(crate) kv_append: CudaFunction,

@@ -55,6 +55,52 @@ impl FusedCheck {
     }
 }
 
+/// Projections of one input run by one GEMM: `rows` of each, from output `first` on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Run {
+    pub(super) first: usize,
+    pub(super) rows: Vec<usize>,
+}
+
+/// Groups projections of one input (each `(device address, type, rows)` of a `[rows][cols]`
+/// weight) into runs whose weights follow one another in device memory with one type: a
+/// stack uploaded at load, projected with one GEMM.
+pub(super) fn stacked_runs(weights: &[(u64, KvDType, usize)], cols: usize) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    let mut end: Option<(u64, KvDType)> = None;
+    for (i, &(ptr, dtype, rows)) in weights.iter().enumerate() {
+        match runs.last_mut() {
+            Some(run) if end == Some((ptr, dtype)) => run.rows.push(rows),
+            _ => runs.push(Run {
+                first: i,
+                rows: vec![rows],
+            }),
+        }
+        end = Some((ptr + (rows * cols * dtype.size()) as u64, dtype));
+    }
+    runs
+}
+
+/// The outputs of `runs` (each `[n][rows of the run]`, one run after another) as each
+/// projection's `[n][rows]`, one after another.
+pub(super) fn unstack(back: &[f32], n: usize, runs: &[Run]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(back.len());
+    let mut at = 0;
+    for run in runs {
+        let width: usize = run.rows.iter().sum();
+        let mut col = 0;
+        for &rows in &run.rows {
+            for b in 0..n {
+                let from = at + b * width + col;
+                out.extend_from_slice(&back[from..from + rows]);
+            }
+            col += rows;
+        }
+        at += n * width;
+    }
+    out
+}
+
 /// Offsets (in floats) of the fused layer's device buffers, each 64-float aligned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Plan {
@@ -81,7 +127,8 @@ impl Plan {
         let upload = norm + hidden;
         let xn = align(upload);
         let gate = align(xn + n * hidden);
-        let up = align(gate + n * inter);
+        // Room for gate|up from one GEMM (`[n][2 * inter]`) where they are stacked.
+        let up = align(gate + 2 * n * inter);
         let total = align(up + n * inter);
         Self {
             x,
@@ -130,7 +177,8 @@ struct Operands {
     attn: u64,
     /// RMSNorm weight `[hidden]`.
     norm: u64,
-    /// Scratch: normed rows `[n][hidden]`, gate and up `[n][inter]`, and halves of the widest.
+    /// Scratch: normed rows `[n][hidden]`, gate (`[n][2 * inter]`: room for gate|up from one
+    /// GEMM) and up `[n][inter]`, and halves of the widest.
     xn: u64,
     gate: u64,
     up: u64,
@@ -207,25 +255,45 @@ unsafe fn queue_layer(
         )?;
     }
     let m_in = as_input(sh, w.gate.dtype, op.xn, n * hidden, op.half)?;
-    unsafe { g.gemm(w.gate.dtype, inter, n, hidden, wg, m_in, op.gate) }?;
-    // The up projection reads the same rounded input unless its type differs (the stream
-    // orders the conversion after the gate GEMM that reads `half`).
-    let m_in = if w.up.dtype == w.gate.dtype {
-        m_in
-    } else {
-        as_input(sh, w.up.dtype, op.xn, n * hidden, op.half)?
-    };
-    unsafe { g.gemm(w.up.dtype, inter, n, hidden, wu, m_in, op.up) }?;
     let len = (n * inter) as i64;
-    unsafe {
-        sh.launch(
-            &sh.k.silu_mul,
-            (((n * inter) as u32).div_ceil(256), 1),
-            256,
-            &[&op.gate, &op.up, &len],
-        )?;
-    }
-    let d_in = as_input(sh, w.down.dtype, op.gate, n * inter, op.half)?;
+    let grid = (((n * inter) as u32).div_ceil(256), 1);
+    let stacked = stacked_runs(
+        &[(wg, w.gate.dtype, inter), (wu, w.up.dtype, inter)],
+        hidden,
+    )
+    .len()
+        == 1;
+    // The MLP's product, the down projection's input.
+    let act = if stacked {
+        // gate|up stacked at load: one GEMM gives `[n][gate | up]`; the SiLU-mul reads both
+        // halves of each row into `up`.
+        unsafe { g.gemm(w.gate.dtype, 2 * inter, n, hidden, wg, m_in, op.gate) }?;
+        let width = inter as i32;
+        unsafe {
+            sh.launch(
+                &sh.k.silu_mul_stacked,
+                grid,
+                256,
+                &[&op.gate, &op.up, &width, &len],
+            )?;
+        }
+        op.up
+    } else {
+        unsafe { g.gemm(w.gate.dtype, inter, n, hidden, wg, m_in, op.gate) }?;
+        // The up projection reads the same rounded input unless its type differs (the stream
+        // orders the conversion after the gate GEMM that reads `half`).
+        let m_in = if w.up.dtype == w.gate.dtype {
+            m_in
+        } else {
+            as_input(sh, w.up.dtype, op.xn, n * hidden, op.half)?
+        };
+        unsafe { g.gemm(w.up.dtype, inter, n, hidden, wu, m_in, op.up) }?;
+        unsafe {
+            sh.launch(&sh.k.silu_mul, grid, 256, &[&op.gate, &op.up, &len])?;
+        }
+        op.gate
+    };
+    let d_in = as_input(sh, w.down.dtype, act, n * inter, op.half)?;
     unsafe { g.gemm_beta(w.down.dtype, hidden, n, inter, wd, d_in, op.x, 1.0) }
 }
 
@@ -392,12 +460,14 @@ impl Drop for CudaResidual<'_> {
 
 impl CudaResidual<'_> {
     /// Queues the norms and projections of `groups` (shapes checked; the outputs' lengths are
-    /// the caller's) after one upload of their norm weights. Returns the device address of
-    /// the outputs, one after another (`n * rows` floats each), and their floats in all.
+    /// the caller's) after one upload of their norm weights. Consecutive projections whose
+    /// weights sit one after another in a stack (`upload_stack`) run as one GEMM. Returns the
+    /// device address of the outputs, one run after another (`[n][rows of the run]` each),
+    /// the runs, and their floats in all.
     fn queue_norm_project(
         &mut self,
         groups: &[NormProject<'_, '_>],
-    ) -> Result<(u64, usize), BackendError> {
+    ) -> Result<(u64, Vec<Run>, usize), BackendError> {
         let (n, hidden) = (self.n, self.hidden);
         for gr in groups {
             for o in gr.outs.iter() {
@@ -437,6 +507,7 @@ impl CudaResidual<'_> {
         htod(at(0), f32_bytes(&stage[..norms]), &sh.stream)?;
         let (xp, xnp, dim) = (self.x, at(xn_at), hidden as i32);
         let mut y = y_at;
+        let mut runs = Vec::new();
         for (k, gr) in groups.iter().enumerate() {
             let (np, eps) = (at(k * hidden), gr.eps);
             // SAFETY: the residual holds n rows of `hidden`, the scratch ranges are sized
@@ -450,24 +521,30 @@ impl CudaResidual<'_> {
                 )?;
             }
             let mut converted: Option<(KvDType, u64)> = None;
+            let mut weights = Vec::with_capacity(gr.outs.len());
             for o in gr.outs.iter() {
-                let rows = o.w.rows();
-                let w_dev = weight_ptr(g, sh, o.w)?;
+                weights.push((weight_ptr(g, sh, o.w)?, o.w.dtype, o.w.rows()));
+            }
+            for run in stacked_runs(&weights, hidden) {
+                let (w_dev, dtype) = (weights[run.first].0, weights[run.first].1);
+                let rows: usize = run.rows.iter().sum();
                 let input = match converted {
-                    Some((d, p)) if d == o.w.dtype => p,
+                    Some((d, p)) if d == dtype => p,
                     _ => {
-                        let p = as_input(sh, o.w.dtype, xnp, n * hidden, half)?;
-                        converted = Some((o.w.dtype, p));
+                        let p = as_input(sh, dtype, xnp, n * hidden, half)?;
+                        converted = Some((dtype, p));
                         p
                     }
                 };
-                // SAFETY: the weight is `rows x hidden`, the input `n x hidden`, the output
-                // range `n x rows` floats of the scratch.
-                unsafe { g.gemm(o.w.dtype, rows, n, hidden, w_dev, input, at(y)) }?;
+                // SAFETY: the run's weights are `rows x hidden` in one piece of device memory
+                // (one tensor, or consecutive parts of a stack), the input `n x hidden`, the
+                // output range `n x rows` floats of the scratch.
+                unsafe { g.gemm(dtype, rows, n, hidden, w_dev, input, at(y)) }?;
                 y += n * rows;
+                runs.push(run);
             }
         }
-        Ok((at(y_at), total))
+        Ok((at(y_at), runs, total))
     }
 
     /// Copies `floats` floats at device address `src` back (the one wait).
@@ -494,10 +571,11 @@ impl Residual for CudaResidual<'_> {
         if groups.iter().all(|gr| gr.outs.is_empty()) {
             return Ok(());
         }
-        let (y, total) = self.queue_norm_project(groups)?;
+        let (y, runs, total) = self.queue_norm_project(groups)?;
         // The wait for the projections also ends the norm weights' upload.
         let back = self.bring_back(y, total)?;
-        super::take_outputs(back, groups.iter_mut().flat_map(|gr| gr.outs.iter_mut()));
+        let back = unstack(back, n, &runs);
+        super::take_outputs(&back, groups.iter_mut().flat_map(|gr| gr.outs.iter_mut()));
         Ok(())
     }
 
@@ -516,7 +594,7 @@ impl Residual for CudaResidual<'_> {
         if !crate::backend::Backend::picks_on_device(self.b) || picks.iter().all(Option::is_none) {
             return logits_rows(self, head, n);
         }
-        let (logits, _) = self.queue_norm_project(&[NormProject {
+        let (logits, _, _) = self.queue_norm_project(&[NormProject {
             norm: head.norm,
             eps: head.eps,
             outs: &mut [LinearOut {
@@ -570,6 +648,60 @@ impl Residual for CudaResidual<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn consecutive_parts_of_a_stack_run_as_one_projection_and_come_back_apart() {
+        let bf = KvDType::Bf16;
+        // q|k|v stacked (64, 32, 32 rows of 256 bf16), then a weight elsewhere, then one that
+        // follows v in memory but in another type.
+        let (base, cols) = (1 << 20, 256);
+        let w = [
+            (base, bf, 64),
+            (base + 64 * 256 * 2, bf, 32),
+            (base + 96 * 256 * 2, bf, 32),
+            (9 << 20, bf, 16),
+            (9 << 20, bf, 16),
+            ((9 << 20) + 16 * 256 * 2, KvDType::F32, 8),
+        ];
+        let runs = stacked_runs(&w, cols);
+        assert_eq!(
+            runs,
+            vec![
+                Run {
+                    first: 0,
+                    rows: vec![64, 32, 32]
+                },
+                Run {
+                    first: 3,
+                    rows: vec![16]
+                },
+                Run {
+                    first: 4,
+                    rows: vec![16]
+                },
+                Run {
+                    first: 5,
+                    rows: vec![8]
+                },
+            ]
+        );
+        // Two rows of a run of widths 2 and 1, then a lone projection of width 2.
+        let runs = [
+            Run {
+                first: 0,
+                rows: vec![2, 1],
+            },
+            Run {
+                first: 2,
+                rows: vec![2],
+            },
+        ];
+        let back = [1., 2., 3., 4., 5., 6., 7., 8., 9., 10.];
+        assert_eq!(
+            unstack(&back, 2, &runs),
+            vec![1., 2., 4., 5., 3., 6., 7., 8., 9., 10.]
+        );
+    }
 
     #[test]
     fn plan_keeps_the_upload_contiguous_and_the_buffers_apart() {

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use kv_transfer::HostPool;
 
 use super::{CudaBackend, Shared, dtype_code};
-use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv, LayerOut};
+use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv, LayerOut, LinearOut};
 use crate::model::pick::{PickSpec, pick_row};
 use crate::model::random::SplitMix;
 use crate::tensor::Tensor;
@@ -183,10 +183,18 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         );
     }
     for dt in [KvDType::F32, KvDType::Bf16] {
+        for stacked in [false, true] {
+            let how = if stacked { ", gate|up stacked" } else { "" };
+            add(
+                &format!("finish_layer one round trip vs op by op {dt:?}{how}"),
+                super::layer::FUSED_TOLERANCE,
+                check_finish_layer(backend, dt, stacked),
+            );
+        }
         add(
-            &format!("finish_layer one round trip vs op by op {dt:?}"),
+            &format!("q|k|v stacked: device residual and linear_many vs CPU {dt:?}"),
             super::layer::FUSED_TOLERANCE,
-            check_finish_layer(backend, dt),
+            check_stacked_projections(backend, dt),
         );
     }
     let sh = backend.shared();
@@ -363,7 +371,7 @@ fn check_sample_rows(b: &CudaBackend) -> Result<f64, BackendError> {
 
 /// The fused second half of a layer against the op-by-op one on the same device (SmolLM2's
 /// widths, three rows).
-fn check_finish_layer(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError> {
+fn check_finish_layer(b: &CudaBackend, dt: KvDType, stacked: bool) -> Result<f64, BackendError> {
     let mut r = SplitMix(21);
     let (n, hidden, attn_w, inter) = (3, 576, 576, 1536);
     let mut tensor = |rows: usize, cols: usize| {
@@ -378,6 +386,10 @@ fn check_finish_layer(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError>
         tensor(inter, hidden),
         tensor(hidden, inter),
     );
+    if stacked {
+        // The fused path then projects gate|up with one GEMM; op by op, each part alone.
+        b.prepare_stack(&[&gate, &up])?;
+    }
     let norm = random(&mut r, hidden, 1.0);
     let x = random(&mut r, n * hidden, 1.0);
     let attn = random(&mut r, n * attn_w, 1.0);
@@ -396,6 +408,108 @@ fn check_finish_layer(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError>
     b.clear_weights()?;
     res?;
     Ok(super::layer::rel_diff(&got, &want))
+}
+
+/// Three projections of one input uploaded as one stack (q|k|v of a layer, with a bias on k):
+/// through the device residual (one GEMM for the stack, rows regrouped on the host) and
+/// through `linear_many` (each part addressed inside the stack), against the CPU, three rows.
+fn check_stacked_projections(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError> {
+    let mut r = SplitMix(24);
+    let (n, hidden) = (3, 256);
+    let mut tensor = |rows: usize| {
+        let v = random(&mut r, rows * hidden, 0.1);
+        let mut bytes = vec![0u8; v.len() * dt.size()];
+        encode_from_f32(dt, &v, &mut bytes);
+        Tensor::from_bytes(vec![rows, hidden], dt, bytes)
+    };
+    let (q, k, v) = (tensor(64), tensor(32), tensor(32));
+    let bias = random(&mut r, 32, 0.1);
+    let norm = random(&mut r, hidden, 1.0);
+    let x = random(&mut r, n * hidden, 1.0);
+    let run = || -> Result<f64, BackendError> {
+        b.prepare_stack(&[&q, &k, &v])?;
+        // The reference: the norm on the CPU, its rows rounded to the weights' type as the
+        // device rounds them, each projection alone.
+        let mut xn = vec![0f32; x.len()];
+        CpuBackend.rms_norm(&x, &norm, 1e-6, &mut xn);
+        let mut xb = vec![0u8; xn.len() * dt.size()];
+        encode_from_f32(dt, &xn, &mut xb);
+        decode_to_f32(dt, &xb, &mut xn);
+        let mut want = [vec![0f32; n * 64], vec![0f32; n * 32], vec![0f32; n * 32]];
+        for (w, (y, bias)) in
+            [&q, &k, &v]
+                .into_iter()
+                .zip(want.iter_mut().zip([None, Some(&bias[..]), None]))
+        {
+            CpuBackend.linear(&xn, n, w, bias, y)?;
+        }
+        let mut worst = 0f64;
+        let mut got = [vec![0f32; n * 64], vec![0f32; n * 32], vec![0f32; n * 32]];
+        {
+            let [gq, gk, gv] = &mut got[..] else {
+                unreachable!("three outputs")
+            };
+            let mut res = b.residual(x.clone(), n)?;
+            let outs = &mut [
+                LinearOut {
+                    w: &q,
+                    bias: None,
+                    y: gq,
+                },
+                LinearOut {
+                    w: &k,
+                    bias: Some(&bias),
+                    y: gk,
+                },
+                LinearOut {
+                    w: &v,
+                    bias: None,
+                    y: gv,
+                },
+            ];
+            res.norm_project(&mut [crate::backend::NormProject {
+                norm: &norm,
+                eps: 1e-6,
+                outs,
+            }])?;
+        }
+        for (g, w) in got.iter().zip(&want) {
+            worst = worst.max(rel_err(g, w));
+        }
+        {
+            let [gq, gk, gv] = &mut got[..] else {
+                unreachable!("three outputs")
+            };
+            b.linear_many(
+                &xn,
+                n,
+                &mut [
+                    LinearOut {
+                        w: &q,
+                        bias: None,
+                        y: gq,
+                    },
+                    LinearOut {
+                        w: &k,
+                        bias: Some(&bias),
+                        y: gk,
+                    },
+                    LinearOut {
+                        w: &v,
+                        bias: None,
+                        y: gv,
+                    },
+                ],
+            )?;
+        }
+        for (g, w) in got.iter().zip(&want) {
+            worst = worst.max(rel_err(g, w));
+        }
+        Ok(worst)
+    };
+    let res = run();
+    b.clear_weights()?;
+    res
 }
 
 fn check_linear(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError> {
