@@ -489,51 +489,6 @@ fn a_lost_device_ends_what_runs_and_refuses_what_comes_after() {
     rig.wait_pool_empty();
 }
 
-/// The CPU backend with a correct device pick: the LM head's rows that may be picked where
-/// the logits are come back picked (by the definition the CUDA kernel meets), and counted.
-#[derive(Debug, Default)]
-struct PickingDevice {
-    picked: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl crate::backend::Backend for PickingDevice {
-    fn name(&self) -> String {
-        "picking".into()
-    }
-
-    fn linear(
-        &self,
-        x: &[f32],
-        batch: usize,
-        w: &crate::tensor::Tensor,
-        bias: Option<&[f32]>,
-        y: &mut [f32],
-    ) -> Result<(), crate::backend::BackendError> {
-        crate::backend::CpuBackend.linear(x, batch, w, bias, y)
-    }
-
-    fn residual<'a>(
-        &'a self,
-        x: Vec<f32>,
-        batch: usize,
-    ) -> Result<Box<dyn crate::backend::Residual + 'a>, crate::backend::BackendError> {
-        Ok(Box::new(crate::model::pick::PickingResidual {
-            inner: crate::backend::HostResidual::new(self, x, batch),
-            shift: Some(0),
-            picked: self.picked.clone(),
-        }))
-    }
-
-    fn picks_on_device(&self) -> bool {
-        true
-    }
-
-    fn parallel_on_rayon(&self) -> bool {
-        // As the CPU backend: the same pool, so the same sums, so the same logits.
-        true
-    }
-}
-
 /// A streamed token: id, log-probability, the top list as (id, log-probability).
 type Scored = (u32, f32, Vec<(u32, f32)>);
 
@@ -565,7 +520,10 @@ fn drain_scored(rx: &mut mpsc::UnboundedReceiver<Event>) -> Vec<Scored> {
 /// in the same order whichever side picks.
 #[test]
 fn tokens_picked_where_the_logits_are_equal_the_host_picks() {
-    let dev = Arc::new(PickingDevice::default());
+    let dev = Arc::new(TestDevice {
+        picks: true,
+        ..TestDevice::default()
+    });
     let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
     let host = Rig::start(4, 1 << 30);
     let device = Rig::start_on(4, 1 << 30, Some(model));
@@ -717,17 +675,21 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
     }
 }
 
-/// The CPU backend with [`HostDeviceKv`] for device memory, whose idle clock advances a
-/// millisecond each time it is read.
+/// The CPU backend dressed as a device, each part switched on by a test: `picks` picks the LM
+/// head's rows where the logits are (by the definition the CUDA kernel meets), `kv` gives it
+/// [`HostDeviceKv`] for device memory, and its idle clock advances a millisecond each read.
 #[derive(Debug, Default)]
-struct HostDevice {
+struct TestDevice {
+    picks: bool,
+    kv: bool,
+    picked: Arc<std::sync::atomic::AtomicUsize>,
     collected: Arc<std::sync::atomic::AtomicUsize>,
     idle_reads: std::sync::atomic::AtomicU64,
 }
 
-impl crate::backend::Backend for HostDevice {
+impl crate::backend::Backend for TestDevice {
     fn name(&self) -> String {
-        "host-device".into()
+        "test-device".into()
     }
 
     fn linear(
@@ -742,7 +704,24 @@ impl crate::backend::Backend for HostDevice {
     }
 
     fn parallel_on_rayon(&self) -> bool {
+        // As the CPU backend: the same pool, so the same sums, so the same logits.
         true
+    }
+
+    fn residual<'a>(
+        &'a self,
+        x: Vec<f32>,
+        batch: usize,
+    ) -> Result<Box<dyn crate::backend::Residual + 'a>, crate::backend::BackendError> {
+        Ok(Box::new(crate::model::pick::PickingResidual {
+            inner: crate::backend::HostResidual::new(self, x, batch),
+            shift: self.picks.then_some(0),
+            picked: self.picked.clone(),
+        }))
+    }
+
+    fn picks_on_device(&self) -> bool {
+        self.picks
     }
 
     fn device_idle_seconds(&self) -> Option<f64> {
@@ -758,10 +737,12 @@ impl crate::backend::Backend for HostDevice {
         _capacity_bytes: u64,
         _pool: &HostPool,
     ) -> Result<Option<Arc<dyn crate::backend::DeviceKv>>, crate::backend::BackendError> {
-        Ok(Some(Arc::new(HostDeviceKv {
-            geom,
-            collected: self.collected.clone(),
-        })))
+        Ok(self.kv.then(|| {
+            Arc::new(HostDeviceKv {
+                geom,
+                collected: self.collected.clone(),
+            }) as Arc<dyn crate::backend::DeviceKv>
+        }))
     }
 }
 
@@ -771,7 +752,10 @@ impl crate::backend::Backend for HostDevice {
 #[test]
 fn device_parts_submitted_for_the_whole_batch_give_each_sequence_its_own() {
     for mode in ["full", "scout"] {
-        let dev = Arc::new(HostDevice::default());
+        let dev = Arc::new(TestDevice {
+            kv: true,
+            ..TestDevice::default()
+        });
         let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
         let rig = Rig::start_with(3, 1 << 30, Some(model), &["--attention", mode]);
         let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 5)).collect();

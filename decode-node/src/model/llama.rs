@@ -560,13 +560,7 @@ impl Model {
         let tokens = [1.min(vocab - 1), 2.min(vocab - 1)];
         let positions = [0usize, 1];
         let specs = [
-            Some(PickSpec {
-                temperature: 0.0,
-                top_k: 0,
-                top_p: 0.0,
-                draw: None,
-                top_logprobs: 5,
-            }),
+            Some(PickSpec::greedy(5)),
             Some(PickSpec {
                 temperature: 0.8,
                 top_k: 50,
@@ -931,16 +925,7 @@ mod tests {
         let mut cfg = preset("tiny", Arch::Llama).unwrap();
         cfg.vocab_size = 300;
         let toks = [5u32, 77];
-        let specs = [
-            Some(PickSpec {
-                temperature: 0.0,
-                top_k: 0,
-                top_p: 0.0,
-                draw: None,
-                top_logprobs: 2,
-            }),
-            None,
-        ];
+        let specs = [Some(PickSpec::greedy(2)), None];
         for (shift, kept) in [(0, true), (1, false)] {
             let b = Arc::new(FakeDevice::new(1.0, shift));
             let wm = random_weights(&cfg, 4, KvDType::F32);

@@ -43,6 +43,17 @@ impl PickSpec {
         })
     }
 
+    /// The greedy pick, reporting `top_logprobs` alternatives.
+    pub fn greedy(top_logprobs: usize) -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 0.0,
+            draw: None,
+            top_logprobs,
+        }
+    }
+
     fn tempered(&self) -> Option<f64> {
         let t = self.temperature;
         self.draw.filter(|_| t > 0.0 && t.is_finite())
