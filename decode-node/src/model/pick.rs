@@ -8,7 +8,7 @@
 //! host reports it), there is no device pick and the row's logits come back instead.
 
 use super::logits::top_logprobs;
-use super::sampling::{SORTED_HEAD, Sampler, logprob};
+use super::sampling::{SORTED_HEAD, Sampler, greedy_at, logprob};
 
 /// Most `top_logprobs` a device pick reports (OpenAI's limit, as the service enforces).
 pub const PICK_TOP: usize = 20;
@@ -55,8 +55,7 @@ impl PickSpec {
     }
 
     fn tempered(&self) -> Option<f64> {
-        let t = self.temperature;
-        self.draw.filter(|_| t > 0.0 && t.is_finite())
+        self.draw.filter(|_| !greedy_at(self.temperature))
     }
 }
 

@@ -42,6 +42,11 @@ pub struct Sampler {
     rng: SplitMix,
 }
 
+/// True when `temperature` means greedy picks: 0 or less, or not finite.
+pub fn greedy_at(temperature: f32) -> bool {
+    temperature <= 0.0 || !temperature.is_finite()
+}
+
 /// `log_softmax(logits)[token]`, computed stably.
 pub fn logprob(logits: &[f32], token: usize) -> f32 {
     let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
@@ -88,8 +93,7 @@ impl Sampler {
 
     /// True when picks are the argmax (no draw).
     pub fn is_greedy(&self) -> bool {
-        let t = self.params.temperature;
-        t <= 0.0 || !t.is_finite()
+        greedy_at(self.params.temperature)
     }
 
     /// The uniform draw in [0, 1) the next pick uses, taken from the request's stream; `None`

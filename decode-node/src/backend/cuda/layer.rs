@@ -15,6 +15,7 @@
 //! ([`FusedCheck`]), the device residual by the model at load against the host residual
 //! (`Model::residual_diff`); a disagreement keeps the op-by-op path.
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use attention::KvDType;
@@ -82,8 +83,12 @@ pub(super) fn stacked_runs(weights: &[(u64, KvDType, usize)], cols: usize) -> Ve
 }
 
 /// The outputs of `runs` (each `[n][rows of the run]`, one run after another) as each
-/// projection's `[n][rows]`, one after another.
-pub(super) fn unstack(back: &[f32], n: usize, runs: &[Run]) -> Vec<f32> {
+/// projection's `[n][rows]`, one after another: `back` itself where the two layouts agree
+/// (one row, or no run of several parts).
+pub(super) fn unstack<'a>(back: &'a [f32], n: usize, runs: &[Run]) -> Cow<'a, [f32]> {
+    if n == 1 || runs.iter().all(|r| r.rows.len() == 1) {
+        return Cow::Borrowed(back);
+    }
     let mut out = Vec::with_capacity(back.len());
     let mut at = 0;
     for run in runs {
@@ -98,7 +103,7 @@ pub(super) fn unstack(back: &[f32], n: usize, runs: &[Run]) -> Vec<f32> {
         }
         at += n * width;
     }
-    out
+    Cow::Owned(out)
 }
 
 /// Offsets (in floats) of the fused layer's device buffers, each 64-float aligned.
@@ -698,9 +703,22 @@ mod tests {
         ];
         let back = [1., 2., 3., 4., 5., 6., 7., 8., 9., 10.];
         assert_eq!(
-            unstack(&back, 2, &runs),
-            vec![1., 2., 4., 5., 3., 6., 7., 8., 9., 10.]
+            unstack(&back, 2, &runs)[..],
+            [1., 2., 4., 5., 3., 6., 7., 8., 9., 10.]
         );
+        // One row, or only lone projections: the layouts agree and nothing is copied.
+        assert!(matches!(unstack(&back, 1, &runs), Cow::Borrowed(_)));
+        let lone = [
+            Run {
+                first: 0,
+                rows: vec![5],
+            },
+            Run {
+                first: 1,
+                rows: vec![5],
+            },
+        ];
+        assert!(matches!(unstack(&back, 2, &lone), Cow::Borrowed(_)));
     }
 
     #[test]
