@@ -406,7 +406,7 @@ impl Metrics {
         );
         r.register(
             "prediction_guard_fallbacks",
-            "Layers whose layer-ahead CPU part was redone with the real query, per layer",
+            "Layers whose layer-ahead prediction the accuracy guard rejected (selection, and a CPU part started ahead, redone with the real query), per layer",
             self.guard_fallbacks.clone(),
         );
     }

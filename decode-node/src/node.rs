@@ -134,6 +134,7 @@ pub(crate) fn attention_config(
                 min_cosine: args.guard_min_cosine,
                 real_query_layers: (args.guard_real_query_layers as usize).max(1),
                 device_real_query: !args.guard_predicted_device,
+                predicted_cpu: args.guard_predicted_cpu,
             }
         },
         group_score: GroupScore::parse(&args.group_score)

@@ -35,13 +35,14 @@ pub(crate) struct SeqSlot<'a> {
     pub(crate) device_wait: f64,
 }
 
-/// A CPU part started ahead: the layer it is for, its plans and where its result arrives.
+/// A layer planned ahead: the layer, its plans and, where the CPU part is attended with the
+/// predicted query ([`attention::PredictionGuard::predicted_cpu`]), where its result arrives.
 #[derive(Debug)]
 struct Ahead {
     layer: usize,
     plans: Vec<HeadPlan>,
     q_pred: Vec<f32>,
-    job: CpuJob,
+    job: Option<CpuJob>,
 }
 
 /// A CPU part running on the CPU pool.
@@ -313,15 +314,31 @@ impl<'a> BatchAttention<'a> {
                         .seq
                         .reselect_device(self.cfg, layer, qb, keys, &mut plans);
                 }
-                return Ok((plans, Some(job), true));
+                // The predicted blocks, attended with the real query unless the predicted
+                // query's part was started ahead.
+                let job = job.or_else(|| self.spawn_cpu_if_any(b, layer, &plans, qb));
+                return Ok((plans, job, true));
             }
-            self.discard(b, a.job)?;
+            if let Some(job) = a.job {
+                self.discard(b, job)?;
+            }
         }
         let keys = self.block_keys(b);
         let plans = self.slots[b].seq.plan_layer(self.cfg, layer, qb, keys);
-        let has_cpu = plans.iter().any(|p| !p.cpu.is_empty());
-        let job = has_cpu.then(|| self.spawn_cpu(b, layer, &plans, qb));
+        let job = self.spawn_cpu_if_any(b, layer, &plans, qb);
         Ok((plans, job, false))
+    }
+
+    /// The CPU part of `plans` with `q`, started now; `None` where no head has CPU blocks.
+    fn spawn_cpu_if_any(
+        &self,
+        b: usize,
+        layer: usize,
+        plans: &[HeadPlan],
+        q: &[f32],
+    ) -> Option<CpuJob> {
+        let has_cpu = plans.iter().any(|p| !p.cpu.is_empty());
+        has_cpu.then(|| self.spawn_cpu(b, layer, plans, q))
     }
 
     /// Measures the prediction's hit ratio against a selection with the real query: sampled,
@@ -356,7 +373,11 @@ impl DecodeAttention for BatchAttention<'_> {
             let q = &q_pred[b * width..(b + 1) * width];
             let keys = self.block_keys(b);
             let plans = self.slots[b].seq.plan_layer(self.cfg, layer, q, keys);
-            let job = self.spawn_cpu(b, layer, &plans, q);
+            let job = if self.cfg.guard.predicted_cpu {
+                self.spawn_cpu_if_any(b, layer, &plans, q)
+            } else {
+                None
+            };
             self.ahead[b].push(Ahead {
                 layer,
                 plans,
@@ -620,11 +641,20 @@ mod tests {
         scored.iter().take(k).map(|x| x.1).collect()
     }
 
+    /// What [`check`] saw, so a test can tell that its path ran.
+    #[derive(Debug, Default)]
+    struct Seen {
+        /// Head plans of an accepted prediction whose device part was chosen again with the
+        /// real query.
+        reselected: usize,
+        /// CPU blocks of accepted predictions.
+        predicted_cpu_blocks: usize,
+    }
+
     /// Runs `steps` decode steps of a random-weight model with `cfg` and compares each
-    /// layer's plans and output with the definition. Returns how many head plans had their
-    /// device part chosen again with the real query.
-    fn check(cfg: AttentionConfig, steps: usize) -> usize {
-        let mut reselected = 0;
+    /// layer's plans and output with the definition.
+    fn check(cfg: AttentionConfig, steps: usize) -> Seen {
+        let mut counts = Seen::default();
         let mut mc = preset("tiny", Arch::Llama).unwrap();
         mc.num_layers = 5;
         let model = Model::from_weights(
@@ -707,6 +737,13 @@ mod tests {
                     }
                 );
                 let sel_q: &[f32] = if *used_pred { pred.unwrap() } else { q };
+                // The query the CPU attends with: the predicted one only where its part was
+                // started a layer ahead.
+                let cpu_q: &[f32] = if *used_pred && cfg.guard.predicted_cpu {
+                    sel_q
+                } else {
+                    q
+                };
                 let group_max = cfg.group_score == attention::GroupScore::Max;
                 let budget = cfg.budget_blocks(bs);
                 for h in 0..hk {
@@ -732,7 +769,7 @@ mod tests {
                         let mut device: Vec<usize> = forced.into_iter().chain(best).collect();
                         device.sort_unstable();
                         assert_eq!(p.device, device, "layer {layer} head {h}: device part");
-                        reselected += 1;
+                        counts.reselected += 1;
                         p.selected()
                     } else {
                         by_sel_q
@@ -743,12 +780,15 @@ mod tests {
                         "a block on both sides"
                     );
                     cpu_blocks += p.cpu.len();
+                    if *used_pred {
+                        counts.predicted_cpu_blocks += p.cpu.len();
+                    }
                     // Attention from the definition, f64.
                     for qh in 0..g {
                         let head = h * g + qh;
                         let mut ws: Vec<(f64, &[f32])> = Vec::new();
                         for &blk in &want {
-                            let side_q = if p.device.contains(&blk) { q } else { sel_q };
+                            let side_q = if p.device.contains(&blk) { q } else { cpu_q };
                             let qv = &side_q[head * d..(head + 1) * d];
                             for t in blk * bs..((blk + 1) * bs).min(n) {
                                 let kt = &keys[*layer][(t * hk + h) * d..(t * hk + h + 1) * d];
@@ -795,7 +835,7 @@ mod tests {
             token = crate::model::sampling::argmax(&logits) as u32;
         }
         assert!(cpu_blocks > 0, "the test must exercise the CPU part");
-        reselected
+        counts
     }
 
     fn scout() -> AttentionConfig {
@@ -816,31 +856,46 @@ mod tests {
         );
     }
 
+    /// A guard that accepts some predictions of the random-weight model and rejects others.
+    fn loose_guard(device_real_query: bool, predicted_cpu: bool) -> PredictionGuard {
+        PredictionGuard {
+            min_cosine: 0.3,
+            real_query_layers: 2,
+            device_real_query,
+            predicted_cpu,
+        }
+    }
+
     #[test]
     fn scout_step_equals_its_definition_with_guard() {
         // On random weights the prediction is poor: most layers are redone, some are not.
-        check(
+        let seen = check(
             AttentionConfig {
-                guard: PredictionGuard {
-                    min_cosine: 0.3,
-                    real_query_layers: 2,
-                    device_real_query: false,
-                },
+                guard: loose_guard(false, true),
                 ..scout()
             },
             3,
         );
+        assert!(seen.predicted_cpu_blocks > 0, "no accepted CPU part");
+    }
+
+    #[test]
+    fn scout_step_equals_its_definition_with_the_cpu_part_by_the_real_query() {
+        let seen = check(
+            AttentionConfig {
+                guard: loose_guard(false, false),
+                ..scout()
+            },
+            3,
+        );
+        assert!(seen.predicted_cpu_blocks > 0, "no accepted CPU part");
     }
 
     #[test]
     fn scout_step_equals_its_definition_with_the_device_part_by_the_real_query() {
-        let reselected = check(
+        let seen = check(
             AttentionConfig {
-                guard: PredictionGuard {
-                    min_cosine: 0.3,
-                    real_query_layers: 2,
-                    device_real_query: true,
-                },
+                guard: loose_guard(true, false),
                 // More resident blocks than the budget: the device part has a choice.
                 device_blocks_per_head: 8,
                 ..scout()
@@ -848,7 +903,7 @@ mod tests {
             3,
         );
         assert!(
-            reselected > 0,
+            seen.reselected > 0,
             "no accepted prediction had its device part chosen again"
         );
     }
