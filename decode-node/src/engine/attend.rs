@@ -1,6 +1,7 @@
 //! The attention of one decode step for a whole batch: plans each request's layer with its
-//! `SeqAttention`, runs the device part on the step thread and the CPU part on the CPU pool
-//! (one layer ahead in `scout`), and merges the two exactly.
+//! `SeqAttention` (in `scout` a layer ahead, by the predicted query, while the layer before
+//! attends), runs the device part on the step thread and the CPU part on the CPU pool, and
+//! merges the two exactly.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -108,6 +109,9 @@ pub(crate) struct BatchAttention<'a> {
     /// Per sequence, the CPU parts started ahead: at most two, since layer `i + 1`'s is started
     /// before layer `i` (whose own was started during layer `i - 1`) attends.
     ahead: Vec<Vec<Ahead>>,
+    /// The layer and batch's predicted query handed over last, planned once the current
+    /// layer's parts are under way.
+    deferred: Option<(usize, Vec<f32>)>,
     pub(crate) timing: AttnTiming,
     /// This step's guard checks, for the per-layer metrics.
     pub(crate) guard_checks: Vec<GuardCheck>,
@@ -220,6 +224,7 @@ impl<'a> BatchAttention<'a> {
             cpu_pool,
             slots,
             ahead: (0..n).map(|_| Vec::with_capacity(2)).collect(),
+            deferred: None,
             timing: AttnTiming::default(),
             guard_checks: Vec::new(),
             #[cfg(test)]
@@ -341,6 +346,34 @@ impl<'a> BatchAttention<'a> {
         has_cpu.then(|| self.spawn_cpu(b, layer, plans, q))
     }
 
+    /// Plans the layer whose predicted query arrived last (`DecodeAttention::predicted`) for
+    /// every sequence: its selection by that query and, where the CPU part is attended with
+    /// the predicted query, that part started.
+    fn plan_ahead(&mut self) {
+        let Some((layer, q_pred)) = self.deferred.take() else {
+            return;
+        };
+        let t = Instant::now();
+        let width = self.shape.num_heads * self.shape.head_dim;
+        for b in 0..self.slots.len() {
+            let q = &q_pred[b * width..(b + 1) * width];
+            let keys = self.block_keys(b);
+            let plans = self.slots[b].seq.plan_layer(self.cfg, layer, q, keys);
+            let job = if self.cfg.guard.predicted_cpu {
+                self.spawn_cpu_if_any(b, layer, &plans, q)
+            } else {
+                None
+            };
+            self.ahead[b].push(Ahead {
+                layer,
+                plans,
+                q_pred: q.to_vec(),
+                job,
+            });
+        }
+        self.timing.ahead += t.elapsed().as_secs_f64();
+    }
+
     /// Measures the prediction's hit ratio against a selection with the real query: sampled,
     /// as that costs as much as the selection itself.
     fn sample_prediction(&mut self, b: usize, layer: usize, qb: &[f32], a: &Ahead) {
@@ -367,25 +400,10 @@ impl DecodeAttention for BatchAttention<'_> {
     }
 
     fn predicted(&mut self, layer: usize, q_pred: &[f32]) {
-        let t = Instant::now();
-        let width = self.shape.num_heads * self.shape.head_dim;
-        for b in 0..self.slots.len() {
-            let q = &q_pred[b * width..(b + 1) * width];
-            let keys = self.block_keys(b);
-            let plans = self.slots[b].seq.plan_layer(self.cfg, layer, q, keys);
-            let job = if self.cfg.guard.predicted_cpu {
-                self.spawn_cpu_if_any(b, layer, &plans, q)
-            } else {
-                None
-            };
-            self.ahead[b].push(Ahead {
-                layer,
-                plans,
-                q_pred: q.to_vec(),
-                job,
-            });
-        }
-        self.timing.ahead += t.elapsed().as_secs_f64();
+        // Planned once this layer's parts are under way (see `attend`), so the selection runs
+        // while the device and the CPU attend instead of before they start.
+        self.plan_ahead();
+        self.deferred = Some((layer, q_pred.to_vec()));
     }
 
     fn attend(
@@ -405,6 +423,10 @@ impl DecodeAttention for BatchAttention<'_> {
         let width = num_heads * head_dim;
         let kvw = num_kv_heads * head_dim;
         let group = num_heads / num_kv_heads;
+        if self.deferred.as_ref().is_some_and(|d| d.0 <= layer) {
+            // A prediction for this very layer (the model hands them over a layer early).
+            self.plan_ahead();
+        }
         // Every sequence's plan and device part first: the device works through the queued
         // parts while the host plans the next sequence; the first collect below waits.
         let mut planned = Vec::with_capacity(self.slots.len());
@@ -440,6 +462,8 @@ impl DecodeAttention for BatchAttention<'_> {
             self.timing.device += t_dev.elapsed().as_secs_f64();
             planned.push((plans, pending));
         }
+        // The next layer's selection by its predicted query, while these parts run.
+        self.plan_ahead();
         for (b, (plans, pending)) in planned.into_iter().enumerate() {
             let t_dev = Instant::now();
             let qb = &q[b * width..(b + 1) * width];
@@ -550,6 +574,10 @@ mod tests {
         fn predicted(&mut self, layer: usize, q_pred: &[f32]) {
             self.predicted.insert(layer, q_pred.to_vec());
             self.inner.predicted(layer, q_pred);
+            assert!(
+                self.inner.ahead.iter().flatten().all(|a| a.layer != layer),
+                "layer {layer} planned ahead before the layer before it started attending"
+            );
         }
         fn attend(
             &mut self,
@@ -560,6 +588,16 @@ mod tests {
             out: &mut [f32],
         ) -> Result<(), ModelError> {
             self.inner.attend(layer, q, k, v, out)?;
+            if self.predicted.contains_key(&(layer + 1)) {
+                assert!(
+                    self.inner
+                        .ahead
+                        .iter()
+                        .all(|a| a.iter().any(|a| a.layer == layer + 1)),
+                    "layer {} not planned ahead during layer {layer}",
+                    layer + 1
+                );
+            }
             self.calls
                 .push((layer, q.to_vec(), k.to_vec(), v.to_vec(), out.to_vec()));
             Ok(())
