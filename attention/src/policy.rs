@@ -109,7 +109,8 @@ pub struct AttentionConfig {
     pub recall: RecallPolicy,
     /// Bounds on what recall moves (`scout`).
     pub recall_limits: RecallLimits,
-    /// Rerun the CPU part with the real query, so a full budget equals `full` exactly.
+    /// Redo every layer's selection (and a CPU part started ahead) with the real query, so
+    /// any budget equals a plain block top-k.
     pub exact: bool,
     /// Device-resident blocks allowed per (sequence, layer, KV head) in sparse modes.
     pub device_blocks_per_head: usize,
