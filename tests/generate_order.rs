@@ -50,7 +50,7 @@ async fn generate_without_kv_is_not_found_after_the_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn scout_exact_with_cpu_part_equals_full_and_sparse_uses_the_cpu() {
+async fn scout_with_a_whole_budget_and_cpu_part_equals_full_and_sparse_uses_the_cpu() {
     let p = prompt(120, 3);
     let want = reference_greedy(&p, 10);
     // Budget covers the context; only 2 blocks per head fit the device: the CPU does the rest.
@@ -73,6 +73,25 @@ async fn scout_exact_with_cpu_part_equals_full_and_sparse_uses_the_cpu() {
         st.cpu_attention_ratio > 0.5,
         "most selected tokens ran on the CPU: {st:?}"
     );
+
+    // Without --exact and with every prediction accepted, the prediction only chooses the
+    // blocks (all of them here) and the real query attends them: still full. (Attending them
+    // with the predicted query, `--guard-predicted-cpu`, gives other tokens here.)
+    let s = Served::start(&[
+        "--attention",
+        "scout",
+        "--guard-min-cosine=-1",
+        "--block-size",
+        "8",
+        "--budget-tokens",
+        "512",
+        "--device-blocks",
+        "2",
+    ]);
+    push(&s, &prompt_kv("g", &p)).await.unwrap();
+    let (ids, fin) = generate(&s, gen_req("g", 10)).await.unwrap();
+    assert_eq!(ids, want, "scout with accepted predictions equals full");
+    assert!(fin.stats.unwrap().cpu_attention_ratio > 0.5);
 
     // Real sparse attention: small budget, layer-ahead prediction, recall.
     let s = Served::start(&[
