@@ -106,8 +106,8 @@ pub(crate) struct BatchAttention<'a> {
     pub(crate) shape: Shape,
     pub(crate) cpu_pool: &'a rayon::ThreadPool,
     pub(crate) slots: Vec<SeqSlot<'a>>,
-    /// Per sequence, the CPU parts started ahead: at most two, since layer `i + 1`'s is started
-    /// before layer `i` (whose own was started during layer `i - 1`) attends.
+    /// Per sequence, the layers planned ahead, found by layer when they attend: layer
+    /// `i + 1`'s is planned during layer `i`, after layer `i`'s own was taken.
     ahead: Vec<Vec<Ahead>>,
     /// The layer and batch's predicted query handed over last, planned once the current
     /// layer's parts are under way.
