@@ -54,44 +54,30 @@ async fn scout_with_a_whole_budget_and_cpu_part_equals_full_and_sparse_uses_the_
     let p = prompt(120, 3);
     let want = reference_greedy(&p, 10);
     // Budget covers the context; only 2 blocks per head fit the device: the CPU does the rest.
-    let s = Served::start(&[
-        "--attention",
-        "scout",
-        "--exact",
-        "--block-size",
-        "8",
-        "--budget-tokens",
-        "512",
-        "--device-blocks",
-        "2",
-    ]);
-    push(&s, &prompt_kv("e", &p)).await.unwrap();
-    let (ids, fin) = generate(&s, gen_req("e", 10)).await.unwrap();
-    assert_eq!(ids, want, "exact scout equals full");
-    let st = fin.stats.unwrap();
-    assert!(
-        st.cpu_attention_ratio > 0.5,
-        "most selected tokens ran on the CPU: {st:?}"
-    );
-
-    // Without --exact and with every prediction accepted, the prediction only chooses the
-    // blocks (all of them here) and the real query attends them: still full. (Attending them
-    // with the predicted query, `--guard-predicted-cpu`, gives other tokens here.)
-    let s = Served::start(&[
-        "--attention",
-        "scout",
-        "--guard-min-cosine=-1",
-        "--block-size",
-        "8",
-        "--budget-tokens",
-        "512",
-        "--device-blocks",
-        "2",
-    ]);
-    push(&s, &prompt_kv("g", &p)).await.unwrap();
-    let (ids, fin) = generate(&s, gen_req("g", 10)).await.unwrap();
-    assert_eq!(ids, want, "scout with accepted predictions equals full");
-    assert!(fin.stats.unwrap().cpu_attention_ratio > 0.5);
+    // With --exact; and without it but with every prediction accepted, where the prediction
+    // only chooses the blocks (all of them here) and the real query attends them. (Attending
+    // them with the predicted query, `--guard-predicted-cpu`, gives other tokens here.)
+    for (id, how) in [("e", "--exact"), ("g", "--guard-min-cosine=-1")] {
+        let s = Served::start(&[
+            "--attention",
+            "scout",
+            how,
+            "--block-size",
+            "8",
+            "--budget-tokens",
+            "512",
+            "--device-blocks",
+            "2",
+        ]);
+        push(&s, &prompt_kv(id, &p)).await.unwrap();
+        let (ids, fin) = generate(&s, gen_req(id, 10)).await.unwrap();
+        assert_eq!(ids, want, "scout {how} equals full");
+        let st = fin.stats.unwrap();
+        assert!(
+            st.cpu_attention_ratio > 0.5,
+            "most selected tokens ran on the CPU: {st:?}"
+        );
+    }
 
     // Real sparse attention: small budget, layer-ahead prediction, recall.
     let s = Served::start(&[
