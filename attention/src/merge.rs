@@ -66,6 +66,25 @@ impl Partial {
         }
     }
 
+    /// Attention of each query head of a group (`q_group`, `[G][head_dim]`) over one key: the
+    /// token being decoded attends to itself, and this partial merges like any other.
+    pub fn of_one_key(q_group: &[f32], k: &[f32], v: &[f32], scale: f32) -> Self {
+        let d = k.len();
+        let g = q_group.len() / d.max(1);
+        let mut p = Self::empty(g, d);
+        for h in 0..g {
+            let s: f32 = q_group[h * d..(h + 1) * d]
+                .iter()
+                .zip(k)
+                .map(|(a, b)| a * b)
+                .sum::<f32>()
+                * scale;
+            p.out[h * d..(h + 1) * d].copy_from_slice(v);
+            p.lse2[h] = s * std::f32::consts::LOG2_E;
+        }
+        p
+    }
+
     /// Output of head `h`.
     pub fn head(&self, h: usize) -> &[f32] {
         &self.out[h * self.head_dim..(h + 1) * self.head_dim]

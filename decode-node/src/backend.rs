@@ -10,8 +10,10 @@ mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub(crate) mod gemm;
+pub mod resident;
 
 pub use cpu::CpuBackend;
+pub use resident::{ResidentKv, ResidentLayer, ResidentSeq};
 
 use std::sync::Arc;
 
@@ -91,6 +93,31 @@ pub trait Residual {
         picks: &[Option<PickSpec>],
     ) -> Result<Vec<RowOut>, BackendError> {
         logits_rows(self, head, picks.len())
+    }
+
+    /// True when [`Residual::attend_resident`] runs a layer without the host.
+    fn attends_resident(&self) -> bool {
+        false
+    }
+
+    /// The whole of layer `l` for the batch, its attention over each sequence's device blocks
+    /// (one [`ResidentSeq`] per row) plus the token's own key, with nothing brought back: see
+    /// [`resident`]. The layer's K and V rows wait for [`Residual::resident_kv`].
+    fn attend_resident(
+        &mut self,
+        l: &ResidentLayer<'_>,
+        _seqs: &mut [ResidentSeq<'_>],
+    ) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported(format!(
+            "layer {} attended where the residual is, on a residual that does not",
+            l.layer
+        )))
+    }
+
+    /// After the LM head: the K and V rows of every layer [`Residual::attend_resident`] ran
+    /// this step, in layer order.
+    fn resident_kv(&mut self) -> Result<Vec<ResidentKv>, BackendError> {
+        Ok(Vec::new())
     }
 }
 
@@ -205,7 +232,11 @@ pub trait DeviceKv: Send + Sync + std::fmt::Debug {
 /// sequence's residency table (`attention::SeqAttention`) names the slot of every block it
 /// hands over, and the device keeps each slot holding that block, copying it in when the
 /// slot's block changed or the block has grown since it was copied.
-pub trait DeviceSeq: Send + std::fmt::Debug {
+pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
+    /// This value, for the backend that made it to reach its own type
+    /// ([`Residual::attend_resident`] drives the sequence's device state directly).
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+
     /// Queues the device part of `layer`: for each KV head `h`, attention over `blocks[h]` of
     /// `kv` with the query group `q[h]` (`q` is `[num_kv_heads][G][head_dim]`). Nothing
     /// waits: a step queues every sequence's part before it collects the first, so the device
@@ -343,6 +374,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// From now on [`Backend::residual`] keeps the residual on the host (a check found the
     /// device path wrong).
     fn keep_residual_on_host(&self) {}
+
+    /// True when the residual's [`Residual::attend_resident`] runs layers whose blocks are all
+    /// on the device: the engine then checks it once against the host path at start.
+    fn attention_on_device(&self) -> bool {
+        false
+    }
+
+    /// From now on no residual attends resident (a check found that path wrong).
+    fn keep_attention_on_host(&self) {}
 
     /// Seconds so far the device sat with nothing queued while the host worked (a lower
     /// bound: gaps between queued launches are not counted); `None` for the CPU backend.

@@ -12,3 +12,5 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$cxx" -std=c++17 -O2 -w -o "$out/sample_rows" sample_rows.cpp
 "$out/sample_rows"
+"$cxx" -std=c++17 -O2 -w -o "$out/resident" resident.cpp
+"$out/resident"

@@ -100,6 +100,9 @@ __device__ __forceinline__ void store_kv(unsigned char* p, long long i, int dtyp
     else ((u16*)p)[i] = dtype == 1 ? f32_to_f16(v) : f32_to_bf16(v);
 }
 
+// Largest head_dim of the per-head kernels (the attention kernel's MAX_D).
+#define MAX_HEAD 128
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -216,6 +219,114 @@ extern "C" __global__ void kv_append(unsigned char* head_block, const float* k, 
     store_kv(head_block + (long long)block_size * head_dim * es, (long long)slot * head_dim + c, dtype, v[c]);
     dmin[c] = fminf(dmin[c], k[c]);
     dmax[c] = fmaxf(dmax[c], k[c]);
+}
+
+// Sum of every thread's `v` over the CUDA block, in `red` (blockDim.x floats, a power of two);
+// every thread gets it. A tree in shared memory, so one thread per block (the host harness)
+// computes the same.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+        __syncthreads();
+    }
+    float s = red[0];
+    __syncthreads();
+    return s;
+}
+
+// A resident layer's q, k and v rows after their projections, in place (#21 item 1): bias,
+// then for q and k the per-head RMSNorm (where `qn`/`kn` is given, Qwen3) and rotate-half RoPE
+// from the host's table cos_sin [row][head_dim / 2][cos, sin]; k and v are also copied to
+// keep_k / keep_v [row][hk][head_dim] for the host pool. CUDA block (head, row) with heads
+// 0..hq of q, then hk of k, then hk of v; blockDim.x a power of two <= 128. The same
+// arithmetic as the model's host path (bias add, `rms_norm`, `Rotations::rotate`).
+extern "C" __global__ void qkv_finish(float* q, float* k, float* v, int q_stride, int k_stride, int v_stride,
+                                      const float* bq, const float* bk, const float* bv, const float* qn,
+                                      const float* kn, const float* cos_sin, int hq, int hk, int head_dim,
+                                      float eps, float* keep_k, float* keep_v) {
+    __shared__ float xs[MAX_HEAD];
+    __shared__ float red[128];
+    const int head = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+    float* x;
+    const float* bias;
+    const float* norm = 0;
+    float* keep = 0;
+    bool rotate = true;
+    if (head < hq) {
+        x = q + (long long)row * q_stride + (long long)head * head_dim;
+        bias = bq ? bq + (long long)head * head_dim : 0;
+        norm = qn;
+    } else if (head < hq + hk) {
+        const int h = head - hq;
+        x = k + (long long)row * k_stride + (long long)h * head_dim;
+        bias = bk ? bk + (long long)h * head_dim : 0;
+        norm = kn;
+        keep = keep_k + ((long long)row * hk + h) * head_dim;
+    } else {
+        const int h = head - hq - hk;
+        x = v + (long long)row * v_stride + (long long)h * head_dim;
+        bias = bv ? bv + (long long)h * head_dim : 0;
+        keep = keep_v + ((long long)row * hk + h) * head_dim;
+        rotate = false;
+    }
+    for (int c = tid; c < head_dim; c += blockDim.x) xs[c] = bias ? x[c] + bias[c] : x[c];
+    __syncthreads();
+    if (norm) {
+        float s = 0.f;
+        for (int c = tid; c < head_dim; c += blockDim.x) s += xs[c] * xs[c];
+        const float inv = rsqrtf(block_sum(s, red) / head_dim + eps);
+        for (int c = tid; c < head_dim; c += blockDim.x) xs[c] = norm[c] * (xs[c] * inv);
+        __syncthreads();
+    }
+    if (rotate) {
+        const int half = head_dim / 2;
+        const float* cs = cos_sin + (long long)row * half * 2;
+        for (int i = tid; i < half; i += blockDim.x) {
+            const float c = cs[2 * i], sn = cs[2 * i + 1];
+            const float a = xs[i], b = xs[i + half];
+            x[i] = a * c - b * sn;
+            x[i + half] = b * c + a * sn;
+        }
+        __syncthreads();
+        for (int c = tid; c < head_dim; c += blockDim.x) xs[c] = x[c];
+    } else {
+        for (int c = tid; c < head_dim; c += blockDim.x) x[c] = xs[c];
+    }
+    if (keep)
+        for (int c = tid; c < head_dim; c += blockDim.x) keep[c] = xs[c];
+}
+
+// Merges the decoded token's own key into a resident layer's attention, in place: for query
+// head (h, g) of one sequence, out [hk][group][head_dim] / lse2 [hk][group] (from
+// `combine_splits`; ignored where `empty`: the sequence had no block) take in the partial of
+// the one key k[h] with value v[h]; `Partial::of_one_key` and `Partial::merge_from` are the
+// definition. One CUDA block per query head; blockDim.x a power of two <= 128.
+extern "C" __global__ void merge_self(float* out, float* lse2, const float* q, const float* k, const float* v,
+                                      int group, int head_dim, float scale, int empty) {
+    __shared__ float red[128];
+    const int hg = blockIdx.x, h = hg / group, tid = threadIdx.x;
+    const float* qr = q + (long long)hg * head_dim;
+    const float* kr = k + (long long)h * head_dim;
+    const float* vr = v + (long long)h * head_dim;
+    float* o = out + (long long)hg * head_dim;
+    float s = 0.f;
+    for (int c = tid; c < head_dim; c += blockDim.x) s += qr[c] * kr[c];
+    const float lb = block_sum(s, red) * scale * 1.4426950408889634f;
+    const float la = empty ? NEG_INF : lse2[hg];
+    float wa = 0.f, wb = 1.f, l = lb;
+    if (la != NEG_INF) {
+        const float m = fmaxf(la, lb);
+        const float ea = exp2f(la - m), eb = exp2f(lb - m);
+        const float total = ea + eb;
+        wa = ea / total;
+        wb = eb / total;
+        l = m + log2f(total);
+    }
+    for (int c = tid; c < head_dim; c += blockDim.x) o[c] = la != NEG_INF ? o[c] * wa + vr[c] * wb : vr[c];
+    __syncthreads();
+    if (tid == 0) lse2[hg] = l;
 }
 
 // f32 activations to the weights' half type for the cuBLAS projections (1 = f16, 2 = bf16).

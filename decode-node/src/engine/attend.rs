@@ -15,7 +15,7 @@ use attention::{
 use kv_transfer::CommittedKv;
 use rayon::prelude::*;
 
-use crate::backend::DeviceSeq;
+use crate::backend::{DeviceSeq, ResidentSeq};
 use crate::model::{DecodeAttention, ModelError};
 
 /// Steps between measurements of the layer-ahead prediction (hit ratio, query cosine).
@@ -406,6 +406,51 @@ impl DecodeAttention for BatchAttention<'_> {
         self.deferred = Some((layer, q_pred.to_vec()));
     }
 
+    fn resident(&mut self, layer: usize) -> Result<Option<Vec<ResidentSeq<'_>>>, ModelError> {
+        // Only `full` attends every block on the device with no CPU part and no selection.
+        if self.cfg.mode != Mode::Full || self.slots.iter().any(|s| s.dev.is_none()) {
+            return Ok(None);
+        }
+        let t = Instant::now();
+        let hk = self.shape.num_kv_heads;
+        let mut lists = Vec::with_capacity(self.slots.len());
+        for b in 0..self.slots.len() {
+            let keys = self.block_keys(b);
+            let seq = &mut *self.slots[b].seq;
+            // `full` plans read no query.
+            let plans = seq.plan_layer(self.cfg, layer, &[], keys);
+            let blocks = (0..hk)
+                .map(|h| seq.device_blocks(layer, h, &plans[h].device))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| ModelError::Attention(e.to_string()))?;
+            seq.finish_layer(self.cfg, layer, &plans);
+            lists.push(blocks);
+        }
+        let seqs = self
+            .slots
+            .iter_mut()
+            .zip(lists)
+            .filter_map(|(slot, blocks)| {
+                let dev = slot.dev.as_deref_mut()?;
+                Some(ResidentSeq {
+                    kv: slot.kv.as_ref(),
+                    dev: dev.as_mut(),
+                    blocks,
+                })
+            })
+            .collect();
+        self.timing.plan += t.elapsed().as_secs_f64();
+        Ok(Some(seqs))
+    }
+
+    fn resident_kv(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        let kvw = self.shape.num_kv_heads * self.shape.head_dim;
+        for (b, slot) in self.slots.iter_mut().enumerate() {
+            slot.new_k[layer].copy_from_slice(&k[b * kvw..(b + 1) * kvw]);
+            slot.new_v[layer].copy_from_slice(&v[b * kvw..(b + 1) * kvw]);
+        }
+    }
+
     fn attend(
         &mut self,
         layer: usize,
@@ -481,7 +526,7 @@ impl DecodeAttention for BatchAttention<'_> {
             };
             // Plus the new token itself.
             for (h, part) in parts.iter_mut().enumerate() {
-                part.merge_from(&self_partial(
+                part.merge_from(&Partial::of_one_key(
                     &qb[h * group * head_dim..(h + 1) * group * head_dim],
                     &kb[h * head_dim..(h + 1) * head_dim],
                     &vb[h * head_dim..(h + 1) * head_dim],
@@ -518,25 +563,6 @@ impl DecodeAttention for BatchAttention<'_> {
         }
         Ok(())
     }
-}
-
-/// Attention of each query head of a group over one key: the token being decoded attends
-/// to itself; this partial is merged like any other.
-fn self_partial(q_group: &[f32], k: &[f32], v: &[f32], scale: f32) -> Partial {
-    let d = k.len();
-    let g = q_group.len() / d;
-    let mut p = Partial::empty(g, d);
-    for h in 0..g {
-        let s: f32 = q_group[h * d..(h + 1) * d]
-            .iter()
-            .zip(k)
-            .map(|(a, b)| a * b)
-            .sum::<f32>()
-            * scale;
-        p.out[h * d..(h + 1) * d].copy_from_slice(v);
-        p.lse2[h] = s * std::f32::consts::LOG2_E;
-    }
-    p
 }
 
 #[cfg(test)]

@@ -105,6 +105,7 @@ impl Engine {
             metrics
                 .device_kv_copies_staged
                 .set(i64::from(!d.host_pool_pinned()));
+            check_resident(&model.model, d, pool.geometry());
         }
         let mut lp = StepLoop {
             model,
@@ -133,6 +134,39 @@ impl Engine {
     /// Current load.
     pub fn load(&self) -> LoadSnapshot {
         *self.load.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Largest distance, relative to the largest logit, between a decode step whose layers run
+/// resident on the device and the host path's (the device residual's own tolerance).
+const RESIDENT_TOLERANCE: f64 = crate::model::llama::RESIDUAL_TOLERANCE;
+
+/// A backend whose layers attend where the residual is must give the host path's logits:
+/// checked once at start on a short sequence in `dev`; where they differ, layers attend
+/// through the host from then on.
+fn check_resident(
+    model: &crate::model::Model,
+    dev: &Arc<dyn crate::backend::DeviceKv>,
+    geom: &attention::BlockGeometry,
+) {
+    if !model.backend().attention_on_device() {
+        return;
+    }
+    match crate::backend::resident::resident_diff(model, dev, geom) {
+        Ok((diff, None)) if diff <= RESIDENT_TOLERANCE => {
+            tracing::info!(
+                diff,
+                "layers attended on the device give the host path's logits"
+            )
+        }
+        Ok((diff, err)) => {
+            tracing::error!(diff, error = ?err, "layers attended on the device do not give the host path's logits; attending through the host");
+            model.backend().keep_attention_on_host();
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "the check of layers attended on the device failed; attending through the host");
+            model.backend().keep_attention_on_host();
+        }
     }
 }
 

@@ -625,6 +625,10 @@ impl crate::backend::DeviceKv for HostDeviceKv {
 }
 
 impl crate::backend::DeviceSeq for HostDeviceSeq {
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+
     fn submit(
         &mut self,
         kv: &dyn attention::KvSource,
@@ -682,6 +686,11 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
 struct TestDevice {
     picks: bool,
     kv: bool,
+    /// Layers attend resident ([`ResidentResidual`]) until the start check turns it off.
+    resident: std::sync::atomic::AtomicBool,
+    /// The resident path attends with twice the softmax scale: wrong, for the start check.
+    wrong_resident: bool,
+    resident_layers: Arc<std::sync::atomic::AtomicUsize>,
     picked: Arc<std::sync::atomic::AtomicUsize>,
     collected: Arc<std::sync::atomic::AtomicUsize>,
     idle_reads: std::sync::atomic::AtomicU64,
@@ -713,11 +722,28 @@ impl crate::backend::Backend for TestDevice {
         x: Vec<f32>,
         batch: usize,
     ) -> Result<Box<dyn crate::backend::Residual + 'a>, crate::backend::BackendError> {
-        Ok(Box::new(crate::model::pick::PickingResidual {
+        let picking = crate::model::pick::PickingResidual {
             inner: crate::backend::HostResidual::new(self, x, batch),
             shift: self.picks.then_some(0),
             picked: self.picked.clone(),
+        };
+        if !self.attention_on_device() {
+            return Ok(Box::new(picking));
+        }
+        Ok(Box::new(ResidentResidual {
+            inner: picking,
+            dev: self,
+            kv: Vec::new(),
         }))
+    }
+
+    fn attention_on_device(&self) -> bool {
+        self.resident.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn keep_attention_on_host(&self) {
+        self.resident
+            .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn picks_on_device(&self) -> bool {
@@ -743,6 +769,113 @@ impl crate::backend::Backend for TestDevice {
                 collected: self.collected.clone(),
             }) as Arc<dyn crate::backend::DeviceKv>
         }))
+    }
+}
+
+/// A residual that attends resident layers through the host calls
+/// ([`crate::backend::resident::attend_on_host`]), counting them.
+struct ResidentResidual<'a, R> {
+    inner: R,
+    dev: &'a TestDevice,
+    kv: Vec<crate::backend::ResidentKv>,
+}
+
+impl<R: crate::backend::Residual> crate::backend::Residual for ResidentResidual<'_, R> {
+    fn norm_project(
+        &mut self,
+        groups: &mut [crate::backend::NormProject<'_, '_>],
+    ) -> Result<(), crate::backend::BackendError> {
+        self.inner.norm_project(groups)
+    }
+
+    fn finish_layer(
+        &mut self,
+        attn: &[f32],
+        w: crate::backend::LayerOut<'_>,
+    ) -> Result<(), crate::backend::BackendError> {
+        self.inner.finish_layer(attn, w)
+    }
+
+    fn lm_head(
+        &mut self,
+        head: crate::backend::LmHead<'_>,
+        picks: &[Option<crate::model::pick::PickSpec>],
+    ) -> Result<Vec<crate::model::pick::RowOut>, crate::backend::BackendError> {
+        self.inner.lm_head(head, picks)
+    }
+
+    fn attends_resident(&self) -> bool {
+        true
+    }
+
+    fn attend_resident(
+        &mut self,
+        l: &crate::backend::ResidentLayer<'_>,
+        seqs: &mut [crate::backend::ResidentSeq<'_>],
+    ) -> Result<(), crate::backend::BackendError> {
+        let l = crate::backend::ResidentLayer {
+            scale: if self.dev.wrong_resident {
+                2.0 * l.scale
+            } else {
+                l.scale
+            },
+            ..*l
+        };
+        let kv =
+            crate::backend::resident::host::attend_on_host(&mut self.inner, self.dev, &l, seqs)?;
+        self.kv.push(kv);
+        self.dev
+            .resident_layers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn resident_kv(
+        &mut self,
+    ) -> Result<Vec<crate::backend::ResidentKv>, crate::backend::BackendError> {
+        Ok(std::mem::take(&mut self.kv))
+    }
+}
+
+/// Layers attended where the residual is (`full`, every block on the device) give the greedy
+/// tokens of full prefills, the K and V rows they hand back grow the host pool rightly (later
+/// steps attend them), and scout's layers never go that way. A resident path that is wrong
+/// is caught by the start check, and the layers then attend through the host.
+#[test]
+fn layers_attended_where_the_residual_is_equal_the_host_path() {
+    for (mode, wrong) in [("full", false), ("scout", false), ("full", true)] {
+        let dev = Arc::new(TestDevice {
+            kv: true,
+            resident: true.into(),
+            wrong_resident: wrong,
+            ..TestDevice::default()
+        });
+        let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
+        let rig = Rig::start_with(3, 1 << 30, Some(model), &["--attention", mode]);
+        let at_start = dev
+            .resident_layers
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 7 + 40)).collect();
+        let mut streams: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| rig.submit(&format!("r{i}"), p, 6))
+            .collect();
+        for (p, rx) in prompts.iter().zip(&mut streams) {
+            let (ids, _) = drain(rx);
+            assert_eq!(ids, rig.reference(p, 6), "{mode} wrong={wrong}");
+        }
+        let ran = dev
+            .resident_layers
+            .load(std::sync::atomic::Ordering::Relaxed)
+            - at_start;
+        let on = crate::backend::Backend::attention_on_device(&*dev);
+        match (mode, wrong) {
+            ("full", false) => assert!(on && ran >= 10, "resident layers ran: {ran}"),
+            ("scout", _) => assert!(on && ran == 0, "scout ran {ran} resident layers"),
+            _ => assert!(!on && ran == 0, "the check turned it off: {on} {ran}"),
+        }
+        rig.wait_pool_empty();
     }
 }
 

@@ -13,8 +13,8 @@ use super::rope::{self, Rotations};
 use super::weights::{Tensor, WeightMap};
 use crate::backend::gemm::{Mat, MatMut, gemm};
 use crate::backend::{
-    Backend, BackendError, HostResidual, LayerOut, LinearOut, LmHead, NormProject, Residual,
-    rel_diff,
+    Backend, BackendError, HostResidual, LayerOut, LinearOut, LmHead, NormProject, ResidentLayer,
+    ResidentSeq, Residual, rel_diff,
 };
 
 /// A projection: weight `[out][in]` and optional bias.
@@ -51,6 +51,16 @@ pub trait DecodeAttention: Send {
     /// Called at the start of layer `layer - 1` with layer `layer`'s predicted query
     /// (`[batch][num_heads * head_dim]`, after q-norm and RoPE).
     fn predicted(&mut self, _layer: usize, _q_pred: &[f32]) {}
+    /// Where every sequence attends all of `layer` on the device and nothing on the CPU: one
+    /// [`ResidentSeq`] per row, for a residual that runs the layer there
+    /// ([`crate::backend::Residual::attend_resident`]); the layer's bookkeeping is then done.
+    /// `None`: the layer goes through [`DecodeAttention::attend`].
+    fn resident(&mut self, _layer: usize) -> Result<Option<Vec<ResidentSeq<'_>>>, ModelError> {
+        Ok(None)
+    }
+    /// After the step: the K and V rows (`[batch][num_kv_heads*head_dim]`) of a layer that ran
+    /// resident.
+    fn resident_kv(&mut self, _layer: usize, _k: &[f32], _v: &[f32]) {}
     /// Attention of layer `layer` for the batch: `q` is `[batch][num_heads*head_dim]`,
     /// `k`/`v` the new token's `[batch][num_kv_heads*head_dim]`; writes `out` like `q`.
     fn attend(
@@ -239,14 +249,7 @@ impl Model {
 
     /// Per-head norm (Qwen3) and RoPE by `rot`, in place, of q or k rows.
     fn norm_rope(&self, y: &mut [f32], head_norm: Option<&[f32]>, rot: &Rotations) {
-        let width = y.len() / rot.positions().max(1);
-        if let Some(w) = head_norm {
-            let tmp = y.to_vec();
-            self.backend.rms_norm(&tmp, w, self.eps(), y);
-        }
-        for (i, row) in y.chunks_exact_mut(width).enumerate() {
-            rot.rotate(i, row);
-        }
+        crate::backend::resident::norm_rope(&*self.backend, y, head_norm, self.eps(), rot);
     }
 
     /// q, k (normed, RoPE'd) and v of normed rows `xn`, in one backend call.
@@ -444,7 +447,31 @@ impl Model {
         let cfg = &self.cfg;
         let rot = Rotations::new(&self.inv_freq, positions);
         let lin = |l: &'a Linear| (&l.w, l.b.as_deref());
+        let resident = r.attends_resident();
         for (i, layer) in self.layers.iter().enumerate() {
+            if resident
+                && !attn.wants_prediction(i + 1)
+                && let Some(mut seqs) = attn.resident(i)?
+            {
+                let l = ResidentLayer {
+                    layer: i,
+                    norm: &layer.input_norm,
+                    eps: self.eps(),
+                    q: lin(&layer.q),
+                    k: lin(&layer.k),
+                    v: lin(&layer.v),
+                    q_norm: layer.q_norm.as_deref(),
+                    k_norm: layer.k_norm.as_deref(),
+                    rot: &rot,
+                    num_heads: cfg.num_heads,
+                    num_kv_heads: cfg.num_kv_heads,
+                    head_dim: cfg.head_dim,
+                    scale: self.attn_scale(),
+                    out: self.layer_out(layer),
+                };
+                r.attend_resident(&l, &mut seqs)?;
+                continue;
+            }
             // Layer-ahead: layer i+1's query from layer i's input (residuals change it little),
             // projected in the same call as this layer's q, k and v.
             let next = self
@@ -490,14 +517,18 @@ impl Model {
             attn.attend(i, &q, &k, &v, &mut out)?;
             r.finish_layer(&out, self.layer_out(layer))?;
         }
-        Ok(r.lm_head(
+        let rows = r.lm_head(
             LmHead {
                 norm: &self.norm,
                 eps: self.eps(),
                 w: self.lm_head.as_ref().unwrap_or(&self.embed),
             },
             picks,
-        )?)
+        )?;
+        for kv in r.resident_kv()? {
+            attn.resident_kv(kv.layer, &kv.k, &kv.v);
+        }
+        Ok(rows)
     }
 
     /// The weights of `layer`'s second half.
