@@ -395,6 +395,9 @@ fn kernel_checks(device: &str) -> anyhow::Result<usize> {
         ordinal,
     ));
     checks.push(crate::backend::cuda::selftest::check_device_picks(ordinal));
+    checks.push(crate::backend::cuda::selftest::check_resident_layers(
+        ordinal,
+    ));
     for c in checks {
         let verdict = if c.passed() { "PASS" } else { "FAIL" };
         match &c.error {

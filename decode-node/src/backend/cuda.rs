@@ -89,6 +89,9 @@ pub struct CudaBackend {
     residual_on_device: std::sync::atomic::AtomicBool,
     /// The device residual's LM head picks tokens on the device (until a check says no).
     picks_on_device: std::sync::atomic::AtomicBool,
+    /// The device residual runs `full` layers' attention on the device (until a check says
+    /// no; `DECODE_NODE_RESIDENT_LAYERS=0` starts with it off).
+    attention_on_device: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -134,6 +137,8 @@ impl CudaBackend {
             gather_copy: f("gather_copy")?,
             copy_tokens: f("copy_tokens")?,
             sample_rows: f("sample_rows")?,
+            qkv_finish: f("qkv_finish")?,
+            merge_self: f("merge_self")?,
         };
         let blas_state = Blas::new(&stream)?;
         Ok(Self {
@@ -149,6 +154,9 @@ impl CudaBackend {
             fused: layer::FusedCheck::default(),
             residual_on_device: std::sync::atomic::AtomicBool::new(true),
             picks_on_device: std::sync::atomic::AtomicBool::new(true),
+            attention_on_device: std::sync::atomic::AtomicBool::new(
+                std::env::var("DECODE_NODE_RESIDENT_LAYERS").map_or(true, |v| v != "0"),
+            ),
         })
     }
 
@@ -342,6 +350,18 @@ impl Backend for CudaBackend {
 
     fn keep_picks_on_host(&self) {
         self.picks_on_device
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+
+    fn attention_on_device(&self) -> bool {
+        self.residual_on_device()
+            && self
+                .attention_on_device
+                .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn keep_attention_on_host(&self) {
+        self.attention_on_device
             .store(false, std::sync::atomic::Ordering::Release);
     }
 

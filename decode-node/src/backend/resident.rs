@@ -22,6 +22,8 @@ use crate::tensor::Tensor;
 #[derive(Debug, Clone, Copy)]
 pub struct ResidentLayer<'a> {
     pub layer: usize,
+    /// Layers of the model (a device sizes the step's K/V rows by it).
+    pub num_layers: usize,
     /// RMSNorm weight before attention, `[hidden]`, and the model's epsilon.
     pub norm: &'a [f32],
     pub eps: f32,

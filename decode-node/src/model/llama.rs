@@ -455,6 +455,7 @@ impl Model {
             {
                 let l = ResidentLayer {
                     layer: i,
+                    num_layers: self.layers.len(),
                     norm: &layer.input_norm,
                     eps: self.eps(),
                     q: lin(&layer.q),

@@ -67,6 +67,11 @@ impl Rotations {
         self.cos_sin.len() / self.half.max(1)
     }
 
+    /// `[position][head_dim / 2]` of (cos, sin): what a device rotates by.
+    pub fn table(&self) -> &[(f32, f32)] {
+        &self.cos_sin
+    }
+
     /// Rotates every `head_dim`-sized head of `x` (one token) to the `i`-th position.
     pub fn rotate(&self, i: usize, x: &mut [f32]) {
         let half = self.half;

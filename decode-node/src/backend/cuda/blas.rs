@@ -26,6 +26,10 @@ pub(crate) struct Blas {
     /// A decode step's residual, and the scratch of the ops on it (`layer::CudaResidual`).
     pub(crate) res: DevBuf,
     pub(crate) work: DevBuf,
+    /// A resident layer's biases, head norms, rotations, attention output and lse2
+    /// (`layer::CudaResidual::attend_resident`), and the step's K and V rows of every layer.
+    pub(crate) resident: DevBuf,
+    pub(crate) kv_keep: DevBuf,
     /// Host side of `x` and `y`.
     pub(crate) staging: Pinned,
     /// Device picks' spec and results, and their host side (`pick::sample_rows`).
@@ -59,6 +63,8 @@ impl Blas {
             y: DevBuf::default(),
             res: DevBuf::default(),
             work: DevBuf::default(),
+            resident: DevBuf::default(),
+            kv_keep: DevBuf::default(),
             staging: Pinned::empty(),
             pick: DevBuf::default(),
             pick_staging: Pinned::empty(),

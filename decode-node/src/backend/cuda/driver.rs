@@ -103,6 +103,8 @@ pub(crate) struct Kernels {
     pub(crate) gather_copy: CudaFunction,
     pub(crate) copy_tokens: CudaFunction,
     pub(crate) sample_rows: CudaFunction,
+    pub(crate) qkv_finish: CudaFunction,
+    pub(crate) merge_self: CudaFunction,
 }
 
 /// What the backend and its KV store share.

@@ -18,16 +18,21 @@
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use attention::KvDType;
+use attention::{DeviceBlock, KvDType};
 
 use cudarc::driver::{result as drv, sys};
 
 use super::blas::{Blas, weight_ptr};
 use super::driver::{Shared, dev_err, dtype_code, f32_bytes, htod};
+use super::store::{CudaSeq, ResidentRows};
 use super::{BackendError, CudaBackend};
 pub(super) use crate::backend::rel_diff;
-use crate::backend::{LayerOut, LinearOut, LmHead, NormProject, Residual, logits_rows};
+use crate::backend::{
+    LayerOut, LinearOut, LmHead, NormProject, ResidentKv, ResidentLayer, ResidentSeq, Residual,
+    logits_rows,
+};
 use crate::model::pick::{PickSpec, RowOut};
+use crate::tensor::Tensor;
 
 /// Largest relative difference (to the largest magnitude of the op-by-op result) the fused
 /// path may show: both round the same activations to the weights' type, but the norm runs on
@@ -339,6 +344,33 @@ fn upload_layer(
     })
 }
 
+/// How a call's small uploads leave the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Staging {
+    /// Through the pinned staging: true DMA, but the host must not rewrite the staging until
+    /// the copy ran (the residual's fence), which a layer that never waits cannot promise.
+    Pinned,
+    /// From pageable memory: the driver copies it aside before the call returns.
+    Pageable,
+}
+
+/// Where each projection of one `queue_norm_project` group laid out in `runs` sits in its
+/// output (`n` rows): offset of its first row and row stride, in floats.
+pub(super) fn projection_rows(n: usize, runs: &[Run]) -> Vec<(usize, usize)> {
+    let mut rows = Vec::new();
+    let mut base = 0;
+    for run in runs {
+        let width: usize = run.rows.iter().sum();
+        let mut col = 0;
+        for r in &run.rows {
+            rows.push((base + col, width));
+            col += r;
+        }
+        base += n * width;
+    }
+    rows
+}
+
 impl CudaBackend {
     /// [`crate::backend::Backend::finish_layer`] in one round trip (see the module).
     pub(super) fn finish_layer_fused(
@@ -395,6 +427,9 @@ impl CudaBackend {
             n: batch,
             hidden: x.len() / batch,
             fence: None,
+            resident: Vec::new(),
+            keep_layers: 0,
+            keep_width: 0,
         };
         r.fence()?;
         Ok(r)
@@ -416,6 +451,11 @@ pub(super) struct CudaResidual<'a> {
     /// Marks the end of the last upload from the pinned staging, which the host must not
     /// rewrite before then.
     fence: Option<sys::CUevent>,
+    /// Layers run resident this step; their K and V rows wait in `Blas::kv_keep`, sized for
+    /// `keep_layers` layers of rows `keep_width` wide.
+    resident: Vec<usize>,
+    keep_layers: usize,
+    keep_width: usize,
 }
 
 impl CudaResidual<'_> {
@@ -473,6 +513,15 @@ impl CudaResidual<'_> {
         &mut self,
         groups: &[NormProject<'_, '_>],
     ) -> Result<(u64, Vec<Run>, usize), BackendError> {
+        self.queue_norm_project_via(groups, Staging::Pinned)
+    }
+
+    /// [`Self::queue_norm_project`], its norm weights uploaded through `via`.
+    fn queue_norm_project_via(
+        &mut self,
+        groups: &[NormProject<'_, '_>],
+        via: Staging,
+    ) -> Result<(u64, Vec<Run>, usize), BackendError> {
         let (n, hidden) = (self.n, self.hidden);
         for gr in groups {
             for o in gr.outs.iter() {
@@ -487,7 +536,9 @@ impl CudaResidual<'_> {
             }
         }
         let sh = &*self.b.shared;
-        self.wait_fence()?;
+        if via == Staging::Pinned {
+            self.wait_fence()?;
+        }
         sh.idle.busy();
         let g = &mut *self.g;
         let align = |v: usize| v.div_ceil(64) * 64;
@@ -505,11 +556,22 @@ impl CudaResidual<'_> {
         let base = g.work.ptr(&sh.stream, (y_at + total) * 4)?;
         let at = |floats: usize| base + (floats * 4) as u64;
         let half = g.xh.ptr(&sh.stream, n * hidden * 2)?;
-        let stage = g.staging.get(norms.max(total))?;
-        for (k, gr) in groups.iter().enumerate() {
-            stage[k * hidden..(k + 1) * hidden].copy_from_slice(gr.norm);
+        match via {
+            Staging::Pinned => {
+                let stage = g.staging.get(norms.max(total))?;
+                for (k, gr) in groups.iter().enumerate() {
+                    stage[k * hidden..(k + 1) * hidden].copy_from_slice(gr.norm);
+                }
+                htod(at(0), f32_bytes(&stage[..norms]), &sh.stream)?;
+            }
+            Staging::Pageable => {
+                let all: Vec<f32> = groups
+                    .iter()
+                    .flat_map(|gr| gr.norm.iter().copied())
+                    .collect();
+                htod(at(0), f32_bytes(&all), &sh.stream)?;
+            }
         }
-        htod(at(0), f32_bytes(&stage[..norms]), &sh.stream)?;
         let (xp, xnp, dim) = (self.x, at(xn_at), hidden as i32);
         let mut y = y_at;
         let mut runs = Vec::new();
@@ -558,6 +620,187 @@ impl CudaResidual<'_> {
         let back = &mut self.g.staging.get(floats)?[..floats];
         sh.read_back(back, src)?;
         Ok(back)
+    }
+}
+
+/// A resident layer's shapes, checked against its weights and the batch.
+fn resident_shape(
+    n: usize,
+    l: &ResidentLayer<'_>,
+    seqs: usize,
+) -> Result<(usize, usize, usize), BackendError> {
+    let (hq, hk, d) = (l.num_heads, l.num_kv_heads, l.head_dim);
+    let group = hq / hk.max(1);
+    let len_ok = |b: Option<&[f32]>, want: usize| b.is_none_or(|b| b.len() == want);
+    let ok = seqs == n
+        && hk > 0
+        && group * hk == hq
+        && d > 0
+        && d.is_multiple_of(2)
+        && d <= 128
+        && l.rot.positions() == n
+        && l.rot.table().len() == n * d / 2
+        && l.layer < l.num_layers
+        && l.q.0.rows() == hq * d
+        && l.k.0.rows() == hk * d
+        && l.v.0.rows() == hk * d
+        && len_ok(l.q.1, hq * d)
+        && len_ok(l.k.1, hk * d)
+        && len_ok(l.v.1, hk * d)
+        && len_ok(l.q_norm, d)
+        && len_ok(l.k_norm, d);
+    if ok {
+        Ok((hq, hk, d))
+    } else {
+        Err(BackendError::Unsupported(format!(
+            "resident layer {} of {}: {seqs} sequences for {n} rows, {hq} query and {hk} KV heads of {d}, q {}x{}, k {}x{}, v {}x{}, {} rotations",
+            l.layer,
+            l.num_layers,
+            l.q.0.rows(),
+            l.q.0.cols(),
+            l.k.0.rows(),
+            l.k.0.cols(),
+            l.v.0.rows(),
+            l.v.0.cols(),
+            l.rot.positions()
+        )))
+    }
+}
+
+impl CudaResidual<'_> {
+    /// [`Residual::attend_resident`]: everything queued on the main stream, nothing waits,
+    /// nothing goes through the pinned staging.
+    fn queue_resident_layer(
+        &mut self,
+        l: &ResidentLayer<'_>,
+        seqs: &mut [ResidentSeq<'_>],
+    ) -> Result<(), BackendError> {
+        let n = self.n;
+        let (hq, hk, d) = resident_shape(n, l, seqs.len())?;
+        let (qw, kw) = (hq * d, hk * d);
+        let shape = layer_shape(n, n * self.hidden, n * qw, &l.out)?;
+        let (hidden, attn_w, inter) = shape;
+        // Each sequence's device state must be this device's.
+        let mut cuda_seqs = Vec::with_capacity(seqs.len());
+        for s in seqs.iter_mut() {
+            let kv = s.kv;
+            let lists: Vec<&[DeviceBlock]> = s.blocks.iter().map(Vec::as_slice).collect();
+            match s.dev.as_any_mut().downcast_mut::<CudaSeq>() {
+                Some(c) if c.on(&self.b.shared) => cuda_seqs.push((kv, c, lists)),
+                _ => {
+                    return Err(BackendError::Unsupported(
+                        "a resident layer over device state of another device".into(),
+                    ));
+                }
+            }
+        }
+        // Biases are added by `qkv_finish`, with the rest of the rows' finishing.
+        fn lin<'a>((w, _): (&'a Tensor, Option<&'a [f32]>)) -> LinearOut<'a> {
+            LinearOut {
+                w,
+                bias: None,
+                y: &mut [],
+            }
+        }
+        let (y, runs, _) = self.queue_norm_project_via(
+            &[NormProject {
+                norm: l.norm,
+                eps: l.eps,
+                outs: &mut [lin(l.q), lin(l.k), lin(l.v)],
+            }],
+            Staging::Pageable,
+        )?;
+        let rows = projection_rows(n, &runs);
+        let [(q_at, qs), (k_at, ks), (v_at, vs)] = rows[..] else {
+            return Err(BackendError::Device(format!(
+                "{} projection rows for q, k and v",
+                rows.len()
+            )));
+        };
+        let sh = &*self.b.shared;
+        let g = &mut *self.g;
+        let at_y = |floats: usize| y + (floats * 4) as u64;
+        let (q, k, v) = (at_y(q_at), at_y(k_at), at_y(v_at));
+        // This layer's constants, one upload: biases, head norms, rotations; then the
+        // attention output and lse2 the kernels write.
+        let align = |v: usize| v.div_ceil(64) * 64;
+        let mut consts: Vec<f32> = Vec::new();
+        let mut put = |part: Option<&[f32]>| {
+            part.map(|p| {
+                let at = consts.len();
+                consts.extend_from_slice(p);
+                consts.resize(align(consts.len()), 0.0);
+                at
+            })
+        };
+        let (bq, bk, bv) = (put(l.q.1), put(l.k.1), put(l.v.1));
+        let (qn, kn) = (put(l.q_norm), put(l.k_norm));
+        let table: Vec<f32> = l.rot.table().iter().flat_map(|&(c, s)| [c, s]).collect();
+        let cs = put(Some(&table)).unwrap_or(0);
+        let attn_at = align(consts.len());
+        let lse_at = align(attn_at + n * qw);
+        let base = g.resident.ptr(&sh.stream, (lse_at + n * hq) * 4)?;
+        let at = |floats: usize| base + (floats * 4) as u64;
+        htod(base, f32_bytes(&consts), &sh.stream)?;
+        let opt = |o: Option<usize>| o.map_or(0u64, at);
+        // The step's K and V rows, every layer's in place until `resident_kv`.
+        if (self.keep_layers, self.keep_width) != (l.num_layers, kw) {
+            self.resident.clear();
+            (self.keep_layers, self.keep_width) = (l.num_layers, kw);
+        }
+        let keep = g.kv_keep.ptr(&sh.stream, l.num_layers * 2 * n * kw * 4)?;
+        let keep_k = keep + (l.layer * 2 * n * kw * 4) as u64;
+        let keep_v = keep_k + (n * kw * 4) as u64;
+        let (qs32, ks32, vs32) = (qs as i32, ks as i32, vs as i32);
+        let (hq32, hk32, d32) = (hq as i32, hk as i32, d as i32);
+        let (pbq, pbk, pbv, pqn, pkn, pcs) = (opt(bq), opt(bk), opt(bv), opt(qn), opt(kn), at(cs));
+        // SAFETY: q, k and v hold n rows at their strides (the projections just queued), the
+        // constants were uploaded above at their offsets, and `keep` holds num_layers x 2 x n
+        // rows of kw.
+        unsafe {
+            sh.launch(
+                &sh.k.qkv_finish,
+                ((hq + 2 * hk) as u32, n as u32),
+                64,
+                &[
+                    &q, &k, &v, &qs32, &ks32, &vs32, &pbq, &pbk, &pbv, &pqn, &pkn, &pcs, &hq32,
+                    &hk32, &d32, &l.eps, &keep_k, &keep_v,
+                ],
+            )?;
+        }
+        let attn = at(attn_at);
+        for (i, (kv, seq, lists)) in cuda_seqs.into_iter().enumerate() {
+            let rows = ResidentRows {
+                q: q + (i * qs * 4) as u64,
+                k: k + (i * ks * 4) as u64,
+                v: v + (i * vs * 4) as u64,
+                out: attn + (i * qw * 4) as u64,
+                lse: at(lse_at + i * hq),
+                group: hq / hk,
+            };
+            seq.queue_resident(kv, l.layer, &lists, rows, l.scale)?;
+        }
+        // The second half over the attention output where it is: only its norm goes up.
+        let p = Plan::new(n, hidden, attn_w, inter);
+        let work = g.work.ptr(&sh.stream, p.total * 4)?;
+        let half =
+            g.xh.ptr(&sh.stream, n * attn_w.max(hidden).max(inter) * 2)?;
+        let in_work = |floats: usize| work + (floats * 4) as u64;
+        htod(in_work(p.norm), f32_bytes(l.out.post_norm), &sh.stream)?;
+        let op = Operands {
+            x: self.x,
+            attn,
+            norm: in_work(p.norm),
+            xn: in_work(p.xn),
+            gate: in_work(p.gate),
+            up: in_work(p.up),
+            half,
+        };
+        // SAFETY: the residual holds n rows of `hidden`, the attention output n rows of
+        // attn_w; the plan's ranges for this shape.
+        unsafe { queue_layer(sh, g, n, shape, &l.out, op) }?;
+        self.resident.push(l.layer);
+        Ok(())
     }
 }
 
@@ -623,6 +866,43 @@ impl Residual for CudaResidual<'_> {
             });
         }
         Ok(rows)
+    }
+
+    fn attends_resident(&self) -> bool {
+        crate::backend::Backend::attention_on_device(self.b)
+    }
+
+    fn attend_resident(
+        &mut self,
+        l: &ResidentLayer<'_>,
+        seqs: &mut [ResidentSeq<'_>],
+    ) -> Result<(), BackendError> {
+        self.queue_resident_layer(l, seqs)
+    }
+
+    fn resident_kv(&mut self) -> Result<Vec<ResidentKv>, BackendError> {
+        if self.resident.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (n, layers) = (self.n, self.keep_layers);
+        let floats = layers * 2 * n * self.keep_width;
+        let sh = &*self.b.shared;
+        let src = self.g.kv_keep.ptr(&sh.stream, floats * 4)?;
+        let mut all = vec![0f32; floats];
+        sh.read_back(&mut all, src)?;
+        let per_layer = floats / layers.max(1);
+        let half = per_layer / 2;
+        Ok(std::mem::take(&mut self.resident)
+            .into_iter()
+            .map(|layer| {
+                let at = layer * per_layer;
+                ResidentKv {
+                    layer,
+                    k: all[at..at + half].to_vec(),
+                    v: all[at + half..at + per_layer].to_vec(),
+                }
+            })
+            .collect())
     }
 
     fn finish_layer(&mut self, attn: &[f32], w: LayerOut<'_>) -> Result<(), BackendError> {
@@ -719,6 +999,29 @@ mod tests {
             },
         ];
         assert!(matches!(unstack(&back, 2, &lone), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn each_projection_is_found_in_its_run_at_its_stride() {
+        let run = |first: usize, rows: &[usize]| Run {
+            first,
+            rows: rows.to_vec(),
+        };
+        // q|k|v stacked: one run [n][q | k | v].
+        assert_eq!(
+            projection_rows(3, &[run(0, &[8, 4, 4])]),
+            [(0, 16), (8, 16), (12, 16)]
+        );
+        // Apart: one run after another, each [n][rows].
+        assert_eq!(
+            projection_rows(3, &[run(0, &[8]), run(1, &[4]), run(2, &[4])]),
+            [(0, 8), (24, 4), (36, 4)]
+        );
+        // q alone, k|v stacked.
+        assert_eq!(
+            projection_rows(2, &[run(0, &[8]), run(1, &[4, 4])]),
+            [(0, 8), (16, 8), (20, 8)]
+        );
     }
 
     #[test]

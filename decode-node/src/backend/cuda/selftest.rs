@@ -281,6 +281,40 @@ pub fn check_device_residual(ordinal: usize) -> Check {
     )
 }
 
+/// A random bf16 model's decode step whose layers run resident on the device (q/k/v
+/// finished, attention over device slots and the token's own key, the second half: nothing
+/// back until the LM head) against the host path's, over 40 tokens of KV in device slots, on
+/// device `ordinal`. A disagreement at the engine's start turns the path off instead.
+pub fn check_resident_layers(ordinal: usize) -> Check {
+    let run = || -> Result<f64, String> {
+        let (backend, m) = selftest_model(ordinal)?;
+        if !backend.attention_on_device() {
+            return Err("resident layers are off (DECODE_NODE_RESIDENT_LAYERS=0, or the device residual is off)".into());
+        }
+        let geom = BlockGeometry {
+            block_size: 16,
+            num_kv_heads: m.cfg.num_kv_heads,
+            head_dim: m.cfg.head_dim,
+            dtype: KvDType::Bf16,
+        };
+        let pool =
+            HostPool::new(geom, 64 * geom.block_bytes() as u64).map_err(|e| e.to_string())?;
+        let dev = backend
+            .device_kv(geom, 1 << 28, &pool)
+            .map_err(|e| e.to_string())?
+            .ok_or("the CUDA backend gave no device KV")?;
+        match crate::backend::resident::resident_diff(&m, &dev, &geom).map_err(|e| e.to_string())? {
+            (d, None) => Ok(d),
+            (_, Some(e)) => Err(e.to_string()),
+        }
+    };
+    model_check(
+        "decode step, layers resident on the device vs through the host",
+        crate::model::llama::RESIDUAL_TOLERANCE,
+        run(),
+    )
+}
+
 /// A random bf16 model's tokens picked on the device (LM head and `sample_rows`) against the
 /// host's picks from the same logits, on device `ordinal`.
 pub fn check_device_picks(ordinal: usize) -> Check {

@@ -31,6 +31,15 @@ enum Lane {
     Recall,
 }
 
+/// Where an attention call's query is.
+#[derive(Debug, Clone, Copy)]
+enum Query<'a> {
+    /// On the host: it goes up with the call's slot list.
+    Host(&'a [f32]),
+    /// Already on the device (a resident layer's q rows), at this address.
+    Device(u64),
+}
+
 /// Scratch of the attention calls, reused in stream order by one sequence after another
 /// (each sequence's output has its own buffer: it is read after later sequences ran).
 #[derive(Debug, Default)]
@@ -303,22 +312,28 @@ impl CudaKvStore {
 }
 
 impl CudaKvStore {
-    /// Uploads `list` and `q`, runs the split and combine kernels on the main stream, and
-    /// returns the combine's output (outputs, then base-2 log-sum-exps; see [`partials`]).
-    /// Queues the split-K attention over `list` and its combine into `out` (`[hk][group]`
-    /// outputs then their lse2); returns the floats `out` holds. Nothing waits.
+    /// Queues the split-K attention over `list` with the query `q` (`[hk][group][d]`) and its
+    /// combine into `out`: `[hk][group][d]` outputs at the first address, their base-2
+    /// log-sum-exps `[hk][group]` at the second. The list (and a host query) go up in one
+    /// upload; nothing waits.
     fn launch_attention(
         &self,
         list: &SlotList,
-        q: &[f32],
+        q: Query<'_>,
         group: usize,
         scale: f32,
         split: SplitK,
-        out: &mut DevBuf,
-    ) -> Result<(u64, usize), BackendError> {
+        (out_dev, lse_dev): (u64, u64),
+    ) -> Result<(), BackendError> {
         let sh = &*self.shared;
         let (hk, d) = (self.geom.num_kv_heads, self.geom.head_dim);
-        let up = pack(list, q);
+        let up = pack(
+            list,
+            match q {
+                Query::Host(q) => q,
+                Query::Device(_) => &[],
+            },
+        );
         let mut scratch = self
             .scratch
             .lock()
@@ -328,15 +343,15 @@ impl CudaKvStore {
         let part_floats = hk * split.splits * group * (d + 1);
         let parts_dev = scratch.parts.ptr(&sh.stream, part_floats * 4)?;
         let part_lse = parts_dev + (hk * split.splits * group * d * 4) as u64;
-        let out_floats = hk * group * (d + 1);
-        let out_dev = out.ptr(&sh.stream, out_floats * 4)?;
-        let lse_dev = out_dev + (hk * group * d * 4) as u64;
-        let (offs_dev, lens_dev, heads_dev, q_dev) = (
+        let (offs_dev, lens_dev, heads_dev) = (
             io_dev,
             io_dev + up.at_lens as u64,
             io_dev + up.at_heads as u64,
-            io_dev + up.at_q as u64,
         );
+        let q_dev = match q {
+            Query::Host(_) => io_dev + up.at_q as u64,
+            Query::Device(at) => at,
+        };
         let dtype = super::dtype_code(self.geom.dtype);
         let (g, dd, b, c, s) = (
             group as i32,
@@ -364,7 +379,7 @@ impl CudaKvStore {
                 &[&parts_dev, &part_lse, &s, &g, &dd, &out_dev, &lse_dev],
             )?;
         }
-        Ok((out_dev, out_floats))
+        Ok(())
     }
 }
 
@@ -423,9 +438,22 @@ impl Copies<'_> {
     }
 }
 
+/// Device addresses of one sequence's rows in a resident layer (see
+/// [`CudaSeq::queue_resident`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ResidentRows {
+    pub(super) q: u64,
+    pub(super) k: u64,
+    pub(super) v: u64,
+    pub(super) out: u64,
+    pub(super) lse: u64,
+    /// Query heads per KV head.
+    pub(super) group: usize,
+}
+
 /// One sequence's slots.
 #[derive(Debug)]
-struct CudaSeq {
+pub(super) struct CudaSeq {
     store: Arc<CudaKvStore>,
     /// Slots by `layer * num_kv_heads + head` and block.
     table: SlotTable,
@@ -507,6 +535,90 @@ impl CudaSeq {
         Ok(())
     }
 
+    /// True when this sequence's slots are on the device `sh` runs.
+    pub(super) fn on(&self, sh: &Arc<Shared>) -> bool {
+        Arc::ptr_eq(&self.store.shared, sh)
+    }
+
+    /// The slot list of `blocks` (one list per KV head) of `layer`, after queuing, behind
+    /// `layer`'s recall copies, the copies of those whose slots do not hold their tokens yet.
+    fn place_all<'a>(
+        &mut self,
+        kv: &'a dyn KvSource,
+        layer: usize,
+        blocks: &[&[DeviceBlock]],
+    ) -> Result<(SlotList, Copies<'a>), BackendError> {
+        self.after_recall(layer)?;
+        let hb = self.store.geom.head_bytes() as i64;
+        let mut list = SlotList::new();
+        let mut copies = Copies::default();
+        for (h, heads_blocks) in blocks.iter().enumerate() {
+            self.place(kv, layer, h, heads_blocks, &mut copies, |slot, len| {
+                list.push(slot as i64 * hb, len)
+            })?;
+            list.end_head();
+        }
+        self.store.copy_in(&copies, Lane::Main)?;
+        Ok((list, copies))
+    }
+
+    /// Queues the attention of a resident layer (`layer` of one sequence, its query heads'
+    /// rows at `at.q`, the token's own K and V rows at `at.k` / `at.v`): the split-K kernel
+    /// over `blocks`, its combine into `at.out` (`[hk][group][d]`, the layer's attention
+    /// output row) and `at.lse`, then `merge_self` for the token's own key. Nothing waits.
+    pub(super) fn queue_resident(
+        &mut self,
+        kv: &dyn KvSource,
+        layer: usize,
+        blocks: &[&[DeviceBlock]],
+        at: ResidentRows,
+        scale: f32,
+    ) -> Result<(), BackendError> {
+        let store = Arc::clone(&self.store);
+        let sh = &*store.shared;
+        let (hk, d) = (store.geom.num_kv_heads, store.geom.head_dim);
+        let group = at.group;
+        if group == 0
+            || group > MAX_GROUP
+            || d > MAX_HEAD_DIM
+            || blocks.len() != hk
+            || layer >= self.recall_events.len()
+        {
+            return Err(BackendError::Unsupported(format!(
+                "resident attention of layer {layer} (of {}) with {group} query heads for each of {hk} KV heads of head_dim {d}, {} head lists (kernel: group <= {MAX_GROUP}, head_dim <= {MAX_HEAD_DIM})",
+                self.recall_events.len(),
+                blocks.len()
+            )));
+        }
+        sh.idle.busy();
+        let (list, _) = self.place_all(kv, layer, blocks)?;
+        let empty = i32::from(list.is_empty());
+        if !list.is_empty() {
+            let split = SplitK::new(hk, list.longest_head());
+            store.launch_attention(
+                &list,
+                Query::Device(at.q),
+                group,
+                scale,
+                split,
+                (at.out, at.lse),
+            )?;
+        }
+        let (g, dd) = (group as i32, d as i32);
+        // SAFETY: `at` names this sequence's rows of the resident layer's buffers, sized by
+        // the caller for hk x group query heads of d.
+        unsafe {
+            sh.launch(
+                &sh.k.merge_self,
+                ((hk * group) as u32, 1),
+                64,
+                &[
+                    &at.out, &at.lse, &at.q, &at.k, &at.v, &g, &dd, &scale, &empty,
+                ],
+            )
+        }
+    }
+
     /// Orders this call after `layer`'s recall copies, on the device: the host never waits.
     fn after_recall(&self, layer: usize) -> Result<(), BackendError> {
         let Some(e) = self.recall_events[layer] else {
@@ -557,6 +669,10 @@ fn head_bytes<'a>(
 }
 
 impl DeviceSeq for CudaSeq {
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+
     fn submit(
         &mut self,
         kv: &dyn KvSource,
@@ -588,22 +704,16 @@ impl DeviceSeq for CudaSeq {
         let t_start = std::time::Instant::now();
         sh.bind()?;
         sh.idle.busy();
-        self.after_recall(layer)?;
-        let mut list = SlotList::new();
-        let mut copies = Copies::default();
-        for (h, heads_blocks) in blocks.iter().enumerate() {
-            self.place(kv, layer, h, heads_blocks, &mut copies, |slot, len| {
-                list.push(slot as i64 * geom.head_bytes() as i64, len)
-            })?;
-            list.end_head();
-        }
-        store.copy_in(&copies, Lane::Main)?;
+        let (list, copies) = self.place_all(kv, layer, blocks)?;
         if list.is_empty() {
             self.pending = Some(Pending::Empty { hk, group, d });
             return Ok(());
         }
         let split = SplitK::new(hk, list.longest_head());
-        let (out, floats) = store.launch_attention(&list, q, group, scale, split, &mut self.out)?;
+        let floats = hk * group * (d + 1);
+        let out = self.out.ptr(&sh.stream, floats * 4)?;
+        let lse = out + (hk * group * d * 4) as u64;
+        store.launch_attention(&list, Query::Host(q), group, scale, split, (out, lse))?;
         tracing::trace!(
             layer,
             entries = list.offs.len(),
