@@ -19,6 +19,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gather_copy",
     "copy_tokens",
     "sample_rows",
+    "qkv_finish",
+    "merge_self",
 ];
 
 /// Words of one row's spec for `sample_rows`.

@@ -71,16 +71,18 @@ static void check_qkv(int n, int hq, int hk, int d, bool biases, bool norms, boo
             cs[((size_t)r * d / 2 + i) * 2 + 1] = sinf(a);
         }
     float eps = 1e-6f;
-    std::vector<float> keep_k((size_t)n * kw), keep_v((size_t)n * kw);
-    std::vector<float> want_k((size_t)n * kw), want_v((size_t)n * kw);
+    std::vector<float> keep_q((size_t)n * qw), keep_k((size_t)n * kw), keep_v((size_t)n * kw);
+    std::vector<float> want_q((size_t)n * qw), want_k((size_t)n * kw), want_v((size_t)n * kw);
     float* wq = want.data() + (q - y.data());
     float* wk = want.data() + (k - y.data());
     float* wv = want.data() + (v - y.data());
     for (int r = 0; r < n; r++) {
         const float* csr = cs.data() + (size_t)r * d;
-        for (int h = 0; h < hq; h++)
-            head_ref(wq + (size_t)r * qs + h * d, biases ? bq.data() + h * d : 0, norms ? qn.data() : 0, csr, d,
-                     eps, true);
+        for (int h = 0; h < hq; h++) {
+            float* x = wq + (size_t)r * qs + h * d;
+            head_ref(x, biases ? bq.data() + h * d : 0, norms ? qn.data() : 0, csr, d, eps, true);
+            memcpy(&want_q[((size_t)r * hq + h) * d], x, d * 4);
+        }
         for (int h = 0; h < hk; h++) {
             float* x = wk + (size_t)r * ks + h * d;
             head_ref(x, biases ? bk.data() + h * d : 0, norms ? kn.data() : 0, csr, d, eps, true);
@@ -95,9 +97,10 @@ static void check_qkv(int n, int hq, int hk, int d, bool biases, bool norms, boo
             blockIdx = {h, r, 0};
             qkv_finish(q, k, v, qs, ks, vs, biases ? bq.data() : 0, biases ? bk.data() : 0,
                        biases ? bv.data() : 0, norms ? qn.data() : 0, norms ? kn.data() : 0, cs.data(), hq,
-                       hk, d, eps, keep_k.data(), keep_v.data());
+                       hk, d, eps, keep_q.data(), keep_k.data(), keep_v.data());
         }
     same("qkv", y.data(), want.data(), y.size());
+    same("keep_q", keep_q.data(), want_q.data(), keep_q.size());
     same("keep_k", keep_k.data(), want_k.data(), keep_k.size());
     same("keep_v", keep_v.data(), want_v.data(), keep_v.size());
 }

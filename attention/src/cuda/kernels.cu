@@ -238,14 +238,16 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 
 // A resident layer's q, k and v rows after their projections, in place (#21 item 1): bias,
 // then for q and k the per-head RMSNorm (where `qn`/`kn` is given, Qwen3) and rotate-half RoPE
-// from the host's table cos_sin [row][head_dim / 2][cos, sin]; k and v are also copied to
-// keep_k / keep_v [row][hk][head_dim] for the host pool. CUDA block (head, row) with heads
+// from the host's table cos_sin [row][head_dim / 2][cos, sin]. The finished rows are also
+// written packed: q to keep_q [row][hq][head_dim] (the batch's attention reads it as one
+// [row * hk][group][head_dim] query), k and v to keep_k / keep_v [row][hk][head_dim] (for
+// the attention's own-key merge and the host pool). CUDA block (head, row) with heads
 // 0..hq of q, then hk of k, then hk of v; blockDim.x a power of two <= 128. The same
 // arithmetic as the model's host path (bias add, `rms_norm`, `Rotations::rotate`).
 extern "C" __global__ void qkv_finish(float* q, float* k, float* v, int q_stride, int k_stride, int v_stride,
                                       const float* bq, const float* bk, const float* bv, const float* qn,
                                       const float* kn, const float* cos_sin, int hq, int hk, int head_dim,
-                                      float eps, float* keep_k, float* keep_v) {
+                                      float eps, float* keep_q, float* keep_k, float* keep_v) {
     __shared__ float xs[MAX_HEAD];
     __shared__ float red[128];
     const int head = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
@@ -258,6 +260,7 @@ extern "C" __global__ void qkv_finish(float* q, float* k, float* v, int q_stride
         x = q + (long long)row * q_stride + (long long)head * head_dim;
         bias = bq ? bq + (long long)head * head_dim : 0;
         norm = qn;
+        keep = keep_q + ((long long)row * hq + head) * head_dim;
     } else if (head < hq + hk) {
         const int h = head - hq;
         x = k + (long long)row * k_stride + (long long)h * head_dim;
@@ -299,10 +302,11 @@ extern "C" __global__ void qkv_finish(float* q, float* k, float* v, int q_stride
 }
 
 // Merges the decoded token's own key into a resident layer's attention, in place: for query
-// head (h, g) of one sequence, out [hk][group][head_dim] / lse2 [hk][group] (from
-// `combine_splits`; ignored where `empty`: the sequence had no block) take in the partial of
-// the one key k[h] with value v[h]; `Partial::of_one_key` and `Partial::merge_from` are the
-// definition. One CUDA block per query head; blockDim.x a power of two <= 128.
+// head (h, g) (h over every sequence's KV heads, [row * hk]), out [h][group][head_dim] /
+// lse2 [h][group] (from `combine_splits`; ignored where `empty`: no sequence had a block) take
+// in the partial of the one key k[h] with value v[h]; `Partial::of_one_key` and
+// `Partial::merge_from` are the definition. One CUDA block per query head; blockDim.x a power
+// of two <= 128.
 extern "C" __global__ void merge_self(float* out, float* lse2, const float* q, const float* k, const float* v,
                                       int group, int head_dim, float scale, int empty) {
     __shared__ float red[128];

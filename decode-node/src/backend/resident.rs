@@ -90,6 +90,28 @@ pub(crate) fn norm_rope<B: Backend + ?Sized>(
     }
 }
 
+/// One sequence's attention output `out` (`[num_heads * head_dim]`): each KV head's partial of
+/// `parts` merged with the token's own key, its rows `q` (`[num_heads * head_dim]`), `k` and
+/// `v` (`[num_kv_heads * head_dim]`).
+fn with_own_key(
+    parts: Vec<Partial>,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    scale: f32,
+    out: &mut [f32],
+) {
+    let hk = parts.len().max(1);
+    let (per_q, d) = (q.len() / hk, k.len() / hk);
+    for (h, mut p) in parts.into_iter().enumerate() {
+        p.merge_from(&Partial::of_one_key(
+            &q[h * per_q..(h + 1) * per_q],
+            &k[h * d..(h + 1) * d],
+            &v[h * d..(h + 1) * d],
+            scale,
+        ));
+        out[h * per_q..(h + 1) * per_q].copy_from_slice(&p.out);
+    }
+}
+
 /// KV blocks of one layer in plain memory, for the resident check.
 struct MemKv {
     blocks: Vec<Vec<u8>>,
@@ -133,8 +155,6 @@ struct Probe {
     kv: MemKv,
     dev: Box<dyn DeviceSeq>,
     num_kv_heads: usize,
-    group: usize,
-    head_dim: usize,
     scale: f32,
     resident: bool,
     /// The layers that ran resident.
@@ -179,19 +199,10 @@ impl crate::model::DecodeAttention for Probe {
         v: &[f32],
         out: &mut [f32],
     ) -> Result<(), crate::model::ModelError> {
-        let (g, d) = (self.group, self.head_dim);
         let lists = self.lists();
         let lists: Vec<&[DeviceBlock]> = lists.iter().map(Vec::as_slice).collect();
         let parts = self.dev.attend(&self.kv, layer, &lists, q, self.scale)?;
-        for (h, mut p) in parts.into_iter().enumerate() {
-            p.merge_from(&Partial::of_one_key(
-                &q[h * g * d..(h + 1) * g * d],
-                &k[h * d..(h + 1) * d],
-                &v[h * d..(h + 1) * d],
-                self.scale,
-            ));
-            out[h * g * d..(h + 1) * g * d].copy_from_slice(&p.out);
-        }
+        with_own_key(parts, (q, k, v), self.scale, out);
         Ok(())
     }
 }
@@ -214,8 +225,6 @@ pub fn resident_diff(
         dev: Arc::clone(dev).new_seq(cfg.num_layers, kv.blocks.len()),
         kv,
         num_kv_heads: cfg.num_kv_heads,
-        group: cfg.num_heads / cfg.num_kv_heads.max(1),
-        head_dim: cfg.head_dim,
         scale: model.attn_scale(),
         resident: false,
         resident_layers: 0,
@@ -299,19 +308,17 @@ pub(crate) mod host {
         let mut attn = vec![0f32; n * width];
         for (i, s) in seqs.iter_mut().enumerate() {
             let parts = s.dev.collect()?;
-            let qi = &q[i * width..(i + 1) * width];
             let kvw = hk * hd;
-            let (ki, vi) = (&k[i * kvw..(i + 1) * kvw], &v[i * kvw..(i + 1) * kvw]);
-            for (h, mut p) in parts.into_iter().enumerate() {
-                p.merge_from(&Partial::of_one_key(
-                    &qi[h * group * hd..(h + 1) * group * hd],
-                    &ki[h * hd..(h + 1) * hd],
-                    &vi[h * hd..(h + 1) * hd],
-                    l.scale,
-                ));
-                attn[i * width + h * group * hd..i * width + (h + 1) * group * hd]
-                    .copy_from_slice(&p.out);
-            }
+            with_own_key(
+                parts,
+                (
+                    &q[i * width..(i + 1) * width],
+                    &k[i * kvw..(i + 1) * kvw],
+                    &v[i * kvw..(i + 1) * kvw],
+                ),
+                l.scale,
+                &mut attn[i * width..(i + 1) * width],
+            );
         }
         r.finish_layer(&attn, l.out)?;
         Ok(ResidentKv {

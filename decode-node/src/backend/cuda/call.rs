@@ -41,6 +41,21 @@ impl SlotList {
         self.offs.is_empty()
     }
 
+    /// Appends `other`'s heads after these: one call then attends both (a batch's sequences,
+    /// each KV head of each a head of the call).
+    pub fn append(&mut self, other: &SlotList) {
+        let at = self.offs.len() as i32;
+        self.offs.extend_from_slice(&other.offs);
+        self.lens.extend_from_slice(&other.lens);
+        self.head_start
+            .extend(other.head_start.iter().skip(1).map(|s| s + at));
+    }
+
+    /// KV heads in the list.
+    pub fn heads(&self) -> usize {
+        self.head_start.len() - 1
+    }
+
     /// Entries of the head with the most.
     pub fn longest_head(&self) -> usize {
         self.head_start
@@ -151,6 +166,30 @@ mod tests {
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();
         assert_eq!(qs, q);
+    }
+
+    #[test]
+    fn appended_lists_keep_each_head_its_own_entries() {
+        let mut a = SlotList::new();
+        a.push(0, 32);
+        a.push(64, 5);
+        a.end_head();
+        a.end_head(); // nothing resident
+        let mut b = SlotList::new();
+        b.push(128, 32);
+        b.end_head();
+        b.push(256, 3);
+        b.push(512, 1);
+        b.end_head();
+        let mut all = SlotList::new();
+        all.append(&a);
+        all.append(&SlotList::new()); // a sequence of no heads changes nothing
+        all.append(&b);
+        assert_eq!(all.heads(), 4);
+        assert_eq!(all.head_start, [0, 2, 2, 3, 5]);
+        assert_eq!(all.offs, [0, 64, 128, 256, 512]);
+        assert_eq!(all.lens, [32, 5, 32, 3, 1]);
+        assert_eq!(all.longest_head(), 2);
     }
 
     #[test]

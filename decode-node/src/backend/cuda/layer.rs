@@ -16,6 +16,7 @@
 //! (`Model::residual_diff`); a disagreement keeps the op-by-op path.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use attention::{DeviceBlock, KvDType};
@@ -23,6 +24,7 @@ use attention::{DeviceBlock, KvDType};
 use cudarc::driver::{result as drv, sys};
 
 use super::blas::{Blas, weight_ptr};
+use super::call::SlotList;
 use super::driver::{Shared, dev_err, dtype_code, f32_bytes, htod};
 use super::store::{CudaSeq, ResidentRows};
 use super::{BackendError, CudaBackend};
@@ -680,16 +682,24 @@ impl CudaResidual<'_> {
         let (qw, kw) = (hq * d, hk * d);
         let shape = layer_shape(n, n * self.hidden, n * qw, &l.out)?;
         let (hidden, attn_w, inter) = shape;
-        // Each sequence's device state must be this device's.
+        // Each sequence's device state must be in one arena of this device.
         let mut cuda_seqs = Vec::with_capacity(seqs.len());
         for s in seqs.iter_mut() {
             let kv = s.kv;
             let lists: Vec<&[DeviceBlock]> = s.blocks.iter().map(Vec::as_slice).collect();
+            let same = |c: &CudaSeq| {
+                c.on(&self.b.shared)
+                    && cuda_seqs
+                        .first()
+                        .is_none_or(|(_, f, _): &(_, &mut CudaSeq, _)| {
+                            Arc::ptr_eq(f.store(), c.store())
+                        })
+            };
             match s.dev.as_any_mut().downcast_mut::<CudaSeq>() {
-                Some(c) if c.on(&self.b.shared) => cuda_seqs.push((kv, c, lists)),
+                Some(c) if same(c) => cuda_seqs.push((kv, c, lists)),
                 _ => {
                     return Err(BackendError::Unsupported(
-                        "a resident layer over device state of another device".into(),
+                        "a resident layer over device state of another device or arena".into(),
                     ));
                 }
             }
@@ -739,7 +749,8 @@ impl CudaResidual<'_> {
         let cs = put(Some(&table)).unwrap_or(0);
         let attn_at = align(consts.len());
         let lse_at = align(attn_at + n * qw);
-        let base = g.resident.ptr(&sh.stream, (lse_at + n * hq) * 4)?;
+        let q_at = align(lse_at + n * hq);
+        let base = g.resident.ptr(&sh.stream, (q_at + n * qw) * 4)?;
         let at = |floats: usize| base + (floats * 4) as u64;
         htod(base, f32_bytes(&consts), &sh.stream)?;
         let opt = |o: Option<usize>| o.map_or(0u64, at);
@@ -754,6 +765,7 @@ impl CudaResidual<'_> {
         let (qs32, ks32, vs32) = (qs as i32, ks as i32, vs as i32);
         let (hq32, hk32, d32) = (hq as i32, hk as i32, d as i32);
         let (pbq, pbk, pbv, pqn, pkn, pcs) = (opt(bq), opt(bk), opt(bv), opt(qn), opt(kn), at(cs));
+        let keep_q = at(q_at);
         // SAFETY: q, k and v hold n rows at their strides (the projections just queued), the
         // constants were uploaded above at their offsets, and `keep` holds num_layers x 2 x n
         // rows of kw.
@@ -764,21 +776,30 @@ impl CudaResidual<'_> {
                 64,
                 &[
                     &q, &k, &v, &qs32, &ks32, &vs32, &pbq, &pbk, &pbv, &pqn, &pkn, &pcs, &hq32,
-                    &hk32, &d32, &l.eps, &keep_k, &keep_v,
+                    &hk32, &d32, &l.eps, &keep_q, &keep_k, &keep_v,
                 ],
             )?;
         }
+        // One attention launch for the batch: every sequence's KV heads are heads of the call,
+        // reading the packed q, k and v rows.
         let attn = at(attn_at);
-        for (i, (kv, seq, lists)) in cuda_seqs.into_iter().enumerate() {
+        let group = hq / hk;
+        let mut list = SlotList::new();
+        let mut store = None;
+        for (kv, seq, lists) in cuda_seqs {
+            list.append(&seq.place_resident(kv, l.layer, &lists, group)?);
+            store = Some(Arc::clone(seq.store()));
+        }
+        if let Some(store) = store {
             let rows = ResidentRows {
-                q: q + (i * qs * 4) as u64,
-                k: k + (i * ks * 4) as u64,
-                v: v + (i * vs * 4) as u64,
-                out: attn + (i * qw * 4) as u64,
-                lse: at(lse_at + i * hq),
-                group: hq / hk,
+                q: keep_q,
+                k: keep_k,
+                v: keep_v,
+                out: attn,
+                lse: at(lse_at),
+                group,
             };
-            seq.queue_resident(kv, l.layer, &lists, rows, l.scale)?;
+            store.launch_resident(&list, rows, l.scale)?;
         }
         // The second half over the attention output where it is: only its norm goes up.
         let p = Plan::new(n, hidden, attn_w, inter);

@@ -323,10 +323,27 @@ impl CudaKvStore {
         group: usize,
         scale: f32,
         split: SplitK,
+        out: (u64, u64),
+    ) -> Result<(), BackendError> {
+        let hk = self.geom.num_kv_heads;
+        self.launch_attention_over(list, hk, q, group, scale, split, out)
+    }
+
+    /// [`Self::launch_attention`] over `hk` heads of `list` (a batch's: every sequence's KV
+    /// heads).
+    #[allow(clippy::too_many_arguments)] // the call's parts, spelled out
+    fn launch_attention_over(
+        &self,
+        list: &SlotList,
+        hk: usize,
+        q: Query<'_>,
+        group: usize,
+        scale: f32,
+        split: SplitK,
         (out_dev, lse_dev): (u64, u64),
     ) -> Result<(), BackendError> {
         let sh = &*self.shared;
-        let (hk, d) = (self.geom.num_kv_heads, self.geom.head_dim);
+        let d = self.geom.head_dim;
         let up = pack(
             list,
             match q {
@@ -383,6 +400,61 @@ impl CudaKvStore {
     }
 }
 
+/// Device addresses of a resident layer's batch (see [`CudaKvStore::launch_resident`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ResidentRows {
+    /// Query rows `[rows * hk][group][d]`, the token's own K and V rows `[rows * hk][d]`.
+    pub(super) q: u64,
+    pub(super) k: u64,
+    pub(super) v: u64,
+    /// The attention output `[rows * hk][group][d]` and its lse2 `[rows * hk][group]`.
+    pub(super) out: u64,
+    pub(super) lse: u64,
+    pub(super) group: usize,
+}
+
+impl CudaKvStore {
+    /// Queues a resident layer's attention for the whole batch: `list` holds every sequence's
+    /// KV heads one after another (each a head of the call), one split-K launch and its
+    /// combine over them all, then one `merge_self` for every query head's own key. Nothing
+    /// waits.
+    pub(super) fn launch_resident(
+        &self,
+        list: &SlotList,
+        at: ResidentRows,
+        scale: f32,
+    ) -> Result<(), BackendError> {
+        let sh = &*self.shared;
+        let heads = list.heads();
+        let empty = i32::from(list.is_empty());
+        if !list.is_empty() {
+            let split = SplitK::new(heads, list.longest_head());
+            self.launch_attention_over(
+                list,
+                heads,
+                Query::Device(at.q),
+                at.group,
+                scale,
+                split,
+                (at.out, at.lse),
+            )?;
+        }
+        let (g, d) = (at.group as i32, self.geom.head_dim as i32);
+        // SAFETY: `at` names ranges the caller sized for `heads` x group query heads of d
+        // (and `heads` K and V rows of d).
+        unsafe {
+            sh.launch(
+                &sh.k.merge_self,
+                ((heads * at.group) as u32, 1),
+                64,
+                &[
+                    &at.out, &at.lse, &at.q, &at.k, &at.v, &g, &d, &scale, &empty,
+                ],
+            )
+        }
+    }
+}
+
 impl Drop for CudaKvStore {
     fn drop(&mut self) {
         let _ = self.shared.bind();
@@ -436,19 +508,6 @@ impl Copies<'_> {
     fn is_empty(&self) -> bool {
         self.whole.is_empty() && self.tails.is_empty()
     }
-}
-
-/// Device addresses of one sequence's rows in a resident layer (see
-/// [`CudaSeq::queue_resident`]).
-#[derive(Debug, Clone, Copy)]
-pub(super) struct ResidentRows {
-    pub(super) q: u64,
-    pub(super) k: u64,
-    pub(super) v: u64,
-    pub(super) out: u64,
-    pub(super) lse: u64,
-    /// Query heads per KV head.
-    pub(super) group: usize,
 }
 
 /// One sequence's slots.
@@ -562,22 +621,17 @@ impl CudaSeq {
         Ok((list, copies))
     }
 
-    /// Queues the attention of a resident layer (`layer` of one sequence, its query heads'
-    /// rows at `at.q`, the token's own K and V rows at `at.k` / `at.v`): the split-K kernel
-    /// over `blocks`, its combine into `at.out` (`[hk][group][d]`, the layer's attention
-    /// output row) and `at.lse`, then `merge_self` for the token's own key. Nothing waits.
-    pub(super) fn queue_resident(
+    /// The slot list of a resident layer (`layer` of this sequence, `group` query heads per
+    /// KV head) over `blocks`, their copies queued: the sequence's part of the batch's one
+    /// attention launch ([`CudaKvStore::launch_resident`]).
+    pub(super) fn place_resident(
         &mut self,
         kv: &dyn KvSource,
         layer: usize,
         blocks: &[&[DeviceBlock]],
-        at: ResidentRows,
-        scale: f32,
-    ) -> Result<(), BackendError> {
-        let store = Arc::clone(&self.store);
-        let sh = &*store.shared;
-        let (hk, d) = (store.geom.num_kv_heads, store.geom.head_dim);
-        let group = at.group;
+        group: usize,
+    ) -> Result<SlotList, BackendError> {
+        let (hk, d) = (self.store.geom.num_kv_heads, self.store.geom.head_dim);
         if group == 0
             || group > MAX_GROUP
             || d > MAX_HEAD_DIM
@@ -590,33 +644,13 @@ impl CudaSeq {
                 blocks.len()
             )));
         }
-        sh.idle.busy();
-        let (list, _) = self.place_all(kv, layer, blocks)?;
-        let empty = i32::from(list.is_empty());
-        if !list.is_empty() {
-            let split = SplitK::new(hk, list.longest_head());
-            store.launch_attention(
-                &list,
-                Query::Device(at.q),
-                group,
-                scale,
-                split,
-                (at.out, at.lse),
-            )?;
-        }
-        let (g, dd) = (group as i32, d as i32);
-        // SAFETY: `at` names this sequence's rows of the resident layer's buffers, sized by
-        // the caller for hk x group query heads of d.
-        unsafe {
-            sh.launch(
-                &sh.k.merge_self,
-                ((hk * group) as u32, 1),
-                64,
-                &[
-                    &at.out, &at.lse, &at.q, &at.k, &at.v, &g, &dd, &scale, &empty,
-                ],
-            )
-        }
+        self.store.shared.idle.busy();
+        Ok(self.place_all(kv, layer, blocks)?.0)
+    }
+
+    /// The arena this sequence's slots are in.
+    pub(super) fn store(&self) -> &Arc<CudaKvStore> {
+        &self.store
     }
 
     /// Orders this call after `layer`'s recall copies, on the device: the host never waits.
