@@ -21,6 +21,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "sample_rows",
     "qkv_finish",
     "merge_self",
+    "rms_norm_half",
+    "silu_mul_stacked_half",
 ];
 
 /// Words of one row's spec for `sample_rows`.

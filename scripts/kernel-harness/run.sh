@@ -14,3 +14,5 @@ trap 'rm -rf "$out"' EXIT
 "$out/sample_rows"
 "$cxx" -std=c++17 -O2 -w -o "$out/resident" resident.cpp
 "$out/resident"
+"$cxx" -std=c++17 -O2 -w -o "$out/norms" norms.cpp
+"$out/norms"

@@ -152,24 +152,51 @@ extern "C" __global__ void lse2_merge(float* out_a, float* lse_a, const float* o
     if (threadIdx.x == 0) lse_a[h] = lse;
 }
 
-// RMSNorm of each row (one CUDA block per row), as HF computes it in f32.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int dim, float eps) {
-    __shared__ float partial[32];
-    const float* xr = x + (long long)blockIdx.x * dim;
-    float* or_ = out + (long long)blockIdx.x * dim;
+// Sum of every thread's `v` over the CUDA block, in `red` (blockDim.x floats, a power of two);
+// every thread gets it. A tree in shared memory, so one thread per block (the host harness)
+// computes the same.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+        __syncthreads();
+    }
+    float s = red[0];
+    __syncthreads();
+    return s;
+}
+
+// 1 / sqrt(mean(x^2) + eps) of one row, summed with `block_sum` (so one thread, the host
+// harness, sums in the host's order). `red` holds blockDim.x floats.
+__device__ __forceinline__ float rms_inv(const float* xr, int dim, float eps, float* red) {
     float s = 0.f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i] * xr[i];
-    s = warp_sum(s);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x + 31) / 32 ? partial[threadIdx.x] : 0.f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) partial[0] = v;
-    }
-    __syncthreads();
-    float inv = rsqrtf(partial[0] / dim + eps);
+    return rsqrtf(block_sum(s, red) / dim + eps);
+}
+
+// RMSNorm of each row (one CUDA block per row of `dim`, blockDim.x a power of two <= 256), as
+// HF computes it in f32.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int dim, float eps) {
+    __shared__ float red[256];
+    const float* xr = x + (long long)blockIdx.x * dim;
+    float* or_ = out + (long long)blockIdx.x * dim;
+    const float inv = rms_inv(xr, dim, eps, red);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) or_[i] = w[i] * (xr[i] * inv);
+}
+
+// `rms_norm` written straight in the next projection's half type (1 = f16, 2 = bf16): the
+// rounding `f32_to_half` would do, without the f32 rows and their pass (#21 item 1).
+extern "C" __global__ void rms_norm_half(const float* x, const float* w, u16* out, int dim, float eps,
+                                         int dtype) {
+    __shared__ float red[256];
+    const float* xr = x + (long long)blockIdx.x * dim;
+    u16* or_ = out + (long long)blockIdx.x * dim;
+    const float inv = rms_inv(xr, dim, eps, red);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float y = w[i] * (xr[i] * inv);
+        or_[i] = dtype == 1 ? f32_to_f16(y) : f32_to_bf16(y);
+    }
 }
 
 // Rotate-half RoPE of `heads` heads of one token at `pos`; one thread per (head, i < dim/2).
@@ -207,6 +234,18 @@ extern "C" __global__ void silu_mul_stacked(const float* gu, float* out, int int
     }
 }
 
+// `silu_mul_stacked` written straight in the down projection's half type (1 = f16, 2 = bf16).
+extern "C" __global__ void silu_mul_stacked_half(const float* gu, u16* out, int inter, long long n, int dtype) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n) {
+        long long row = j / inter, i = j % inter;
+        const float* r = gu + row * 2 * inter;
+        float g = r[i];
+        const float y = g / (1.f + expf(-g)) * r[inter + i];
+        out[j] = dtype == 1 ? f32_to_f16(y) : f32_to_bf16(y);
+    }
+}
+
 // Appends one token's K and V (f32, [head_dim]) of one KV head at `slot` of its head block,
 // and folds K into the block's digest. One thread per channel. Float dtypes only (0..2): an
 // 8-bit block needs the token's scale over all channels first.
@@ -219,21 +258,6 @@ extern "C" __global__ void kv_append(unsigned char* head_block, const float* k, 
     store_kv(head_block + (long long)block_size * head_dim * es, (long long)slot * head_dim + c, dtype, v[c]);
     dmin[c] = fminf(dmin[c], k[c]);
     dmax[c] = fmaxf(dmax[c], k[c]);
-}
-
-// Sum of every thread's `v` over the CUDA block, in `red` (blockDim.x floats, a power of two);
-// every thread gets it. A tree in shared memory, so one thread per block (the host harness)
-// computes the same.
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    red[threadIdx.x] = v;
-    __syncthreads();
-    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
-        if ((int)threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
-        __syncthreads();
-    }
-    float s = red[0];
-    __syncthreads();
-    return s;
 }
 
 // A resident layer's q, k and v rows after their projections, in place (#21 item 1): bias,

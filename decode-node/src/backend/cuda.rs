@@ -139,6 +139,8 @@ impl CudaBackend {
             sample_rows: f("sample_rows")?,
             qkv_finish: f("qkv_finish")?,
             merge_self: f("merge_self")?,
+            rms_norm_half: f("rms_norm_half")?,
+            silu_mul_stacked_half: f("silu_mul_stacked_half")?,
         };
         let blas_state = Blas::new(&stream)?;
         Ok(Self {

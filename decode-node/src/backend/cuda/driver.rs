@@ -105,6 +105,8 @@ pub(crate) struct Kernels {
     pub(crate) sample_rows: CudaFunction,
     pub(crate) qkv_finish: CudaFunction,
     pub(crate) merge_self: CudaFunction,
+    pub(crate) rms_norm_half: CudaFunction,
+    pub(crate) silu_mul_stacked_half: CudaFunction,
 }
 
 /// What the backend and its KV store share.

@@ -180,6 +180,41 @@ fn as_input(
     Ok(half)
 }
 
+/// RMSNorm of `n` rows of `dim` at `x` by the weight at `w`.
+#[derive(Debug, Clone, Copy)]
+struct NormRows {
+    x: u64,
+    w: u64,
+    eps: f32,
+    n: usize,
+    dim: usize,
+}
+
+impl NormRows {
+    /// Queues the norm into the projection input type `dtype`: f32 rows at `xn`, or halves at
+    /// `half` written by the norm itself (no f32 rows, no conversion pass); returns where.
+    fn queue(&self, sh: &Shared, dtype: KvDType, xn: u64, half: u64) -> Result<u64, BackendError> {
+        let (grid, dim) = ((self.n as u32, 1), self.dim as i32);
+        let (x, w, eps) = (self.x, self.w, self.eps);
+        // SAFETY: x holds n rows of dim, w dim floats; the caller sized `xn` for n x dim
+        // floats and `half` for n x dim halves.
+        unsafe {
+            if dtype == KvDType::F32 {
+                sh.launch(&sh.k.rms_norm, grid, 256, &[&x, &w, &xn, &dim, &eps])?;
+                Ok(xn)
+            } else {
+                sh.launch(
+                    &sh.k.rms_norm_half,
+                    grid,
+                    256,
+                    &[&x, &w, &half, &dim, &eps, &dtype_code(dtype)],
+                )?;
+                Ok(half)
+            }
+        }
+    }
+}
+
 /// Device addresses of the fused layer's operands.
 #[derive(Debug, Clone, Copy)]
 struct Operands {
@@ -257,16 +292,6 @@ unsafe fn queue_layer(
     // SAFETY (every GEMM and launch below): the caller's ranges; the weights are cached
     // device copies of tensors of the checked shapes.
     unsafe { g.gemm_beta(w.o.dtype, hidden, n, attn_w, wo, a_in, op.x, 1.0) }?;
-    let dim = hidden as i32;
-    unsafe {
-        sh.launch(
-            &sh.k.rms_norm,
-            (n as u32, 1),
-            256,
-            &[&op.x, &op.norm, &op.xn, &dim, &w.eps],
-        )?;
-    }
-    let m_in = as_input(sh, w.gate.dtype, op.xn, n * hidden, op.half)?;
     let len = (n * inter) as i64;
     let grid = (((n * inter) as u32).div_ceil(256), 1);
     let stacked = stacked_runs(
@@ -275,12 +300,46 @@ unsafe fn queue_layer(
     )
     .len()
         == 1;
+    // Normed straight into the gate's input type where gate and up read one input (the f32
+    // rows are then never written).
+    let one_input = stacked || w.up.dtype == w.gate.dtype;
+    let norm_type = if one_input {
+        w.gate.dtype
+    } else {
+        KvDType::F32
+    };
+    let normed = NormRows {
+        x: op.x,
+        w: op.norm,
+        eps: w.eps,
+        n,
+        dim: hidden,
+    };
+    let m_in = normed.queue(sh, norm_type, op.xn, op.half)?;
+    let m_in = if one_input {
+        m_in
+    } else {
+        as_input(sh, w.gate.dtype, m_in, n * hidden, op.half)?
+    };
     // The MLP's product, the down projection's input.
     let act = if stacked {
         // gate|up stacked at load: one GEMM gives `[n][gate | up]`; the SiLU-mul reads both
-        // halves of each row into `up`.
+        // halves of each row, into the down projection's input type where that is a half.
         unsafe { g.gemm(w.gate.dtype, 2 * inter, n, hidden, wg, m_in, op.gate) }?;
         let width = inter as i32;
+        if w.down.dtype != KvDType::F32 {
+            // SAFETY: `half` holds n x inter halves; the stream orders this after the GEMMs
+            // that read `half`.
+            unsafe {
+                sh.launch(
+                    &sh.k.silu_mul_stacked_half,
+                    grid,
+                    256,
+                    &[&op.gate, &op.half, &width, &len, &dtype_code(w.down.dtype)],
+                )?;
+            }
+            return unsafe { g.gemm_beta(w.down.dtype, hidden, n, inter, wd, op.half, op.x, 1.0) };
+        }
         unsafe {
             sh.launch(
                 &sh.k.silu_mul_stacked,
@@ -574,26 +633,30 @@ impl CudaResidual<'_> {
                 htod(at(0), f32_bytes(&all), &sh.stream)?;
             }
         }
-        let (xp, xnp, dim) = (self.x, at(xn_at), hidden as i32);
+        let xnp = at(xn_at);
         let mut y = y_at;
         let mut runs = Vec::new();
         for (k, gr) in groups.iter().enumerate() {
-            let (np, eps) = (at(k * hidden), gr.eps);
-            // SAFETY: the residual holds n rows of `hidden`, the scratch ranges are sized
-            // above.
-            unsafe {
-                sh.launch(
-                    &sh.k.rms_norm,
-                    (n as u32, 1),
-                    256,
-                    &[&xp, &np, &xnp, &dim, &eps],
-                )?;
-            }
-            let mut converted: Option<(KvDType, u64)> = None;
             let mut weights = Vec::with_capacity(gr.outs.len());
             for o in gr.outs.iter() {
                 weights.push((weight_ptr(g, sh, o.w)?, o.w.dtype, o.w.rows()));
             }
+            let Some(&(_, first, _)) = weights.first() else {
+                continue;
+            };
+            // Normed straight into the projections' type where they share one; else f32
+            // rows, converted per type below.
+            let one_type = weights.iter().all(|w| w.1 == first);
+            let norm_type = if one_type { first } else { KvDType::F32 };
+            let normed = NormRows {
+                x: self.x,
+                w: at(k * hidden),
+                eps: gr.eps,
+                n,
+                dim: hidden,
+            };
+            let input = normed.queue(sh, norm_type, xnp, half)?;
+            let mut converted: Option<(KvDType, u64)> = Some((norm_type, input));
             for run in stacked_runs(&weights, hidden) {
                 let (w_dev, dtype) = (weights[run.first].0, weights[run.first].1);
                 let rows: usize = run.rows.iter().sum();
