@@ -38,7 +38,8 @@ step decode-8k-32k "$bin" bench decode --json --device cuda --model "$model" \
 # The same full rows with every layer driven from the host (resident layers off): the A/B of
 # #21's resident path.
 step decode-8k-host-layers env DECODE_NODE_RESIDENT_LAYERS=0 "$bin" bench decode --json \
-    --device cuda --model "$model" --context 8k --modes full --tokens 64
+    --device cuda --model "$model" --context 8k --modes full,scout --budget-tokens 2048 \
+    --tokens 64
 step decode-64k "$bin" bench decode --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
 step decode-8k-batch8 "$bin" bench decode --json --device cuda --model "$model" \

@@ -13,7 +13,7 @@ pub(crate) mod gemm;
 pub mod resident;
 
 pub use cpu::CpuBackend;
-pub use resident::{ResidentKv, ResidentLayer, ResidentSeq};
+pub use resident::{NextQuery, ResidentKv, ResidentLayer, ResidentQuery, ResidentSeq};
 
 use std::sync::Arc;
 
@@ -95,30 +95,58 @@ pub trait Residual {
         logits_rows(self, head, picks.len())
     }
 
-    /// True when [`Residual::attend_resident`] runs a layer without the host.
+    /// True when this residual runs layers resident ([`resident`]): the model then drives
+    /// each layer through [`Residual::resident_project`], [`Residual::resident_attend`] and
+    /// [`Residual::resident_finish`].
     fn attends_resident(&self) -> bool {
         false
     }
 
-    /// The whole of layer `l` for the batch, its attention over each sequence's device blocks
-    /// (one [`ResidentSeq`] per row) plus the token's own key, with nothing brought back: see
-    /// [`resident`]. The layer's K and V rows wait for [`Residual::resident_kv`].
-    fn attend_resident(
+    /// A resident layer's first half for the batch, queued: `l`'s norm and q|k|v, their
+    /// biases, q/k-norm and RoPE, and with `next` the next layer's predicted query from the
+    /// same input. With `bring_back` it waits and returns the finished query rows (and the
+    /// predicted ones) for the host's planning; else nothing waits and both are empty.
+    fn resident_project(
+        &mut self,
+        l: &ResidentLayer<'_>,
+        _next: Option<NextQuery<'_>>,
+        _bring_back: bool,
+    ) -> Result<ResidentQuery, BackendError> {
+        Err(not_resident(l.layer))
+    }
+
+    /// Queues the attention of the layer [`Residual::resident_project`] began: each
+    /// sequence's device blocks (one [`ResidentSeq`] per row) and the token's own key.
+    fn resident_attend(
         &mut self,
         l: &ResidentLayer<'_>,
         _seqs: &mut [ResidentSeq<'_>],
     ) -> Result<(), BackendError> {
-        Err(BackendError::Unsupported(format!(
-            "layer {} attended where the residual is, on a residual that does not",
-            l.layer
-        )))
+        Err(not_resident(l.layer))
     }
 
-    /// After the LM head: the K and V rows of every layer [`Residual::attend_resident`] ran
-    /// this step, in layer order.
+    /// Ends the layer: merges `cpu` (per row, one partial per KV head: the CPU part; empty:
+    /// no row has one) into its attention and queues its second half.
+    fn resident_finish(
+        &mut self,
+        l: &ResidentLayer<'_>,
+        _cpu: &[Vec<Partial>],
+    ) -> Result<(), BackendError> {
+        Err(not_resident(l.layer))
+    }
+
+    /// After the LM head: the K and V rows of every layer run resident this step, in layer
+    /// order.
     fn resident_kv(&mut self) -> Result<Vec<ResidentKv>, BackendError> {
         Ok(Vec::new())
     }
+}
+
+/// A resident call on a residual that runs no layer resident.
+fn not_resident(layer: usize) -> BackendError {
+    BackendError::Unsupported(format!(
+        "layer {layer} run where the residual is, on a residual that does not"
+    ))
 }
 
 /// [`Residual::lm_head`] with every row's logits brought back (`n` rows).

@@ -1,14 +1,17 @@
-//! A decoder layer whose attention stays where the residual is (#21 items 1 and 3): where every
-//! block a layer attends is in device memory and nothing of it runs on the CPU (`full`), the
-//! device needs nothing from the host between the layer's input norm and its down projection.
-//! [`Residual::attend_resident`](super::Residual::attend_resident) runs the whole layer there: norm and q|k|v, q/k-norm and RoPE,
-//! each sequence's attention over its device blocks merged with the token's own key, the
-//! layer's second half. The new K and V rows come back once per step, after the LM head
-//! ([`Residual::resident_kv`](super::Residual::resident_kv)), for the host pool.
+//! Decoder layers driven where the residual is (#21 items 1, 3 and 5). Where every sequence
+//! of the batch has device memory, the model runs each layer in three calls on the residual:
+//! [`Residual::resident_project`](super::Residual::resident_project) queues the norm, q|k|v,
+//! their biases, q/k-norm and RoPE (and the next layer's predicted query), bringing the query
+//! rows back only where the host plans with them (sparse modes: one wait; `full`: none);
+//! [`Residual::resident_attend`](super::Residual::resident_attend) queues every sequence's
+//! attention over its device blocks and the token's own key while the CPU attends its part;
+//! [`Residual::resident_finish`](super::Residual::resident_finish) merges the CPU's partials
+//! in and queues the second half. The new K and V rows come back once per step, after the LM
+//! head ([`Residual::resident_kv`](super::Residual::resident_kv)), for the host pool.
 //!
-//! `host::attend_on_host` (tests only) is the same layer through the host-side calls in the order the model's
-//! own path makes them: what a device implementation must equal, and what the engine's tests
-//! drive without a GPU.
+//! [`host::HostLayers`] (tests only) is the same through the host-side calls in the order the
+//! model's own path makes them: what a device implementation must equal, and what the
+//! engine's tests drive without a GPU.
 
 use std::sync::Arc;
 
@@ -18,7 +21,7 @@ use super::{Backend, BackendError, DeviceKv, DeviceSeq, LayerOut, rel_diff};
 use crate::model::rope::Rotations;
 use crate::tensor::Tensor;
 
-/// A layer run by [`Residual::attend_resident`](super::Residual::attend_resident): its weights and the step's rotations.
+/// A layer run resident: its weights and the step's rotations.
 #[derive(Debug, Clone, Copy)]
 pub struct ResidentLayer<'a> {
     pub layer: usize,
@@ -63,6 +66,23 @@ impl std::fmt::Debug for ResidentSeq<'_> {
     }
 }
 
+/// What the next layer's predicted query is made of (scout's layer-ahead selection): its
+/// input norm, its q projection and q-norm, over this layer's input.
+#[derive(Debug, Clone, Copy)]
+pub struct NextQuery<'a> {
+    pub norm: &'a [f32],
+    pub q: (&'a Tensor, Option<&'a [f32]>),
+    pub q_norm: Option<&'a [f32]>,
+}
+
+/// A resident layer's query rows brought back for planning, `[batch][num_heads * head_dim]`:
+/// the layer's own (normed, rotated) and the next layer's predicted one (empty where none).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ResidentQuery {
+    pub q: Vec<f32>,
+    pub next: Vec<f32>,
+}
+
 /// A resident layer's new K (normed, rotated) and V rows, `[batch][num_kv_heads * head_dim]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResidentKv {
@@ -90,25 +110,18 @@ pub(crate) fn norm_rope<B: Backend + ?Sized>(
     }
 }
 
-/// One sequence's attention output `out` (`[num_heads * head_dim]`): each KV head's partial of
-/// `parts` merged with the token's own key, its rows `q` (`[num_heads * head_dim]`), `k` and
-/// `v` (`[num_kv_heads * head_dim]`).
-fn with_own_key(
-    parts: Vec<Partial>,
-    (q, k, v): (&[f32], &[f32], &[f32]),
-    scale: f32,
-    out: &mut [f32],
-) {
+/// Each KV head's partial of `parts` (one sequence's) merged with the token's own key: its
+/// rows `q` (`[num_heads * head_dim]`), `k` and `v` (`[num_kv_heads * head_dim]`).
+fn merge_own_key(parts: &mut [Partial], (q, k, v): (&[f32], &[f32], &[f32]), scale: f32) {
     let hk = parts.len().max(1);
     let (per_q, d) = (q.len() / hk, k.len() / hk);
-    for (h, mut p) in parts.into_iter().enumerate() {
+    for (h, p) in parts.iter_mut().enumerate() {
         p.merge_from(&Partial::of_one_key(
             &q[h * per_q..(h + 1) * per_q],
             &k[h * d..(h + 1) * d],
             &v[h * d..(h + 1) * d],
             scale,
         ));
-        out[h * per_q..(h + 1) * per_q].copy_from_slice(&p.out);
     }
 }
 
@@ -150,45 +163,90 @@ fn probe_kv(geom: &BlockGeometry, n: usize) -> MemKv {
 }
 
 /// One sequence over [`MemKv`] with every block in the slot of its own index, attended
-/// resident or through [`crate::model::DecodeAttention::attend`].
+/// resident or through [`crate::model::DecodeAttention::attend`]: every block on the device,
+/// or (`split`) the even ones on the device and the odd ones as a CPU part by the real query.
 struct Probe {
     kv: MemKv,
+    geom: BlockGeometry,
     dev: Box<dyn DeviceSeq>,
-    num_kv_heads: usize,
     scale: f32,
     resident: bool,
+    split: bool,
+    /// The query rows a resident layer was planned with, for its CPU part.
+    q: Vec<f32>,
     /// The layers that ran resident.
     resident_layers: usize,
 }
 
 impl Probe {
+    /// Per KV head: the device blocks.
     fn lists(&self) -> Vec<Vec<DeviceBlock>> {
-        let blocks = self.kv.blocks.len();
-        let all: Vec<DeviceBlock> = (0..blocks)
+        let step = if self.split { 2 } else { 1 };
+        let all: Vec<DeviceBlock> = (0..self.kv.blocks.len())
+            .step_by(step)
             .map(|block| DeviceBlock {
                 block,
                 slot: block as u32,
             })
             .collect();
-        vec![all; self.num_kv_heads]
+        vec![all; self.geom.num_kv_heads]
+    }
+
+    /// Per KV head: the CPU part with `q` (`[num_heads * head_dim]`); empty unless `split`.
+    fn cpu_part(&self, layer: usize, q: &[f32]) -> Vec<Partial> {
+        if !self.split {
+            return Vec::new();
+        }
+        let hk = self.geom.num_kv_heads;
+        let per = q.len() / hk;
+        let odd: Vec<usize> = (1..self.kv.blocks.len()).step_by(2).collect();
+        (0..hk)
+            .map(|head| {
+                let hq = attention::HeadQuery {
+                    layer,
+                    head,
+                    q: &q[head * per..(head + 1) * per],
+                    scale: self.scale,
+                };
+                attention::attend_head(&self.geom, &self.kv, hq, &odd, &mut Default::default())
+            })
+            .collect()
     }
 }
 
 impl crate::model::DecodeAttention for Probe {
-    fn resident(
+    fn resident_ok(&self) -> bool {
+        self.resident
+    }
+
+    fn needs_query(&self, _layer: usize) -> bool {
+        self.split
+    }
+
+    fn plan_resident(
         &mut self,
         _layer: usize,
-    ) -> Result<Option<Vec<ResidentSeq<'_>>>, crate::model::ModelError> {
-        if !self.resident {
-            return Ok(None);
-        }
+        q: &[f32],
+    ) -> Result<Vec<ResidentSeq<'_>>, crate::model::ModelError> {
         self.resident_layers += 1;
+        self.q = q.to_vec();
         let blocks = self.lists();
-        Ok(Some(vec![ResidentSeq {
+        Ok(vec![ResidentSeq {
             kv: &self.kv,
             dev: self.dev.as_mut(),
             blocks,
-        }]))
+        }])
+    }
+
+    fn finish_resident(
+        &mut self,
+        layer: usize,
+    ) -> Result<Vec<Vec<Partial>>, crate::model::ModelError> {
+        Ok(if self.split {
+            vec![self.cpu_part(layer, &self.q)]
+        } else {
+            Vec::new()
+        })
     }
 
     fn attend(
@@ -201,8 +259,16 @@ impl crate::model::DecodeAttention for Probe {
     ) -> Result<(), crate::model::ModelError> {
         let lists = self.lists();
         let lists: Vec<&[DeviceBlock]> = lists.iter().map(Vec::as_slice).collect();
-        let parts = self.dev.attend(&self.kv, layer, &lists, q, self.scale)?;
-        with_own_key(parts, (q, k, v), self.scale, out);
+        let mut parts = self.dev.attend(&self.kv, layer, &lists, q, self.scale)?;
+        merge_own_key(&mut parts, (q, k, v), self.scale);
+        let cpu = self.cpu_part(layer, q);
+        let per = q.len() / parts.len().max(1);
+        for (h, p) in parts.iter_mut().enumerate() {
+            if let Some(c) = cpu.get(h) {
+                p.merge_from(c);
+            }
+            out[h * per..(h + 1) * per].copy_from_slice(&p.out);
+        }
         Ok(())
     }
 }
@@ -210,10 +276,11 @@ impl crate::model::DecodeAttention for Probe {
 /// Tokens of the KV the resident check attends: more than one block, the last one partial.
 const PROBE_TOKENS: usize = 40;
 
-/// How far a decode step with resident layers ([`Residual::attend_resident`](super::Residual::attend_resident)) is from the
-/// host path's, relative to the largest logit, on one sequence of `PROBE_TOKENS` tokens of
-/// KV in `dev`; and the error of the resident run where it failed (the distance is then
-/// infinite). A backend that does not attend resident gives 0.
+/// How far a decode step with resident layers is from the host path's, relative to the
+/// largest logit (the worse of two shapes: every block on the device, and half of them a CPU
+/// part merged on the device), on one sequence of `PROBE_TOKENS` tokens of KV in `dev`; and
+/// the error of the resident run where it failed (the distance is then infinite). A backend
+/// that does not run layers resident gives 0.
 pub fn resident_diff(
     model: &crate::model::Model,
     dev: &Arc<dyn DeviceKv>,
@@ -224,9 +291,11 @@ pub fn resident_diff(
     let mut probe = Probe {
         dev: Arc::clone(dev).new_seq(cfg.num_layers, kv.blocks.len()),
         kv,
-        num_kv_heads: cfg.num_kv_heads,
+        geom: *geom,
         scale: model.attn_scale(),
         resident: false,
+        split: false,
+        q: Vec::new(),
         resident_layers: 0,
     };
     let vocab = cfg.vocab_size as u32;
@@ -243,88 +312,166 @@ pub fn resident_diff(
             )),
         }
     };
-    let want = logits(&mut probe)?;
-    probe.resident = true;
-    let got = match logits(&mut probe) {
-        Ok(l) => l,
-        Err(e) => return Ok((f64::INFINITY, Some(e))),
-    };
-    if probe.resident_layers == 0 {
-        return Ok((0.0, None));
+    let mut worst = 0f64;
+    for split in [false, true] {
+        probe.split = split;
+        probe.resident = false;
+        let want = logits(&mut probe)?;
+        probe.resident = true;
+        let got = match logits(&mut probe) {
+            Ok(l) => l,
+            Err(e) => return Ok((f64::INFINITY, Some(e))),
+        };
+        if probe.resident_layers == 0 {
+            return Ok((0.0, None));
+        }
+        let d = rel_diff(&got, &want);
+        worst = if d.is_nan() { d } else { worst.max(d) };
     }
-    Ok((rel_diff(&got, &want), None))
+    Ok((worst, None))
 }
 
-/// The resident layer through the host-side calls, for the engine's tests.
+/// Resident layers through the host-side calls, for the engine's tests.
 #[cfg(test)]
 pub(crate) mod host {
     use super::*;
     use crate::backend::{LinearOut, NormProject, Residual};
 
-    /// [`Residual::attend_resident`](super::Residual::attend_resident) through `r`'s host-side calls, in the order the model's own
-    /// path makes them (so with the same sums): the layer's K and V rows.
-    pub(crate) fn attend_on_host<R: Residual + ?Sized, B: Backend + ?Sized>(
-        r: &mut R,
-        b: &B,
-        l: &ResidentLayer<'_>,
-        seqs: &mut [ResidentSeq<'_>],
-    ) -> Result<ResidentKv, BackendError> {
-        let n = l.rot.positions();
-        let (hd, hk) = (l.head_dim, l.num_kv_heads);
-        let width = l.num_heads * hd;
-        let group = l.num_heads / hk.max(1);
-        if seqs.len() != n || hk == 0 || group * hk != l.num_heads {
-            return Err(BackendError::Unsupported(format!(
-                "a resident layer of {} sequences for {n} rows, {} query and {hk} KV heads",
-                seqs.len(),
-                l.num_heads
-            )));
-        }
-        let (mut q, mut k, mut v) = (
-            vec![0f32; n * l.q.0.rows()],
-            vec![0f32; n * l.k.0.rows()],
-            vec![0f32; n * l.v.0.rows()],
-        );
-        fn out<'a>((w, bias): (&'a Tensor, Option<&'a [f32]>), y: &'a mut [f32]) -> LinearOut<'a> {
-            LinearOut { w, bias, y }
-        }
-        r.norm_project(&mut [NormProject {
-            norm: l.norm,
-            eps: l.eps,
-            outs: &mut [out(l.q, &mut q), out(l.k, &mut k), out(l.v, &mut v)],
-        }])?;
-        norm_rope(b, &mut q, l.q_norm, l.eps, l.rot);
-        norm_rope(b, &mut k, l.k_norm, l.eps, l.rot);
-        for (i, s) in seqs.iter_mut().enumerate() {
-            let lists: Vec<&[DeviceBlock]> = s.blocks.iter().map(Vec::as_slice).collect();
-            s.dev.submit(
-                s.kv,
-                l.layer,
-                &lists,
-                &q[i * width..(i + 1) * width],
-                l.scale,
-            )?;
-        }
-        let mut attn = vec![0f32; n * width];
-        for (i, s) in seqs.iter_mut().enumerate() {
-            let parts = s.dev.collect()?;
-            let kvw = hk * hd;
-            with_own_key(
-                parts,
-                (
-                    &q[i * width..(i + 1) * width],
-                    &k[i * kvw..(i + 1) * kvw],
-                    &v[i * kvw..(i + 1) * kvw],
-                ),
-                l.scale,
-                &mut attn[i * width..(i + 1) * width],
+    /// The layer between its calls.
+    #[derive(Debug)]
+    struct Layer {
+        q: Vec<f32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        /// Per row, per KV head: the device part and the token's own key.
+        parts: Vec<Vec<Partial>>,
+    }
+
+    /// Resident layers on the host: the calls of [`Residual`]'s resident path for a residual
+    /// `r` of backend `b`, each in the order the model's own path makes them (so with the
+    /// same sums).
+    #[derive(Debug, Default)]
+    pub(crate) struct HostLayers {
+        layer: Option<Layer>,
+        kv: Vec<ResidentKv>,
+    }
+
+    fn out<'a>((w, bias): (&'a Tensor, Option<&'a [f32]>), y: &'a mut [f32]) -> LinearOut<'a> {
+        LinearOut { w, bias, y }
+    }
+
+    impl HostLayers {
+        pub(crate) fn project<R: Residual + ?Sized, B: Backend + ?Sized>(
+            &mut self,
+            r: &mut R,
+            b: &B,
+            l: &ResidentLayer<'_>,
+            next: Option<NextQuery<'_>>,
+            bring_back: bool,
+        ) -> Result<ResidentQuery, BackendError> {
+            let n = l.rot.positions();
+            let (mut q, mut k, mut v) = (
+                vec![0f32; n * l.q.0.rows()],
+                vec![0f32; n * l.k.0.rows()],
+                vec![0f32; n * l.v.0.rows()],
             );
+            let mut qn = vec![0f32; next.map_or(0, |nq| n * nq.q.0.rows())];
+            let mut pred = next.map(|nq| [out(nq.q, &mut qn)]);
+            let mut qkv = [out(l.q, &mut q), out(l.k, &mut k), out(l.v, &mut v)];
+            let mut groups = Vec::with_capacity(2);
+            if let (Some(nq), Some(p)) = (next, pred.as_mut()) {
+                groups.push(NormProject {
+                    norm: nq.norm,
+                    eps: l.eps,
+                    outs: p,
+                });
+            }
+            groups.push(NormProject {
+                norm: l.norm,
+                eps: l.eps,
+                outs: &mut qkv,
+            });
+            r.norm_project(&mut groups)?;
+            drop(groups);
+            if let Some(nq) = next {
+                norm_rope(b, &mut qn, nq.q_norm, l.eps, l.rot);
+            }
+            norm_rope(b, &mut q, l.q_norm, l.eps, l.rot);
+            norm_rope(b, &mut k, l.k_norm, l.eps, l.rot);
+            let back = ResidentQuery {
+                q: if bring_back { q.clone() } else { Vec::new() },
+                next: if bring_back { qn } else { Vec::new() },
+            };
+            self.layer = Some(Layer {
+                q,
+                k,
+                v,
+                parts: Vec::new(),
+            });
+            Ok(back)
         }
-        r.finish_layer(&attn, l.out)?;
-        Ok(ResidentKv {
-            layer: l.layer,
-            k,
-            v,
-        })
+
+        pub(crate) fn attend(
+            &mut self,
+            l: &ResidentLayer<'_>,
+            seqs: &mut [ResidentSeq<'_>],
+        ) -> Result<(), BackendError> {
+            let Some(st) = self.layer.as_mut() else {
+                return Err(BackendError::Unsupported("attend before project".into()));
+            };
+            let (hd, hk) = (l.head_dim, l.num_kv_heads);
+            let (width, kvw) = (l.num_heads * hd, hk * hd);
+            for (i, s) in seqs.iter_mut().enumerate() {
+                let lists: Vec<&[DeviceBlock]> = s.blocks.iter().map(Vec::as_slice).collect();
+                let qi = &st.q[i * width..(i + 1) * width];
+                s.dev.submit(s.kv, l.layer, &lists, qi, l.scale)?;
+            }
+            st.parts = Vec::with_capacity(seqs.len());
+            for (i, s) in seqs.iter_mut().enumerate() {
+                let mut parts = s.dev.collect()?;
+                let rows = (
+                    &st.q[i * width..(i + 1) * width],
+                    &st.k[i * kvw..(i + 1) * kvw],
+                    &st.v[i * kvw..(i + 1) * kvw],
+                );
+                merge_own_key(&mut parts, rows, l.scale);
+                st.parts.push(parts);
+            }
+            Ok(())
+        }
+
+        pub(crate) fn finish<R: Residual + ?Sized>(
+            &mut self,
+            r: &mut R,
+            l: &ResidentLayer<'_>,
+            cpu: &[Vec<Partial>],
+        ) -> Result<(), BackendError> {
+            let Some(mut st) = self.layer.take() else {
+                return Err(BackendError::Unsupported("finish before project".into()));
+            };
+            let width = l.num_heads * l.head_dim;
+            let mut attn = vec![0f32; st.parts.len() * width];
+            for (i, parts) in st.parts.iter_mut().enumerate() {
+                let row = &mut attn[i * width..(i + 1) * width];
+                let per = width / parts.len().max(1);
+                for (h, p) in parts.iter_mut().enumerate() {
+                    if let Some(c) = cpu.get(i).and_then(|c| c.get(h)) {
+                        p.merge_from(c);
+                    }
+                    row[h * per..(h + 1) * per].copy_from_slice(&p.out);
+                }
+            }
+            r.finish_layer(&attn, l.out)?;
+            self.kv.push(ResidentKv {
+                layer: l.layer,
+                k: st.k,
+                v: st.v,
+            });
+            Ok(())
+        }
+
+        pub(crate) fn take_kv(&mut self) -> Vec<ResidentKv> {
+            std::mem::take(&mut self.kv)
+        }
     }
 }

@@ -115,6 +115,8 @@ pub(crate) struct BatchAttention<'a> {
     pub(crate) timing: AttnTiming,
     /// This step's guard checks, for the per-layer metrics.
     pub(crate) guard_checks: Vec<GuardCheck>,
+    /// Per sequence, the resident layer planned last: its plans and CPU part.
+    resident_pending: Vec<(Vec<HeadPlan>, Option<CpuJob>)>,
     /// Each layer's plans, whether its CPU part used the predicted query, and each head's
     /// resident blocks when the plan was made (a recall after the layer changes them).
     #[cfg(test)]
@@ -227,6 +229,7 @@ impl<'a> BatchAttention<'a> {
             deferred: None,
             timing: AttnTiming::default(),
             guard_checks: Vec::new(),
+            resident_pending: Vec::new(),
             #[cfg(test)]
             plan_log: Vec::new(),
         }
@@ -374,6 +377,28 @@ impl<'a> BatchAttention<'a> {
         self.timing.ahead += t.elapsed().as_secs_f64();
     }
 
+    /// Records sequence `b`'s `layer` as attended by `plans` and starts the recall it calls
+    /// for: the blocks the CPU attended, copied to the device on the recall stream.
+    fn finish_plans(
+        &mut self,
+        b: usize,
+        layer: usize,
+        plans: &[HeadPlan],
+    ) -> Result<(), ModelError> {
+        let slot = &mut self.slots[b];
+        slot.seq.finish_layer(self.cfg, layer, plans);
+        if let Some(dev) = slot.dev.as_deref_mut() {
+            let recalled: Vec<Vec<DeviceBlock>> = (0..self.shape.num_kv_heads)
+                .map(|h| slot.seq.recalled(layer, h))
+                .collect();
+            if recalled.iter().any(|r| !r.is_empty()) {
+                let lists: Vec<&[DeviceBlock]> = recalled.iter().map(Vec::as_slice).collect();
+                dev.recall(slot.kv.as_ref(), layer, &lists)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Measures the prediction's hit ratio against a selection with the real query: sampled,
     /// as that costs as much as the selection itself.
     fn sample_prediction(&mut self, b: usize, layer: usize, qb: &[f32], a: &Ahead) {
@@ -406,26 +431,55 @@ impl DecodeAttention for BatchAttention<'_> {
         self.deferred = Some((layer, q_pred.to_vec()));
     }
 
-    fn resident(&mut self, layer: usize) -> Result<Option<Vec<ResidentSeq<'_>>>, ModelError> {
-        // Only `full` attends every block on the device with no CPU part and no selection.
-        if self.cfg.mode != Mode::Full || self.slots.iter().any(|s| s.dev.is_none()) {
-            return Ok(None);
-        }
+    fn resident_ok(&self) -> bool {
+        self.slots.iter().all(|s| s.dev.is_some())
+    }
+
+    fn needs_query(&self, _layer: usize) -> bool {
+        // `full` plans read no query and have no CPU part.
+        self.cfg.mode != Mode::Full
+    }
+
+    fn plan_resident(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+    ) -> Result<Vec<ResidentSeq<'_>>, ModelError> {
         let t = Instant::now();
         let hk = self.shape.num_kv_heads;
+        let width = self.shape.num_heads * self.shape.head_dim;
+        if self.deferred.as_ref().is_some_and(|d| d.0 <= layer) {
+            self.plan_ahead();
+        }
         let mut lists = Vec::with_capacity(self.slots.len());
+        self.resident_pending.clear();
         for b in 0..self.slots.len() {
-            let keys = self.block_keys(b);
-            let seq = &mut *self.slots[b].seq;
-            // `full` plans read no query.
-            let plans = seq.plan_layer(self.cfg, layer, &[], keys);
+            let (plans, job) = if self.cfg.mode == Mode::Full {
+                let keys = self.block_keys(b);
+                (
+                    self.slots[b].seq.plan_layer(self.cfg, layer, &[], keys),
+                    None,
+                )
+            } else {
+                let qb = q.get(b * width..(b + 1) * width).ok_or_else(|| {
+                    ModelError::Attention(format!(
+                        "{} query floats for a batch of {}",
+                        q.len(),
+                        self.slots.len()
+                    ))
+                })?;
+                let (plans, job, _) = self.plans_for(b, layer, qb)?;
+                (plans, job)
+            };
+            let seq = &*self.slots[b].seq;
             let blocks = (0..hk)
                 .map(|h| seq.device_blocks(layer, h, &plans[h].device))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| ModelError::Attention(e.to_string()))?;
-            seq.finish_layer(self.cfg, layer, &plans);
             lists.push(blocks);
+            self.resident_pending.push((plans, job));
         }
+        self.timing.plan += t.elapsed().as_secs_f64();
         let seqs = self
             .slots
             .iter_mut()
@@ -439,8 +493,34 @@ impl DecodeAttention for BatchAttention<'_> {
                 })
             })
             .collect();
-        self.timing.plan += t.elapsed().as_secs_f64();
-        Ok(Some(seqs))
+        Ok(seqs)
+    }
+
+    fn finish_resident(&mut self, layer: usize) -> Result<Vec<Vec<Partial>>, ModelError> {
+        // The next layer's selection by its predicted query, while the device attends.
+        self.plan_ahead();
+        let hk = self.shape.num_kv_heads;
+        let group = self.shape.num_heads / hk.max(1);
+        let pending = std::mem::take(&mut self.resident_pending);
+        let any_cpu = pending.iter().any(|(_, job)| job.is_some());
+        let mut cpu = Vec::with_capacity(if any_cpu { pending.len() } else { 0 });
+        for (b, (plans, job)) in pending.into_iter().enumerate() {
+            let t = Instant::now();
+            if let Some(job) = &job {
+                cpu.push(self.wait(b, job)?);
+            } else if any_cpu {
+                cpu.push(
+                    (0..hk)
+                        .map(|_| Partial::empty(group, self.shape.head_dim))
+                        .collect(),
+                );
+            }
+            let t_fin = Instant::now();
+            self.timing.device += (t_fin - t).as_secs_f64();
+            self.finish_plans(b, layer, &plans)?;
+            self.timing.finish += t_fin.elapsed().as_secs_f64();
+        }
+        Ok(cpu)
     }
 
     fn resident_kv(&mut self, layer: usize, k: &[f32], v: &[f32]) {
@@ -545,18 +625,8 @@ impl DecodeAttention for BatchAttention<'_> {
             }
             let t_fin = Instant::now();
             self.timing.device += (t_fin - t_dev).as_secs_f64();
+            self.finish_plans(b, layer, &plans)?;
             let slot = &mut self.slots[b];
-            slot.seq.finish_layer(self.cfg, layer, &plans);
-            if let Some(dev) = slot.dev.as_deref_mut() {
-                // Recall: copy what the CPU did to the device now, on the recall stream.
-                let recalled: Vec<Vec<DeviceBlock>> = (0..num_kv_heads)
-                    .map(|h| slot.seq.recalled(layer, h))
-                    .collect();
-                if recalled.iter().any(|r| !r.is_empty()) {
-                    let lists: Vec<&[DeviceBlock]> = recalled.iter().map(Vec::as_slice).collect();
-                    dev.recall(slot.kv.as_ref(), layer, &lists)?;
-                }
-            }
             slot.new_k[layer].copy_from_slice(kb);
             slot.new_v[layer].copy_from_slice(vb);
             self.timing.finish += t_fin.elapsed().as_secs_f64();

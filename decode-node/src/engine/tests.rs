@@ -691,6 +691,9 @@ struct TestDevice {
     /// The resident path attends with twice the softmax scale: wrong, for the start check.
     wrong_resident: bool,
     resident_layers: Arc<std::sync::atomic::AtomicUsize>,
+    /// Resident layers that brought their query back, and that merged a CPU part.
+    resident_queries: Arc<std::sync::atomic::AtomicUsize>,
+    resident_cpu_parts: Arc<std::sync::atomic::AtomicUsize>,
     picked: Arc<std::sync::atomic::AtomicUsize>,
     collected: Arc<std::sync::atomic::AtomicUsize>,
     idle_reads: std::sync::atomic::AtomicU64,
@@ -733,7 +736,7 @@ impl crate::backend::Backend for TestDevice {
         Ok(Box::new(ResidentResidual {
             inner: picking,
             dev: self,
-            kv: Vec::new(),
+            layers: Default::default(),
         }))
     }
 
@@ -772,12 +775,12 @@ impl crate::backend::Backend for TestDevice {
     }
 }
 
-/// A residual that attends resident layers through the host calls
-/// ([`crate::backend::resident::attend_on_host`]), counting them.
+/// A residual that runs resident layers through the host calls
+/// ([`crate::backend::resident::host::HostLayers`]), counting them.
 struct ResidentResidual<'a, R> {
     inner: R,
     dev: &'a TestDevice,
-    kv: Vec<crate::backend::ResidentKv>,
+    layers: crate::backend::resident::host::HostLayers,
 }
 
 impl<R: crate::backend::Residual> crate::backend::Residual for ResidentResidual<'_, R> {
@@ -808,42 +811,116 @@ impl<R: crate::backend::Residual> crate::backend::Residual for ResidentResidual<
         true
     }
 
-    fn attend_resident(
+    fn resident_project(
+        &mut self,
+        l: &crate::backend::ResidentLayer<'_>,
+        next: Option<crate::backend::NextQuery<'_>>,
+        bring_back: bool,
+    ) -> Result<crate::backend::ResidentQuery, crate::backend::BackendError> {
+        self.dev
+            .resident_layers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if bring_back {
+            self.dev
+                .resident_queries
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.layers
+            .project(&mut self.inner, self.dev, l, next, bring_back)
+    }
+
+    fn resident_attend(
         &mut self,
         l: &crate::backend::ResidentLayer<'_>,
         seqs: &mut [crate::backend::ResidentSeq<'_>],
     ) -> Result<(), crate::backend::BackendError> {
-        let l = crate::backend::ResidentLayer {
-            scale: if self.dev.wrong_resident {
-                2.0 * l.scale
-            } else {
-                l.scale
-            },
+        let wrong = crate::backend::ResidentLayer {
+            scale: 2.0 * l.scale,
             ..*l
         };
-        let kv =
-            crate::backend::resident::host::attend_on_host(&mut self.inner, self.dev, &l, seqs)?;
-        self.kv.push(kv);
-        self.dev
-            .resident_layers
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
+        let l = if self.dev.wrong_resident { &wrong } else { l };
+        self.layers.attend(l, seqs)
+    }
+
+    fn resident_finish(
+        &mut self,
+        l: &crate::backend::ResidentLayer<'_>,
+        cpu: &[Vec<attention::Partial>],
+    ) -> Result<(), crate::backend::BackendError> {
+        if !cpu.is_empty() {
+            self.dev
+                .resident_cpu_parts
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.layers.finish(&mut self.inner, l, cpu)
     }
 
     fn resident_kv(
         &mut self,
     ) -> Result<Vec<crate::backend::ResidentKv>, crate::backend::BackendError> {
-        Ok(std::mem::take(&mut self.kv))
+        Ok(self.layers.take_kv())
     }
 }
 
-/// Layers attended where the residual is (`full`, every block on the device) give the greedy
-/// tokens of full prefills, the K and V rows they hand back grow the host pool rightly (later
-/// steps attend them), and scout's layers never go that way. A resident path that is wrong
+/// Layers run where the residual is give the greedy tokens of full prefills in every mode:
+/// `full` (nothing brought back, no CPU part), `scout` with a budget that leaves blocks to the
+/// CPU (its query brought back for planning, the layer-ahead prediction made in the same call,
+/// the CPU partials merged where the residual is), and `recall`. The K and V rows they hand
+/// back grow the host pool rightly (later steps attend them). A resident path that is wrong
 /// is caught by the start check, and the layers then attend through the host.
 #[test]
-fn layers_attended_where_the_residual_is_equal_the_host_path() {
-    for (mode, wrong) in [("full", false), ("scout", false), ("full", true)] {
+fn layers_run_where_the_residual_is_equal_the_host_path() {
+    let cases: [(&[&str], bool); 4] = [
+        (&["--attention", "full"], false),
+        (
+            &[
+                "--attention",
+                "scout",
+                "--block-size",
+                "8",
+                "--budget-tokens",
+                "48",
+                "--device-blocks",
+                "2",
+                "--guard-min-cosine=-1",
+            ],
+            false,
+        ),
+        (
+            &[
+                "--attention",
+                "recall",
+                "--block-size",
+                "8",
+                "--budget-tokens",
+                "48",
+                "--device-blocks",
+                "2",
+            ],
+            false,
+        ),
+        (&["--attention", "full"], true),
+    ];
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 7 + 60)).collect();
+    // The same engine with its layers attended through the host.
+    let through_host = |flags: &[&str]| -> Vec<Vec<u32>> {
+        let dev = Arc::new(TestDevice {
+            kv: true,
+            ..TestDevice::default()
+        });
+        let model = Arc::new(crate::model::load("tiny", dev).unwrap());
+        let rig = Rig::start_with(3, 1 << 30, Some(model), flags);
+        let mut streams: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| rig.submit(&format!("r{i}"), p, 6))
+            .collect();
+        let ids = streams.iter_mut().map(|rx| drain(rx).0).collect();
+        rig.wait_pool_empty();
+        ids
+    };
+    for (flags, wrong) in cases {
+        let want = through_host(flags);
         let dev = Arc::new(TestDevice {
             kv: true,
             resident: true.into(),
@@ -851,29 +928,42 @@ fn layers_attended_where_the_residual_is_equal_the_host_path() {
             ..TestDevice::default()
         });
         let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
-        let rig = Rig::start_with(3, 1 << 30, Some(model), &["--attention", mode]);
-        let at_start = dev
-            .resident_layers
-            .load(std::sync::atomic::Ordering::Relaxed);
-        let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 7 + 40)).collect();
+        let rig = Rig::start_with(3, 1 << 30, Some(model), flags);
+        let count =
+            |c: &Arc<std::sync::atomic::AtomicUsize>| c.load(std::sync::atomic::Ordering::Relaxed);
+        let at_start = [
+            count(&dev.resident_layers),
+            count(&dev.resident_queries),
+            count(&dev.resident_cpu_parts),
+        ];
         let mut streams: Vec<_> = prompts
             .iter()
             .enumerate()
             .map(|(i, p)| rig.submit(&format!("r{i}"), p, 6))
             .collect();
-        for (p, rx) in prompts.iter().zip(&mut streams) {
+        for ((p, rx), want) in prompts.iter().zip(&mut streams).zip(&want) {
             let (ids, _) = drain(rx);
-            assert_eq!(ids, rig.reference(p, 6), "{mode} wrong={wrong}");
+            assert_eq!(&ids, want, "{flags:?} wrong={wrong}");
+            if flags[1] == "full" {
+                assert_eq!(ids, rig.reference(p, 6), "{flags:?} wrong={wrong}");
+            }
         }
-        let ran = dev
-            .resident_layers
-            .load(std::sync::atomic::Ordering::Relaxed)
-            - at_start;
+        let [layers, queries, cpu] = [
+            count(&dev.resident_layers) - at_start[0],
+            count(&dev.resident_queries) - at_start[1],
+            count(&dev.resident_cpu_parts) - at_start[2],
+        ];
         let on = crate::backend::Backend::attention_on_device(&*dev);
-        match (mode, wrong) {
-            ("full", false) => assert!(on && ran >= 10, "resident layers ran: {ran}"),
-            ("scout", _) => assert!(on && ran == 0, "scout ran {ran} resident layers"),
-            _ => assert!(!on && ran == 0, "the check turned it off: {on} {ran}"),
+        match (flags[1], wrong) {
+            ("full", false) => assert!(
+                on && layers >= 10 && queries == 0 && cpu == 0,
+                "{layers} {queries} {cpu}"
+            ),
+            (_, false) => assert!(
+                on && layers >= 10 && queries == layers && cpu > 0,
+                "{flags:?}: {layers} {queries} {cpu}"
+            ),
+            _ => assert!(!on && layers == 0, "the check turned it off: {on} {layers}"),
         }
         rig.wait_pool_empty();
     }

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use attention::Partial;
 use rayon::prelude::*;
 
 use super::ModelError;
@@ -13,8 +14,8 @@ use super::rope::{self, Rotations};
 use super::weights::{Tensor, WeightMap};
 use crate::backend::gemm::{Mat, MatMut, gemm};
 use crate::backend::{
-    Backend, BackendError, HostResidual, LayerOut, LinearOut, LmHead, NormProject, ResidentLayer,
-    ResidentSeq, Residual, rel_diff,
+    Backend, BackendError, HostResidual, LayerOut, LinearOut, LmHead, NextQuery, NormProject,
+    ResidentLayer, ResidentSeq, Residual, rel_diff,
 };
 
 /// A projection: weight `[out][in]` and optional bias.
@@ -51,12 +52,33 @@ pub trait DecodeAttention: Send {
     /// Called at the start of layer `layer - 1` with layer `layer`'s predicted query
     /// (`[batch][num_heads * head_dim]`, after q-norm and RoPE).
     fn predicted(&mut self, _layer: usize, _q_pred: &[f32]) {}
-    /// Where every sequence attends all of `layer` on the device and nothing on the CPU: one
-    /// [`ResidentSeq`] per row, for a residual that runs the layer there
-    /// ([`crate::backend::Residual::attend_resident`]); the layer's bookkeeping is then done.
-    /// `None`: the layer goes through [`DecodeAttention::attend`].
-    fn resident(&mut self, _layer: usize) -> Result<Option<Vec<ResidentSeq<'_>>>, ModelError> {
-        Ok(None)
+    /// True when every sequence can run its layers resident (each has device memory): a
+    /// residual that runs them ([`crate::backend::Residual::attends_resident`]) is then
+    /// driven through [`DecodeAttention::plan_resident`] and
+    /// [`DecodeAttention::finish_resident`] instead of [`DecodeAttention::attend`].
+    fn resident_ok(&self) -> bool {
+        false
+    }
+    /// True when planning `layer` needs its query rows on the host (selection, a CPU part).
+    fn needs_query(&self, _layer: usize) -> bool {
+        true
+    }
+    /// Plans resident layer `layer` by its query rows `q` (`[batch][num_heads*head_dim]`;
+    /// empty where [`DecodeAttention::needs_query`] is false) and starts every CPU part: one
+    /// [`ResidentSeq`] per row, its device blocks.
+    fn plan_resident(
+        &mut self,
+        layer: usize,
+        _q: &[f32],
+    ) -> Result<Vec<ResidentSeq<'_>>, ModelError> {
+        Err(ModelError::Attention(format!(
+            "layer {layer} planned resident by an attention that does not"
+        )))
+    }
+    /// Waits for resident layer `layer`'s CPU parts and ends its bookkeeping: per row, one
+    /// partial per KV head (empty: no row has a CPU part).
+    fn finish_resident(&mut self, _layer: usize) -> Result<Vec<Vec<Partial>>, ModelError> {
+        Ok(Vec::new())
     }
     /// After the step: the K and V rows (`[batch][num_kv_heads*head_dim]`) of a layer that ran
     /// resident.
@@ -449,10 +471,7 @@ impl Model {
         let lin = |l: &'a Linear| (&l.w, l.b.as_deref());
         let resident = r.attends_resident();
         for (i, layer) in self.layers.iter().enumerate() {
-            if resident
-                && !attn.wants_prediction(i + 1)
-                && let Some(mut seqs) = attn.resident(i)?
-            {
+            if resident && attn.resident_ok() {
                 let l = ResidentLayer {
                     layer: i,
                     num_layers: self.layers.len(),
@@ -470,7 +489,25 @@ impl Model {
                     scale: self.attn_scale(),
                     out: self.layer_out(layer),
                 };
-                r.attend_resident(&l, &mut seqs)?;
+                let next = self
+                    .layers
+                    .get(i + 1)
+                    .filter(|_| attn.wants_prediction(i + 1))
+                    .map(|nl| NextQuery {
+                        norm: &nl.input_norm,
+                        q: lin(&nl.q),
+                        q_norm: nl.q_norm.as_deref(),
+                    });
+                let back = attn.needs_query(i) || next.is_some();
+                let rq = r.resident_project(&l, next, back)?;
+                if next.is_some() {
+                    attn.predicted(i + 1, &rq.next);
+                }
+                let mut seqs = attn.plan_resident(i, &rq.q)?;
+                r.resident_attend(&l, &mut seqs)?;
+                drop(seqs);
+                let cpu = attn.finish_resident(i)?;
+                r.resident_finish(&l, &cpu)?;
                 continue;
             }
             // Layer-ahead: layer i+1's query from layer i's input (residuals change it little),

@@ -19,7 +19,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use attention::{DeviceBlock, KvDType};
+use attention::{DeviceBlock, KvDType, Partial};
 
 use cudarc::driver::{result as drv, sys};
 
@@ -30,8 +30,8 @@ use super::store::{CudaSeq, ResidentRows};
 use super::{BackendError, CudaBackend};
 pub(super) use crate::backend::rel_diff;
 use crate::backend::{
-    LayerOut, LinearOut, LmHead, NormProject, ResidentKv, ResidentLayer, ResidentSeq, Residual,
-    logits_rows,
+    LayerOut, LinearOut, LmHead, NextQuery, NormProject, ResidentKv, ResidentLayer, ResidentQuery,
+    ResidentSeq, Residual, logits_rows,
 };
 use crate::model::pick::{PickSpec, RowOut};
 use crate::tensor::Tensor;
@@ -491,6 +491,7 @@ impl CudaBackend {
             resident: Vec::new(),
             keep_layers: 0,
             keep_width: 0,
+            cur: None,
         };
         r.fence()?;
         Ok(r)
@@ -517,6 +518,8 @@ pub(super) struct CudaResidual<'a> {
     resident: Vec<usize>,
     keep_layers: usize,
     keep_width: usize,
+    /// The resident layer between its calls.
+    cur: Option<ResidentAt>,
 }
 
 impl CudaResidual<'_> {
@@ -732,40 +735,44 @@ fn resident_shape(
     }
 }
 
+/// Where a resident layer's rows are between its calls (device addresses).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ResidentAt {
+    layer: usize,
+    /// Attention output `[n][hq][d]` and its lse2 `[n][hq]`.
+    attn: u64,
+    lse: u64,
+    /// Packed q `[n][hq][d]`, K and V `[n][hk][d]`.
+    q: u64,
+    k: u64,
+    v: u64,
+    /// Room for the CPU partials: outputs `[n][hq][d]`, then lse2 `[n][hq]`.
+    cpu: u64,
+}
+
 impl CudaResidual<'_> {
-    /// [`Residual::attend_resident`]: everything queued on the main stream, nothing waits,
-    /// nothing goes through the pinned staging.
-    fn queue_resident_layer(
+    /// [`Residual::resident_project`]: everything queued on the main stream through pageable
+    /// uploads (nothing of a layer that never waits may sit in the pinned staging), and one
+    /// wait where the query comes back.
+    fn queue_resident_project(
         &mut self,
         l: &ResidentLayer<'_>,
-        seqs: &mut [ResidentSeq<'_>],
-    ) -> Result<(), BackendError> {
+        next: Option<NextQuery<'_>>,
+        bring_back: bool,
+    ) -> Result<ResidentQuery, BackendError> {
         let n = self.n;
-        let (hq, hk, d) = resident_shape(n, l, seqs.len())?;
+        let (hq, hk, d) = resident_shape(n, l, n)?;
         let (qw, kw) = (hq * d, hk * d);
-        let shape = layer_shape(n, n * self.hidden, n * qw, &l.out)?;
-        let (hidden, attn_w, inter) = shape;
-        // Each sequence's device state must be in one arena of this device.
-        let mut cuda_seqs = Vec::with_capacity(seqs.len());
-        for s in seqs.iter_mut() {
-            let kv = s.kv;
-            let lists: Vec<&[DeviceBlock]> = s.blocks.iter().map(Vec::as_slice).collect();
-            let same = |c: &CudaSeq| {
-                c.on(&self.b.shared)
-                    && cuda_seqs
-                        .first()
-                        .is_none_or(|(_, f, _): &(_, &mut CudaSeq, _)| {
-                            Arc::ptr_eq(f.store(), c.store())
-                        })
-            };
-            match s.dev.as_any_mut().downcast_mut::<CudaSeq>() {
-                Some(c) if same(c) => cuda_seqs.push((kv, c, lists)),
-                _ => {
-                    return Err(BackendError::Unsupported(
-                        "a resident layer over device state of another device or arena".into(),
-                    ));
-                }
-            }
+        if let Some(nq) = next
+            && (nq.q.0.rows() != qw
+                || nq.q.1.is_some_and(|b| b.len() != qw)
+                || nq.q_norm.is_some_and(|w| w.len() != d))
+        {
+            return Err(BackendError::Unsupported(format!(
+                "layer {}'s predicted query of {} rows for {hq} heads of {d}",
+                l.layer,
+                nq.q.0.rows()
+            )));
         }
         // Biases are added by `qkv_finish`, with the rest of the rows' finishing.
         fn lin<'a>((w, _): (&'a Tensor, Option<&'a [f32]>)) -> LinearOut<'a> {
@@ -775,16 +782,26 @@ impl CudaResidual<'_> {
                 y: &mut [],
             }
         }
-        let (y, runs, _) = self.queue_norm_project_via(
-            &[NormProject {
-                norm: l.norm,
+        let mut pred = next.map(|nq| [lin(nq.q)]);
+        let mut qkv = [lin(l.q), lin(l.k), lin(l.v)];
+        let mut groups = Vec::with_capacity(2);
+        if let (Some(nq), Some(p)) = (next, pred.as_mut()) {
+            groups.push(NormProject {
+                norm: nq.norm,
                 eps: l.eps,
-                outs: &mut [lin(l.q), lin(l.k), lin(l.v)],
-            }],
-            Staging::Pageable,
-        )?;
+                outs: p,
+            });
+        }
+        groups.push(NormProject {
+            norm: l.norm,
+            eps: l.eps,
+            outs: &mut qkv,
+        });
+        let (y, runs, _) = self.queue_norm_project_via(&groups, Staging::Pageable)?;
+        drop(groups);
         let rows = projection_rows(n, &runs);
-        let [(q_at, qs), (k_at, ks), (v_at, vs)] = rows[..] else {
+        let (pred_rows, own) = rows.split_at(usize::from(next.is_some()));
+        let [(q_at, qs), (k_at, ks), (v_at, vs)] = own[..] else {
             return Err(BackendError::Device(format!(
                 "{} projection rows for q, k and v",
                 rows.len()
@@ -793,9 +810,8 @@ impl CudaResidual<'_> {
         let sh = &*self.b.shared;
         let g = &mut *self.g;
         let at_y = |floats: usize| y + (floats * 4) as u64;
-        let (q, k, v) = (at_y(q_at), at_y(k_at), at_y(v_at));
-        // This layer's constants, one upload: biases, head norms, rotations; then the
-        // attention output and lse2 the kernels write.
+        // This layer's constants, one upload: biases, head norms, rotations; then the rows
+        // the kernels write: attention output, lse2, packed q and predicted q, CPU partials.
         let align = |v: usize| v.div_ceil(64) * 64;
         let mut consts: Vec<f32> = Vec::new();
         let mut put = |part: Option<&[f32]>| {
@@ -808,12 +824,21 @@ impl CudaResidual<'_> {
         };
         let (bq, bk, bv) = (put(l.q.1), put(l.k.1), put(l.v.1));
         let (qn, kn) = (put(l.q_norm), put(l.k_norm));
+        let (nbq, nqn) = (
+            put(next.and_then(|nq| nq.q.1)),
+            put(next.and_then(|nq| nq.q_norm)),
+        );
         let table: Vec<f32> = l.rot.table().iter().flat_map(|&(c, s)| [c, s]).collect();
         let cs = put(Some(&table)).unwrap_or(0);
         let attn_at = align(consts.len());
         let lse_at = align(attn_at + n * qw);
-        let q_at = align(lse_at + n * hq);
-        let base = g.resident.ptr(&sh.stream, (q_at + n * qw) * 4)?;
+        let q_at_r = align(lse_at + n * hq);
+        // The predicted rows follow the real ones: one copy brings both back.
+        let qn_at_r = q_at_r + n * qw;
+        let cpu_at = align(qn_at_r + n * qw);
+        let base = g
+            .resident
+            .ptr(&sh.stream, (cpu_at + n * hq * (d + 1)) * 4)?;
         let at = |floats: usize| base + (floats * 4) as u64;
         htod(base, f32_bytes(&consts), &sh.stream)?;
         let opt = |o: Option<usize>| o.map_or(0u64, at);
@@ -825,44 +850,175 @@ impl CudaResidual<'_> {
         let keep = g.kv_keep.ptr(&sh.stream, l.num_layers * 2 * n * kw * 4)?;
         let keep_k = keep + (l.layer * 2 * n * kw * 4) as u64;
         let keep_v = keep_k + (n * kw * 4) as u64;
-        let (qs32, ks32, vs32) = (qs as i32, ks as i32, vs as i32);
-        let (hq32, hk32, d32) = (hq as i32, hk as i32, d as i32);
-        let (pbq, pbk, pbv, pqn, pkn, pcs) = (opt(bq), opt(bk), opt(bv), opt(qn), opt(kn), at(cs));
-        let keep_q = at(q_at);
-        // SAFETY: q, k and v hold n rows at their strides (the projections just queued), the
-        // constants were uploaded above at their offsets, and `keep` holds num_layers x 2 x n
-        // rows of kw.
-        unsafe {
-            sh.launch(
-                &sh.k.qkv_finish,
-                ((hq + 2 * hk) as u32, n as u32),
-                64,
-                &[
-                    &q, &k, &v, &qs32, &ks32, &vs32, &pbq, &pbk, &pbv, &pqn, &pkn, &pcs, &hq32,
-                    &hk32, &d32, &l.eps, &keep_q, &keep_k, &keep_v,
-                ],
+        let (keep_q, keep_qn) = (at(q_at_r), at(qn_at_r));
+        let finish = |rows: [(u64, usize); 3],
+                      biases: [u64; 3],
+                      norms: [u64; 2],
+                      heads: (usize, usize),
+                      keeps: [u64; 3]|
+         -> Result<(), BackendError> {
+            let [(q, qs), (k, ks), (v, vs)] = rows;
+            let (qs, ks, vs) = (qs as i32, ks as i32, vs as i32);
+            let [pbq, pbk, pbv] = biases;
+            let [pqn, pkn] = norms;
+            let (h_q, h_k, d32, pcs) = (heads.0 as i32, heads.1 as i32, d as i32, at(cs));
+            let [kq, kk, kv] = keeps;
+            // SAFETY: the rows hold n rows of their heads at their strides (projections just
+            // queued), the constants were uploaded above at their offsets, and the keeps hold
+            // n rows of their heads.
+            unsafe {
+                sh.launch(
+                    &sh.k.qkv_finish,
+                    ((heads.0 + 2 * heads.1) as u32, n as u32),
+                    64,
+                    &[
+                        &q, &k, &v, &qs, &ks, &vs, &pbq, &pbk, &pbv, &pqn, &pkn, &pcs, &h_q, &h_k,
+                        &d32, &l.eps, &kq, &kk, &kv,
+                    ],
+                )
+            }
+        };
+        finish(
+            [(at_y(q_at), qs), (at_y(k_at), ks), (at_y(v_at), vs)],
+            [opt(bq), opt(bk), opt(bv)],
+            [opt(qn), opt(kn)],
+            (hq, hk),
+            [keep_q, keep_k, keep_v],
+        )?;
+        if let [(p_at, ps)] = pred_rows[..] {
+            // The predicted query alone: q heads only, no K or V.
+            finish(
+                [(at_y(p_at), ps), (0, 0), (0, 0)],
+                [opt(nbq), 0, 0],
+                [opt(nqn), 0],
+                (hq, 0),
+                [keep_qn, 0, 0],
             )?;
         }
-        // One attention launch for the batch: every sequence's KV heads are heads of the call,
-        // reading the packed q, k and v rows.
-        let attn = at(attn_at);
+        self.cur = Some(ResidentAt {
+            layer: l.layer,
+            attn: at(attn_at),
+            lse: at(lse_at),
+            q: keep_q,
+            k: keep_k,
+            v: keep_v,
+            cpu: at(cpu_at),
+        });
+        if !bring_back {
+            return Ok(ResidentQuery::default());
+        }
+        let floats = n * qw * if next.is_some() { 2 } else { 1 };
+        let mut back = vec![0f32; floats];
+        sh.read_back(&mut back, keep_q)?;
+        let next_q = back.split_off(n * qw);
+        Ok(ResidentQuery {
+            q: back,
+            next: next_q,
+        })
+    }
+
+    /// The rows [`Self::queue_resident_project`] left for `l`.
+    fn resident_at(&self, l: &ResidentLayer<'_>) -> Result<ResidentAt, BackendError> {
+        match self.cur {
+            Some(at) if at.layer == l.layer => Ok(at),
+            _ => Err(BackendError::Unsupported(format!(
+                "layer {} attended or finished resident before its projections",
+                l.layer
+            ))),
+        }
+    }
+
+    /// [`Residual::resident_attend`]: one attention launch for the batch, every sequence's KV
+    /// heads heads of the call, then the own-key merge. Nothing waits.
+    fn queue_resident_attend(
+        &mut self,
+        l: &ResidentLayer<'_>,
+        seqs: &mut [ResidentSeq<'_>],
+    ) -> Result<(), BackendError> {
+        let n = self.n;
+        let (hq, hk, _) = resident_shape(n, l, seqs.len())?;
+        let at = self.resident_at(l)?;
+        // Each sequence's device state must be in one arena of this device.
         let group = hq / hk;
         let mut list = SlotList::new();
-        let mut store = None;
-        for (kv, seq, lists) in cuda_seqs {
+        let mut store: Option<Arc<super::store::CudaKvStore>> = None;
+        for s in seqs.iter_mut() {
+            let kv = s.kv;
+            let lists: Vec<&[DeviceBlock]> = s.blocks.iter().map(Vec::as_slice).collect();
+            let seq = s
+                .dev
+                .as_any_mut()
+                .downcast_mut::<CudaSeq>()
+                .filter(|c| {
+                    c.on(&self.b.shared) && store.as_ref().is_none_or(|f| Arc::ptr_eq(f, c.store()))
+                })
+                .ok_or_else(|| {
+                    BackendError::Unsupported(
+                        "a resident layer over device state of another device or arena".into(),
+                    )
+                })?;
             list.append(&seq.place_resident(kv, l.layer, &lists, group)?);
             store = Some(Arc::clone(seq.store()));
         }
-        if let Some(store) = store {
-            let rows = ResidentRows {
-                q: keep_q,
-                k: keep_k,
-                v: keep_v,
-                out: attn,
-                lse: at(lse_at),
-                group,
-            };
-            store.launch_resident(&list, rows, l.scale)?;
+        let Some(store) = store else {
+            return Ok(());
+        };
+        let rows = ResidentRows {
+            q: at.q,
+            k: at.k,
+            v: at.v,
+            out: at.attn,
+            lse: at.lse,
+            group,
+        };
+        store.launch_resident(&list, rows, l.scale)
+    }
+
+    /// [`Residual::resident_finish`]: the CPU partials up in one pageable copy and merged by
+    /// `lse2_merge`, then the second half over the attention output where it is. Nothing
+    /// waits.
+    fn queue_resident_finish(
+        &mut self,
+        l: &ResidentLayer<'_>,
+        cpu: &[Vec<Partial>],
+    ) -> Result<(), BackendError> {
+        let n = self.n;
+        let (hq, hk, d) = resident_shape(n, l, n)?;
+        let at = self.resident_at(l)?;
+        let shape = layer_shape(n, n * self.hidden, n * hq * d, &l.out)?;
+        let (hidden, attn_w, inter) = shape;
+        let sh = &*self.b.shared;
+        let g = &mut *self.g;
+        if !cpu.is_empty() {
+            let group = hq / hk;
+            let fits = cpu.len() == n
+                && cpu.iter().all(|row| {
+                    row.len() == hk
+                        && row
+                            .iter()
+                            .all(|p| p.out.len() == group * d && p.lse2.len() == group)
+                });
+            if !fits {
+                return Err(BackendError::Unsupported(format!(
+                    "CPU partials of {} rows for a batch of {n} with {hk} KV heads of {group} x {d}",
+                    cpu.len()
+                )));
+            }
+            let mut up = Vec::with_capacity(n * hq * (d + 1));
+            up.extend(cpu.iter().flatten().flat_map(|p| p.out.iter().copied()));
+            up.extend(cpu.iter().flatten().flat_map(|p| p.lse2.iter().copied()));
+            htod(at.cpu, f32_bytes(&up), &sh.stream)?;
+            let (heads, dd) = ((n * hq) as i32, d as i32);
+            let cpu_lse = at.cpu + (n * hq * d * 4) as u64;
+            // SAFETY: attn/lse hold n x hq rows of d and their lse2; the upload as many.
+            unsafe {
+                sh.launch(
+                    &sh.k.lse2_merge,
+                    ((n * hq) as u32, 1),
+                    64,
+                    &[&at.attn, &at.lse, &at.cpu, &cpu_lse, &heads, &dd],
+                )?;
+            }
         }
         // The second half over the attention output where it is: only its norm goes up.
         let p = Plan::new(n, hidden, attn_w, inter);
@@ -873,7 +1029,7 @@ impl CudaResidual<'_> {
         htod(in_work(p.norm), f32_bytes(l.out.post_norm), &sh.stream)?;
         let op = Operands {
             x: self.x,
-            attn,
+            attn: at.attn,
             norm: in_work(p.norm),
             xn: in_work(p.xn),
             gate: in_work(p.gate),
@@ -884,6 +1040,7 @@ impl CudaResidual<'_> {
         // attn_w; the plan's ranges for this shape.
         unsafe { queue_layer(sh, g, n, shape, &l.out, op) }?;
         self.resident.push(l.layer);
+        self.cur = None;
         Ok(())
     }
 }
@@ -956,12 +1113,29 @@ impl Residual for CudaResidual<'_> {
         crate::backend::Backend::attention_on_device(self.b)
     }
 
-    fn attend_resident(
+    fn resident_project(
+        &mut self,
+        l: &ResidentLayer<'_>,
+        next: Option<NextQuery<'_>>,
+        bring_back: bool,
+    ) -> Result<ResidentQuery, BackendError> {
+        self.queue_resident_project(l, next, bring_back)
+    }
+
+    fn resident_attend(
         &mut self,
         l: &ResidentLayer<'_>,
         seqs: &mut [ResidentSeq<'_>],
     ) -> Result<(), BackendError> {
-        self.queue_resident_layer(l, seqs)
+        self.queue_resident_attend(l, seqs)
+    }
+
+    fn resident_finish(
+        &mut self,
+        l: &ResidentLayer<'_>,
+        cpu: &[Vec<Partial>],
+    ) -> Result<(), BackendError> {
+        self.queue_resident_finish(l, cpu)
     }
 
     fn resident_kv(&mut self) -> Result<Vec<ResidentKv>, BackendError> {

@@ -482,6 +482,7 @@ impl DeviceKv for CudaKvStore {
             recall_events: vec![None; num_layers],
             out: DevBuf::default(),
             pending: None,
+            main_mark: None,
             store: self,
         })
     }
@@ -522,6 +523,8 @@ pub(super) struct CudaSeq {
     out: DevBuf,
     /// What the last submit left for collect.
     pending: Option<Pending>,
+    /// Marks the main stream for the recall stream to wait on.
+    main_mark: Option<Event>,
 }
 
 /// A submitted device part, for [`DeviceSeq::collect`].
@@ -653,6 +656,32 @@ impl CudaSeq {
         &self.store
     }
 
+    /// Orders the recall stream's next work after the main stream's work queued so far, on
+    /// the device: the host never waits.
+    fn after_main(&mut self) -> Result<(), BackendError> {
+        let sh = &*self.store.shared;
+        let ev = match self.main_mark {
+            Some(e) => e,
+            None => {
+                let e = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|e| dev_err("creating an event", e))?;
+                self.main_mark = Some(Event(e));
+                Event(e)
+            }
+        };
+        // SAFETY: the event and both streams are live.
+        unsafe {
+            drv::event::record(ev.0, sh.stream.cu_stream())
+                .map_err(|e| dev_err("marking the main stream", e))?;
+            drv::stream::wait_event(
+                sh.recall.cu_stream(),
+                ev.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+            .map_err(|e| dev_err("ordering recall after the main stream", e))
+        }
+    }
+
     /// Orders this call after `layer`'s recall copies, on the device: the host never waits.
     fn after_recall(&self, layer: usize) -> Result<(), BackendError> {
         let Some(e) = self.recall_events[layer] else {
@@ -678,7 +707,12 @@ impl Drop for CudaSeq {
         if self.recall_events.iter().any(Option::is_some) {
             let _ = sh.recall.synchronize();
         }
-        for e in self.recall_events.iter_mut().filter_map(Option::take) {
+        for e in self
+            .recall_events
+            .iter_mut()
+            .filter_map(Option::take)
+            .chain(self.main_mark.take())
+        {
             // SAFETY: created by `event::create`, destroyed once.
             let _ = unsafe { drv::event::destroy(e.0) };
         }
@@ -810,6 +844,11 @@ impl DeviceSeq for CudaSeq {
         let mut copies = Copies::default();
         for (h, list) in blocks.iter().enumerate() {
             self.place(kv, layer, h, list, &mut copies, |_, _| {})?;
+        }
+        if !copies.is_empty() {
+            // A resident layer's attention may still be reading the slots these copies
+            // refill: the recall stream waits for what the main stream holds so far.
+            self.after_main()?;
         }
         store.copy_in(&copies, Lane::Recall)?;
         if !copies.is_empty() {
