@@ -83,6 +83,31 @@ pub struct ResidentQuery {
     pub next: Vec<f32>,
 }
 
+/// The norm-and-project groups of a layer's first half, in the order one `norm_project`
+/// takes them: the next layer's predicted query (where `next` is given, into `pred`), then
+/// the layer's q, k and v normed by `norm` (into `qkv`).
+pub(crate) fn first_half<'a, 'b>(
+    (norm, eps): (&'a [f32], f32),
+    next: Option<NextQuery<'a>>,
+    pred: &'b mut [super::LinearOut<'a>],
+    qkv: &'b mut [super::LinearOut<'a>],
+) -> Vec<super::NormProject<'a, 'b>> {
+    let mut groups = Vec::with_capacity(2);
+    if let Some(nq) = next {
+        groups.push(super::NormProject {
+            norm: nq.norm,
+            eps,
+            outs: pred,
+        });
+    }
+    groups.push(super::NormProject {
+        norm,
+        eps,
+        outs: qkv,
+    });
+    groups
+}
+
 /// A resident layer's new K (normed, rotated) and V rows, `[batch][num_kv_heads * head_dim]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResidentKv {
@@ -335,7 +360,7 @@ pub fn resident_diff(
 #[cfg(test)]
 pub(crate) mod host {
     use super::*;
-    use crate::backend::{LinearOut, NormProject, Residual};
+    use crate::backend::{LinearOut, Residual};
 
     /// The layer between its calls.
     #[derive(Debug)]
@@ -376,23 +401,11 @@ pub(crate) mod host {
                 vec![0f32; n * l.v.0.rows()],
             );
             let mut qn = vec![0f32; next.map_or(0, |nq| n * nq.q.0.rows())];
-            let mut pred = next.map(|nq| [out(nq.q, &mut qn)]);
+            let mut pred: Vec<LinearOut<'_>> =
+                next.map(|nq| out(nq.q, &mut qn)).into_iter().collect();
             let mut qkv = [out(l.q, &mut q), out(l.k, &mut k), out(l.v, &mut v)];
-            let mut groups = Vec::with_capacity(2);
-            if let (Some(nq), Some(p)) = (next, pred.as_mut()) {
-                groups.push(NormProject {
-                    norm: nq.norm,
-                    eps: l.eps,
-                    outs: p,
-                });
-            }
-            groups.push(NormProject {
-                norm: l.norm,
-                eps: l.eps,
-                outs: &mut qkv,
-            });
-            r.norm_project(&mut groups)?;
-            drop(groups);
+            r.norm_project(&mut first_half((l.norm, l.eps), next, &mut pred, &mut qkv))?;
+            drop((pred, qkv));
             if let Some(nq) = next {
                 norm_rope(b, &mut qn, nq.q_norm, l.eps, l.rot);
             }

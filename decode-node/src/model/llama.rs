@@ -13,9 +13,10 @@ use super::pick::{PickSpec, RowOut, pick_row};
 use super::rope::{self, Rotations};
 use super::weights::{Tensor, WeightMap};
 use crate::backend::gemm::{Mat, MatMut, gemm};
+use crate::backend::resident::first_half;
 use crate::backend::{
-    Backend, BackendError, HostResidual, LayerOut, LinearOut, LmHead, NextQuery, NormProject,
-    ResidentLayer, ResidentSeq, Residual, rel_diff,
+    Backend, BackendError, HostResidual, LayerOut, LinearOut, LmHead, NextQuery, ResidentLayer,
+    ResidentSeq, Residual, rel_diff,
 };
 
 /// A projection: weight `[out][in]` and optional bias.
@@ -524,27 +525,23 @@ impl Model {
                 vec![0f32; width(&layer.v)],
             );
             let out = |(w, bias): (&'a Tensor, Option<&'a [f32]>), y| LinearOut { w, bias, y };
-            let mut pred = next.map(|l| [out(lin(&l.q), &mut qp)]);
+            let mut pred: Vec<LinearOut<'_>> =
+                next.map(|l| out(lin(&l.q), &mut qp)).into_iter().collect();
             let mut qkv = [
                 out(lin(&layer.q), &mut q),
                 out(lin(&layer.k), &mut k),
                 out(lin(&layer.v), &mut v),
             ];
-            let mut groups = Vec::with_capacity(2);
-            if let (Some(l), Some(p)) = (next, pred.as_mut()) {
-                groups.push(NormProject {
-                    norm: &l.input_norm,
-                    eps: self.eps(),
-                    outs: p,
-                });
-            }
-            groups.push(NormProject {
-                norm: &layer.input_norm,
-                eps: self.eps(),
-                outs: &mut qkv,
+            let next_q = next.map(|l| NextQuery {
+                norm: &l.input_norm,
+                q: lin(&l.q),
+                q_norm: l.q_norm.as_deref(),
             });
+            let mut groups =
+                first_half((&layer.input_norm, self.eps()), next_q, &mut pred, &mut qkv);
             r.norm_project(&mut groups)?;
             drop(groups);
+            drop((pred, qkv));
             if let Some(l) = next {
                 self.norm_rope(&mut qp, l.q_norm.as_deref(), &rot);
                 attn.predicted(i + 1, &qp);

@@ -782,21 +782,10 @@ impl CudaResidual<'_> {
                 y: &mut [],
             }
         }
-        let mut pred = next.map(|nq| [lin(nq.q)]);
+        let mut pred: Vec<LinearOut<'_>> = next.map(|nq| lin(nq.q)).into_iter().collect();
         let mut qkv = [lin(l.q), lin(l.k), lin(l.v)];
-        let mut groups = Vec::with_capacity(2);
-        if let (Some(nq), Some(p)) = (next, pred.as_mut()) {
-            groups.push(NormProject {
-                norm: nq.norm,
-                eps: l.eps,
-                outs: p,
-            });
-        }
-        groups.push(NormProject {
-            norm: l.norm,
-            eps: l.eps,
-            outs: &mut qkv,
-        });
+        let groups =
+            crate::backend::resident::first_half((l.norm, l.eps), next, &mut pred, &mut qkv);
         let (y, runs, _) = self.queue_norm_project_via(&groups, Staging::Pageable)?;
         drop(groups);
         let rows = projection_rows(n, &runs);
