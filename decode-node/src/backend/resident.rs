@@ -6,7 +6,7 @@
 //! [`Residual::resident_attend`](super::Residual::resident_attend) queues every sequence's
 //! attention over its device blocks and the token's own key while the CPU attends its part;
 //! [`Residual::resident_finish`](super::Residual::resident_finish) merges the CPU's partials
-//! in and queues the second half. The new K and V rows come back once per step, after the LM
+//! in and queues the second half. The new K and V rows come back once per step, with the LM
 //! head ([`Residual::resident_kv`](super::Residual::resident_kv)), for the host pool.
 //!
 //! [`host::HostLayers`] (tests only) is the same through the host-side calls in the order the

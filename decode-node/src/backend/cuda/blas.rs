@@ -30,6 +30,8 @@ pub(crate) struct Blas {
     /// (`layer::CudaResidual::attend_resident`), and the step's K and V rows of every layer.
     pub(crate) resident: DevBuf,
     pub(crate) kv_keep: DevBuf,
+    /// Host side of `kv_keep`, filled under the LM head's wait.
+    pub(crate) kv_staging: Pinned,
     /// Host side of `x` and `y`.
     pub(crate) staging: Pinned,
     /// Device picks' spec and results, and their host side (`pick::sample_rows`).
@@ -65,6 +67,7 @@ impl Blas {
             work: DevBuf::default(),
             resident: DevBuf::default(),
             kv_keep: DevBuf::default(),
+            kv_staging: Pinned::empty(),
             staging: Pinned::empty(),
             pick: DevBuf::default(),
             pick_staging: Pinned::empty(),

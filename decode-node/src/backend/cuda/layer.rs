@@ -492,6 +492,7 @@ impl CudaBackend {
             keep_layers: 0,
             keep_width: 0,
             cur: None,
+            kv_back: None,
         };
         r.fence()?;
         Ok(r)
@@ -520,6 +521,8 @@ pub(super) struct CudaResidual<'a> {
     keep_width: usize,
     /// The resident layer between its calls.
     cur: Option<ResidentAt>,
+    /// Floats of K and V rows queued into `Blas::kv_staging` before the LM head.
+    kv_back: Option<usize>,
 }
 
 impl CudaResidual<'_> {
@@ -906,6 +909,31 @@ impl CudaResidual<'_> {
         })
     }
 
+    /// Floats of the step's K and V rows (`Blas::kv_keep`).
+    fn kv_floats(&self) -> usize {
+        self.keep_layers * 2 * self.n * self.keep_width
+    }
+
+    /// Queues the copy of the step's K and V rows into the pinned staging (without waiting),
+    /// where layers ran resident: the LM head's wait, the step's last, then covers it.
+    fn queue_kv_back(&mut self) -> Result<(), BackendError> {
+        if self.resident.is_empty() {
+            return Ok(());
+        }
+        let floats = self.kv_floats();
+        let sh = &*self.b.shared;
+        let g = &mut *self.g;
+        let src = g.kv_keep.ptr(&sh.stream, floats * 4)?;
+        let dst = &mut g.kv_staging.get(floats)?[..floats];
+        // SAFETY: `kv_keep` holds `floats` floats; the staging is page-locked, owned by the
+        // backend state this residual holds locked, and not touched again before the LM
+        // head's wait (`resident_kv` reads it after).
+        unsafe { drv::memcpy_dtoh_async(dst, src, sh.stream.cu_stream()) }
+            .map_err(|e| dev_err("copying K and V back", e))?;
+        self.kv_back = Some(floats);
+        Ok(())
+    }
+
     /// The rows [`Self::queue_resident_project`] left for `l`.
     fn resident_at(&self, l: &ResidentLayer<'_>) -> Result<ResidentAt, BackendError> {
         match self.cur {
@@ -1062,6 +1090,7 @@ impl Residual for CudaResidual<'_> {
         head: LmHead<'_>,
         picks: &[Option<PickSpec>],
     ) -> Result<Vec<RowOut>, BackendError> {
+        self.queue_kv_back()?;
         let (n, vocab) = (self.n, head.w.rows());
         if picks.len() != n {
             return Err(BackendError::Unsupported(format!(
@@ -1131,12 +1160,22 @@ impl Residual for CudaResidual<'_> {
         if self.resident.is_empty() {
             return Ok(Vec::new());
         }
-        let (n, layers) = (self.n, self.keep_layers);
-        let floats = layers * 2 * n * self.keep_width;
+        let floats = self.kv_floats();
+        let layers = self.keep_layers;
         let sh = &*self.b.shared;
-        let src = self.g.kv_keep.ptr(&sh.stream, floats * 4)?;
-        let mut all = vec![0f32; floats];
-        sh.read_back(&mut all, src)?;
+        let all: Vec<f32> = if self.kv_back.take() == Some(floats) {
+            // Copied into the pinned staging before the LM head, whose wait it rode (this
+            // wait finds the stream empty; it only makes that certain).
+            sh.stream
+                .synchronize()
+                .map_err(|e| dev_err("synchronising", e))?;
+            self.g.kv_staging.get(floats)?[..floats].to_vec()
+        } else {
+            let src = self.g.kv_keep.ptr(&sh.stream, floats * 4)?;
+            let mut all = vec![0f32; floats];
+            sh.read_back(&mut all, src)?;
+            all
+        };
         let per_layer = floats / layers.max(1);
         let half = per_layer / 2;
         Ok(std::mem::take(&mut self.resident)
