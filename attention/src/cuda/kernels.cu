@@ -260,25 +260,26 @@ extern "C" __global__ void kv_append(unsigned char* head_block, const float* k, 
     dmax[c] = fmaxf(dmax[c], k[c]);
 }
 
-// A resident layer's q, k and v rows after their projections, in place (#21 item 1): bias,
-// then for q and k the per-head RMSNorm (where `qn`/`kn` is given, Qwen3) and rotate-half RoPE
-// from the host's table cos_sin [row][head_dim / 2][cos, sin]. The finished rows are also
-// written packed: q to keep_q [row][hq][head_dim] (the batch's attention reads it as one
-// [row * hk][group][head_dim] query), k and v to keep_k / keep_v [row][hk][head_dim] (for
-// the attention's own-key merge and the host pool). CUDA block (head, row) with heads
-// 0..hq of q, then hk of k, then hk of v; blockDim.x a power of two <= 128. The same
-// arithmetic as the model's host path (bias add, `rms_norm`, `Rotations::rotate`).
-extern "C" __global__ void qkv_finish(float* q, float* k, float* v, int q_stride, int k_stride, int v_stride,
-                                      const float* bq, const float* bk, const float* bv, const float* qn,
-                                      const float* kn, const float* cos_sin, int hq, int hk, int head_dim,
-                                      float eps, float* keep_q, float* keep_k, float* keep_v) {
+// A resident layer's q, k and v rows after their projections (#21 item 1), read at their
+// strides from the GEMM's output and written packed: bias, then for q and k the per-head
+// RMSNorm (where `qn`/`kn` is given, Qwen3) and rotate-half RoPE from the host's table
+// cos_sin [row][head_dim / 2][cos, sin]. q goes to keep_q [row][hq][head_dim] (the batch's
+// attention reads it as one [row * hk][group][head_dim] query), k and v to keep_k / keep_v
+// [row][hk][head_dim] (the attention's own-key merge, the host pool). CUDA block (head, row)
+// with heads 0..hq of q, then hk of k, then hk of v; blockDim.x a power of two <= 128. The
+// same arithmetic as the model's host path (bias add, `rms_norm`, `Rotations::rotate`).
+extern "C" __global__ void qkv_finish(const float* q, const float* k, const float* v, int q_stride,
+                                      int k_stride, int v_stride, const float* bq, const float* bk,
+                                      const float* bv, const float* qn, const float* kn, const float* cos_sin,
+                                      int hq, int hk, int head_dim, float eps, float* keep_q, float* keep_k,
+                                      float* keep_v) {
     __shared__ float xs[MAX_HEAD];
     __shared__ float red[128];
     const int head = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
-    float* x;
+    const float* x;
     const float* bias;
     const float* norm = 0;
-    float* keep = 0;
+    float* keep;
     bool rotate = true;
     if (head < hq) {
         x = q + (long long)row * q_stride + (long long)head * head_dim;
@@ -313,16 +314,12 @@ extern "C" __global__ void qkv_finish(float* q, float* k, float* v, int q_stride
         for (int i = tid; i < half; i += blockDim.x) {
             const float c = cs[2 * i], sn = cs[2 * i + 1];
             const float a = xs[i], b = xs[i + half];
-            x[i] = a * c - b * sn;
-            x[i + half] = b * c + a * sn;
+            keep[i] = a * c - b * sn;
+            keep[i + half] = b * c + a * sn;
         }
-        __syncthreads();
-        for (int c = tid; c < head_dim; c += blockDim.x) xs[c] = x[c];
     } else {
-        for (int c = tid; c < head_dim; c += blockDim.x) x[c] = xs[c];
-    }
-    if (keep)
         for (int c = tid; c < head_dim; c += blockDim.x) keep[c] = xs[c];
+    }
 }
 
 // Merges the decoded token's own key into a resident layer's attention, in place: for query
