@@ -262,7 +262,7 @@ pub trait DeviceKv: Send + Sync + std::fmt::Debug {
 /// slot's block changed or the block has grown since it was copied.
 pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
     /// This value, for the backend that made it to reach its own type
-    /// ([`Residual::attend_resident`] drives the sequence's device state directly).
+    /// ([`Residual::resident_attend`] drives the sequence's device state directly).
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
 
     /// Queues the device part of `layer`: for each KV head `h`, attention over `blocks[h]` of
@@ -403,13 +403,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// device path wrong).
     fn keep_residual_on_host(&self) {}
 
-    /// True when the residual's [`Residual::attend_resident`] runs layers whose blocks are all
-    /// on the device: the engine then checks it once against the host path at start.
+    /// True when this backend's residual runs layers resident ([`resident`]): the engine then
+    /// checks that path once against the host path at start.
     fn attention_on_device(&self) -> bool {
         false
     }
 
-    /// From now on no residual attends resident (a check found that path wrong).
+    /// From now on no residual runs layers resident (a check found that path wrong).
     fn keep_attention_on_host(&self) {}
 
     /// Seconds so far the device sat with nothing queued while the host worked (a lower

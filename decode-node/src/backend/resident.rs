@@ -9,7 +9,7 @@
 //! in and queues the second half. The new K and V rows come back once per step, with the LM
 //! head ([`Residual::resident_kv`](super::Residual::resident_kv)), for the host pool.
 //!
-//! [`host::HostLayers`] (tests only) is the same through the host-side calls in the order the
+//! `host::HostLayers` (tests only) is the same through the host-side calls in the order the
 //! model's own path makes them: what a device implementation must equal, and what the
 //! engine's tests drive without a GPU.
 

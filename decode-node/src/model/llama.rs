@@ -472,6 +472,17 @@ impl Model {
         let lin = |l: &'a Linear| (&l.w, l.b.as_deref());
         let resident = r.attends_resident();
         for (i, layer) in self.layers.iter().enumerate() {
+            // Layer-ahead: layer i+1's query from layer i's input (residuals change it little),
+            // projected in the same call as this layer's q, k and v.
+            let next = self
+                .layers
+                .get(i + 1)
+                .filter(|_| attn.wants_prediction(i + 1));
+            let next_q = next.map(|nl| NextQuery {
+                norm: &nl.input_norm,
+                q: lin(&nl.q),
+                q_norm: nl.q_norm.as_deref(),
+            });
             if resident && attn.resident_ok() {
                 let l = ResidentLayer {
                     layer: i,
@@ -490,17 +501,8 @@ impl Model {
                     scale: self.attn_scale(),
                     out: self.layer_out(layer),
                 };
-                let next = self
-                    .layers
-                    .get(i + 1)
-                    .filter(|_| attn.wants_prediction(i + 1))
-                    .map(|nl| NextQuery {
-                        norm: &nl.input_norm,
-                        q: lin(&nl.q),
-                        q_norm: nl.q_norm.as_deref(),
-                    });
                 let back = attn.needs_query(i) || next.is_some();
-                let rq = r.resident_project(&l, next, back)?;
+                let rq = r.resident_project(&l, next_q, back)?;
                 if next.is_some() {
                     attn.predicted(i + 1, &rq.next);
                 }
@@ -511,12 +513,6 @@ impl Model {
                 r.resident_finish(&l, &cpu)?;
                 continue;
             }
-            // Layer-ahead: layer i+1's query from layer i's input (residuals change it little),
-            // projected in the same call as this layer's q, k and v.
-            let next = self
-                .layers
-                .get(i + 1)
-                .filter(|_| attn.wants_prediction(i + 1));
             let width = |l: &Linear| n * l.w.rows();
             let mut qp = vec![0f32; next.map_or(0, |l| width(&l.q))];
             let (mut q, mut k, mut v) = (
@@ -532,11 +528,6 @@ impl Model {
                 out(lin(&layer.k), &mut k),
                 out(lin(&layer.v), &mut v),
             ];
-            let next_q = next.map(|l| NextQuery {
-                norm: &l.input_norm,
-                q: lin(&l.q),
-                q_norm: l.q_norm.as_deref(),
-            });
             let mut groups =
                 first_half((&layer.input_norm, self.eps()), next_q, &mut pred, &mut qkv);
             r.norm_project(&mut groups)?;

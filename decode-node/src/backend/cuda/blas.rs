@@ -27,7 +27,7 @@ pub(crate) struct Blas {
     pub(crate) res: DevBuf,
     pub(crate) work: DevBuf,
     /// A resident layer's biases, head norms, rotations, attention output and lse2
-    /// (`layer::CudaResidual::attend_resident`), and the step's K and V rows of every layer.
+    /// (`layer::CudaResidual`'s resident layers), and the step's K and V rows of every layer.
     pub(crate) resident: DevBuf,
     pub(crate) kv_keep: DevBuf,
     /// Host side of `kv_keep`, filled under the LM head's wait.

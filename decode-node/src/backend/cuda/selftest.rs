@@ -199,8 +199,8 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
     }
     let sh = backend.shared();
     add("f32_to_half", 0.0, check_f32_to_half(sh));
-    add("rms_norm", 1e-5, check_rms_norm(sh));
-    add("rms_norm_half (bf16)", 1e-2, check_rms_norm_half(sh));
+    add("rms_norm", 1e-5, check_rms_norm(sh, false));
+    add("rms_norm_half (bf16)", 1e-2, check_rms_norm(sh, true));
     add("rope", 1e-5, check_rope(sh));
     add("silu_mul", 1e-5, check_silu(sh));
     add("quest_scores", 1e-5, check_quest(sh));
@@ -610,7 +610,9 @@ fn check_f32_to_half(sh: &Shared) -> Result<f64, BackendError> {
     Ok(worst)
 }
 
-fn check_rms_norm(sh: &Shared) -> Result<f64, BackendError> {
+/// `rms_norm` (f32 rows), or with `bf16` `rms_norm_half` (bf16 rows straight from the norm),
+/// against the CPU's f32 norm.
+fn check_rms_norm(sh: &Shared, bf16: bool) -> Result<f64, BackendError> {
     let mut r = SplitMix(13);
     let (rows, dim) = (3, 5120);
     let x = random(&mut r, rows * dim, 2.0);
@@ -619,50 +621,29 @@ fn check_rms_norm(sh: &Shared) -> Result<f64, BackendError> {
     CpuBackend.rms_norm(&x, &w, 1e-6, &mut want);
     let mut dev = Dev { sh, held: vec![] };
     let (xp, wp, op) = (dev.up_f32(&x)?, dev.up_f32(&w)?, dev.zeros(x.len())?);
-    // SAFETY: x/out hold rows*dim floats, w dim floats.
+    let (grid, d, eps) = ((rows as u32, 1), dim as i32, 1e-6f32);
+    // SAFETY: x/out hold rows*dim floats, w dim floats (halves take less).
     unsafe {
-        sh.launch(
-            &sh.k.rms_norm,
-            (rows as u32, 1),
-            256,
-            &[&xp, &wp, &op, &(dim as i32), &1e-6f32],
-        )?
+        if bf16 {
+            let code = dtype_code(KvDType::Bf16);
+            sh.launch(
+                &sh.k.rms_norm_half,
+                grid,
+                256,
+                &[&xp, &wp, &op, &d, &eps, &code],
+            )?
+        } else {
+            sh.launch(&sh.k.rms_norm, grid, 256, &[&xp, &wp, &op, &d, &eps])?
+        }
     };
-    Ok(rel_err(&dev.down(op, x.len())?, &want))
-}
-
-/// `rms_norm_half` (bf16 rows straight from the norm) against the CPU's f32 norm: within
-/// bf16's rounding.
-fn check_rms_norm_half(sh: &Shared) -> Result<f64, BackendError> {
-    let mut r = SplitMix(15);
-    let (rows, dim) = (3, 5120);
-    let x = random(&mut r, rows * dim, 2.0);
-    let w = random(&mut r, dim, 1.0);
-    let mut want = vec![0f32; x.len()];
-    CpuBackend.rms_norm(&x, &w, 1e-6, &mut want);
-    let mut dev = Dev { sh, held: vec![] };
-    let (xp, wp, op) = (dev.up_f32(&x)?, dev.up_f32(&w)?, dev.zeros(x.len())?);
-    // SAFETY: x holds rows*dim floats, w dim floats, out room for rows*dim halves.
-    unsafe {
-        sh.launch(
-            &sh.k.rms_norm_half,
-            (rows as u32, 1),
-            256,
-            &[
-                &xp,
-                &wp,
-                &op,
-                &(dim as i32),
-                &1e-6f32,
-                &dtype_code(KvDType::Bf16),
-            ],
-        )?
+    let got: Vec<f32> = if bf16 {
+        dev.down_u16(op, x.len())?
+            .into_iter()
+            .map(|h| f32::from_bits(u32::from(h) << 16))
+            .collect()
+    } else {
+        dev.down(op, x.len())?
     };
-    let got: Vec<f32> = dev
-        .down_u16(op, x.len())?
-        .into_iter()
-        .map(|h| f32::from_bits(u32::from(h) << 16))
-        .collect();
     Ok(rel_err(&got, &want))
 }
 

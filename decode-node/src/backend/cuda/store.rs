@@ -314,8 +314,8 @@ impl CudaKvStore {
 impl CudaKvStore {
     /// Queues the split-K attention over `list` with the query `q` (`[hk][group][d]`) and its
     /// combine into `out`: `[hk][group][d]` outputs at the first address, their base-2
-    /// log-sum-exps `[hk][group]` at the second. The list (and a host query) go up in one
-    /// upload; nothing waits.
+    /// log-sum-exps `[hk][group]` at the second, `hk` being the list's heads. The list (and a
+    /// host query) go up in one upload; nothing waits.
     fn launch_attention(
         &self,
         list: &SlotList,
@@ -323,27 +323,11 @@ impl CudaKvStore {
         group: usize,
         scale: f32,
         split: SplitK,
-        out: (u64, u64),
-    ) -> Result<(), BackendError> {
-        let hk = self.geom.num_kv_heads;
-        self.launch_attention_over(list, hk, q, group, scale, split, out)
-    }
-
-    /// [`Self::launch_attention`] over `hk` heads of `list` (a batch's: every sequence's KV
-    /// heads).
-    #[allow(clippy::too_many_arguments)] // the call's parts, spelled out
-    fn launch_attention_over(
-        &self,
-        list: &SlotList,
-        hk: usize,
-        q: Query<'_>,
-        group: usize,
-        scale: f32,
-        split: SplitK,
         (out_dev, lse_dev): (u64, u64),
     ) -> Result<(), BackendError> {
         let sh = &*self.shared;
-        let d = self.geom.head_dim;
+        // Every KV head of the list, a sequence's or (resident) a batch's.
+        let (hk, d) = (list.heads(), self.geom.head_dim);
         let up = pack(
             list,
             match q {
@@ -429,9 +413,8 @@ impl CudaKvStore {
         let empty = i32::from(list.is_empty());
         if !list.is_empty() {
             let split = SplitK::new(heads, list.longest_head());
-            self.launch_attention_over(
+            self.launch_attention(
                 list,
-                heads,
                 Query::Device(at.q),
                 at.group,
                 scale,
