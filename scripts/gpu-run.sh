@@ -7,11 +7,13 @@
 #
 # Usage: scripts/gpu-run.sh [path/to/decode-node] [layers]
 #   The binary must be built with `--features cuda`; layers defaults to 10 (of 40).
+#   STEP_TIMEOUT (seconds, default 180) bounds each step, so one hang cannot spend a lease.
 # Needs: an NVIDIA driver and the CUDA 13 cuBLAS and NVRTC libraries where the loader finds them.
 set -euo pipefail
 bin=${1:-target/release/decode-node}
 layers=${2:-10}
 out=${OUT:-gpu-run}
+step_timeout=${STEP_TIMEOUT:-180}
 mkdir -p "$out"
 model="$out/qwen3-14b-${layers}l"
 step() {
@@ -19,7 +21,7 @@ step() {
     shift
     echo "== $name: $*" | tee -a "$out/summary.txt"
     local t0=$SECONDS
-    if "$@" >"$out/$name.json" 2>"$out/$name.log"; then
+    if timeout -k 5 "$step_timeout" "$@" >"$out/$name.json" 2>"$out/$name.log"; then
         echo "   ok in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
     else
         echo "   FAILED (rc $?) in $((SECONDS - t0)) s; tail of its log:" | tee -a "$out/summary.txt"
@@ -41,18 +43,38 @@ if [[ ! -f "$model/config.json" ]]; then
     step make-model "$bin" make-model --out "$model" --arch qwen3 --preset qwen3-14b \
         --num-layers "$layers" --dtype bf16
 fi
+# `attend_warps` is new: where its selftest rows did not pass, the benches take the general
+# attention kernel (the node also checks it at start and turns it off on a disagreement).
+if grep -q "^FAIL attend_warps" "$out/selftest.json" 2>/dev/null; then
+    echo "   attend_warps did not pass selftest: DECODE_NODE_ATTENTION_KERNEL=split from here" |
+        tee -a "$out/summary.txt"
+    export DECODE_NODE_ATTENTION_KERNEL=split
+fi
+# Each step's per-layer phases (selection, device, CPU waits) as debug lines in its log.
+export RUST_LOG=${RUST_LOG:-info,decode_node::engine::step=debug}
 step decode-8k-32k "$bin" bench decode --json --device cuda --model "$model" \
     --context 8k,32k --modes full,hgca,recall,scout --budget-tokens 2048 --tokens 64
-# The same full rows with every layer driven from the host (resident layers off): the A/B of
-# #21's resident path.
+step decode-64k "$bin" bench decode --json --device cuda --model "$model" \
+    --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
+# The general attention kernel instead of `attend_warps`: full attention's A/B.
+step decode-full-split-kernel env DECODE_NODE_ATTENTION_KERNEL=split "$bin" bench decode \
+    --json --device cuda --model "$model" --context 8k,32k,64k --modes full --tokens 64
+# Scout's selection on the critical path: the device part by the predicted query (no second
+# selection with the real one), Quest's bound alone (no key reads), both.
+step scout-32k-predicted-device "$bin" bench decode --json --device cuda --model "$model" \
+    --context 32k --modes scout --budget-tokens 2048 --tokens 64 --guard-predicted-device
+step scout-32k-quest "$bin" bench decode --json --device cuda --model "$model" \
+    --context 32k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer quest
+step scout-32k-quest-predicted-device "$bin" bench decode --json --device cuda --model "$model" \
+    --context 32k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer quest \
+    --guard-predicted-device
+step decode-8k-batch8 "$bin" bench decode --json --device cuda --model "$model" \
+    --context 8k --modes full,scout --batch 8 --tokens 64
+# The same rows with every layer driven from the host (resident layers off): #21's A/B.
 step decode-8k-host-layers env DECODE_NODE_RESIDENT_LAYERS=0 "$bin" bench decode --json \
     --device cuda --model "$model" --context 8k --modes full,scout --budget-tokens 2048 \
     --tokens 64
-step decode-64k "$bin" bench decode --json --device cuda --model "$model" \
-    --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
-step decode-8k-batch8 "$bin" bench decode --json --device cuda --model "$model" \
-    --context 8k --modes full,scout --batch 8 --tokens 64
 step capacity-64k "$bin" bench capacity --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 32 \
-    --device-kv-bytes 40Gi --host-kv-bytes 96Gi
+    --device-kv-bytes 40Gi --host-kv-bytes 48Gi
 echo "results in $out/"

@@ -23,6 +23,22 @@ pub const ENTRY_POINTS: &[&str] = &[
     "merge_self",
     "rms_norm_half",
     "silu_mul_stacked_half",
+    "attend_warps_g1_d64",
+    "attend_warps_g2_d64",
+    "attend_warps_g3_d64",
+    "attend_warps_g4_d64",
+    "attend_warps_g5_d64",
+    "attend_warps_g6_d64",
+    "attend_warps_g7_d64",
+    "attend_warps_g8_d64",
+    "attend_warps_g1_d128",
+    "attend_warps_g2_d128",
+    "attend_warps_g3_d128",
+    "attend_warps_g4_d128",
+    "attend_warps_g5_d128",
+    "attend_warps_g6_d128",
+    "attend_warps_g7_d128",
+    "attend_warps_g8_d128",
 ];
 
 /// Words of one row's spec for `sample_rows`.

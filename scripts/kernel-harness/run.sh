@@ -16,3 +16,6 @@ trap 'rm -rf "$out"' EXIT
 "$out/resident"
 "$cxx" -std=c++17 -O2 -w -o "$out/norms" norms.cpp
 "$out/norms"
+# Warp-cooperative kernels run with a thread per CUDA thread (simt.h): C++20 for std::barrier.
+"$cxx" -std=c++20 -O2 -w -pthread -o "$out/attend_warps" attend_warps.cpp
+"$out/attend_warps"

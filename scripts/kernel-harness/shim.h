@@ -9,6 +9,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(n)
 #define __shared__ static
 struct D3 { unsigned x, y, z; };
 static D3 threadIdx{0, 0, 0}, blockIdx{0, 0, 0}, blockDim{1, 1, 1};

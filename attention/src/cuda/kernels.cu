@@ -500,6 +500,213 @@ extern "C" __global__ void combine_splits(const float* part_out, const float* pa
     if (threadIdx.x == 0) lse2[hg] = mx != NEG_INF ? mx + log2f(total) : NEG_INF;
 }
 
+// One f16 (bits) as f32: the hardware conversion on the device, the exact bit walk elsewhere.
+__device__ __forceinline__ float half_bits_to_f32(u16 h) {
+#ifdef __CUDACC_RTC__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return f16_to_f32(h);
+#endif
+}
+
+// Eight 16-bit KV elements (one 16-byte load, lowest address first) as f32; dtype 1 = f16,
+// 2 = bf16.
+__device__ __forceinline__ void unpack8(uint4 w, int dtype, float* f) {
+    const unsigned int u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (dtype == 2) {
+            f[2 * i] = __uint_as_float(u[i] << 16);
+            f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+        } else {
+            f[2 * i] = half_bits_to_f32((u16)(u[i] & 0xffffu));
+            f[2 * i + 1] = half_bits_to_f32((u16)(u[i] >> 16));
+        }
+    }
+}
+
+// `sparse_attention_split` for the common case, 16-bit KV (f16/bf16) in 32-token blocks with
+// head_dim D = 64 or 128 and G query heads per KV head: the same grid, arguments and partials,
+// so `combine_splits` merges either. The general kernel stages every 32-token tile in shared
+// memory behind three block-wide barriers and then does two shared loads per FMA; here each
+// of the 4 warps walks its own blocks with 16-byte loads straight into registers. For the
+// scores, lane l holds tokens 8*(l%4).. of K^T rows l/4, l/4+8, ... (one row is 64 bytes: 4
+// lanes), multiplies them by every query head at once, and the 8 lanes that share its tokens
+// sum by shuffles. For P.V, lane l holds dims 8*(l%(D/8)).. of V rows l/(D/8), ... The 4 warps'
+// running (max, sum, output) merge once at the end. 128 threads; 16-byte aligned head blocks
+// (the caller checks). Other shapes take the general kernel.
+template <int G, int D>
+__device__ __forceinline__ void attend_warps(const unsigned char* arena, const long long* offs,
+                                             const int* lens, const int* head_start, const float* q,
+                                             int dtype, float scale, int chunk, int splits,
+                                             float* part_out, float* part_lse) {
+    constexpr int BS = 32;         // tokens per block
+    constexpr int RPS = 8;         // K^T rows per warp step
+    constexpr int CPR = D / 8;     // 16-byte chunks per V row
+    constexpr int TPS = 32 / CPR;  // V rows per warp step
+    constexpr int NW = 4;          // warps per CUDA block
+    const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31;
+    __shared__ float q_sh[G * D];
+    __shared__ float p_sh[NW][G][BS];
+    __shared__ float m_sh[NW][G], l_sh[NW][G];
+    __shared__ float o_sh[NW][G][D];
+    const float qscale = scale * 1.4426950408889634f;  // log2(e): exp becomes exp2
+    const float* qh = q + (long long)h * G * D;
+    for (int i = tid; i < G * D; i += NW * 32) q_sh[i] = qh[i] * qscale;
+    __syncthreads();
+    const int b0 = head_start[h] + s * chunk;
+    const int b1 = min(b0 + chunk, head_start[h + 1]);
+    const int tg = lane & 3, r0 = lane >> 2;    // scores: tokens 8*tg.., rows r0 + RPS*i
+    const int cc = lane % CPR, tt = lane / CPR;  // P.V: dims 8*cc.., rows tt + TPS*j
+    float m[G], l[G], acc[G][8];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[g][j] = 0.f;
+    }
+    for (int bi = b0 + warp; bi < b1; bi += NW) {
+        const unsigned char* kt = arena + offs[bi];
+        const unsigned char* vs = kt + BS * D * 2;
+        const int len = lens[bi];
+        float sc[G][8];
+#pragma unroll
+        for (int g = 0; g < G; g++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) sc[g][j] = 0.f;
+#pragma unroll
+        for (int i = 0; i < D / RPS; i++) {
+            const int c = r0 + RPS * i;
+            float k[8];
+            unpack8(*(const uint4*)(kt + (c * BS + tg * 8) * 2), dtype, k);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                const float qv = q_sh[g * D + c];
+#pragma unroll
+                for (int j = 0; j < 8; j++) sc[g][j] += qv * k[j];
+            }
+        }
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+            for (int g = 0; g < G; g++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) sc[g][j] += __shfl_xor_sync(0xffffffffu, sc[g][j], o);
+        // Online softmax per query head; every lane ends with the same (m, l). Tokens past
+        // `len` (the newest block's unwritten tail) are masked before anything reads them.
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float bm = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                if (tg * 8 + j >= len) sc[g][j] = NEG_INF;
+                bm = fmaxf(bm, sc[g][j]);
+            }
+            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
+            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
+            const float mn = fmaxf(m[g], bm);
+            float ps = 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const float p = (mn == NEG_INF || sc[g][j] == NEG_INF) ? 0.f : exp2f(sc[g][j] - mn);
+                sc[g][j] = p;
+                ps += p;
+            }
+            ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+            ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+            const float alpha = m[g] == NEG_INF ? 0.f : exp2f(m[g] - mn);
+            l[g] = l[g] * alpha + ps;
+            m[g] = mn;
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[g][j] *= alpha;
+            if (r0 == 0)
+#pragma unroll
+                for (int j = 0; j < 8; j++) p_sh[warp][g][tg * 8 + j] = sc[g][j];
+        }
+        __syncwarp();
+#pragma unroll
+        for (int j0 = 0; j0 < BS; j0 += TPS) {
+            const int t = j0 + tt;
+            if (t < len) {
+                float v[8];
+                unpack8(*(const uint4*)(vs + (t * D + cc * 8) * 2), dtype, v);
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const float p = p_sh[warp][g][t];
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[g][j] += p * v[j];
+                }
+            }
+        }
+        __syncwarp();  // the next block rewrites p_sh
+    }
+    // Lanes that share `cc` hold the same dims of different rows.
+#pragma unroll
+    for (int o = CPR; o < 32; o <<= 1)
+#pragma unroll
+        for (int g = 0; g < G; g++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], o);
+    if (tt == 0)
+#pragma unroll
+        for (int g = 0; g < G; g++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) o_sh[warp][g][cc * 8 + j] = acc[g][j];
+    if (lane == 0)
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            m_sh[warp][g] = m[g];
+            l_sh[warp][g] = l[g];
+        }
+    __syncthreads();
+    const long long base = ((long long)h * splits + s) * G;
+    for (int i = tid; i < G * D; i += NW * 32) {
+        const int g = i / D, c = i % D;
+        float mx = NEG_INF;
+        for (int w = 0; w < NW; w++) mx = fmaxf(mx, m_sh[w][g]);
+        float sum = 0.f, o = 0.f;
+        if (mx != NEG_INF)
+            for (int w = 0; w < NW; w++) {
+                const float e = m_sh[w][g] == NEG_INF ? 0.f : exp2f(m_sh[w][g] - mx);
+                sum += l_sh[w][g] * e;
+                o += o_sh[w][g][c] * e;
+            }
+        part_out[(base + g) * D + c] = sum > 0.f ? o / sum : 0.f;
+        if (c == 0) part_lse[base + g] = sum > 0.f ? mx + log2f(sum) : NEG_INF;
+    }
+}
+
+// The entry points of `attend_warps`, `attend_warps_g{G}_d{D}`: the arguments of
+// `sparse_attention_split` (group, head_dim and block_size are the name's and 32).
+#define ATTEND_WARPS(G, D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attend_warps_g##G##_d##D(                     \
+        const unsigned char* arena, const long long* offs, const int* lens, const int* head_start, \
+        const float* q, int group, int head_dim, int block_size, int dtype, float scale,           \
+        int chunk, int splits, float* part_out, float* part_lse) {                                 \
+        attend_warps<G, D>(arena, offs, lens, head_start, q, dtype, scale, chunk, splits,          \
+                           part_out, part_lse);                                                    \
+    }
+ATTEND_WARPS(1, 64)
+ATTEND_WARPS(2, 64)
+ATTEND_WARPS(3, 64)
+ATTEND_WARPS(4, 64)
+ATTEND_WARPS(5, 64)
+ATTEND_WARPS(6, 64)
+ATTEND_WARPS(7, 64)
+ATTEND_WARPS(8, 64)
+ATTEND_WARPS(1, 128)
+ATTEND_WARPS(2, 128)
+ATTEND_WARPS(3, 128)
+ATTEND_WARPS(4, 128)
+ATTEND_WARPS(5, 128)
+ATTEND_WARPS(6, 128)
+ATTEND_WARPS(7, 128)
+ATTEND_WARPS(8, 128)
+
 // Copies n ranges of `bytes` bytes (a multiple of 16) from src[i] to dst[i]; one CUDA block
 // per range. Sources are page-locked host memory mapped into the device's address space:
 // one launch gathers scattered KV blocks over PCIe, where one DMA call per 16 KiB block

@@ -141,6 +141,9 @@ impl CudaBackend {
             merge_self: f("merge_self")?,
             rms_norm_half: f("rms_norm_half")?,
             silu_mul_stacked_half: f("silu_mul_stacked_half")?,
+            warps: Kernels::warps_names()
+                .map(|n| f(&n))
+                .collect::<Result<_, _>>()?,
         };
         let blas_state = Blas::new(&stream)?;
         Ok(Self {
@@ -150,6 +153,9 @@ impl CudaBackend {
                 stream,
                 recall,
                 k,
+                warps_on: std::sync::atomic::AtomicBool::new(
+                    std::env::var("DECODE_NODE_ATTENTION_KERNEL").map_or(true, |v| v != "split"),
+                ),
                 idle: Default::default(),
             }),
             blas: Mutex::new(blas_state),
@@ -418,6 +424,9 @@ impl Backend for CudaBackend {
         // scales, about half of f16's bytes to copy and keep); the attention kernel applies
         // the scales as it loads each tile. That path is checked on this device before it
         // serves: a kernel that disagrees with the CPU's is refused, not used.
+        if geom.block_size == 32 {
+            selftest::check_warps_or_off(&self.shared, geom.dtype, geom.head_dim);
+        }
         if geom.dtype.scaled() {
             let err = selftest::check_split_attention(&self.shared, geom.dtype, 4, geom.head_dim)?;
             if err.is_nan() || err > selftest::ATTENTION_TOLERANCE {
@@ -455,6 +464,21 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn every_attend_warps_entry_is_in_the_kernels() {
+        let names: Vec<String> = Kernels::warps_names().collect();
+        assert_eq!(
+            names.len(),
+            driver::WARPS_HEAD_DIMS.len() * driver::WARPS_MAX_GROUP
+        );
+        for n in &names {
+            assert!(
+                attention::cuda::ENTRY_POINTS.contains(&n.as_str()),
+                "{n} not listed"
+            );
         }
     }
 

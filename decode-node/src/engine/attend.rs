@@ -497,8 +497,6 @@ impl DecodeAttention for BatchAttention<'_> {
     }
 
     fn finish_resident(&mut self, layer: usize) -> Result<Vec<Vec<Partial>>, ModelError> {
-        // The next layer's selection by its predicted query, while the device attends.
-        self.plan_ahead();
         let hk = self.shape.num_kv_heads;
         let group = self.shape.num_heads / hk.max(1);
         let pending = std::mem::take(&mut self.resident_pending);
@@ -521,6 +519,13 @@ impl DecodeAttention for BatchAttention<'_> {
             self.timing.finish += t_fin.elapsed().as_secs_f64();
         }
         Ok(cpu)
+    }
+
+    fn resident_queued(&mut self, _layer: usize) {
+        // The next layer's selection by its predicted query, while the device runs this
+        // layer's second half: planned any earlier, the device would wait for it with only
+        // the (short) sparse attention queued.
+        self.plan_ahead();
     }
 
     fn resident_kv(&mut self, layer: usize, k: &[f32], v: &[f32]) {

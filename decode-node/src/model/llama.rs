@@ -81,6 +81,9 @@ pub trait DecodeAttention: Send {
     fn finish_resident(&mut self, _layer: usize) -> Result<Vec<Vec<Partial>>, ModelError> {
         Ok(Vec::new())
     }
+    /// Resident layer `layer`'s rest (merge, second half) is queued on the device: host work
+    /// done now overlaps it instead of leaving the device idle.
+    fn resident_queued(&mut self, _layer: usize) {}
     /// After the step: the K and V rows (`[batch][num_kv_heads*head_dim]`) of a layer that ran
     /// resident.
     fn resident_kv(&mut self, _layer: usize, _k: &[f32], _v: &[f32]) {}
@@ -511,6 +514,7 @@ impl Model {
                 drop(seqs);
                 let cpu = attn.finish_resident(i)?;
                 r.resident_finish(&l, &cpu)?;
+                attn.resident_queued(i);
                 continue;
             }
             let width = |l: &Linear| n * l.w.rows();

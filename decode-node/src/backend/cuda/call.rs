@@ -77,9 +77,15 @@ pub(super) struct SplitK {
 impl SplitK {
     /// About [`TARGET_CTAS`] blocks over `heads` heads, none of them empty.
     pub fn new(heads: usize, longest: usize) -> Self {
+        Self::at_least(heads, longest, 1)
+    }
+
+    /// As [`SplitK::new`], each CUDA block taking at least `min_chunk` entries where the list
+    /// has them (a kernel whose warps walk blocks of their own leaves none idle).
+    pub fn at_least(heads: usize, longest: usize, min_chunk: usize) -> Self {
         let longest = longest.max(1);
         let wanted = (TARGET_CTAS / heads.max(1)).clamp(1, longest);
-        let chunk = longest.div_ceil(wanted);
+        let chunk = longest.div_ceil(wanted).max(min_chunk.min(longest));
         Self {
             chunk,
             splits: longest.div_ceil(chunk),
@@ -207,6 +213,11 @@ mod tests {
                     "{heads} {longest}"
                 );
             }
+        }
+        for longest in [1, 3, 4, 9, 256, 2048] {
+            let s = SplitK::at_least(8, longest, 4);
+            assert!(s.chunk >= 4.min(longest), "{longest} {s:?}");
+            assert!(s.chunk * s.splits >= longest && s.chunk * (s.splits - 1) < longest);
         }
         assert_eq!(
             SplitK::new(8, 0),

@@ -107,6 +107,44 @@ pub(crate) struct Kernels {
     pub(crate) merge_self: CudaFunction,
     pub(crate) rms_norm_half: CudaFunction,
     pub(crate) silu_mul_stacked_half: CudaFunction,
+    /// `attend_warps_g{G}_d{D}`: [`Kernels::warps`] picks one.
+    pub(crate) warps: Vec<CudaFunction>,
+}
+
+/// Head dims `attend_warps` is built for, in [`Kernels::warps`]' order.
+pub(crate) const WARPS_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Query heads per KV head `attend_warps` is built for: 1 ..= this.
+pub(crate) const WARPS_MAX_GROUP: usize = 8;
+/// Where `attend_warps` for this shape sits in [`Kernels::warps`]; `None`: no such entry.
+fn warps_index(dtype: KvDType, block_size: usize, group: usize, d: usize) -> Option<usize> {
+    let half = matches!(dtype, KvDType::F16 | KvDType::Bf16);
+    let di = WARPS_HEAD_DIMS.iter().position(|&x| x == d)?;
+    (half && block_size == 32 && (1..=WARPS_MAX_GROUP).contains(&group))
+        .then(|| di * WARPS_MAX_GROUP + group - 1)
+}
+
+/// Blocks one `attend_warps` CUDA block takes at least: one per warp.
+pub(crate) const WARPS_PER_BLOCK: usize = 4;
+
+impl Kernels {
+    /// The `attend_warps` entry for this shape, where there is one (16-bit KV in 32-token
+    /// blocks, head_dim 64 or 128, at most 8 query heads per KV head).
+    pub(crate) fn warps(
+        &self,
+        dtype: KvDType,
+        block_size: usize,
+        group: usize,
+        d: usize,
+    ) -> Option<&CudaFunction> {
+        self.warps.get(warps_index(dtype, block_size, group, d)?)
+    }
+
+    /// Entry names of [`Kernels::warps`], in its order.
+    pub(crate) fn warps_names() -> impl Iterator<Item = String> {
+        WARPS_HEAD_DIMS
+            .iter()
+            .flat_map(|d| (1..=WARPS_MAX_GROUP).map(move |g| format!("attend_warps_g{g}_d{d}")))
+    }
 }
 
 /// What the backend and its KV store share.
@@ -119,6 +157,10 @@ pub(crate) struct Shared {
     /// Recall copies, overlapping the main stream.
     pub(crate) recall: Arc<CudaStream>,
     pub(crate) k: Kernels,
+    /// Attention takes `attend_warps` where the shape has one; off: always the general
+    /// `sparse_attention_split` (`DECODE_NODE_ATTENTION_KERNEL=split`, or a start-up check
+    /// that found it disagreeing).
+    pub(crate) warps_on: std::sync::atomic::AtomicBool,
     /// How long the main stream sat empty while the host worked.
     pub(crate) idle: IdleClock,
 }
@@ -378,6 +420,29 @@ mod tests {
             let e = dev_err("weights", DriverError(failed));
             assert!(matches!(e, BackendError::Device(_)), "{e:?}");
             assert!(e.to_string().contains("weights"), "{e}");
+        }
+    }
+
+    #[test]
+    fn attend_warps_is_picked_only_for_the_shapes_it_is_built_for() {
+        let names: Vec<String> = Kernels::warps_names().collect();
+        let name = |dt, bs, g, d| warps_index(dt, bs, g, d).map(|i| names[i].as_str());
+        assert_eq!(
+            name(KvDType::Bf16, 32, 5, 128),
+            Some("attend_warps_g5_d128")
+        );
+        assert_eq!(name(KvDType::F16, 32, 1, 64), Some("attend_warps_g1_d64"));
+        assert_eq!(name(KvDType::Bf16, 32, 8, 64), Some("attend_warps_g8_d64"));
+        for (dt, bs, g, d) in [
+            (KvDType::F32, 32, 4, 128),
+            (KvDType::I8, 32, 4, 128),
+            (KvDType::F8E4M3, 32, 4, 128),
+            (KvDType::Bf16, 16, 4, 128),
+            (KvDType::Bf16, 32, 9, 128),
+            (KvDType::Bf16, 32, 0, 128),
+            (KvDType::Bf16, 32, 4, 96),
+        ] {
+            assert_eq!(name(dt, bs, g, d), None, "{dt:?} {bs} {g} {d}");
         }
     }
 

@@ -2,6 +2,7 @@
 //! inputs. The end-to-end half (tokens equal to the CPU backend's) is in `commands`.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use attention::{
     BlockGeometry, DeviceBlock, Digest, HeadBlock, KvDType, KvSource, Partial, Scratch,
@@ -223,13 +224,50 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         (KvDType::F8E4M3, 8, 128),
         (KvDType::F8E4M3, 5, 64),
     ] {
+        // Each shape through the general kernel, then through `attend_warps` where it has one.
+        let on = sh.warps_on.swap(false, Ordering::AcqRel);
         add(
             &format!("sparse_attention_split+combine {dt:?} G={g} D={d}"),
             ATTENTION_TOLERANCE,
             check_split_attention(sh, dt, g, d),
         );
+        if sh.k.warps(dt, 32, g, d).is_some() {
+            sh.warps_on.store(true, Ordering::Release);
+            add(
+                &format!("attend_warps+combine {dt:?} G={g} D={d}"),
+                ATTENTION_TOLERANCE,
+                check_split_attention(sh, dt, g, d),
+            );
+        }
+        sh.warps_on.store(on, Ordering::Release);
     }
     out
+}
+
+/// Checks `attend_warps` for every group it is built for at `dtype` and `head_dim` (32-token
+/// blocks) and turns it off on `sh` where any disagrees with the CPU: attention then takes the
+/// general kernel. Nothing to check where the shape has no `attend_warps` or it is off.
+pub(super) fn check_warps_or_off(sh: &Arc<Shared>, dtype: KvDType, head_dim: usize) {
+    if !sh.warps_on.load(Ordering::Acquire) {
+        return;
+    }
+    for g in 1..=super::driver::WARPS_MAX_GROUP {
+        if sh.k.warps(dtype, 32, g, head_dim).is_none() {
+            return;
+        }
+        match check_split_attention(sh, dtype, g, head_dim) {
+            Ok(err) if err <= ATTENTION_TOLERANCE => {}
+            r => {
+                tracing::error!(group = g, head_dim, result = ?r, "attend_warps disagrees with the CPU on this device; attention takes the general kernel");
+                sh.warps_on.store(false, Ordering::Release);
+                return;
+            }
+        }
+    }
+    tracing::info!(
+        head_dim,
+        "attend_warps agrees with the CPU on this device; using it"
+    );
 }
 
 /// A random bf16 model (the `small` preset) on a fresh backend of device `ordinal`.

@@ -10,10 +10,11 @@
 use std::sync::{Arc, Mutex};
 
 use attention::{BlockGeometry, DeviceBlock, KvSource, Partial};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, result as drv, sys};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, result as drv, sys};
 use kv_transfer::HostPool;
 
 use super::call::{SlotList, SplitK, pack, partials};
+use super::driver::WARPS_PER_BLOCK;
 use super::slots::{Fill, NoSlot, SlotTable};
 use super::{DevBuf, Shared, dev_err, htod};
 use crate::backend::{BackendError, DeviceKv, DeviceSeq};
@@ -312,6 +313,17 @@ impl CudaKvStore {
 }
 
 impl CudaKvStore {
+    /// `attend_warps` for this store's blocks and `group`, where the shape has one and it is
+    /// on ([`Shared::warps_on`]).
+    fn warps_kernel(&self, group: usize) -> Option<&CudaFunction> {
+        let sh = &*self.shared;
+        if !sh.warps_on.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
+        let g = &self.geom;
+        sh.k.warps(g.dtype, g.block_size, group, g.head_dim)
+    }
+
     /// Queues the split-K attention over `list` with the query `q` (`[hk][group][d]`) and its
     /// combine into `out`: `[hk][group][d]` outputs at the first address, their base-2
     /// log-sum-exps `[hk][group]` at the second, `hk` being the list's heads. The list (and a
@@ -322,12 +334,18 @@ impl CudaKvStore {
         q: Query<'_>,
         group: usize,
         scale: f32,
-        split: SplitK,
         (out_dev, lse_dev): (u64, u64),
     ) -> Result<(), BackendError> {
         let sh = &*self.shared;
         // Every KV head of the list, a sequence's or (resident) a batch's.
         let (hk, d) = (list.heads(), self.geom.head_dim);
+        let (kernel, split) = match self.warps_kernel(group) {
+            Some(f) => (
+                f,
+                SplitK::at_least(hk, list.longest_head(), WARPS_PER_BLOCK),
+            ),
+            None => (&sh.k.split, SplitK::new(hk, list.longest_head())),
+        };
         let up = pack(
             list,
             match q {
@@ -365,7 +383,7 @@ impl CudaKvStore {
         // calling sequence owns.
         unsafe {
             sh.launch(
-                &sh.k.split,
+                kernel,
                 (split.splits as u32, hk as u32),
                 128,
                 &[
@@ -412,15 +430,7 @@ impl CudaKvStore {
         let heads = list.heads();
         let empty = i32::from(list.is_empty());
         if !list.is_empty() {
-            let split = SplitK::new(heads, list.longest_head());
-            self.launch_attention(
-                list,
-                Query::Device(at.q),
-                at.group,
-                scale,
-                split,
-                (at.out, at.lse),
-            )?;
+            self.launch_attention(list, Query::Device(at.q), at.group, scale, (at.out, at.lse))?;
         }
         let (g, d) = (at.group as i32, self.geom.head_dim as i32);
         // SAFETY: `at` names ranges the caller sized for `heads` x group query heads of d
@@ -760,11 +770,10 @@ impl DeviceSeq for CudaSeq {
             self.pending = Some(Pending::Empty { hk, group, d });
             return Ok(());
         }
-        let split = SplitK::new(hk, list.longest_head());
         let floats = hk * group * (d + 1);
         let out = self.out.ptr(&sh.stream, floats * 4)?;
         let lse = out + (hk * group * d * 4) as u64;
-        store.launch_attention(&list, Query::Host(q), group, scale, split, (out, lse))?;
+        store.launch_attention(&list, Query::Host(q), group, scale, (out, lse))?;
         tracing::trace!(
             layer,
             entries = list.offs.len(),

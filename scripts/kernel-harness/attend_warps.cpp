@@ -1,0 +1,117 @@
+// `attend_warps_g{G}_d{D}` (and, as a check of the SIMT shim itself, the general
+// `sparse_attention_split`) run with 128 threads per block on the host (see simt.h), their
+// splits merged by `combine_splits`, against attention computed here in double precision from
+// the definition: softmax(scale * q.K) V over each head's listed tokens, and its base-2
+// log-sum-exp. Heads with a partial newest block (its tail holds NaN), several splits and no
+// blocks at all. Exit status 1 on any difference beyond float rounding.
+#include "simt.h"
+#include "../../attention/src/cuda/kernels.cu"
+#include <cstdio>
+#include <random>
+
+static std::mt19937 rng(11);
+static int bad = 0;
+
+typedef void (*Attend)(const unsigned char*, const long long*, const int*, const int*, const float*, int,
+                       int, int, int, float, int, int, float*, float*);
+
+static void check(const char* name, Attend kernel, int G, int D, int dtype) {
+    const int BS = 32, hk = 3;
+    const int head_bytes = 2 * BS * D * 2;
+    // Per head: its blocks' tokens. Head 0 ends in a partial block, head 2 has none.
+    const std::vector<std::vector<int>> lens = {{32, 32, 32, 32, 32, 32, 32, 32, 5}, {32, 32, 32}, {}};
+    int total = 0;
+    for (auto& l : lens) total += (int)l.size();
+    std::vector<uint4> store((size_t)total * head_bytes / 16 + 1);
+    unsigned char* arena = (unsigned char*)store.data();
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    // Decoded values, as the kernel must read them: [block][K^T c*BS+t | V t*D+c].
+    std::vector<std::vector<float>> kv(total, std::vector<float>(2 * BS * D));
+    std::vector<long long> offs;
+    std::vector<int> blens, head_start = {0};
+    int b = 0;
+    for (auto& l : lens) {
+        for (int len : l) {
+            u16* p = (u16*)(arena + (size_t)b * head_bytes);
+            for (int i = 0; i < 2 * BS * D; i++) {
+                const int t = i < BS * D ? i % BS : (i - BS * D) / D;
+                u16 h;
+                if (t >= len) {
+                    h = dtype == 2 ? 0x7fc0 : 0x7e00;  // unwritten tail: NaN
+                } else {
+                    const float x = u(rng) * 2.f;
+                    h = dtype == 2 ? f32_to_bf16(x) : f32_to_f16(x);
+                }
+                p[i] = h;
+                kv[b][i] = dtype == 2 ? bf16_to_f32(h) : f16_to_f32(h);
+            }
+            offs.push_back((long long)b * head_bytes);
+            blens.push_back(len);
+            b++;
+        }
+        head_start.push_back(b);
+    }
+    std::vector<float> q((size_t)hk * G * D);
+    for (auto& x : q) x = u(rng);
+    const float scale = 1.f / sqrtf((float)D);
+    const int chunk = 4, splits = 3;  // head 0: 3 splits, head 1: 1 (+2 empty), head 2: none
+    std::vector<float> part_out((size_t)hk * splits * G * D), part_lse((size_t)hk * splits * G);
+    launch({(unsigned)splits, (unsigned)hk, 1}, 128, [&] {
+        kernel(arena, offs.data(), blens.data(), head_start.data(), q.data(), G, D, BS, dtype, scale, chunk,
+               splits, part_out.data(), part_lse.data());
+    });
+    std::vector<float> out((size_t)hk * G * D), lse((size_t)hk * G);
+    launch({(unsigned)(hk * G), 1, 1}, 128,
+           [&] { combine_splits(part_out.data(), part_lse.data(), splits, G, D, out.data(), lse.data()); });
+    double worst = 0;
+    for (int h = 0; h < hk; h++)
+        for (int g = 0; g < G; g++) {
+            std::vector<double> s, o(D, 0.0);
+            std::vector<std::pair<int, int>> toks;
+            for (int bi = head_start[h]; bi < head_start[h + 1]; bi++)
+                for (int t = 0; t < blens[bi]; t++) {
+                    double d = 0;
+                    for (int c = 0; c < D; c++) d += (double)q[(h * G + g) * D + c] * kv[bi][c * BS + t];
+                    s.push_back(d * scale);
+                    toks.push_back({bi, t});
+                }
+            const float* got = &out[(h * G + g) * D];
+            const float got_lse = lse[h * G + g];
+            if (s.empty()) {
+                for (int c = 0; c < D; c++)
+                    if (got[c] != 0.f && bad++ < 10) printf("%s h%d g%d: out %g, want 0\n", name, h, g, got[c]);
+                if (got_lse != NEG_INF && bad++ < 10) printf("%s h%d g%d: lse %g, want -inf\n", name, h, g, got_lse);
+                continue;
+            }
+            const double m = *std::max_element(s.begin(), s.end());
+            double l = 0;
+            for (size_t i = 0; i < s.size(); i++) {
+                const double p = exp(s[i] - m);
+                l += p;
+                for (int c = 0; c < D; c++) o[c] += p * kv[toks[i].first][BS * D + toks[i].second * D + c];
+            }
+            double err = fabs(got_lse - (m + log(l)) / log(2.0)) / (1.0 + fabs((m + log(l)) / log(2.0)));
+            for (int c = 0; c < D; c++) err = std::max(err, fabs(got[c] - o[c] / l) / (1.0 + fabs(o[c] / l)));
+            worst = std::max(worst, err);
+        }
+    const bool ok = worst < 1e-5 && !std::isnan(worst);
+    if (!ok) bad++;
+    printf("%s %s G=%d D=%d %s: max rel err %.2e\n", ok ? "PASS" : "FAIL", name, G, D, dtype == 2 ? "bf16" : "f16",
+           worst);
+}
+
+static void split(const unsigned char* a, const long long* o, const int* l, const int* hs, const float* q, int g,
+                  int d, int bs, int dt, float sc, int ch, int sp, float* po, float* pl) {
+    sparse_attention_split(a, o, l, hs, q, g, d, bs, dt, sc, ch, sp, po, pl);
+}
+
+int main() {
+    check("sparse_attention_split", split, 5, 128, 2);
+    check("attend_warps", attend_warps_g5_d128, 5, 128, 2);
+    check("attend_warps", attend_warps_g5_d128, 5, 128, 1);
+    check("attend_warps", attend_warps_g3_d64, 3, 64, 1);
+    check("attend_warps", attend_warps_g8_d128, 8, 128, 2);
+    check("attend_warps", attend_warps_g1_d64, 1, 64, 2);
+    check("attend_warps", attend_warps_g4_d64, 4, 64, 2);
+    return bad ? 1 : 0;
+}
