@@ -870,8 +870,23 @@ impl<R: crate::backend::Residual> crate::backend::Residual for ResidentResidual<
 /// is caught by the start check, and the layers then attend through the host.
 #[test]
 fn layers_run_where_the_residual_is_equal_the_host_path() {
-    let cases: [(&[&str], bool); 4] = [
+    let cases: [(&[&str], bool); 5] = [
         (&["--attention", "full"], false),
+        // Every prediction refused: each layer is planned again with the real query.
+        (
+            &[
+                "--attention",
+                "scout",
+                "--block-size",
+                "8",
+                "--budget-tokens",
+                "48",
+                "--device-blocks",
+                "2",
+                "--guard-min-cosine=1",
+            ],
+            false,
+        ),
         (
             &[
                 "--attention",
