@@ -116,12 +116,15 @@ pub(crate) struct BatchAttention<'a> {
     /// This step's guard checks, for the per-layer metrics.
     pub(crate) guard_checks: Vec<GuardCheck>,
     /// Per sequence, the resident layer planned last: its plans and CPU part.
-    resident_pending: Vec<(Vec<HeadPlan>, Option<CpuJob>)>,
+    resident_pending: Vec<Planned>,
     /// Each layer's plans, whether its CPU part used the predicted query, and each head's
     /// resident blocks when the plan was made (a recall after the layer changes them).
     #[cfg(test)]
     plan_log: Vec<PlanRecord>,
 }
+
+/// A sequence's layer as planned: its heads' plans and its CPU part, if any.
+type Planned = (Vec<HeadPlan>, Option<CpuJob>);
 
 /// A layer's plans, whether its CPU part used the predicted query, and each head's resident
 /// blocks when the plan was made.
@@ -312,7 +315,7 @@ impl<'a> BatchAttention<'a> {
         b: usize,
         layer: usize,
         qb: &[f32],
-    ) -> Result<Option<(Vec<HeadPlan>, Option<CpuJob>)>, ModelError> {
+    ) -> Result<Option<Planned>, ModelError> {
         let at = self.ahead[b].iter().position(|a| a.layer == layer);
         let Some(a) = at.map(|i| self.ahead[b].swap_remove(i)) else {
             return Ok(None);
