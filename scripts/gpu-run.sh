@@ -50,6 +50,14 @@ if grep -q "^FAIL attend_warps" "$out/selftest.json" 2>/dev/null; then
         tee -a "$out/summary.txt"
     export DECODE_NODE_ATTENTION_KERNEL=split
 fi
+if grep -q "^FAIL gemv" "$out/selftest.json" 2>/dev/null; then
+    echo "   gemv did not pass selftest: DECODE_NODE_GEMV=0 from here" | tee -a "$out/summary.txt"
+    export DECODE_NODE_GEMV=0
+fi
+# The dense step alone against the weights' bound, batch 1 and 8: `gemv_b{B}`, then cuBLAS.
+step dense-step "$bin" bench step --json --device cuda --model "$model" --batch 8 --seconds 3
+step dense-step-cublas env DECODE_NODE_GEMV=0 "$bin" bench step --json --device cuda \
+    --model "$model" --batch 8 --seconds 3
 # Each step's per-layer phases (selection, device, CPU waits) as debug lines in its log.
 export RUST_LOG=${RUST_LOG:-info,decode_node::engine::step=debug}
 step decode-8k-32k "$bin" bench decode --json --device cuda --model "$model" \

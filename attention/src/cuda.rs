@@ -39,6 +39,14 @@ pub const ENTRY_POINTS: &[&str] = &[
     "attend_warps_g6_d128",
     "attend_warps_g7_d128",
     "attend_warps_g8_d128",
+    "gemv_b1",
+    "gemv_b2",
+    "gemv_b3",
+    "gemv_b4",
+    "gemv_b5",
+    "gemv_b6",
+    "gemv_b7",
+    "gemv_b8",
 ];
 
 /// Words of one row's spec for `sample_rows`.

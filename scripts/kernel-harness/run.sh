@@ -19,3 +19,5 @@ trap 'rm -rf "$out"' EXIT
 # Warp-cooperative kernels run with a thread per CUDA thread (simt.h): C++20 for std::barrier.
 "$cxx" -std=c++20 -O2 -w -pthread -o "$out/attend_warps" attend_warps.cpp
 "$out/attend_warps"
+"$cxx" -std=c++20 -O2 -w -pthread -o "$out/gemv" gemv.cpp
+"$out/gemv"

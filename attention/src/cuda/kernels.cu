@@ -707,6 +707,80 @@ ATTEND_WARPS(6, 128)
 ATTEND_WARPS(7, 128)
 ATTEND_WARPS(8, 128)
 
+// Row-major y[b][r] = sum_c w[r][c] * x[b][c] (+ beta * y[b][r]) for a decode batch of B <= 8
+// rows, in place of a cuBLAS GEMM whose small-batch shapes read the weights at about half the
+// memory bandwidth: one warp per row of w (GEMV_WARPS rows per CUDA block) reading it with
+// 16-byte loads, four in flight per lane; the batch's x rows (small, shared by every row of w)
+// come through L1/L2. 16-bit w and x (dtype 1 = f16, 2 = bf16), 16-byte aligned, cols a
+// multiple of 8 (the caller checks); f32 sums and output. y is not read where beta is 0.
+#define GEMV_WARPS 8
+template <int B>
+__device__ __forceinline__ void gemv_body(const unsigned char* w, const unsigned char* x, float* y, int rows,
+                                          int cols, int dtype, float beta) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = blockIdx.x * GEMV_WARPS + warp;
+    if (r >= rows) return;  // a whole warp
+    const uint4* wr = (const uint4*)(w + (long long)r * cols * 2);
+    const int chunks = cols >> 3;
+    float acc[B];
+#pragma unroll
+    for (int b = 0; b < B; b++) acc[b] = 0.f;
+    int c = lane;
+    for (; c + 96 < chunks; c += 128) {
+        uint4 wv[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) wv[u] = wr[c + 32 * u];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            float wf[8];
+            unpack8(wv[u], dtype, wf);
+#pragma unroll
+            for (int b = 0; b < B; b++) {
+                float xf[8];
+                unpack8(((const uint4*)(x + (long long)b * cols * 2))[c + 32 * u], dtype, xf);
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[b] += wf[j] * xf[j];
+            }
+        }
+    }
+    for (; c < chunks; c += 32) {
+        float wf[8];
+        unpack8(wr[c], dtype, wf);
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            float xf[8];
+            unpack8(((const uint4*)(x + (long long)b * cols * 2))[c], dtype, xf);
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[b] += wf[j] * xf[j];
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < B; b++) acc[b] = warp_sum(acc[b]);
+    if (lane == 0)
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            float* yb = y + (long long)b * rows + r;
+            *yb = beta != 0.f ? acc[b] + beta * *yb : acc[b];
+        }
+}
+
+// The entry points of `gemv_body`, `gemv_b{B}`: GEMV_WARPS * 32 threads, ceil(rows /
+// GEMV_WARPS) blocks.
+#define GEMV(B)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_b##B(                        \
+        const unsigned char* w, const unsigned char* x, float* y, int rows, int cols, int dtype,    \
+        float beta) {                                                                              \
+        gemv_body<B>(w, x, y, rows, cols, dtype, beta);                                            \
+    }
+GEMV(1)
+GEMV(2)
+GEMV(3)
+GEMV(4)
+GEMV(5)
+GEMV(6)
+GEMV(7)
+GEMV(8)
+
 // Copies n ranges of `bytes` bytes (a multiple of 16) from src[i] to dst[i]; one CUDA block
 // per range. Sources are page-locked host memory mapped into the device's address space:
 // one launch gathers scattered KV blocks over PCIe, where one DMA call per 16 KiB block

@@ -144,8 +144,26 @@ impl CudaBackend {
             warps: Kernels::warps_names()
                 .map(|n| f(&n))
                 .collect::<Result<_, _>>()?,
+            gemv: Kernels::gemv_names()
+                .map(|n| f(&n))
+                .collect::<Result<_, _>>()?,
         };
-        let blas_state = Blas::new(&stream)?;
+        let mut blas_state = Blas::new(&stream, k.gemv.clone())?;
+        // The small-batch kernel replaces cuBLAS only where it gives cuBLAS's products here.
+        if blas_state.gemv_on {
+            match selftest::gemv_vs_cublas(&mut blas_state) {
+                Ok(err) if err <= selftest::GEMV_TOLERANCE => {
+                    tracing::info!(
+                        err,
+                        "gemv agrees with cuBLAS on this device; small batches use it"
+                    );
+                }
+                r => {
+                    tracing::error!(result = ?r, "gemv disagrees with cuBLAS on this device; every projection takes cuBLAS");
+                    blas_state.gemv_on = false;
+                }
+            }
+        }
         Ok(Self {
             shared: Arc::new(Shared {
                 ordinal,
@@ -475,6 +493,16 @@ mod tests {
             driver::WARPS_HEAD_DIMS.len() * driver::WARPS_MAX_GROUP
         );
         for n in &names {
+            assert!(
+                attention::cuda::ENTRY_POINTS.contains(&n.as_str()),
+                "{n} not listed"
+            );
+        }
+    }
+
+    #[test]
+    fn every_gemv_entry_is_in_the_kernels() {
+        for n in Kernels::gemv_names() {
             assert!(
                 attention::cuda::ENTRY_POINTS.contains(&n.as_str()),
                 "{n} not listed"

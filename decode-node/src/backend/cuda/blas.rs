@@ -5,10 +5,14 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 
 use attention::KvDType;
-use cudarc::cublas::{result as blas, sys as blas_sys};
-use cudarc::driver::CudaSlice;
+use std::sync::Arc;
 
-use super::driver::{DevBuf, Pinned, Shared, dev_err, lib_err};
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream};
+
+use super::driver::{
+    DevBuf, GEMV_MAX_BATCH, GEMV_WARPS, Pinned, Shared, dev_err, dtype_code, launch_on, lib_err,
+};
 use super::{BackendError, CudaError, Tensor};
 
 /// The state of the projections, behind one lock (one main stream).
@@ -37,6 +41,12 @@ pub(crate) struct Blas {
     /// Device picks' spec and results, and their host side (`pick::sample_rows`).
     pub(crate) pick: DevBuf,
     pub(crate) pick_staging: Pinned,
+    /// `gemv_b{B}` (the stream the handle issues on): a batch of at most
+    /// [`GEMV_MAX_BATCH`] rows of 16-bit activations takes it instead of cuBLAS while `gemv_on`
+    /// (`DECODE_NODE_GEMV=0`, or a start-up check that found it disagreeing: off).
+    gemv: Vec<CudaFunction>,
+    stream: Arc<CudaStream>,
+    pub(crate) gemv_on: bool,
 }
 
 // SAFETY: the cuBLAS handle is only used under the backend's mutex, from one thread at a time.
@@ -53,7 +63,10 @@ impl Drop for Blas {
 
 impl Blas {
     /// A cuBLAS handle issuing on `sh`'s main stream.
-    pub(crate) fn new(sh_stream: &cudarc::driver::CudaStream) -> Result<Self, CudaError> {
+    pub(crate) fn new(
+        sh_stream: &Arc<CudaStream>,
+        gemv: Vec<CudaFunction>,
+    ) -> Result<Self, CudaError> {
         let handle = blas::create_handle().map_err(|e| CudaError::Driver(format!("{e:?}")))?;
         let b = Self {
             handle,
@@ -71,6 +84,9 @@ impl Blas {
             staging: Pinned::empty(),
             pick: DevBuf::default(),
             pick_staging: Pinned::empty(),
+            gemv,
+            stream: Arc::clone(sh_stream),
+            gemv_on: std::env::var("DECODE_NODE_GEMV").map_or(true, |v| v != "0"),
         };
         // SAFETY: the handle is valid and the stream outlives it (both owned by the backend).
         unsafe { blas::set_stream(handle, sh_stream.cu_stream() as _) }
@@ -116,6 +132,20 @@ impl Blas {
         y: u64,
         beta: f32,
     ) -> Result<(), BackendError> {
+        if let Some(f) = self.gemv_for(dtype, batch, cols, w, x) {
+            let (r, c, d) = (rows as i32, cols as i32, dtype_code(dtype));
+            // SAFETY: the caller's ranges; `gemv_for` checked the type, width and alignment the
+            // kernel reads with.
+            return unsafe {
+                launch_on(
+                    &self.stream,
+                    f,
+                    (rows.div_ceil(GEMV_WARPS) as u32, 1),
+                    (GEMV_WARPS * 32) as u32,
+                    &[&w, &x, &y, &r, &c, &d, &beta],
+                )
+            };
+        }
         let alpha = 1f32;
         let ty = half_type(dtype);
         // Row-major y = x · wᵀ is, column-major, Y(rows×batch) = Wᵀ(rows×cols) · X(cols×batch)
@@ -145,6 +175,32 @@ impl Blas {
             )
         }
         .map_err(|e| lib_err("cuBLAS GemmEx", e))
+    }
+}
+
+impl Blas {
+    /// The stream the projections issue on.
+    pub(crate) fn stream_handle(&self) -> Arc<CudaStream> {
+        Arc::clone(&self.stream)
+    }
+
+    /// `gemv_b{batch}` where it takes this product: on, 16-bit operands, a batch it is built
+    /// for, rows of whole 16-byte chunks at 16-byte aligned addresses.
+    fn gemv_for(
+        &self,
+        dtype: KvDType,
+        batch: usize,
+        cols: usize,
+        w: u64,
+        x: u64,
+    ) -> Option<&CudaFunction> {
+        let fits = self.gemv_on
+            && matches!(dtype, KvDType::F16 | KvDType::Bf16)
+            && (1..=GEMV_MAX_BATCH).contains(&batch)
+            && cols.is_multiple_of(8)
+            && i32::try_from(cols).is_ok()
+            && (w | x).is_multiple_of(16);
+        fits.then(|| self.gemv.get(batch - 1)).flatten()
     }
 }
 

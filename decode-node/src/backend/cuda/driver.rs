@@ -109,7 +109,14 @@ pub(crate) struct Kernels {
     pub(crate) silu_mul_stacked_half: CudaFunction,
     /// `attend_warps_g{G}_d{D}`: [`Kernels::warps`] picks one.
     pub(crate) warps: Vec<CudaFunction>,
+    /// `gemv_b{B}`, B = 1 ..= [`GEMV_MAX_BATCH`], in order.
+    pub(crate) gemv: Vec<CudaFunction>,
 }
+
+/// Largest batch `gemv_b{B}` is built for.
+pub(crate) const GEMV_MAX_BATCH: usize = 8;
+/// Rows of w per `gemv_b{B}` CUDA block (one per warp; the kernels' `GEMV_WARPS`).
+pub(crate) const GEMV_WARPS: usize = 8;
 
 /// Head dims `attend_warps` is built for, in [`Kernels::warps`]' order.
 pub(crate) const WARPS_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -137,6 +144,11 @@ impl Kernels {
         d: usize,
     ) -> Option<&CudaFunction> {
         self.warps.get(warps_index(dtype, block_size, group, d)?)
+    }
+
+    /// Entry names of [`Kernels::gemv`], in its order.
+    pub(crate) fn gemv_names() -> impl Iterator<Item = String> {
+        (1..=GEMV_MAX_BATCH).map(|b| format!("gemv_b{b}"))
     }
 
     /// Entry names of [`Kernels::warps`], in its order.

@@ -11,6 +11,8 @@ use attention::{
 use cudarc::driver::{CudaSlice, DevicePtr};
 use kv_transfer::HostPool;
 
+use super::blas::Blas;
+use super::driver::GEMV_MAX_BATCH;
 use super::{CudaBackend, Shared, dtype_code};
 use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv, LayerOut, LinearOut};
 use crate::model::pick::{PickSpec, pick_row};
@@ -176,6 +178,16 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
             },
         });
     };
+    add(
+        "gemv vs cuBLAS (batch 1-8, f16 and bf16, beta 0 and 1)",
+        GEMV_TOLERANCE,
+        backend.lock().and_then(|mut g| {
+            let on = std::mem::replace(&mut g.gemv_on, true);
+            let r = gemv_vs_cublas(&mut g);
+            g.gemv_on = on;
+            r
+        }),
+    );
     for dt in [KvDType::F32, KvDType::F16, KvDType::Bf16] {
         add(
             &format!("linear (cuBLAS) {dt:?}"),
@@ -606,6 +618,57 @@ fn check_linear(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError> {
     b.clear_weights()?;
     res?;
     Ok(rel_err(&got, &want))
+}
+
+/// How far `gemv_b{B}` may be from cuBLAS (relative to the product's scale): both sum in
+/// f32, in different orders.
+pub(super) const GEMV_TOLERANCE: f64 = 1e-4;
+
+/// Largest difference of `gemv_b{B}` from cuBLAS GemmEx (relative to the reference's
+/// scale) over batches 1 ..= 8, f16 and bf16, beta 0 and 1, on random data with a width that
+/// leaves the kernel a tail. Leaves `b.gemv_on` as it found it.
+pub(super) fn gemv_vs_cublas(b: &mut Blas) -> Result<f64, BackendError> {
+    let mut r = SplitMix(31);
+    let (rows, cols) = (72, 1064);
+    let on = b.gemv_on;
+    let stream = b.stream_handle();
+    let up = |bytes: &[u8]| {
+        stream
+            .clone_htod(bytes)
+            .map_err(|e| super::dev_err("upload", e))
+    };
+    let mut worst = 0f64;
+    for dt in [KvDType::F16, KvDType::Bf16] {
+        let half = |v: &[f32]| {
+            let mut out = vec![0u8; v.len() * 2];
+            encode_from_f32(dt, v, &mut out);
+            out
+        };
+        let w = up(&half(&random(&mut r, rows * cols, 0.1)))?;
+        let x = up(&half(&random(&mut r, GEMV_MAX_BATCH * cols, 1.0)))?;
+        let y0 = random(&mut r, GEMV_MAX_BATCH * rows, 1.0);
+        let y = up(super::driver::f32_bytes(&y0))?;
+        let (wp, xp, yp) = (
+            w.device_ptr(&stream).0,
+            x.device_ptr(&stream).0,
+            y.device_ptr(&stream).0,
+        );
+        for batch in 1..=GEMV_MAX_BATCH {
+            for beta in [0f32, 1.0] {
+                let mut got = [vec![0f32; batch * rows], vec![0f32; batch * rows]];
+                for (use_gemv, out) in [false, true].into_iter().zip(got.iter_mut()) {
+                    b.gemv_on = use_gemv;
+                    super::driver::htod(yp, super::driver::f32_bytes(&y0), &stream)?;
+                    // SAFETY: w, x and y hold rows x cols, 8 x cols and 8 x rows elements.
+                    unsafe { b.gemm_beta(dt, rows, batch, cols, wp, xp, yp, beta)? };
+                    super::driver::dtoh_f32(out, yp, &stream)?;
+                }
+                worst = worst.max(rel_err(&got[1], &got[0]));
+            }
+        }
+    }
+    b.gemv_on = on;
+    Ok(worst)
 }
 
 fn check_f32_to_half(sh: &Shared) -> Result<f64, BackendError> {
