@@ -23,7 +23,7 @@ use blas::{Blas, upload};
 pub(crate) use driver::{
     DevBuf, Kernels, Shared, dev_err, dtoh_f32, dtype_code, f32_bytes, htod, launch_on,
 };
-pub use driver::{DeviceInfo, compile_kernels, probe};
+pub use driver::{DeviceInfo, compile_kernels, compile_kernels_for, probe};
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -105,12 +105,12 @@ impl fmt::Debug for CudaBackend {
 impl CudaBackend {
     /// Opens device `ordinal`: probes the driver, loads cuBLAS and compiles the kernels.
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
-        probe(ordinal)?;
+        let info = probe(ordinal)?;
         // SAFETY: only tries to dlopen libcublas.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::NoCublas);
         }
-        let ptx = compile_kernels()?;
+        let ptx = compile_kernels_for(info.compute)?;
         let drv_err = |e: drv::DriverError| CudaError::Driver(format!("{e:?}"));
         let ctx = CudaContext::new(ordinal).map_err(drv_err)?;
         // We order work ourselves (one main stream, explicit events for recall); cudarc's
@@ -481,6 +481,10 @@ mod tests {
                         "PTX lacks {entry}"
                     );
                 }
+                // For a named device (an H100's 9.0), and for one this NVRTC cannot know.
+                let hopper = compile_kernels_for(Some((9, 0))).unwrap();
+                assert!(hopper.contains(".target sm_90"), "not built for sm_90");
+                assert!(compile_kernels_for(Some((99, 9))).is_ok());
             }
         }
     }

@@ -19,11 +19,17 @@ pub struct DeviceInfo {
     pub ordinal: usize,
     /// Devices visible.
     pub count: usize,
+    /// Its compute capability (major, minor), where the driver says.
+    pub compute: Option<(i32, i32)>,
 }
 
 impl fmt::Display for DeviceInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "cuda:{} ({} visible)", self.ordinal, self.count)
+        write!(f, "cuda:{} ({} visible", self.ordinal, self.count)?;
+        match self.compute {
+            Some((major, minor)) => write!(f, ", compute capability {major}.{minor})"),
+            None => write!(f, ")"),
+        }
     }
 }
 
@@ -41,18 +47,61 @@ pub fn probe(ordinal: usize) -> Result<DeviceInfo, CudaError> {
     if ordinal >= count {
         return Err(CudaError::NoSuchDevice { ordinal, count });
     }
-    Ok(DeviceInfo { ordinal, count })
+    let compute = compute_capability(ordinal);
+    Ok(DeviceInfo {
+        ordinal,
+        count,
+        compute,
+    })
 }
 
-/// Compiles the device kernels to PTX with NVRTC.
+/// Device `ordinal`'s compute capability; `None` where the driver does not say.
+fn compute_capability(ordinal: usize) -> Option<(i32, i32)> {
+    use cudarc::driver::result::device;
+    use sys::CUdevice_attribute as A;
+    let dev = device::get(i32::try_from(ordinal).ok()?).ok()?;
+    // SAFETY: `dev` came from `device::get`.
+    let attr = |a| unsafe { device::get_attribute(dev, a) }.ok();
+    Some((
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}
+
+/// Compiles the device kernels to PTX with NVRTC for no particular device.
 pub fn compile_kernels() -> Result<String, CudaError> {
+    compile_kernels_for(None)
+}
+
+/// Compiles the device kernels to PTX with NVRTC for compute capability `compute` (the
+/// driver then has less to translate, and the compiler knows the device's instructions);
+/// where this NVRTC does not know that architecture, for no particular device.
+pub fn compile_kernels_for(compute: Option<(i32, i32)>) -> Result<String, CudaError> {
     // SAFETY: only tries to dlopen libnvrtc.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaError::NoNvrtc);
     }
-    let ptx = cudarc::nvrtc::compile_ptx(attention::cuda::KERNELS_CU)
-        .map_err(|e| CudaError::Compile(format!("{e:?}")))?;
-    Ok(ptx.to_src())
+    let compile = |options: Vec<String>| {
+        let opts = cudarc::nvrtc::CompileOptions {
+            options,
+            ..Default::default()
+        };
+        cudarc::nvrtc::compile_ptx_with_opts(attention::cuda::KERNELS_CU, opts)
+            .map(|p| p.to_src())
+            .map_err(|e| CudaError::Compile(format!("{e:?}")))
+    };
+    if let Some((major, minor)) = compute {
+        match compile(vec![format!("--gpu-architecture=compute_{major}{minor}")]) {
+            Ok(ptx) => return Ok(ptx),
+            Err(e) => tracing::warn!(
+                major,
+                minor,
+                error = %e,
+                "NVRTC could not compile for this device's architecture; compiling for none in particular"
+            ),
+        }
+    }
+    compile(Vec::new())
 }
 
 /// A driver call that failed, by what it means for the node: out of memory is
