@@ -870,51 +870,27 @@ impl<R: crate::backend::Residual> crate::backend::Residual for ResidentResidual<
 /// is caught by the start check, and the layers then attend through the host.
 #[test]
 fn layers_run_where_the_residual_is_equal_the_host_path() {
-    let cases: [(&[&str], bool); 5] = [
-        (&["--attention", "full"], false),
+    // A sparse mode on small blocks, so the device holds some of each layer and the CPU the rest.
+    let sparse = |mode: &'static str, more: &[&'static str]| -> Vec<&'static str> {
+        let mut f = vec![
+            "--attention",
+            mode,
+            "--block-size",
+            "8",
+            "--budget-tokens",
+            "48",
+        ];
+        f.extend(["--device-blocks", "2"]);
+        f.extend(more);
+        f
+    };
+    let cases: Vec<(Vec<&str>, bool)> = vec![
+        (vec!["--attention", "full"], false),
         // Every prediction refused: each layer is planned again with the real query.
-        (
-            &[
-                "--attention",
-                "scout",
-                "--block-size",
-                "8",
-                "--budget-tokens",
-                "48",
-                "--device-blocks",
-                "2",
-                "--guard-min-cosine=1",
-            ],
-            false,
-        ),
-        (
-            &[
-                "--attention",
-                "scout",
-                "--block-size",
-                "8",
-                "--budget-tokens",
-                "48",
-                "--device-blocks",
-                "2",
-                "--guard-min-cosine=-1",
-            ],
-            false,
-        ),
-        (
-            &[
-                "--attention",
-                "recall",
-                "--block-size",
-                "8",
-                "--budget-tokens",
-                "48",
-                "--device-blocks",
-                "2",
-            ],
-            false,
-        ),
-        (&["--attention", "full"], true),
+        (sparse("scout", &["--guard-min-cosine=1"]), false),
+        (sparse("scout", &["--guard-min-cosine=-1"]), false),
+        (sparse("recall", &[]), false),
+        (vec!["--attention", "full"], true),
     ];
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 7 + 60)).collect();
     // The same engine with its layers attended through the host.
@@ -935,6 +911,7 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
         ids
     };
     for (flags, wrong) in cases {
+        let flags = flags.as_slice();
         let want = through_host(flags);
         let dev = Arc::new(TestDevice {
             kv: true,

@@ -1,0 +1,26 @@
+// CUDA's bit casts and the few intrinsics kernels.cu uses, as host C++, for both shims
+// (shim.h: one thread per block; simt.h: a thread per CUDA thread).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__ static
+struct D3 { unsigned x, y, z; };
+static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
+static inline double __hiloint2double(int hi, int lo) {
+    uint64_t b = ((uint64_t)(unsigned)hi << 32) | (unsigned)lo;
+    double d;
+    memcpy(&d, &b, 8);
+    return d;
+}
+static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+struct uint4 { unsigned x, y, z, w; };
+using std::max;
+using std::min;
