@@ -127,8 +127,8 @@ pub struct ModelArgs {
     /// as long after a recall that paid off (0: recall whenever the threshold is passed).
     #[arg(long, env = "DECODE_NODE_RECALL_MIN_USED", default_value_t = 0.5)]
     pub recall_min_used: f32,
-    /// Select and attend every layer with the real query: the layer-ahead selection (and a
-    /// CPU part started ahead) is always redone, so any budget equals a plain block top-k.
+    /// Select and attend every layer with the real query: no layer-ahead prediction is made
+    /// (nothing ahead would be used), so any budget equals a plain block top-k.
     #[arg(long, env = "DECODE_NODE_EXACT")]
     pub exact: bool,
     /// Accuracy guard (`scout`): a layer whose predicted query has a cosine below this with

@@ -329,7 +329,7 @@ impl<'a> BatchAttention<'a> {
                 )
             })
             .fold(f32::INFINITY, |m, c| if c.is_nan() { c } else { m.min(c) });
-        let fell_back = self.cfg.exact || self.cfg.guard.rejects(cos);
+        let fell_back = self.cfg.guard.rejects(cos);
         self.guard_checks.push(GuardCheck {
             layer,
             cosine: cos,
@@ -461,8 +461,11 @@ impl<'a> BatchAttention<'a> {
 
 impl DecodeAttention for BatchAttention<'_> {
     fn wants_prediction(&self, layer: usize) -> bool {
+        // `exact` selects with the real query only: a prediction would be projected, planned
+        // and then thrown away.
         self.cfg.mode == Mode::Scout
             && self.cfg.precompute
+            && !self.cfg.exact
             && layer >= self.cfg.guard.real_query_layers
     }
 
