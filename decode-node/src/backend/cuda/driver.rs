@@ -75,8 +75,26 @@ pub fn compile_kernels() -> Result<String, CudaError> {
 
 /// Compiles the device kernels to PTX with NVRTC for compute capability `compute` (the
 /// driver then has less to translate, and the compiler knows the device's instructions);
-/// where this NVRTC does not know that architecture, for no particular device.
+/// where this NVRTC does not know that architecture, for no particular device. Compiled once
+/// per process and architecture: NVRTC takes seconds over these kernels, and every backend a
+/// process opens (each bench row's node, each selftest model) needs them.
 pub fn compile_kernels_for(compute: Option<(i32, i32)>) -> Result<String, CudaError> {
+    static PTX: std::sync::OnceLock<Mutex<PtxCache>> = std::sync::OnceLock::new();
+    let cache = PTX.get_or_init(Default::default);
+    if let Some(ptx) = cache.lock().ok().and_then(|c| c.get(&compute).cloned()) {
+        return Ok(ptx);
+    }
+    let ptx = compile_uncached(compute)?;
+    if let Ok(mut c) = cache.lock() {
+        c.insert(compute, ptx.clone());
+    }
+    Ok(ptx)
+}
+
+/// PTX by the architecture it was compiled for.
+type PtxCache = std::collections::HashMap<Option<(i32, i32)>, String>;
+
+fn compile_uncached(compute: Option<(i32, i32)>) -> Result<String, CudaError> {
     // SAFETY: only tries to dlopen libnvrtc.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaError::NoNvrtc);
