@@ -9,6 +9,12 @@
 #   The binary must be built with `--features cuda`; layers defaults to 10 (of 40).
 #   STEP_TIMEOUT (seconds, default 180) bounds each step, so one hang cannot spend a lease.
 # Needs: an NVIDIA driver and the CUDA 13 cuBLAS and NVRTC libraries where the loader finds them.
+#   On the lent H100/H200 machines: LD_LIBRARY_PATH=/usr/local/nvidia/lib64:
+#   /opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/usr/local/cuda/targets/
+#   x86_64-linux/lib (never a `stubs` folder: its libcuda answers CUDA_ERROR_STUB_LIBRARY).
+#   Carry a stripped binary (`strip -o dist/decode-node target/release/decode-node`: 16 MB,
+#   the unstripped one is over the 64 MiB a call may carry). The whole run took 6 minutes on
+#   an H200 (2026-11-26), capacity the longest step (2 minutes).
 set -euo pipefail
 bin=${1:-target/release/decode-node}
 layers=${2:-10}
