@@ -60,6 +60,10 @@ if grep -q "^FAIL gemv" "$out/selftest.json" 2>/dev/null; then
     echo "   gemv did not pass selftest: DECODE_NODE_GEMV=0 from here" | tee -a "$out/summary.txt"
     export DECODE_NODE_GEMV=0
 fi
+# The host's side: its read bandwidth and the CPU attention kernel per thread count. Scout's
+# CPU part and its selection (SparQ reads most of 4x the budget's keys) share that bandwidth.
+step host-kernels "$bin" bench kernels --json --threads 1,4,8,16 --groups 5 --head-dims 128 \
+    --seconds 1
 # The dense step alone against the weights' bound, batch 1 and 8: `gemv_b{B}`, then cuBLAS.
 step dense-step "$bin" bench step --json --device cuda --model "$model" --batch 8 --seconds 3
 step dense-step-cublas env DECODE_NODE_GEMV=0 "$bin" bench step --json --device cuda \
