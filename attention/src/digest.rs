@@ -321,15 +321,19 @@ fn bound_body(pos: &[f32], neg: &[f32], min: &[f32], max: &[f32]) -> f32 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn folded_group_query_scores_like_the_definition() {
-        let mut r = 0x1234_5678_u64;
-        let mut next = || {
+    /// Values in [-1, 1] from a xorshift generator seeded with `r`.
+    fn uniform(mut r: u64) -> impl FnMut() -> f32 {
+        move || {
             r ^= r << 13;
             r ^= r >> 7;
             r ^= r << 17;
             (r % 2001) as f32 / 1000.0 - 1.0
-        };
+        }
+    }
+
+    #[test]
+    fn folded_group_query_scores_like_the_definition() {
+        let mut next = uniform(0x1234_5678);
         for (g, d) in [(1, 64), (5, 128), (8, 12), (3, 7)] {
             let mut dg = Digest::new(d);
             for _ in 0..9 {
@@ -347,13 +351,7 @@ mod tests {
 
     #[test]
     fn max_group_score_matches_each_heads_definition_at_every_width() {
-        let mut r = 0x9e37_79b9_u64;
-        let mut next = || {
-            r ^= r << 13;
-            r ^= r >> 7;
-            r ^= r << 17;
-            (r % 2001) as f32 / 1000.0 - 1.0
-        };
+        let mut next = uniform(0x9e37_79b9);
         // Widths with and without a tail past the 8-wide chunks; 9 rows take the portable path.
         for (g, d) in [(1, 64), (5, 128), (8, 12), (3, 7), (9, 16)] {
             let mut dg = Digest::new(d);

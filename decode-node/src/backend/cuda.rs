@@ -438,13 +438,13 @@ impl Backend for CudaBackend {
         capacity_bytes: u64,
         pool: &HostPool,
     ) -> Result<Option<Arc<dyn DeviceKv>>, BackendError> {
+        if geom.block_size == 32 {
+            selftest::check_warps_or_off(&self.shared, geom.dtype, geom.head_dim);
+        }
         // Int8 and fp8 blocks go to the device as the pool holds them (codes and per-token
         // scales, about half of f16's bytes to copy and keep); the attention kernel applies
         // the scales as it loads each tile. That path is checked on this device before it
         // serves: a kernel that disagrees with the CPU's is refused, not used.
-        if geom.block_size == 32 {
-            selftest::check_warps_or_off(&self.shared, geom.dtype, geom.head_dim);
-        }
         if geom.dtype.scaled() {
             let err = selftest::check_split_attention(&self.shared, geom.dtype, 4, geom.head_dim)?;
             if err.is_nan() || err > selftest::ATTENTION_TOLERANCE {
@@ -490,23 +490,13 @@ mod tests {
     }
 
     #[test]
-    fn every_attend_warps_entry_is_in_the_kernels() {
-        let names: Vec<String> = Kernels::warps_names().collect();
+    fn every_generated_entry_name_is_a_kernel() {
+        let warps: Vec<String> = Kernels::warps_names().collect();
         assert_eq!(
-            names.len(),
+            warps.len(),
             driver::WARPS_HEAD_DIMS.len() * driver::WARPS_MAX_GROUP
         );
-        for n in &names {
-            assert!(
-                attention::cuda::ENTRY_POINTS.contains(&n.as_str()),
-                "{n} not listed"
-            );
-        }
-    }
-
-    #[test]
-    fn every_gemv_entry_is_in_the_kernels() {
-        for n in Kernels::gemv_names() {
+        for n in warps.iter().cloned().chain(Kernels::gemv_names()) {
             assert!(
                 attention::cuda::ENTRY_POINTS.contains(&n.as_str()),
                 "{n} not listed"

@@ -132,7 +132,7 @@ impl Blas {
         y: u64,
         beta: f32,
     ) -> Result<(), BackendError> {
-        if let Some(f) = self.gemv_for(dtype, batch, cols, w, x) {
+        if let Some(f) = self.gemv_for(dtype, (rows, batch, cols), w, x) {
             let (r, c, d) = (rows as i32, cols as i32, dtype_code(dtype));
             // SAFETY: the caller's ranges; `gemv_for` checked the type, width and alignment the
             // kernel reads with.
@@ -189,8 +189,7 @@ impl Blas {
     fn gemv_for(
         &self,
         dtype: KvDType,
-        batch: usize,
-        cols: usize,
+        (rows, batch, cols): (usize, usize, usize),
         w: u64,
         x: u64,
     ) -> Option<&CudaFunction> {
@@ -199,6 +198,7 @@ impl Blas {
             && (1..=GEMV_MAX_BATCH).contains(&batch)
             && cols.is_multiple_of(8)
             && i32::try_from(cols).is_ok()
+            && i32::try_from(rows).is_ok()
             && (w | x).is_multiple_of(16);
         fits.then(|| self.gemv.get(batch - 1)).flatten()
     }
