@@ -278,6 +278,71 @@ fn bench_kernels_reports_each_path_against_its_roofline() {
     assert!(!bad.status.success());
 }
 
+/// `bench select` measures each scorer's host selection against the same threads' read
+/// bandwidth: sparq (candidates from the bound, then key rows) reads more than quest alone.
+#[test]
+fn bench_select_reports_each_scorer_against_read_bandwidth() {
+    let v = run_json(&[
+        "bench",
+        "select",
+        "--json",
+        "--context",
+        "1k,2k",
+        "--threads",
+        "1",
+        "--seconds",
+        "0.05",
+        "--kv-heads",
+        "2",
+        "--group",
+        "3",
+        "--head-dim",
+        "64",
+        "--layers",
+        "2",
+        "--budget-tokens",
+        "128",
+    ]);
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 4, "{v}");
+    let row = |scorer: &str, ctx: u64| {
+        rows.iter()
+            .find(|r| r["scorer"] == scorer && r["context"] == ctx)
+            .unwrap()
+    };
+    for ctx in [1024, 2048] {
+        let (q, s) = (row("quest", ctx), row("sparq", ctx));
+        for r in [q, s] {
+            assert!(r["ms_per_layer"].as_f64().unwrap() > 0.0, "{r}");
+            let (gbps, read) = (
+                r["gb_per_s"].as_f64().unwrap(),
+                r["read_gb_per_s"].as_f64().unwrap(),
+            );
+            assert!(
+                (r["ratio"].as_f64().unwrap() - gbps / read).abs() < 1e-9,
+                "{r}"
+            );
+        }
+        // Quest reads every older block's digest: 2 heads x (blocks - 1) x 2 x 64 f32.
+        let blocks = ctx / 32;
+        assert_eq!(
+            q["bytes_per_layer"].as_f64().unwrap(),
+            (2 * (blocks - 1) * 2 * 64 * 4) as f64,
+            "{q}"
+        );
+        assert!(
+            s["bytes_per_layer"].as_f64().unwrap() > q["bytes_per_layer"].as_f64().unwrap(),
+            "{s}"
+        );
+    }
+    let bad = bin()
+        .args(["bench", "select", "--scorers", "oracle"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--scorers"));
+}
+
 /// `bench decode` on the CPU reports the bytes a step moves against read bandwidth.
 #[test]
 fn bench_decode_reports_traffic_against_read_bandwidth() {

@@ -72,3 +72,4 @@ pub use sequence::{
     BlockKeys, HeadPlan, HeadQuery, KvSource, NotResident, SeqAttention, SeqStats, attend_head,
     cosine, recall_intervals,
 };
+pub use sparq::rows_read as sparq_rows_read;

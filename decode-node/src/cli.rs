@@ -459,6 +459,9 @@ pub enum Bench {
     /// Accuracy of each mode and budget against `full` on a real model: passkey retrieval
     /// and teacher-forced agreement on real text, with speed.
     Fidelity(FidelityBench),
+    /// Host block selection (every sparse mode's per-layer scoring and top-k) against the
+    /// read bandwidth of the same threads, per scorer, context and thread count, in process.
+    Select(SelectBench),
 }
 
 /// Flags every bench has.
@@ -498,6 +501,41 @@ pub struct KernelsBench {
     /// on a CPU without AVX-512), `avx512`; a path this CPU lacks is skipped.
     #[arg(long, default_value = "best")]
     pub paths: String,
+}
+
+/// `bench select`. The budget, scorer channels and candidates, group score, block size and
+/// KV dtype come from the usual model flags.
+#[derive(Debug, Clone, Args)]
+pub struct SelectBench {
+    #[command(flatten)]
+    pub common: BenchCommon,
+    /// Seconds to spend per measurement.
+    #[arg(long, default_value_t = 1.0)]
+    pub seconds: f64,
+    /// Context lengths, e.g. `8k,32k`.
+    #[arg(long, default_value = "8k,32k")]
+    pub context: String,
+    /// Thread counts of the pool selection runs on, e.g. `1,2`.
+    #[arg(long, default_value = "1,2")]
+    pub threads: String,
+    /// Block scorers to measure: `quest` (digests only) and/or `sparq` (re-ranks the best
+    /// candidates by an approximate attention over key rows read from host KV).
+    #[arg(long, default_value = "quest,sparq")]
+    pub scorers: String,
+    /// KV heads per layer (the default is Qwen3-14B's shape: 8 KV heads, groups of 5, head
+    /// dim 128).
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: usize,
+    /// Query heads per KV head.
+    #[arg(long, default_value_t = 5)]
+    pub group: usize,
+    /// Head dim.
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: usize,
+    /// Layers of KV held and selected in turn, so digests and keys come from memory, not
+    /// cache, as over a model's layers.
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
 }
 
 /// `bench ingest`.

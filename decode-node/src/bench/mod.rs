@@ -17,6 +17,7 @@ mod ingest;
 mod kernels;
 mod multiturn;
 mod recall_profile;
+mod select;
 mod soak;
 mod step;
 
@@ -41,6 +42,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Bench::Soak(a) => soak::soak(&a).await?,
         Bench::Multiturn(a) => multiturn::multiturn(&a).await?,
         Bench::Fidelity(a) => tokio::task::spawn_blocking(move || fidelity::fidelity(&a)).await??,
+        Bench::Select(a) => tokio::task::spawn_blocking(move || select::select(&a)).await??,
     };
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())

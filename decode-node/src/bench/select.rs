@@ -1,0 +1,224 @@
+//! `bench select`: host block selection — what every sparse mode runs per layer and KV head
+//! before it attends, on the step's critical path — as bytes read per second ÷ the read
+//! bandwidth of the same threads, measured in the same run. On an H200 host it took 12 of
+//! scout's 28 ms per step at 32k (Qwen3-14B shape, 10 layers), more than the device's work.
+
+use super::*; // the shared helpers and imports of `bench`
+use crate::cli::SelectBench;
+use attention::{AttentionConfig, BlockKeys, BlockScorer, HeadDigests, KvSource, SeqAttention};
+
+/// A sequence's KV blocks, in the pool's layout, kept in plain vectors.
+struct Blocks {
+    /// `[layer][block]`.
+    layers: Vec<Vec<Vec<u8>>>,
+    tokens: usize,
+}
+
+impl KvSource for Blocks {
+    fn block(&self, layer: usize, block: usize) -> &[u8] {
+        &self.layers[layer][block]
+    }
+    fn num_tokens(&self) -> usize {
+        self.tokens
+    }
+}
+
+/// Random keys and values for `tokens` tokens of `layers` layers, with their digests.
+fn sequence(geom: BlockGeometry, layers: usize, tokens: usize) -> (Blocks, Vec<HeadDigests>) {
+    let (hk, d) = (geom.num_kv_heads, geom.head_dim);
+    let nb = geom.blocks_for(tokens);
+    // Layers in parallel: 32k tokens of 8 heads is a quarter of a billion values a layer.
+    let built: Vec<(Vec<Vec<u8>>, Vec<HeadDigests>)> = (0..layers)
+        .into_par_iter()
+        .map(|l| {
+            let mut r = SplitMix(0x5e1ec7 + l as u64);
+            let mut blocks = vec![vec![0u8; geom.block_bytes()]; nb];
+            let mut digests: Vec<HeadDigests> = (0..hk).map(|_| HeadDigests::new(nb, d)).collect();
+            let (mut k, mut v) = (vec![0f32; d], vec![0f32; d]);
+            for t in 0..tokens {
+                let b = t / geom.block_size;
+                for (h, dig) in digests.iter_mut().enumerate() {
+                    k.iter_mut()
+                        .chain(v.iter_mut())
+                        .for_each(|x| *x = r.next_f64() as f32 * 2.0 - 1.0);
+                    geom.write_token(&mut blocks[b], h, t % geom.block_size, &k, &v);
+                    dig.update(b, &k);
+                }
+            }
+            (blocks, digests)
+        })
+        .collect();
+    let mut all_blocks = Vec::with_capacity(layers);
+    let mut all_digests = Vec::with_capacity(layers * hk);
+    for (b, d) in built {
+        all_blocks.push(b);
+        all_digests.extend(d);
+    }
+    (
+        Blocks {
+            layers: all_blocks,
+            tokens,
+        },
+        all_digests,
+    )
+}
+
+/// Host selection per scorer, context and thread count.
+pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
+    let contexts: Vec<usize> = args
+        .context
+        .split(',')
+        .map(parse_tokens)
+        .collect::<anyhow::Result<_>>()?;
+    let threads: Vec<usize> = parse_list(&args.threads, "thread count")?;
+    let scorers: Vec<String> = parse_list(&args.scorers, "scorer")?;
+    anyhow::ensure!(
+        scorers.iter().all(|s| s == "quest" || s == "sparq"),
+        "--scorers takes `quest` and/or `sparq`"
+    );
+    anyhow::ensure!(
+        (1..=64).contains(&args.kv_heads)
+            && (1..=16).contains(&args.group)
+            && [64, 128, 256].contains(&args.head_dim)
+            && (1..=64).contains(&args.layers)
+            && threads.iter().all(|&t| (1..=1024).contains(&t)),
+        "--kv-heads 1..=64, --group 1..=16, --head-dim 64/128/256, --layers 1..=64, --threads 1..=1024"
+    );
+    let dtype = match args.common.model.kv_dtype.as_str() {
+        "auto" => KvDType::Bf16,
+        s => KvDType::parse(s).with_context(|| format!("--kv-dtype {s:?}"))?,
+    };
+    let geom = BlockGeometry {
+        block_size: args.common.model.block_size as usize,
+        num_kv_heads: args.kv_heads,
+        head_dim: args.head_dim,
+        dtype,
+    };
+    anyhow::ensure!(
+        geom.block_size.is_power_of_two() && (8..=256).contains(&geom.block_size),
+        "--block-size must be a power of two in 8..=256"
+    );
+    let base = crate::node::attention_config(&args.common.model, geom, args.layers)?;
+    let (hk, g, d) = (args.kv_heads, args.group, args.head_dim);
+    let scale = 1.0 / (d as f32).sqrt();
+    let bw_buf: Vec<f32> = (0..beyond_cache(256 << 20) / 4)
+        .map(|i| (i % 7) as f32)
+        .collect();
+    let mut rows = Vec::new();
+    for &ctx in &contexts {
+        let (src, digests) = sequence(geom, args.layers, ctx);
+        let seq = SeqAttention::new(geom, args.layers, ctx, digests);
+        let keys = BlockKeys { src: &src, scale };
+        // A query per layer: a few large channels per head over small ones, as trained
+        // models' are (SparQ's channel union then depends on the data, as it would).
+        let mut r = SplitMix(ctx as u64);
+        let queries: Vec<Vec<f32>> = (0..args.layers)
+            .map(|_| {
+                (0..hk * g * d)
+                    .map(|_| {
+                        let x = r.next_f64() as f32 * 2.0 - 1.0;
+                        if r.next_f64() < 0.1 { 8.0 * x } else { x }
+                    })
+                    .collect()
+            })
+            .collect();
+        for name in &scorers {
+            let cfg = AttentionConfig {
+                scorer: match (name.as_str(), base.scorer) {
+                    ("quest", _) => BlockScorer::Quest,
+                    (_, s @ BlockScorer::Sparq { .. }) => s,
+                    (_, BlockScorer::Quest) => BlockScorer::Sparq {
+                        channels: (d / 4).max(1),
+                        candidates: 4,
+                    },
+                },
+                ..base.clone()
+            };
+            let bytes = bytes_per_layer(&cfg, geom, ctx, &queries, g);
+            for &t in &threads {
+                let bw = read_bandwidth(&bw_buf, t, args.seconds.min(1.0));
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(t)
+                    .thread_name(|i| format!("bench-select-{i}"))
+                    .build()?;
+                // Layer after layer, every head of one in parallel, as a step plans them.
+                let mut times = Vec::new();
+                let end = Instant::now() + Duration::from_secs_f64(args.seconds);
+                while Instant::now() < end || times.len() < args.layers {
+                    let layer = times.len() % args.layers;
+                    let q = &queries[layer];
+                    let start = Instant::now();
+                    let picked: Vec<Vec<usize>> = pool.install(|| {
+                        (0..hk)
+                            .into_par_iter()
+                            .map(|h| {
+                                seq.select(&cfg, layer, h, &q[h * g * d..(h + 1) * g * d], keys)
+                            })
+                            .collect()
+                    });
+                    times.push(start.elapsed().as_secs_f64());
+                    std::hint::black_box(picked);
+                }
+                times.sort_by(f64::total_cmp);
+                let per_layer = times[times.len() / 2];
+                let gbps = bytes / per_layer / 1e9;
+                let row = json!({
+                    "scorer": name, "context": ctx, "threads": t, "kv_heads": hk, "group": g,
+                    "head_dim": d, "dtype": dtype.name(), "block_size": geom.block_size,
+                    "budget_tokens": cfg.budget_tokens,
+                    "ms_per_layer": per_layer * 1e3,
+                    "us_per_head_thread": per_layer * 1e6 * t as f64 / hk as f64,
+                    "bytes_per_layer": bytes, "gb_per_s": gbps,
+                    "read_gb_per_s": bw / 1e9, "ratio": gbps * 1e9 / bw,
+                });
+                if !args.common.json {
+                    eprintln!(
+                        "select {name:>5} ctx={ctx:>6} H={hk} G={g} D={d} threads={t}: {:7.3} ms/layer, {:6.1} MB/layer, {:6.2} GB/s / {:6.2} GB/s read = {:.2}",
+                        per_layer * 1e3,
+                        bytes / 1e6,
+                        gbps,
+                        bw / 1e9,
+                        gbps * 1e9 / bw,
+                    );
+                }
+                rows.push(row);
+            }
+        }
+    }
+    Ok(json!({ "bench": "select", "results": rows }))
+}
+
+/// Bytes one layer's selection reads, averaged over `queries`' layers: every digest of
+/// every head (Quest's bound), and for SparQ the key rows it reads of the blocks it scores.
+fn bytes_per_layer(
+    cfg: &AttentionConfig,
+    geom: BlockGeometry,
+    ctx: usize,
+    queries: &[Vec<f32>],
+    g: usize,
+) -> f64 {
+    let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
+    let older = geom.blocks_for(ctx).saturating_sub(1);
+    let digests = (hk * older * 2 * d * 4) as f64;
+    let BlockScorer::Sparq {
+        channels,
+        candidates,
+    } = cfg.scorer
+    else {
+        return digests;
+    };
+    let pool = candidates.saturating_mul(cfg.budget_blocks(bs));
+    let (scored, bound) = if candidates == 0 || older <= pool {
+        (older, 0.0)
+    } else {
+        (pool, digests)
+    };
+    let row_bytes = bs * geom.dtype.size();
+    let rows: usize = queries
+        .iter()
+        .flat_map(|q| q.chunks_exact(g * d))
+        .map(|qg| attention::sparq_rows_read(qg, d, channels))
+        .sum();
+    let rows_per_head = rows as f64 / (queries.len() * hk) as f64;
+    bound + hk as f64 * scored as f64 * rows_per_head * row_bytes as f64
+}
