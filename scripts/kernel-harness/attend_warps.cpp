@@ -1,4 +1,4 @@
-// `attend_warps_g{G}_d{D}` (and, as a check of the SIMT shim itself, the general
+// `attend_warps_g{G}_d{D}` and `_b16` (and, as a check of the SIMT shim itself, the general
 // `sparse_attention_split`) run with 128 threads per block on the host (see simt.h), their
 // splits merged by `combine_splits`, against attention computed here in double precision from
 // the definition: softmax(scale * q.K) V over each head's listed tokens, and its base-2
@@ -15,11 +15,12 @@ static int bad = 0;
 typedef void (*Attend)(const unsigned char*, const long long*, const int*, const int*, const float*, int,
                        int, int, int, float, int, int, float*, float*);
 
-static void check(const char* name, Attend kernel, int G, int D, int dtype) {
-    const int BS = 32, hk = 3;
+static void check(const char* name, Attend kernel, int G, int D, int dtype, int BS = 32) {
+    const int hk = 3;
     const int head_bytes = 2 * BS * D * 2;
     // Per head: its blocks' tokens. Head 0 ends in a partial block, head 2 has none.
-    const std::vector<std::vector<int>> lens = {{32, 32, 32, 32, 32, 32, 32, 32, 5}, {32, 32, 32}, {}};
+    const int F = BS;
+    const std::vector<std::vector<int>> lens = {{F, F, F, F, F, F, F, F, 5}, {F, F, F}, {}};
     int total = 0;
     for (auto& l : lens) total += (int)l.size();
     std::vector<uint4> store((size_t)total * head_bytes / 16 + 1);
@@ -96,8 +97,8 @@ static void check(const char* name, Attend kernel, int G, int D, int dtype) {
         }
     const bool ok = worst < 1e-5 && !std::isnan(worst);
     if (!ok) bad++;
-    printf("%s %s G=%d D=%d %s: max rel err %.2e\n", ok ? "PASS" : "FAIL", name, G, D, dtype == 2 ? "bf16" : "f16",
-           worst);
+    printf("%s %s G=%d D=%d BS=%d %s: max rel err %.2e\n", ok ? "PASS" : "FAIL", name, G, D, BS,
+           dtype == 2 ? "bf16" : "f16", worst);
 }
 
 static void split(const unsigned char* a, const long long* o, const int* l, const int* hs, const float* q, int g,
@@ -113,5 +114,10 @@ int main() {
     check("attend_warps", attend_warps_g8_d128, 8, 128, 2);
     check("attend_warps", attend_warps_g1_d64, 1, 64, 2);
     check("attend_warps", attend_warps_g4_d64, 4, 64, 2);
+    check("sparse_attention_split", split, 5, 128, 2, 16);
+    check("attend_warps_b16", attend_warps_g5_d128_b16, 5, 128, 2, 16);
+    check("attend_warps_b16", attend_warps_g3_d64_b16, 3, 64, 1, 16);
+    check("attend_warps_b16", attend_warps_g8_d128_b16, 8, 128, 1, 16);
+    check("attend_warps_b16", attend_warps_g1_d64_b16, 1, 64, 2, 16);
     return bad ? 1 : 0;
 }

@@ -527,23 +527,24 @@ __device__ __forceinline__ void unpack8(uint4 w, int dtype, float* f) {
     }
 }
 
-// `sparse_attention_split` for the common case, 16-bit KV (f16/bf16) in 32-token blocks with
-// head_dim D = 64 or 128 and G query heads per KV head: the same grid, arguments and partials,
-// so `combine_splits` merges either. The general kernel stages every 32-token tile in shared
-// memory behind three block-wide barriers and then does two shared loads per FMA; here each
-// of the 4 warps walks its own blocks with 16-byte loads straight into registers. For the
-// scores, lane l holds tokens 8*(l%4).. of K^T rows l/4, l/4+8, ... (one row is 64 bytes: 4
-// lanes), multiplies them by every query head at once, and the 8 lanes that share its tokens
-// sum by shuffles. For P.V, lane l holds dims 8*(l%(D/8)).. of V rows l/(D/8), ... The 4 warps'
-// running (max, sum, output) merge once at the end. 128 threads; 16-byte aligned head blocks
-// (the caller checks). Other shapes take the general kernel.
-template <int G, int D>
+// `sparse_attention_split` for the common case, 16-bit KV (f16/bf16) in blocks of BS = 16 or
+// 32 tokens with head_dim D = 64 or 128 and G query heads per KV head: the same grid, arguments
+// and partials, so `combine_splits` merges either. The general kernel stages every tile in
+// shared memory behind three block-wide barriers and then does two shared loads per FMA; here
+// each of the 4 warps walks its own blocks with 16-byte loads straight into registers. For the
+// scores, lane l holds tokens 8*(l%TPR).. of K^T rows l/TPR, l/TPR+RPS, ... (one row is BS*2
+// bytes: TPR = BS/8 lanes), multiplies them by every query head at once, and the RPS lanes that
+// share its tokens sum by shuffles. For P.V, lane l holds dims 8*(l%(D/8)).. of V rows
+// l/(D/8), ... The 4 warps' running (max, sum, output) merge once at the end. 128 threads;
+// 16-byte aligned head blocks (the caller checks). Other shapes take the general kernel.
+template <int G, int D, int BS>
 __device__ __forceinline__ void attend_warps(const unsigned char* arena, const long long* offs,
                                              const int* lens, const int* head_start, const float* q,
                                              int dtype, float scale, int chunk, int splits,
                                              float* part_out, float* part_lse) {
-    constexpr int BS = 32;         // tokens per block
-    constexpr int RPS = 8;         // K^T rows per warp step
+    static_assert(BS == 16 || BS == 32, "blocks of 16 or 32 tokens");
+    constexpr int TPR = BS / 8;    // lanes per K^T row (8 tokens each)
+    constexpr int RPS = 32 / TPR;  // K^T rows per warp step
     constexpr int CPR = D / 8;     // 16-byte chunks per V row
     constexpr int TPS = 32 / CPR;  // V rows per warp step
     constexpr int NW = 4;          // warps per CUDA block
@@ -559,7 +560,7 @@ __device__ __forceinline__ void attend_warps(const unsigned char* arena, const l
     __syncthreads();
     const int b0 = head_start[h] + s * chunk;
     const int b1 = min(b0 + chunk, head_start[h + 1]);
-    const int tg = lane & 3, r0 = lane >> 2;    // scores: tokens 8*tg.., rows r0 + RPS*i
+    const int tg = lane % TPR, r0 = lane / TPR;  // scores: tokens 8*tg.., rows r0 + RPS*i
     const int cc = lane % CPR, tt = lane / CPR;  // P.V: dims 8*cc.., rows tt + TPS*j
     float m[G], l[G], acc[G][8];
 #pragma unroll
@@ -591,7 +592,7 @@ __device__ __forceinline__ void attend_warps(const unsigned char* arena, const l
             }
         }
 #pragma unroll
-        for (int o = 4; o < 32; o <<= 1)
+        for (int o = TPR; o < 32; o <<= 1)
 #pragma unroll
             for (int g = 0; g < G; g++)
 #pragma unroll
@@ -606,8 +607,8 @@ __device__ __forceinline__ void attend_warps(const unsigned char* arena, const l
                 if (tg * 8 + j >= len) sc[g][j] = NEG_INF;
                 bm = fmaxf(bm, sc[g][j]);
             }
-            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
-            bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
+#pragma unroll
+            for (int o = 1; o < TPR; o <<= 1) bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, o));
             const float mn = fmaxf(m[g], bm);
             float ps = 0.f;
 #pragma unroll
@@ -616,8 +617,8 @@ __device__ __forceinline__ void attend_warps(const unsigned char* arena, const l
                 sc[g][j] = p;
                 ps += p;
             }
-            ps += __shfl_xor_sync(0xffffffffu, ps, 1);
-            ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+#pragma unroll
+            for (int o = 1; o < TPR; o <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
             const float alpha = m[g] == NEG_INF ? 0.f : exp2f(m[g] - mn);
             l[g] = l[g] * alpha + ps;
             m[g] = mn;
@@ -680,16 +681,20 @@ __device__ __forceinline__ void attend_warps(const unsigned char* arena, const l
     }
 }
 
-// The entry points of `attend_warps`, `attend_warps_g{G}_d{D}`: the arguments of
-// `sparse_attention_split` (group, head_dim and block_size are the name's and 32).
-#define ATTEND_WARPS(G, D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attend_warps_g##G##_d##D(                     \
+// The entry points of `attend_warps`, `attend_warps_g{G}_d{D}` for 32-token blocks and
+// `attend_warps_g{G}_d{D}_b16` for 16: the arguments of `sparse_attention_split` (group,
+// head_dim and block_size are the name's).
+#define ATTEND_WARPS_ENTRY(NAME, G, D, BS)                                                          \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
         const unsigned char* arena, const long long* offs, const int* lens, const int* head_start, \
         const float* q, int group, int head_dim, int block_size, int dtype, float scale,           \
         int chunk, int splits, float* part_out, float* part_lse) {                                 \
-        attend_warps<G, D>(arena, offs, lens, head_start, q, dtype, scale, chunk, splits,          \
-                           part_out, part_lse);                                                    \
+        attend_warps<G, D, BS>(arena, offs, lens, head_start, q, dtype, scale, chunk, splits,      \
+                               part_out, part_lse);                                                \
     }
+#define ATTEND_WARPS(G, D)                                          \
+    ATTEND_WARPS_ENTRY(attend_warps_g##G##_d##D, G, D, 32)          \
+    ATTEND_WARPS_ENTRY(attend_warps_g##G##_d##D##_b16, G, D, 16)
 ATTEND_WARPS(1, 64)
 ATTEND_WARPS(2, 64)
 ATTEND_WARPS(3, 64)

@@ -438,15 +438,19 @@ impl Backend for CudaBackend {
         capacity_bytes: u64,
         pool: &HostPool,
     ) -> Result<Option<Arc<dyn DeviceKv>>, BackendError> {
-        if geom.block_size == 32 {
-            selftest::check_warps_or_off(&self.shared, geom.dtype, geom.head_dim);
-        }
+        selftest::check_warps_or_off(&self.shared, geom.dtype, geom.block_size, geom.head_dim);
         // Int8 and fp8 blocks go to the device as the pool holds them (codes and per-token
         // scales, about half of f16's bytes to copy and keep); the attention kernel applies
         // the scales as it loads each tile. That path is checked on this device before it
         // serves: a kernel that disagrees with the CPU's is refused, not used.
         if geom.dtype.scaled() {
-            let err = selftest::check_split_attention(&self.shared, geom.dtype, 4, geom.head_dim)?;
+            let err = selftest::check_split_attention(
+                &self.shared,
+                geom.dtype,
+                4,
+                geom.head_dim,
+                geom.block_size,
+            )?;
             if err.is_nan() || err > selftest::ATTENTION_TOLERANCE {
                 return Err(BackendError::Unsupported(format!(
                     "{d} host KV (--kv-dtype {d}): the device attention kernel disagrees with \
@@ -494,7 +498,9 @@ mod tests {
         let warps: Vec<String> = Kernels::warps_names().collect();
         assert_eq!(
             warps.len(),
-            driver::WARPS_HEAD_DIMS.len() * driver::WARPS_MAX_GROUP
+            driver::WARPS_BLOCK_SIZES.len()
+                * driver::WARPS_HEAD_DIMS.len()
+                * driver::WARPS_MAX_GROUP
         );
         for n in warps.iter().cloned().chain(Kernels::gemv_names()) {
             assert!(

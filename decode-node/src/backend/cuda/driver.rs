@@ -185,6 +185,9 @@ pub(crate) const GEMV_MAX_BATCH: usize = 8;
 /// Rows of w per `gemv_b{B}` CUDA block (one per warp; the kernels' `GEMV_WARPS`).
 pub(crate) const GEMV_WARPS: usize = 8;
 
+/// Block sizes `attend_warps` is built for, in [`Kernels::warps`]' order (the entries for 16
+/// end in `_b16`).
+pub(crate) const WARPS_BLOCK_SIZES: [usize; 2] = [32, 16];
 /// Head dims `attend_warps` is built for, in [`Kernels::warps`]' order.
 pub(crate) const WARPS_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Query heads per KV head `attend_warps` is built for: 1 ..= this.
@@ -192,16 +195,17 @@ pub(crate) const WARPS_MAX_GROUP: usize = 8;
 /// Where `attend_warps` for this shape sits in [`Kernels::warps`]; `None`: no such entry.
 fn warps_index(dtype: KvDType, block_size: usize, group: usize, d: usize) -> Option<usize> {
     let half = matches!(dtype, KvDType::F16 | KvDType::Bf16);
+    let bi = WARPS_BLOCK_SIZES.iter().position(|&x| x == block_size)?;
     let di = WARPS_HEAD_DIMS.iter().position(|&x| x == d)?;
-    (half && block_size == 32 && (1..=WARPS_MAX_GROUP).contains(&group))
-        .then(|| di * WARPS_MAX_GROUP + group - 1)
+    (half && (1..=WARPS_MAX_GROUP).contains(&group))
+        .then(|| (bi * WARPS_HEAD_DIMS.len() + di) * WARPS_MAX_GROUP + group - 1)
 }
 
 /// Blocks one `attend_warps` CUDA block takes at least: one per warp.
 pub(crate) const WARPS_PER_BLOCK: usize = 4;
 
 impl Kernels {
-    /// The `attend_warps` entry for this shape, where there is one (16-bit KV in 32-token
+    /// The `attend_warps` entry for this shape, where there is one (16-bit KV in 16- or 32-token
     /// blocks, head_dim 64 or 128, at most 8 query heads per KV head).
     pub(crate) fn warps(
         &self,
@@ -220,9 +224,17 @@ impl Kernels {
 
     /// Entry names of [`Kernels::warps`], in its order.
     pub(crate) fn warps_names() -> impl Iterator<Item = String> {
-        WARPS_HEAD_DIMS
-            .iter()
-            .flat_map(|d| (1..=WARPS_MAX_GROUP).map(move |g| format!("attend_warps_g{g}_d{d}")))
+        WARPS_BLOCK_SIZES.iter().flat_map(|&bs| {
+            let tail = if bs == 32 {
+                String::new()
+            } else {
+                format!("_b{bs}")
+            };
+            WARPS_HEAD_DIMS.iter().flat_map(move |d| {
+                let tail = tail.clone();
+                (1..=WARPS_MAX_GROUP).map(move |g| format!("attend_warps_g{g}_d{d}{tail}"))
+            })
+        })
     }
 }
 
@@ -512,11 +524,21 @@ mod tests {
         );
         assert_eq!(name(KvDType::F16, 32, 1, 64), Some("attend_warps_g1_d64"));
         assert_eq!(name(KvDType::Bf16, 32, 8, 64), Some("attend_warps_g8_d64"));
+        assert_eq!(
+            name(KvDType::Bf16, 16, 4, 128),
+            Some("attend_warps_g4_d128_b16")
+        );
+        assert_eq!(
+            name(KvDType::F16, 16, 1, 64),
+            Some("attend_warps_g1_d64_b16")
+        );
         for (dt, bs, g, d) in [
             (KvDType::F32, 32, 4, 128),
             (KvDType::I8, 32, 4, 128),
             (KvDType::F8E4M3, 32, 4, 128),
-            (KvDType::Bf16, 16, 4, 128),
+            (KvDType::F32, 16, 4, 128),
+            (KvDType::Bf16, 8, 4, 128),
+            (KvDType::Bf16, 64, 4, 128),
             (KvDType::Bf16, 32, 9, 128),
             (KvDType::Bf16, 32, 0, 128),
             (KvDType::Bf16, 32, 4, 96),

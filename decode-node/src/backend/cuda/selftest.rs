@@ -219,31 +219,33 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         1e-5,
         check_sample_rows(backend),
     );
-    for (dt, g, d) in [
-        (KvDType::F16, 1, 64),
-        (KvDType::Bf16, 4, 128),
-        (KvDType::F16, 5, 128),
-        (KvDType::Bf16, 8, 128),
-        (KvDType::F32, 2, 128),
-        (KvDType::Bf16, 5, 64),
-        (KvDType::I8, 1, 64),
-        (KvDType::I8, 4, 128),
-        (KvDType::F8E4M3, 8, 128),
-        (KvDType::F8E4M3, 5, 64),
+    for (dt, g, d, bs) in [
+        (KvDType::F16, 1, 64, 32),
+        (KvDType::Bf16, 4, 128, 32),
+        (KvDType::F16, 5, 128, 32),
+        (KvDType::Bf16, 8, 128, 32),
+        (KvDType::F32, 2, 128, 32),
+        (KvDType::Bf16, 5, 64, 32),
+        (KvDType::I8, 1, 64, 32),
+        (KvDType::I8, 4, 128, 32),
+        (KvDType::F8E4M3, 8, 128, 32),
+        (KvDType::F8E4M3, 5, 64, 32),
+        (KvDType::Bf16, 5, 128, 16),
+        (KvDType::F16, 3, 64, 16),
     ] {
         // Each shape through the general kernel, then through `attend_warps` where it has one.
         let on = sh.warps_on.swap(false, Ordering::AcqRel);
         add(
-            &format!("sparse_attention_split+combine {dt:?} G={g} D={d}"),
+            &format!("sparse_attention_split+combine {dt:?} G={g} D={d} block {bs}"),
             ATTENTION_TOLERANCE,
-            check_split_attention(sh, dt, g, d),
+            check_split_attention(sh, dt, g, d, bs),
         );
-        if sh.k.warps(dt, 32, g, d).is_some() {
+        if sh.k.warps(dt, bs, g, d).is_some() {
             sh.warps_on.store(true, Ordering::Release);
             add(
-                &format!("attend_warps+combine {dt:?} G={g} D={d}"),
+                &format!("attend_warps+combine {dt:?} G={g} D={d} block {bs}"),
                 ATTENTION_TOLERANCE,
-                check_split_attention(sh, dt, g, d),
+                check_split_attention(sh, dt, g, d, bs),
             );
         }
         sh.warps_on.store(on, Ordering::Release);
@@ -251,21 +253,26 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
     out
 }
 
-/// Checks `attend_warps` for every group it is built for at `dtype` and `head_dim` (32-token
-/// blocks) and turns it off on `sh` where any disagrees with the CPU: attention then takes the
-/// general kernel. Nothing to check where the shape has no `attend_warps` or it is off.
-pub(super) fn check_warps_or_off(sh: &Arc<Shared>, dtype: KvDType, head_dim: usize) {
+/// Checks `attend_warps` for every group it is built for at `dtype`, `block_size` and
+/// `head_dim` and turns it off on `sh` where any disagrees with the CPU: attention then takes
+/// the general kernel. Nothing to check where the shape has no `attend_warps` or it is off.
+pub(super) fn check_warps_or_off(
+    sh: &Arc<Shared>,
+    dtype: KvDType,
+    block_size: usize,
+    head_dim: usize,
+) {
     if !sh.warps_on.load(Ordering::Acquire) {
         return;
     }
     for g in 1..=super::driver::WARPS_MAX_GROUP {
-        if sh.k.warps(dtype, 32, g, head_dim).is_none() {
+        if sh.k.warps(dtype, block_size, g, head_dim).is_none() {
             return;
         }
-        match check_split_attention(sh, dtype, g, head_dim) {
+        match check_split_attention(sh, dtype, g, head_dim, block_size) {
             Ok(err) if err <= ATTENTION_TOLERANCE => {}
             r => {
-                tracing::error!(group = g, head_dim, result = ?r, "attend_warps disagrees with the CPU on this device; attention takes the general kernel");
+                tracing::error!(group = g, head_dim, block_size, result = ?r, "attend_warps disagrees with the CPU on this device; attention takes the general kernel");
                 sh.warps_on.store(false, Ordering::Release);
                 return;
             }
@@ -273,6 +280,7 @@ pub(super) fn check_warps_or_off(sh: &Arc<Shared>, dtype: KvDType, head_dim: usi
     }
     tracing::info!(
         head_dim,
+        block_size,
         "attend_warps agrees with the CPU on this device; using it"
     );
 }
@@ -943,23 +951,24 @@ fn cpu_attention(
 /// Largest relative error `sparse_attention_split` may show against the CPU kernel.
 pub(super) const ATTENTION_TOLERANCE: f64 = 1e-5;
 
-/// The device attention of `dt` blocks (group `g`, head dimension `d`) against the CPU
-/// kernel on random KV: the largest relative error of outputs and LSEs.
+/// The device attention of `dt` blocks of `block_size` tokens (group `g`, head dimension `d`)
+/// against the CPU kernel on random KV: the largest relative error of outputs and LSEs.
 pub(super) fn check_split_attention(
     sh: &Arc<Shared>,
     dt: KvDType,
     g: usize,
     d: usize,
+    block_size: usize,
 ) -> Result<f64, BackendError> {
     let mut r = SplitMix(20);
     let hk = 3;
     let geom = BlockGeometry {
-        block_size: 32,
+        block_size,
         num_kv_heads: hk,
         head_dim: d,
         dtype: dt,
     };
-    let n = 32 * 300 + 5;
+    let n = block_size * 300 + 5;
     let kv = mem_kv(&mut r, &geom, n);
     let q = random(&mut r, hk * g * d, 1.0);
     let scale = 1.0 / (d as f32).sqrt();
