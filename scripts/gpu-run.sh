@@ -64,6 +64,9 @@ fi
 # CPU part and its selection (SparQ reads most of 4x the budget's keys) share that bandwidth.
 step host-kernels "$bin" bench kernels --json --threads 1,4,8,16 --groups 5 --head-dims 128 \
     --seconds 1
+# Scout's host selection alone (Quest's bound, then SparQ's key rows) at 32k on this shape, per
+# thread count: 12 of scout's 28 ms per step on the H200 in session 22.
+step host-select "$bin" bench select --json --context 32k --threads 1,4,8,16 --seconds 1
 # The dense step alone against the weights' bound, batch 1 and 8: `gemv_b{B}`, then cuBLAS.
 step dense-step "$bin" bench step --json --device cuda --model "$model" --batch 8 --seconds 3
 step dense-step-cublas env DECODE_NODE_GEMV=0 "$bin" bench step --json --device cuda \
@@ -83,9 +86,9 @@ step scout-32k-predicted-device "$bin" bench decode --json --device cuda --model
     --context 32k --modes scout --budget-tokens 2048 --tokens 64 --guard-predicted-device
 step scout-32k-quest "$bin" bench decode --json --device cuda --model "$model" \
     --context 32k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer quest
-step scout-32k-quest-predicted-device "$bin" bench decode --json --device cuda --model "$model" \
-    --context 32k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer quest \
-    --guard-predicted-device
+# 16-token blocks (more of full's answers on SmolLM2 at 7.8k): `attend_warps_*_b16`.
+step decode-32k-block16 "$bin" bench decode --json --device cuda --model "$model" \
+    --context 32k --modes full,scout --budget-tokens 2048 --tokens 64 --block-size 16
 step decode-8k-batch8 "$bin" bench decode --json --device cuda --model "$model" \
     --context 8k --modes full,scout --batch 8 --tokens 64
 # The same rows with every layer driven from the host (resident layers off): #21's A/B.
