@@ -276,6 +276,12 @@ unsafe fn tap_sums<E: crate::avx2::Elem>(
         unsafe { tap_tile::<E, 4>(kt, bs, j0, t0, t1, a0, a1) };
         j0 += 4;
     }
+    // 16-token blocks: two vectors, four chains.
+    while j0 + 2 <= nv {
+        // SAFETY: forwarded, vectors j0..j0 + 2 <= nv.
+        unsafe { tap_tile::<E, 2>(kt, bs, j0, t0, t1, a0, a1) };
+        j0 += 2;
+    }
     while j0 < nv {
         // SAFETY: forwarded, vector j0 < nv.
         unsafe { tap_tile::<E, 1>(kt, bs, j0, t0, t1, a0, a1) };
