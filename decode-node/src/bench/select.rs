@@ -7,32 +7,46 @@ use super::*; // the shared helpers and imports of `bench`
 use crate::cli::SelectBench;
 use attention::{AttentionConfig, BlockKeys, BlockScorer, HeadDigests, KvSource, SeqAttention};
 
-/// A sequence's KV blocks, in the pool's layout, kept in plain vectors.
+/// A sequence's KV blocks, taken from a host pool as an ingest takes them.
 struct Blocks {
     /// `[layer][block]`.
-    layers: Vec<Vec<Vec<u8>>>,
+    layers: Vec<Vec<kv_transfer::Block>>,
     tokens: usize,
 }
 
 impl KvSource for Blocks {
     fn block(&self, layer: usize, block: usize) -> &[u8] {
-        &self.layers[layer][block]
+        self.layers[layer][block].bytes()
     }
     fn num_tokens(&self) -> usize {
         self.tokens
     }
 }
 
-/// Random keys and values for `tokens` tokens of `layers` layers, with their digests.
-fn sequence(geom: BlockGeometry, layers: usize, tokens: usize) -> (Blocks, Vec<HeadDigests>) {
+/// Random keys and values for `tokens` tokens of `layers` layers in blocks of `pool`, with
+/// their digests.
+fn sequence(
+    pool: &kv_transfer::HostPool,
+    layers: usize,
+    tokens: usize,
+) -> anyhow::Result<(Blocks, Vec<HeadDigests>)> {
+    let geom = *pool.geometry();
     let (hk, d) = (geom.num_kv_heads, geom.head_dim);
     let nb = geom.blocks_for(tokens);
+    let mut res = pool.reserve(layers * nb)?;
+    let mut taken: Vec<Vec<kv_transfer::Block>> = (0..layers)
+        .map(|_| (0..nb).filter_map(|_| res.take()).collect())
+        .collect();
+    anyhow::ensure!(
+        taken.iter().all(|l| l.len() == nb),
+        "host pool reservation short"
+    );
     // Layers in parallel: 32k tokens of 8 heads is a quarter of a billion values a layer.
-    let built: Vec<(Vec<Vec<u8>>, Vec<HeadDigests>)> = (0..layers)
-        .into_par_iter()
-        .map(|l| {
+    let digests: Vec<Vec<HeadDigests>> = taken
+        .par_iter_mut()
+        .enumerate()
+        .map(|(l, blocks)| {
             let mut r = SplitMix(0x5e1ec7 + l as u64);
-            let mut blocks = vec![vec![0u8; geom.block_bytes()]; nb];
             let mut digests: Vec<HeadDigests> = (0..hk).map(|_| HeadDigests::new(nb, d)).collect();
             let (mut k, mut v) = (vec![0f32; d], vec![0f32; d]);
             for t in 0..tokens {
@@ -41,26 +55,20 @@ fn sequence(geom: BlockGeometry, layers: usize, tokens: usize) -> (Blocks, Vec<H
                     k.iter_mut()
                         .chain(v.iter_mut())
                         .for_each(|x| *x = r.next_f64() as f32 * 2.0 - 1.0);
-                    geom.write_token(&mut blocks[b], h, t % geom.block_size, &k, &v);
+                    geom.write_token(blocks[b].bytes_mut(), h, t % geom.block_size, &k, &v);
                     dig.update(b, &k);
                 }
             }
-            (blocks, digests)
+            digests
         })
         .collect();
-    let mut all_blocks = Vec::with_capacity(layers);
-    let mut all_digests = Vec::with_capacity(layers * hk);
-    for (b, d) in built {
-        all_blocks.push(b);
-        all_digests.extend(d);
-    }
-    (
+    Ok((
         Blocks {
-            layers: all_blocks,
+            layers: taken,
             tokens,
         },
-        all_digests,
-    )
+        digests.into_iter().flatten().collect(),
+    ))
 }
 
 /// Host selection per scorer, context and thread count.
@@ -106,7 +114,9 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
         .collect();
     let mut rows = Vec::new();
     for &ctx in &contexts {
-        let (src, digests) = sequence(geom, args.layers, ctx);
+        let bytes = (args.layers * geom.blocks_for(ctx) * geom.block_bytes()) as u64;
+        let pool = kv_transfer::HostPool::new(geom, bytes)?;
+        let (src, digests) = sequence(&pool, args.layers, ctx)?;
         let seq = SeqAttention::new(geom, args.layers, ctx, digests);
         let keys = BlockKeys { src: &src, scale };
         // A query per layer: a few large channels per head over small ones, as trained
