@@ -92,10 +92,8 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
             && threads.iter().all(|&t| (1..=1024).contains(&t)),
         "--kv-heads 1..=64, --group 1..=16, --head-dim 64/128/256, --layers 1..=64, --threads 1..=1024"
     );
-    let dtype = match args.common.model.kv_dtype.as_str() {
-        "auto" => KvDType::Bf16,
-        s => KvDType::parse(s).with_context(|| format!("--kv-dtype {s:?}"))?,
-    };
+    // `auto`: a bf16 model's KV.
+    let dtype = crate::node::kv_dtype(&args.common.model.kv_dtype, "bfloat16")?;
     let geom = BlockGeometry {
         block_size: args.common.model.block_size as usize,
         num_kv_heads: args.kv_heads,
