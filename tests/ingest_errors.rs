@@ -429,19 +429,37 @@ async fn stalled_push(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_pusher_is_ended_by_the_idle_timeout_dropkv_or_cancel() {
-    let s = Served::start(&["--push-idle-timeout", "1"]);
+    // Header only, then silence: the idle timeout ends it.
+    {
+        let s = Served::start(&["--push-idle-timeout", "1"]);
+        let (_tx, call) = stalled_push(&s, msgs("idle", 100), 1).await;
+        assert!(
+            wait_load(&s, |l| l.host_kv_bytes_used > 0)
+                .await
+                .host_kv_bytes_used
+                > 0,
+            "the header reserves"
+        );
+        let t0 = std::time::Instant::now();
+        assert_eq!(call.await.unwrap(), tonic::Code::DeadlineExceeded);
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(
+            wait_load(&s, |l| l.host_kv_bytes_used == 0)
+                .await
+                .host_kv_bytes_used,
+            0
+        );
+        let m = s.metrics_text();
+        assert!(m.contains("decode_node_kv_push_ends_total{outcome=\"idle_timeout\"}"));
+    }
+
+    // The rest on a node whose idle timeout cannot race them (a loaded CI host once took
+    // over a second between a push's last chunk and the DropKv below).
+    let s = Served::start(&["--push-idle-timeout", "600"]);
     assert_eq!(send(&s, msgs("keep", 30)).await, tonic::Code::Ok);
     let before = load(&s).await.host_kv_bytes_used;
     let held = |l: &pb::LoadReport| l.host_kv_bytes_used > before;
     let back = |l: &pb::LoadReport| l.host_kv_bytes_used == before;
-
-    // Header only, then silence: the idle timeout ends it.
-    let (_tx, call) = stalled_push(&s, msgs("idle", 100), 1).await;
-    assert!(held(&wait_load(&s, held).await), "the header reserves");
-    let t0 = std::time::Instant::now();
-    assert_eq!(call.await.unwrap(), tonic::Code::DeadlineExceeded);
-    assert!(t0.elapsed() < std::time::Duration::from_secs(5));
-    assert_eq!(wait_load(&s, back).await.host_kv_bytes_used, before);
 
     // Half its chunks, then silence: DropKv ends it at once, ABORTED, and says what it freed.
     let (_tx, call) = stalled_push(&s, msgs("dropped", 100), 4).await;
@@ -489,7 +507,7 @@ async fn a_stalled_pusher_is_ended_by_the_idle_timeout_dropkv_or_cancel() {
     assert_eq!(send(&s, msgs("dropped", 30)).await, tonic::Code::Ok);
 
     let m = s.metrics_text();
-    for outcome in ["idle_timeout", "dropped", "cancelled", "committed"] {
+    for outcome in ["dropped", "cancelled", "committed"] {
         assert!(
             m.contains(&format!(
                 "decode_node_kv_push_ends_total{{outcome=\"{outcome}\"}}"
