@@ -25,9 +25,11 @@ struct ChannelQuery {
     /// Per head, its kept channels as (index into `rows`, query value times temperature).
     taps: Vec<Vec<(usize, f32)>>,
     /// Every head's kept channels as (channel, query value times temperature), head after
-    /// head, [`ChannelQuery::per`] each.
+    /// head, [`ChannelQuery::per`] each (the AVX2 path's taps).
+    #[cfg(target_arch = "x86_64")]
     flat: Vec<(usize, f32)>,
     /// Channels kept per head.
+    #[cfg(target_arch = "x86_64")]
     per: usize,
 }
 
@@ -60,6 +62,7 @@ impl ChannelQuery {
             heads.push(chosen);
         }
         let rows: Vec<usize> = (0..d).filter(|&c| keep[c]).collect();
+        #[cfg(target_arch = "x86_64")]
         let flat = heads.iter().flatten().copied().collect();
         let taps = heads
             .into_iter()
@@ -72,7 +75,9 @@ impl ChannelQuery {
         Self {
             rows,
             taps,
+            #[cfg(target_arch = "x86_64")]
             flat,
+            #[cfg(target_arch = "x86_64")]
             per: r,
         }
     }
