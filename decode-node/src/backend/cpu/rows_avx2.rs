@@ -207,16 +207,13 @@ impl Tiles {
     ) {
         let inp = self.inp;
         let mut acc = [[_mm256_setzero_ps(); I]; R];
-        let row_bytes = inp * W::SIZE;
         for c in (0..inp).step_by(W::STEP) {
-            // The next tile's rows (the R rows after these, contiguous) are fetched while
-            // this one computes: a tile reads only a row's few lines per stream, too short
-            // for the hardware prefetcher to ramp up. A prefetch never faults, so the address
-            // may run past the weights (hence `wrapping_add`).
+            // Each row stream asks for the line `PREFETCH_AHEAD` bytes past it: the rows are
+            // contiguous, so together the streams fetch every line of the weight once, ahead.
             if (c * W::SIZE) % 64 == 0 {
                 for r in 0..R {
-                    let at = ((r0 + r) * inp + c) * W::SIZE + R * row_bytes;
-                    _mm_prefetch::<_MM_HINT_T0>(self.rows.wrapping_add(at).cast());
+                    let at = ((r0 + r) * inp + c) * W::SIZE + super::PREFETCH_AHEAD;
+                    super::prefetch_l2(self.rows.wrapping_add(at));
                 }
             }
             for p in 0..W::PARTS {

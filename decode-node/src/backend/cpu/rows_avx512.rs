@@ -204,14 +204,12 @@ impl Tiles {
     ) {
         let inp = self.inp;
         let mut acc = [[_mm512_setzero_ps(); I]; R];
-        let row_bytes = inp * W::SIZE;
         for c in (0..inp).step_by(W::STEP) {
-            // The next tile's rows are fetched while this one computes, as on the AVX2 loop
-            // (a prefetch never faults, so the address may run past the weights).
+            // Lines `PREFETCH_AHEAD` bytes ahead of each row stream, as on the AVX2 loop.
             for r in 0..R {
-                let at = ((r0 + r) * inp + c) * W::SIZE + R * row_bytes;
+                let at = ((r0 + r) * inp + c) * W::SIZE + super::PREFETCH_AHEAD;
                 for line in (0..W::STEP * W::SIZE).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(self.rows.wrapping_add(at + line).cast());
+                    super::prefetch_l2(self.rows.wrapping_add(at + line));
                 }
             }
             for p in 0..W::PARTS {
