@@ -370,11 +370,15 @@ fn row_lines(rows: &[usize], row_bytes: usize) -> Vec<usize> {
 fn prefetch_lines(kt: &[u8], lines: &[usize]) {
     #[cfg(target_arch = "x86_64")]
     if lines.last().is_some_and(|&l| l < kt.len()) {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // Into L2, as the attention kernels' prefetch (`kernel_avx2::Prefetch`): into L1 the
+        // few miss buffers capped the lines in flight, and the 32k Qwen3-14B-shaped
+        // selection (`bench select`, 1 thread, 2-core EPYC) took 6.2-8.9 ms a layer against
+        // 3.4-5.0 into L2.
         for &l in lines {
             // SAFETY: a prefetch is a hint and never faults; every offset is at most the
             // last, which lies inside `kt` (checked above).
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(kt.as_ptr().add(l).cast()) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(kt.as_ptr().add(l).cast()) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
