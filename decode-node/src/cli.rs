@@ -479,8 +479,8 @@ pub struct BenchCommon {
 pub struct KernelsBench {
     #[command(flatten)]
     pub common: BenchCommon,
-    /// Seconds to spend per measurement.
-    #[arg(long, default_value_t = 1.0)]
+    /// Seconds to spend per measurement (0: one pass).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_bench_seconds)]
     pub seconds: f64,
     /// Thread counts to measure, e.g. `1,2`.
     #[arg(long, default_value = "1,2")]
@@ -509,8 +509,8 @@ pub struct KernelsBench {
 pub struct SelectBench {
     #[command(flatten)]
     pub common: BenchCommon,
-    /// Seconds to spend per measurement.
-    #[arg(long, default_value_t = 1.0)]
+    /// Seconds to spend per measurement (0: one pass).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_bench_seconds)]
     pub seconds: f64,
     /// Context lengths, e.g. `8k,32k`.
     #[arg(long, default_value = "8k,32k")]
@@ -604,8 +604,8 @@ pub struct StepBench {
     /// Requests in the batch (batch 1 is always measured too).
     #[arg(long, default_value_t = 1)]
     pub batch: u32,
-    /// Seconds to spend measuring.
-    #[arg(long, default_value_t = 1.0)]
+    /// Seconds to spend measuring (0: one step).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_bench_seconds)]
     pub seconds: f64,
 }
 
@@ -752,6 +752,18 @@ pub fn parse_seconds(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// Parses a bench's measuring time in seconds, 0 to an hour (0: one pass).
+pub fn parse_bench_seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number of seconds: {e}"))?;
+    if !(0.0..=3600.0).contains(&v) {
+        return Err(format!("{s} s is outside [0, 3600]"));
+    }
+    Ok(v)
+}
+
 /// Parses a byte count with an optional K/M/G (decimal) or Ki/Mi/Gi (binary) suffix.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
@@ -865,5 +877,24 @@ mod tests {
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("-1").is_err());
         assert!(parse_bytes("1Q").is_err());
+    }
+
+    /// A bench's `--seconds` outside [0, 3600] (NaN, negative, infinite) is refused at parse
+    /// time: `bench kernels --seconds NaN` used to panic building a `Duration`.
+    #[test]
+    fn bench_seconds() {
+        assert_eq!(parse_bench_seconds("0"), Ok(0.0));
+        assert_eq!(parse_bench_seconds("0.5"), Ok(0.5));
+        for bad in ["NaN", "-1", "inf", "3601", "soon"] {
+            assert!(parse_bench_seconds(bad).is_err(), "{bad}");
+        }
+        for sub in ["kernels", "select", "step"] {
+            let err =
+                Cli::try_parse_from(["decode-node", "bench", sub, "--seconds", "NaN"]).unwrap_err();
+            assert!(
+                err.to_string().contains("outside [0, 3600]"),
+                "{sub}: {err}"
+            );
+        }
     }
 }

@@ -18,6 +18,11 @@ pub(super) fn step(args: &StepBench) -> anyhow::Result<serde_json::Value> {
     if let Some(note) = cached.as_ref().filter(|_| !args.common.json) {
         eprintln!("{note}");
     }
+    // As the engine runs a CPU model: inside a pool of every core, so each projection's
+    // parallel region starts on a worker of it rather than handing off from another thread.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()?;
     let mut rows = Vec::new();
     for batch in [1usize, args.batch.max(1) as usize] {
         // Attention over the token itself only: the step's cost is then the weights it streams.
@@ -28,9 +33,17 @@ pub(super) fn step(args: &StepBench) -> anyhow::Result<serde_json::Value> {
         m.decode_step(&tokens, &positions, &mut attn)?;
         let mut steps = 0u32;
         let t = Instant::now();
-        while steps == 0 || t.elapsed().as_secs_f64() < args.seconds {
-            m.decode_step(&tokens, &positions, &mut attn)?;
-            steps += 1;
+        let mut run = || -> anyhow::Result<()> {
+            while steps == 0 || t.elapsed().as_secs_f64() < args.seconds {
+                m.decode_step(&tokens, &positions, &mut attn)?;
+                steps += 1;
+            }
+            Ok(())
+        };
+        if m.backend().parallel_on_rayon() {
+            pool.install(run)?;
+        } else {
+            run()?;
         }
         let per_step = t.elapsed().as_secs_f64() / steps as f64;
         let gbps = m.weight_bytes() as f64 / per_step;
