@@ -65,7 +65,7 @@ fn hmax(v: __m256) -> f32 {
 /// Into L2, not L1: L1's few miss buffers capped the lines in flight. `bench kernels`
 /// (2-core EPYC, 2 threads, D=128, four alternating runs) moved G=4 from 15.4 to 20.7 GB/s
 /// (f16) and 12.9 to 17.0 (bf16) on AVX2, 17.0 to 17.7 and 16.4 to 19.0 on AVX-512; G=1 and
-/// G=8 within noise.
+/// G=8 within noise. (On a Zen 3 host without AVX-512 an earlier try gained 0-3%: no loss.)
 /// A plain value that each loop copies into a local and hands back: kept behind a shared
 /// reference (a `Cell`), the cursor went through memory every iteration, a store-to-load
 /// chain longer than a small tile's FMAs.
