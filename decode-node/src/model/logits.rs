@@ -101,12 +101,7 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
     if n == 0 {
         return Vec::new();
     }
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = m + logits
-        .iter()
-        .map(|x| ((x - m) as f64).exp())
-        .sum::<f64>()
-        .ln() as f32;
+    let lse = super::sampling::log_sum_exp(logits);
     let by = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
     let mut idx: Vec<usize> = (0..logits.len()).collect();
     if n < idx.len() {
