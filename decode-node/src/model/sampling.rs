@@ -80,19 +80,17 @@ pub fn log_sum_exp(logits: &[f32]) -> f32 {
     m + sum.ln() as f32
 }
 
-/// `e^x` for `x <= 0` (and NaN), to f32 precision (relative error below `2e-7 + 1e-7 |x|`: the
-/// rounding of `x log2 e` grows with `x`, where the terms weigh least): `2^(x log2 e)` split into an integer power and `2^f` for `|f| <= 1/2`, the latter
-/// a degree-6 polynomial (Cephes' `exp2f` coefficients, as in the attention kernels). Written
-/// without calls or branches so a loop over it vectorises; below 2^-126 it gives 2^-126, which
-/// no sum that includes the maximum's 1 can see.
+/// `e^x` for `x <= 0` (and NaN) as `2^(x log2 e)`: an integer power times `2^f` for
+/// `|f| <= 1/2`, the latter a degree-6 polynomial (Cephes' `exp2f` coefficients, as in the
+/// attention kernels). Relative error below `2e-7 + 1e-7 |x|` (the rounding of `x log2 e`
+/// grows with `x`, where the terms weigh least). Written without calls or branches so a loop
+/// over it vectorises; below 2^-126 it gives 2^-126, which no sum that includes the
+/// maximum's 1 can see.
 #[inline(always)]
 fn exp_le0(x: f32) -> f32 {
+    let t = x * std::f32::consts::LOG2_E;
     // A comparison with NaN is false: NaN passes through to the polynomial.
-    let t = if x * std::f32::consts::LOG2_E < -126.0 {
-        -126.0
-    } else {
-        x * std::f32::consts::LOG2_E
-    };
+    let t = if t < -126.0 { -126.0 } else { t };
     // Round to nearest by the 1.5 * 2^23 trick (`round` is a call on baseline x86-64): the
     // sum's low mantissa bits are then the integer itself, read without a conversion.
     const MAGIC: f32 = 12_582_912.0;
