@@ -18,8 +18,8 @@ pub(super) fn step(args: &StepBench) -> anyhow::Result<serde_json::Value> {
     if let Some(note) = cached.as_ref().filter(|_| !args.common.json) {
         eprintln!("{note}");
     }
-    // As the engine runs a CPU model: inside a pool of every core, so each projection's
-    // parallel region starts on a worker of it rather than handing off from another thread.
+    // As the engine runs a CPU model: inside a pool of its own with every core (the engine's
+    // CPU-attention pool), not rayon's global one.
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()?;
