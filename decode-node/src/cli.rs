@@ -742,24 +742,24 @@ pub struct MakeModelArgs {
 
 /// Parses a positive duration in seconds (at most a day).
 pub fn parse_seconds(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .trim()
-        .parse()
-        .map_err(|e| format!("{s:?} is not a number of seconds: {e}"))?;
-    if !(v > 0.0 && v <= 86_400.0) {
-        return Err(format!("{s} s is outside (0, 86400]"));
-    }
-    Ok(v)
+    parse_seconds_in(s, 0.0, false, 86_400.0)
 }
 
 /// Parses a bench's measuring time in seconds, 0 to an hour (0: one pass).
 pub fn parse_bench_seconds(s: &str) -> Result<f64, String> {
+    parse_seconds_in(s, 0.0, true, 3600.0)
+}
+
+/// Seconds from `lo` (included when `lo_in`) to `hi`; NaN is outside every range.
+fn parse_seconds_in(s: &str, lo: f64, lo_in: bool, hi: f64) -> Result<f64, String> {
     let v: f64 = s
         .trim()
         .parse()
         .map_err(|e| format!("{s:?} is not a number of seconds: {e}"))?;
-    if !(0.0..=3600.0).contains(&v) {
-        return Err(format!("{s} s is outside [0, 3600]"));
+    let above_lo = if lo_in { v >= lo } else { v > lo };
+    if !(above_lo && v <= hi) {
+        let open = if lo_in { '[' } else { '(' };
+        return Err(format!("{s} s is outside {open}{lo}, {hi}]"));
     }
     Ok(v)
 }
@@ -887,6 +887,12 @@ mod tests {
         assert_eq!(parse_bench_seconds("0.5"), Ok(0.5));
         for bad in ["NaN", "-1", "inf", "3601", "soon"] {
             assert!(parse_bench_seconds(bad).is_err(), "{bad}");
+        }
+        // Timeouts exclude 0 and stop at a day.
+        assert_eq!(parse_seconds("86400"), Ok(86_400.0));
+        for bad in ["0", "NaN", "-1", "86401"] {
+            let err = parse_seconds(bad).unwrap_err();
+            assert!(err.contains("(0, 86400]"), "{bad}: {err}");
         }
         for sub in ["kernels", "select", "step"] {
             let err =
