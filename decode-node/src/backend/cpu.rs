@@ -122,11 +122,45 @@ struct RowJob<'a> {
     w: &'a Tensor,
     bias: Option<&'a [f32]>,
     kernel: RowKernel,
-    x: std::borrow::Cow<'a, [f32]>,
+    x: &'a [f32],
+}
+
+/// A projection group's inputs, with the even/odd orders the bf16 row loops read made once
+/// for every projection that wants them (q, k and v share one input).
+struct RowInputs<'a> {
+    x: &'a [f32],
+    #[cfg(target_arch = "x86_64")]
+    split16: std::cell::OnceCell<Vec<f32>>,
+    #[cfg(target_arch = "x86_64")]
+    split32: std::cell::OnceCell<Vec<f32>>,
+}
+
+impl<'a> RowInputs<'a> {
+    fn new(x: &'a [f32]) -> Self {
+        Self {
+            x,
+            #[cfg(target_arch = "x86_64")]
+            split16: Default::default(),
+            #[cfg(target_arch = "x86_64")]
+            split32: Default::default(),
+        }
+    }
+
+    /// The inputs in split order by `chunk` (16 or 32), or as given.
+    #[cfg(target_arch = "x86_64")]
+    fn in_order(&self, split: Option<usize>, inp: usize) -> &[f32] {
+        let (cell, chunk) = match split {
+            None => return self.x,
+            Some(16) => (&self.split16, 16),
+            Some(chunk) => (&self.split32, chunk),
+        };
+        debug_assert!(chunk == 16 || chunk == 32);
+        cell.get_or_init(|| rows_avx2::split_order(self.x, inp, chunk))
+    }
 }
 
 impl<'a> RowJob<'a> {
-    fn new(x: &'a [f32], batch: usize, w: &'a Tensor, bias: Option<&'a [f32]>) -> Self {
+    fn new(x: &'a RowInputs<'a>, batch: usize, w: &'a Tensor, bias: Option<&'a [f32]>) -> Self {
         let inp = w.cols();
         let direct = direct_rows(inp, w.dtype);
         #[cfg(target_arch = "x86_64")]
@@ -148,16 +182,12 @@ impl<'a> RowJob<'a> {
             } else {
                 (RowKernel::Widen, None)
             };
-            let x = match split {
-                Some(chunk) => std::borrow::Cow::Owned(rows_avx2::split_order(x, inp, chunk)),
-                None => std::borrow::Cow::Borrowed(x),
-            };
-            (kernel, x)
+            (kernel, x.in_order(split, inp))
         };
         #[cfg(not(target_arch = "x86_64"))]
         let (kernel, x) = {
             let _ = (batch, direct);
-            (RowKernel::Widen, std::borrow::Cow::Borrowed(x))
+            (RowKernel::Widen, x.x)
         };
         Self { w, bias, kernel, x }
     }
@@ -177,11 +207,9 @@ impl<'a> RowJob<'a> {
                 // `chunk` `n * batch` outputs.
                 unsafe {
                     if self.kernel == RowKernel::Avx512 {
-                        rows_avx512::rows_times_inputs(
-                            w.dtype, bytes, n, &self.x, batch, inp, chunk,
-                        )
+                        rows_avx512::rows_times_inputs(w.dtype, bytes, n, self.x, batch, inp, chunk)
                     } else {
-                        rows_avx2::rows_times_inputs(w.dtype, bytes, n, &self.x, batch, inp, chunk)
+                        rows_avx2::rows_times_inputs(w.dtype, bytes, n, self.x, batch, inp, chunk)
                     }
                 };
             }
@@ -190,7 +218,7 @@ impl<'a> RowJob<'a> {
                 for (ri, row) in rows.chunks_exact_mut(inp).enumerate() {
                     w.row_f32(r0 + ri, row);
                 }
-                rows_times_inputs(rows, n, &self.x, batch, inp, chunk);
+                rows_times_inputs(rows, n, self.x, batch, inp, chunk);
             }
         }
         if let Some(b) = self.bias {
@@ -205,69 +233,102 @@ impl<'a> RowJob<'a> {
 /// inputs), as ONE parallel region over all their rows: a decode step of a small model has
 /// a few hundred such projections, and each region costs a wake-up and a join.
 fn linear_rows(x: &[f32], batch: usize, outs: &mut [LinearOut<'_>]) {
+    let inputs = RowInputs::new(x);
     let jobs: Vec<RowJob<'_>> = outs
         .iter()
-        .map(|o| RowJob::new(x, batch, o.w, o.bias))
+        .map(|o| RowJob::new(&inputs, batch, o.w, o.bias))
         .collect();
-    // Computed transposed ([out][batch]) so each task owns a contiguous slice.
-    let mut yts: Vec<Vec<f32>> = outs.iter().map(|o| vec![0f32; o.y.len()]).collect();
-    let tasks: Vec<(usize, usize, &mut [f32])> = yts
+    let tasks: Vec<(usize, RowSlices<'_>)> = outs
         .iter_mut()
         .enumerate()
-        .flat_map(|(j, yt)| {
-            yt.chunks_mut(ROWS_PER_TASK * batch)
-                .enumerate()
-                .map(move |(ci, chunk)| (j, ci * ROWS_PER_TASK, chunk))
+        .flat_map(|(j, o)| {
+            let rows = o.w.rows();
+            row_tasks(o.y, rows, batch).map(move |t| (j, t))
         })
         .collect();
     tasks
         .into_par_iter()
-        .for_each_init(Vec::new, |rows, (j, r0, chunk)| {
-            jobs[j].run(r0, batch, chunk, rows)
+        .for_each_init(RowScratch::default, |scratch, (j, mut t)| {
+            let r0 = t.r0;
+            t.fill(scratch, |chunk, rows| jobs[j].run(r0, batch, chunk, rows))
         });
-    for (o, yt) in outs.iter_mut().zip(&yts) {
-        transpose_into(yt, batch, o.y);
+}
+
+/// Rows `r0..r0 + n` of a projection's output `y` (`[batch][out]`): one slice per input.
+/// A task computes them `[n][batch]` (the order the row loops write) and puts each in place,
+/// so no pass over `y` runs on one thread after the parallel region.
+struct RowSlices<'y> {
+    r0: usize,
+    dst: Vec<&'y mut [f32]>,
+}
+
+/// A task's scratch: its rows' outputs `[n][batch]`, a second output (GLU) and widened rows.
+#[derive(Default)]
+struct RowScratch {
+    out: Vec<f32>,
+    other: Vec<f32>,
+    rows: Vec<f32>,
+}
+
+impl RowSlices<'_> {
+    /// Runs `compute` into `[n][batch]` and writes the result to the slices (with one input,
+    /// straight into its slice).
+    fn fill(&mut self, scratch: &mut RowScratch, compute: impl FnOnce(&mut [f32], &mut Vec<f32>)) {
+        let batch = self.dst.len();
+        let n = self.dst.first().map_or(0, |d| d.len());
+        if n == 0 {
+            return;
+        }
+        if batch == 1 {
+            return compute(self.dst[0], &mut scratch.rows);
+        }
+        scratch.out.resize(n * batch, 0.0);
+        compute(&mut scratch.out, &mut scratch.rows);
+        for (b, d) in self.dst.iter_mut().enumerate() {
+            for (r, v) in d.iter_mut().enumerate() {
+                *v = scratch.out[r * batch + b];
+            }
+        }
     }
 }
 
-/// `y[b][o] = yt[o][b]`.
-fn transpose_into(yt: &[f32], batch: usize, y: &mut [f32]) {
-    if batch == 1 {
-        y.copy_from_slice(yt);
-        return;
-    }
-    let out = yt.len() / batch;
-    for (o, col) in yt.chunks_exact(batch).enumerate() {
-        for (b, v) in col.iter().enumerate() {
-            y[b * out + o] = *v;
-        }
-    }
+/// `y` (`[batch][out]`) cut into tasks of [`ROWS_PER_TASK`] output rows.
+fn row_tasks(y: &mut [f32], out: usize, batch: usize) -> impl Iterator<Item = RowSlices<'_>> {
+    let mut per_input: Vec<std::slice::ChunksMut<'_, f32>> = y
+        .chunks_exact_mut(out.max(1))
+        .take(batch)
+        .map(|row| row.chunks_mut(ROWS_PER_TASK))
+        .collect();
+    (0..out.div_ceil(ROWS_PER_TASK)).map(move |ci| RowSlices {
+        r0: ci * ROWS_PER_TASK,
+        dst: per_input.iter_mut().filter_map(Iterator::next).collect(),
+    })
 }
 
 /// `y = silu(x · gateᵀ) * (x · upᵀ)` on the row path, in one parallel region: each task
 /// runs the same rows of both weights and writes only their product.
 fn glu_rows(x: &[f32], batch: usize, gate: &Tensor, up: &Tensor, y: &mut [f32]) {
+    let inputs = RowInputs::new(x);
     let (g, u) = (
-        RowJob::new(x, batch, gate, None),
-        RowJob::new(x, batch, up, None),
+        RowJob::new(&inputs, batch, gate, None),
+        RowJob::new(&inputs, batch, up, None),
     );
-    let mut yt = vec![0f32; y.len()];
-    yt.par_chunks_mut(ROWS_PER_TASK * batch)
-        .enumerate()
-        .for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(rows, ups), (ci, chunk)| {
-                let r0 = ci * ROWS_PER_TASK;
+    let tasks: Vec<RowSlices<'_>> = row_tasks(y, gate.rows(), batch).collect();
+    tasks
+        .into_par_iter()
+        .for_each_init(RowScratch::default, |scratch, mut t| {
+            let (r0, mut ups) = (t.r0, std::mem::take(&mut scratch.other));
+            t.fill(scratch, |chunk, rows| {
                 g.run(r0, batch, chunk, rows);
                 ups.resize(chunk.len(), 0.0);
-                u.run(r0, batch, ups, rows);
+                u.run(r0, batch, &mut ups, rows);
                 chunk
                     .iter_mut()
                     .zip(ups.iter())
                     .for_each(|(a, b)| *a = super::silu_times(*a, *b));
-            },
-        );
-    transpose_into(&yt, batch, y);
+            });
+            scratch.other = ups;
+        });
 }
 
 /// `y = x · wᵀ + bias` as a GEMM over tiles of inputs (many inputs).
@@ -400,6 +461,14 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// An empty batch is a no-op on both row paths (no chunk of zero width, no division by it).
+    #[test]
+    fn empty_batch_is_a_no_op() {
+        let w = Tensor::from_bytes(vec![3, 8], KvDType::F32, vec![0u8; 3 * 8 * 4]);
+        CpuBackend.linear(&[], 0, &w, None, &mut []).unwrap();
+        CpuBackend.linear_glu(&[], 0, &w, &w, &mut []).unwrap();
     }
 
     #[test]
