@@ -19,20 +19,11 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
         .collect();
     // A step streams the weights and the KV it attends: on the CPU from host memory, whose
     // bound is the read bandwidth of all cores; on a device from its own memory, whose copy
-    // bandwidth the backend measures (with the model loaded once here, then freed).
+    // bandwidth the backend measures. Both are read off the first node started, while it is
+    // idle.
     let cfg = model_config(&args.common.model)?;
     let on_device = args.common.model.device != "cpu";
-    let (weights, bw) = {
-        let node = crate::node::Node::build(&args.common.model)?;
-        let m = &node.model.model;
-        let bw = match m.backend().memory_bandwidth() {
-            Some(bw) => bw,
-            None => {
-                host_read_bandwidth(std::thread::available_parallelism().map_or(1, |n| n.get()))
-            }
-        };
-        (m.weight_bytes(), bw)
-    };
+    let mut bound: Option<(u64, f64)> = None;
     let bound_name = if on_device { "device copy" } else { "read" };
     let pool_dtype = crate::node::kv_dtype(&args.common.model.kv_dtype, &cfg.torch_dtype)?;
     let mut rows = Vec::new();
@@ -51,6 +42,13 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let host = kv_bytes + (kv_bytes >> 4) + (64 << 20);
             let device = if mode == "full" { host } else { 4 << 30 };
             let node = start_node(m, host, device, args.batch.max(1), 600.0, false).await?;
+            let (weights, bw) = *bound.get_or_insert_with(|| {
+                let m = &node.model.model;
+                let bw = m.backend().memory_bandwidth().unwrap_or_else(|| {
+                    host_read_bandwidth(std::thread::available_parallelism().map_or(1, |n| n.get()))
+                });
+                (m.weight_bytes(), bw)
+            });
             let target = node.target();
             let info = model_info(&target).await?;
             anyhow::ensure!(

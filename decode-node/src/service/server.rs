@@ -39,6 +39,16 @@ pub struct Bound {
     pub metrics: SocketAddr,
 }
 
+/// What `serve` reports once it listens: where, and the model it serves (benches read its
+/// weight bytes and its device's bandwidth rather than load it a second time).
+#[derive(Debug, Clone)]
+pub struct Ready {
+    /// Where it listens.
+    pub bound: Bound,
+    /// The model it serves.
+    pub model: Arc<crate::model::LoadedModel>,
+}
+
 fn read(path: &std::path::Path, what: &str) -> anyhow::Result<Vec<u8>> {
     std::fs::read(path).with_context(|| format!("reading {what} {}", path.display()))
 }
@@ -48,7 +58,7 @@ fn read(path: &std::path::Path, what: &str) -> anyhow::Result<Vec<u8>> {
 pub async fn serve(
     args: ServeArgs,
     shutdown: impl Future<Output = ()> + Send + 'static,
-    ready: Option<oneshot::Sender<Bound>>,
+    ready: Option<oneshot::Sender<Ready>>,
 ) -> anyhow::Result<()> {
     let node = Node::build(&args.model)?;
     let tokens = match &args.auth_token_file {
@@ -219,9 +229,12 @@ pub async fn serve(
     let http = tokio::spawn(async move { axum::serve(http_listener, router(http_state)).await });
     tracing::info!(%grpc_addr, %metrics_addr, model_id = %node.layout.model_id, attention = node.attention.mode.name(), "serving");
     if let Some(tx) = ready {
-        let _ = tx.send(Bound {
-            grpc: grpc_addr,
-            metrics: metrics_addr,
+        let _ = tx.send(Ready {
+            bound: Bound {
+                grpc: grpc_addr,
+                metrics: metrics_addr,
+            },
+            model: node.model.clone(),
         });
     }
 
@@ -295,6 +308,8 @@ pub async fn serve(
 pub struct InProcess {
     /// Its addresses.
     pub bound: Bound,
+    /// The model it serves.
+    pub model: Arc<crate::model::LoadedModel>,
     stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
@@ -341,7 +356,12 @@ impl InProcess {
         };
         let task = tokio::spawn(serve(args, shutdown, Some(ready_tx)));
         match ready_rx.await {
-            Ok(bound) => Ok(Self { bound, stop, task }),
+            Ok(Ready { bound, model }) => Ok(Self {
+                bound,
+                model,
+                stop,
+                task,
+            }),
             Err(_) => task
                 .await?
                 .and_then(|()| anyhow::bail!("the node stopped before it listened")),
