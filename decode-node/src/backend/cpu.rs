@@ -371,6 +371,10 @@ impl Backend for CpuBackend {
         true
     }
 
+    fn streams_host_weights(&self) -> bool {
+        true
+    }
+
     fn linear(
         &self,
         x: &[f32],

@@ -206,6 +206,25 @@ impl Model {
         } else {
             Some(wm.take("lm_head.weight", &[cfg.vocab_size, h])?)
         };
+        let mut embed = embed;
+        let mut lm_head = lm_head;
+        if backend.streams_host_weights() {
+            let mut all: Vec<&mut Tensor> = vec![&mut embed];
+            all.extend(lm_head.as_mut());
+            for l in &mut layers {
+                all.extend([
+                    &mut l.q.w,
+                    &mut l.k.w,
+                    &mut l.v.w,
+                    &mut l.o.w,
+                    &mut l.gate.w,
+                    &mut l.up.w,
+                    &mut l.down.w,
+                ]);
+            }
+            crate::tensor::pack_owned(&mut all)
+                .map_err(|e| ModelError::Io("packing the weights onto huge pages".into(), e))?;
+        }
         for l in &layers {
             backend.prepare_stack(&[&l.q.w, &l.k.w, &l.v.w])?;
             backend.prepare(&l.o.w)?;
