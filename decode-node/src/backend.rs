@@ -328,7 +328,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
 
     /// True when every step reads the weights from host memory (the CPU backend): the model
-    /// then packs them onto huge pages ([`crate::tensor::pack_owned`]).
+    /// then packs them onto huge pages ([`crate::tensor::pack_onto_huge_pages`]).
     fn streams_host_weights(&self) -> bool {
         false
     }

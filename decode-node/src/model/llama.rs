@@ -222,7 +222,7 @@ impl Model {
                     &mut l.down.w,
                 ]);
             }
-            crate::tensor::pack_owned(&mut all)
+            crate::tensor::pack_onto_huge_pages(&mut all)
                 .map_err(|e| ModelError::Io("packing the weights onto huge pages".into(), e))?;
         }
         for l in &layers {
