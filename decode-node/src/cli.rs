@@ -256,10 +256,10 @@ pub struct ServeArgs {
     /// Requests decoded together at most.
     #[arg(long, env = "DECODE_NODE_MAX_BATCH", default_value_t = 64)]
     pub max_batch: u32,
-    /// Threads of the CPU-attention pool (the CPU part of sparse attention and its block
-    /// selection). 0: a quarter of the cores, at least one; on `--device cpu`, every core, as
-    /// the model runs in the same pool. On a GPU host the CPU part often decides scout's
-    /// speed: give it most cores there.
+    /// Threads of the CPU-attention pool (the CPU part of sparse attention; on a GPU host
+    /// block selection runs on rayon's global pool, every core). 0: a quarter of the cores,
+    /// at least one; on `--device cpu`, every core, as the whole step runs in this pool. On a
+    /// GPU host the CPU part often decides scout's speed: give it most cores there.
     #[arg(long, env = "DECODE_NODE_CPU_ATTENTION_THREADS", default_value_t = 0)]
     pub cpu_attention_threads: usize,
     /// Seconds to finish running requests after SIGTERM before exiting.
