@@ -154,7 +154,7 @@ impl Model {
             };
             Ok(Linear { w, b })
         };
-        let embed = wm.take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut embed = wm.take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
@@ -200,14 +200,12 @@ impl Model {
             });
         }
         let norm = vec(&mut wm, "model.norm.weight", h)?;
-        let lm_head = if cfg.tie_word_embeddings {
+        let mut lm_head = if cfg.tie_word_embeddings {
             let _ = wm.take_opt("lm_head.weight", &[cfg.vocab_size, h])?;
             None
         } else {
             Some(wm.take("lm_head.weight", &[cfg.vocab_size, h])?)
         };
-        let mut embed = embed;
-        let mut lm_head = lm_head;
         if backend.streams_host_weights() {
             let mut all: Vec<&mut Tensor> = vec![&mut embed];
             all.extend(lm_head.as_mut());
