@@ -13,7 +13,7 @@ use super::running::{Latency, Running};
 use super::{EngineError, Event, FinishReason, LoadSnapshot, StepLoop, TopLogprob, solo};
 use crate::metrics::{OutcomeLabel, ReasonLabel};
 use crate::model::pick::{PickSpec, RowOut};
-use crate::model::{logits, sampling};
+use crate::model::{ModelConfig, logits, sampling};
 
 /// One f32 row per layer (a token's K or V).
 type LayerRows = Vec<Vec<f32>>;
@@ -153,61 +153,41 @@ impl StepLoop {
     /// Per request: appends the step's KV, samples and streams a token, decides its end.
     fn emit(&mut self, fwd: &Forward, now: Instant) -> Vec<Outcome> {
         let cfg = &self.model.model.cfg;
-        // Every request's token first, in parallel: a sampled token costs passes over the
-        // whole vocabulary (softmax, log-probability), one request after another at batch 64.
-        // Non-finite logits are not sampled; the loop below ends their request.
+        let attention = &self.cfg.attention;
+        // Every request's KV append and token first, in parallel: a sampled token costs passes
+        // over the whole vocabulary (softmax, log-probability), and an append encodes a row
+        // per layer, one request after another at batch 64. Non-finite logits are not
+        // sampled; the loop below ends their request.
         // On a CPU node, on the pool the model ran on: rayon's global pool would be a second
-        // set of threads on the same cores, whose idle spinning after each batch of samples
-        // took ~5% of the next step's projections (perf, SmolLM2, batch 8).
-        let mut sample_all = || -> Vec<Option<Pick>> {
+        // set of threads on the same cores, spinning idle after each batch.
+        let mut settle_all = || -> Vec<(Result<(), kv_transfer::Error>, Option<Pick>)> {
             self.running
                 .par_iter_mut()
                 .zip(fwd.rows.par_iter().zip(&fwd.draws))
-                .map(|(r, (row, &draw))| {
-                    let logits = match row {
-                        RowOut::Picked(p) => {
-                            r.logits.observe(p.token);
-                            return Some(Pick {
-                                tok: p.token,
-                                logprob: p.logprob,
-                                top: p.top.clone(),
-                            });
-                        }
-                        RowOut::Logits(l) => l,
-                    };
-                    if !logits.iter().all(|x| x.is_finite()) {
-                        return None;
-                    }
-                    // Penalties and bans change what is picked, not the reported log-probabilities.
-                    let banned = r.banned(cfg);
-                    let tok = r.sampler.pick_drawn(r.logits.apply(logits, &banned), draw);
-                    r.logits.observe(tok);
-                    let top = r.job.output.top_logprobs as usize;
-                    Some(Pick {
-                        tok,
-                        logprob: sampling::logprob(logits, tok as usize),
-                        top: logits::top_logprobs(logits, top),
-                    })
+                .zip(&fwd.new_kv)
+                .map(|((r, (row, &draw)), (ks, vs, _))| {
+                    // The step's KV (the token just fed) into the host pool and the digests.
+                    let appended =
+                        solo::append_step(&mut r.kv, &mut r.seq, attention, r.next_token, ks, vs);
+                    (appended, pick(r, row, draw, cfg))
                 })
                 .collect()
         };
-        let mut picks = if self.model.model.backend().parallel_on_rayon() {
-            self.cpu_pool.install(sample_all)
+        let settled = if self.model.model.backend().parallel_on_rayon() {
+            self.cpu_pool.install(settle_all)
         } else {
-            sample_all()
+            settle_all()
         };
         let mut out = Vec::with_capacity(self.running.len());
-        for (i, (r, (ks, vs, wait))) in self.running.iter_mut().zip(&fwd.new_kv).enumerate() {
+        for (i, ((r, (_, _, wait)), (appended, picked))) in self
+            .running
+            .iter_mut()
+            .zip(&fwd.new_kv)
+            .zip(settled)
+            .enumerate()
+        {
             r.device_wait += wait;
-            // Append this step's KV (the token just fed) to the host pool and the digests.
-            if let Err(e) = solo::append_step(
-                &mut r.kv,
-                &mut r.seq,
-                &self.cfg.attention,
-                r.next_token,
-                ks,
-                vs,
-            ) {
+            if let Err(e) = appended {
                 // Growth was reserved at admission, so this is a bug, not a full context: say so.
                 r.job
                     .span
@@ -235,7 +215,7 @@ impl StepLoop {
                 .inc_by(s.recall_used_blocks - r.seen.recall_used_blocks);
             r.seen = s;
 
-            let Some(Pick { tok, logprob, top }) = picks[i].take() else {
+            let Some(Pick { tok, logprob, top }) = picked else {
                 // A backend's pick is never of non-finite logits: those rows come back whole.
                 let bad = match &fwd.rows[i] {
                     RowOut::Logits(l) => l.iter().find(|x| !x.is_finite()).copied(),
@@ -422,4 +402,33 @@ impl StepLoop {
         self.metrics.waiting.set(snap.waiting as i64);
         *self.load.lock().unwrap_or_else(|p| p.into_inner()) = snap;
     }
+}
+
+/// Request `r`'s token from its row of the step: the backend's pick, or one sampled from
+/// its logits (`None`: they hold a non-finite value).
+fn pick(r: &mut Running, row: &RowOut, draw: Option<f64>, cfg: &ModelConfig) -> Option<Pick> {
+    let logits = match row {
+        RowOut::Picked(p) => {
+            r.logits.observe(p.token);
+            return Some(Pick {
+                tok: p.token,
+                logprob: p.logprob,
+                top: p.top.clone(),
+            });
+        }
+        RowOut::Logits(l) => l,
+    };
+    if !logits.iter().all(|x| x.is_finite()) {
+        return None;
+    }
+    // Penalties and bans change what is picked, not the reported log-probabilities.
+    let banned = r.banned(cfg);
+    let tok = r.sampler.pick_drawn(r.logits.apply(logits, &banned), draw);
+    r.logits.observe(tok);
+    let top = r.job.output.top_logprobs as usize;
+    Some(Pick {
+        tok,
+        logprob: sampling::logprob(logits, tok as usize),
+        top: logits::top_logprobs(logits, top),
+    })
 }
