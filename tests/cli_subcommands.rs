@@ -278,6 +278,54 @@ fn bench_kernels_reports_each_path_against_its_roofline() {
     assert!(!bad.status.success());
 }
 
+/// `DECODE_NODE_AVX512=0` makes an AVX-512 host run what a CPU without it runs: its AVX-512
+/// kernel path is then skipped like a path the CPU lacks.
+#[test]
+fn avx512_switch_turns_the_wide_paths_off() {
+    let paths = |switch: Option<&str>| -> Vec<String> {
+        let mut cmd = bin();
+        cmd.args([
+            "bench",
+            "kernels",
+            "--json",
+            "--threads",
+            "1",
+            "--seconds",
+            "0",
+            "--groups",
+            "4",
+            "--head-dims",
+            "64",
+            "--working-set-mib",
+            "1",
+            "--paths",
+            "avx2,avx512",
+        ]);
+        if let Some(v) = switch {
+            cmd.env("DECODE_NODE_AVX512", v);
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["path"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert!(paths(Some("0")).iter().all(|p| p != "avx512"));
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
+        assert!(paths(None).iter().any(|p| p == "avx512"));
+        assert!(paths(Some("1")).iter().any(|p| p == "avx512"));
+    }
+}
+
 /// `bench select` measures each scorer's host selection against the same threads' read
 /// bandwidth: sparq (candidates from the bound, then key rows) reads more than quest alone.
 #[test]

@@ -15,9 +15,23 @@ use std::arch::x86_64::*;
 use crate::dtype::KvDType;
 use crate::kernel_avx2::Prefetch;
 
-/// True when this CPU can run these functions.
+/// True when this CPU can run these functions and `DECODE_NODE_AVX512=0` does not turn them
+/// off. The switch makes an AVX-512 host run what a CPU without it runs (CI's class, AMD EPYC
+/// before Zen 4), for measurements; it covers the model executor's row loops too
+/// ([`avx512_enabled`]). Read once.
 pub(crate) fn available() -> bool {
-    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && std::env::var("DECODE_NODE_AVX512").map_or(true, |v| v.trim() != "0")
+    })
+}
+
+/// Whether the AVX-512 paths (F and BW) may run here: the CPU has them and
+/// `DECODE_NODE_AVX512=0` does not turn them off.
+pub fn avx512_enabled() -> bool {
+    available()
 }
 
 /// Loads 16 elements at `p` as f32.

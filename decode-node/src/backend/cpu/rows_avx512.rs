@@ -13,10 +13,9 @@ use std::arch::x86_64::*;
 use attention::KvDType;
 
 /// True when this CPU can run [`rows_times_inputs`].
+/// (`DECODE_NODE_AVX512=0` turns it off, as for the attention kernels.)
 pub(super) fn available() -> bool {
-    is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-        && super::rows_avx2::available()
+    attention::avx512_enabled() && super::rows_avx2::available()
 }
 
 /// Whether rows of `dtype` and `inp` elements are read 32 at a time as their even and odd
