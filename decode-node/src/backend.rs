@@ -524,14 +524,40 @@ fn glu_unfused<B: Backend + ?Sized>(
     Ok(())
 }
 
-/// `silu(g) * u`, written as HF's f32 graph computes it.
+/// `silu(g) * u`, within a few ulps of HF's f32 graph (tested against f64).
 fn silu_times(g: f32, u: f32) -> f32 {
-    g / (1.0 + (-g).exp()) * u
+    // sigmoid(g) from e = e^-|g| <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below. The
+    // polynomial `exp_le0` vectorises where libm's `expf` is a call per element (2.3% of a
+    // batch-8 step on SmolLM2 went to `expf` and its loop).
+    let e = crate::model::sampling::exp_le0(-g.abs());
+    let num = if g >= 0.0 { 1.0 } else { e };
+    g * (num / (1.0 + e)) * u
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SiLU through the polynomial exponential against f64, across both signs, the range
+    /// where the sigmoid saturates, zero and NaN.
+    #[test]
+    fn silu_times_matches_f64() {
+        for i in -4000..=4000 {
+            let g = i as f32 * 0.025;
+            let want = g as f64 / (1.0 + (-(g as f64)).exp()) * 1.5;
+            let got = silu_times(g, 1.5) as f64;
+            // `exp_le0`'s bound (its error grows with |g|, where the sigmoid is tiny) plus a
+            // few roundings.
+            let tol = 1e-6 + 1e-7 * f64::from(g.abs());
+            assert!(
+                (got - want).abs() <= tol * want.abs() + 1e-30,
+                "silu({g}) * 1.5 = {got}, want {want}"
+            );
+        }
+        assert_eq!(silu_times(0.0, 3.0), 0.0);
+        assert!(silu_times(f32::NAN, 1.0).is_nan());
+        assert_eq!(silu_times(f32::INFINITY, 2.0), f32::INFINITY);
+    }
 
     #[test]
     fn rel_diff_is_relative_to_the_largest_value_and_refuses_nan() {

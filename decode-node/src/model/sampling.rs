@@ -87,7 +87,7 @@ pub fn log_sum_exp(logits: &[f32]) -> f32 {
 /// over it vectorises; below 2^-126 it gives 2^-126, which no sum that includes the
 /// maximum's 1 can see.
 #[inline(always)]
-fn exp_le0(x: f32) -> f32 {
+pub(crate) fn exp_le0(x: f32) -> f32 {
     let t = x * std::f32::consts::LOG2_E;
     // A comparison with NaN is false: NaN passes through to the polynomial.
     let t = if t < -126.0 { -126.0 } else { t };

@@ -33,10 +33,14 @@ pub(super) fn reads_split(dtype: KvDType, inp: usize) -> bool {
 /// on AVX-512 (a dot product does not care about the order, as long as both sides share it).
 pub(super) fn split_order(x: &[f32], inp: usize, chunk: usize) -> Vec<f32> {
     debug_assert!(inp.is_multiple_of(chunk) && x.len().is_multiple_of(inp));
-    let mut out = Vec::with_capacity(x.len());
-    for chunk in x.chunks_exact(chunk) {
-        out.extend(chunk.iter().step_by(2));
-        out.extend(chunk.iter().skip(1).step_by(2));
+    // Indexed pairs, not `step_by` iterators: those compiled to a scalar loop that was ~1% of
+    // a batch-8 step (perf, SmolLM2).
+    let mut out = vec![0f32; x.len()];
+    for (src, dst) in x.chunks_exact(chunk).zip(out.chunks_exact_mut(chunk)) {
+        let (even, odd) = dst.split_at_mut(chunk / 2);
+        for (i, (e, o)) in even.iter_mut().zip(odd).enumerate() {
+            (*e, *o) = (src[2 * i], src[2 * i + 1]);
+        }
     }
     out
 }
