@@ -235,10 +235,11 @@ fn bench_multiturn_pushes_less_with_reuse() {
     assert!(ratio > 0.0 && ratio < 0.8, "{v}");
 }
 
-/// `bench kernels` measures every path asked for against a roofline from the same run.
-#[test]
-fn bench_kernels_reports_each_path_against_its_roofline() {
-    let v = run_json(&[
+/// `bench kernels --json` on a 1 MiB working set, one thread, head dim 64, for `groups` and
+/// `paths`, with `DECODE_NODE_AVX512` set to `avx512` where given.
+fn kernels_bench(groups: &str, paths: &str, avx512: Option<&str>) -> serde_json::Value {
+    let mut cmd = bin();
+    cmd.args([
         "bench",
         "kernels",
         "--json",
@@ -247,14 +248,30 @@ fn bench_kernels_reports_each_path_against_its_roofline() {
         "--seconds",
         "0.02",
         "--groups",
-        "1,4",
+        groups,
         "--head-dims",
         "64",
         "--working-set-mib",
         "1",
         "--paths",
-        "best,scalar,avx2",
+        paths,
     ]);
+    if let Some(v) = avx512 {
+        cmd.env("DECODE_NODE_AVX512", v);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `bench kernels` measures every path asked for against a roofline from the same run.
+#[test]
+fn bench_kernels_reports_each_path_against_its_roofline() {
+    let v = kernels_bench("1,4", "best,scalar,avx2", None);
     let rows = v["results"].as_array().unwrap();
     // 2 dtypes x 2 groups x 3 paths (AVX2 where the CPU has it: CI's does).
     #[cfg(target_arch = "x86_64")]
@@ -283,35 +300,7 @@ fn bench_kernels_reports_each_path_against_its_roofline() {
 #[test]
 fn avx512_switch_turns_the_wide_paths_off() {
     let paths = |switch: Option<&str>| -> Vec<String> {
-        let mut cmd = bin();
-        cmd.args([
-            "bench",
-            "kernels",
-            "--json",
-            "--threads",
-            "1",
-            "--seconds",
-            "0",
-            "--groups",
-            "4",
-            "--head-dims",
-            "64",
-            "--working-set-mib",
-            "1",
-            "--paths",
-            "avx2,avx512",
-        ]);
-        if let Some(v) = switch {
-            cmd.env("DECODE_NODE_AVX512", v);
-        }
-        let out = cmd.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        v["results"]
+        kernels_bench("4", "avx2,avx512", switch)["results"]
             .as_array()
             .unwrap()
             .iter()
