@@ -699,18 +699,16 @@ impl DecodeAttention for BatchAttention<'_> {
         // No device memory: the "device" blocks of every such sequence are attended from
         // the host pool, on the pool this step runs on, in one parallel region.
         let t_host = Instant::now();
-        let host_lists: Vec<Vec<&[usize]>> = planned
+        let host_lists: Vec<(usize, Vec<&[usize]>)> = planned
             .iter()
-            .map(|(plans, _)| plans.iter().map(|p| p.device.as_slice()).collect())
-            .collect();
-        let host_seqs: Vec<SeqLists<'_>> = self
-            .slots
-            .iter()
-            .zip(&host_lists)
             .enumerate()
-            .filter(|(_, (slot, _))| slot.dev.is_none())
-            .map(|(b, (slot, lists))| SeqLists {
-                kv: slot.kv,
+            .filter(|(b, _)| self.slots[*b].dev.is_none())
+            .map(|(b, (plans, _))| (b, plans.iter().map(|p| p.device.as_slice()).collect()))
+            .collect();
+        let host_seqs: Vec<SeqLists<'_>> = host_lists
+            .iter()
+            .map(|(b, lists)| SeqLists {
+                kv: self.slots[*b].kv,
                 lists,
                 q: &q[b * width..(b + 1) * width],
             })
