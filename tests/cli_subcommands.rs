@@ -141,6 +141,12 @@ fn bench_fidelity_reports_each_case_against_full() {
             "{name}: {r}"
         );
         assert_eq!(r["generated_equal_to_full"], 1.0, "{name}: {r}");
+        // Random weights find no key, so nothing is counted where full found it.
+        assert_eq!(
+            r.get("generated_equal_to_full_where_full_found"),
+            Some(&serde_json::Value::Null),
+            "{name}: {r}"
+        );
     }
     assert!(case("scout b64 guard")["tokens_per_s"].as_f64().unwrap() > 0.0);
 }

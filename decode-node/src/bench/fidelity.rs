@@ -145,6 +145,10 @@ struct Tally {
     passkey_prompts: usize,
     gen_equal: usize,
     gen_total: usize,
+    /// As `gen_equal` and `gen_total`, over the prompts whose key `full` found: where the
+    /// reference's own answer is wrong, its tokens are the model's least certain ones.
+    gen_equal_found: usize,
+    gen_total_found: usize,
     top1_equal: usize,
     forced: usize,
     kl_sum: f64,
@@ -155,6 +159,23 @@ struct Tally {
     runs: usize,
     guard_checks: u64,
     guard_fallbacks: u64,
+}
+
+impl Tally {
+    /// One passkey answer's tokens against the reference's, position by position.
+    fn tally_generated(&mut self, generated: &[u32], reference: &[u32], reference_found: bool) {
+        let equal = generated
+            .iter()
+            .zip(reference)
+            .filter(|(a, b)| a == b)
+            .count();
+        self.gen_total += generated.len();
+        self.gen_equal += equal;
+        if reference_found {
+            self.gen_total_found += generated.len();
+            self.gen_equal_found += equal;
+        }
+    }
 }
 
 /// Log-softmax of `logits` in f64.
@@ -320,7 +341,7 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             let ids = passkey_prompt(tok, ctx, &key, depth)?;
             let kv = prefill_kv(&node.model, &ids, "fidelity", wire)?;
             let first = kv.header.next_token_id;
-            let mut reference: Option<Vec<u32>> = None;
+            let mut reference: Option<(Vec<u32>, bool)> = None;
             for (c, (s, case)) in cases.iter().enumerate() {
                 let mut generated = vec![first];
                 let run = run_case(
@@ -337,16 +358,13 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
                     },
                 )?;
                 let answer = tok.decode(&generated);
+                let found = answer.contains(&key);
                 let t = &mut t_ctx[c];
                 t.passkey_prompts += 1;
-                t.passkey_found += usize::from(answer.contains(&key));
-                let want = reference.get_or_insert_with(|| generated.clone());
-                t.gen_total += generated.len();
-                t.gen_equal += generated
-                    .iter()
-                    .zip(want.iter())
-                    .filter(|(a, b)| a == b)
-                    .count();
+                t.passkey_found += usize::from(found);
+                let (want, want_found) =
+                    reference.get_or_insert_with(|| (generated.clone(), found));
+                t.tally_generated(&generated, want, *want_found);
                 if !args.common.json && args.verbose {
                     eprintln!(
                         "passkey ctx={ctx} prompt {p} key {key} {:<20} {answer:?}",
@@ -444,6 +462,8 @@ fn merge(a: &mut Tally, b: &Tally) {
     a.passkey_prompts += b.passkey_prompts;
     a.gen_equal += b.gen_equal;
     a.gen_total += b.gen_total;
+    a.gen_equal_found += b.gen_equal_found;
+    a.gen_total_found += b.gen_total_found;
     a.top1_equal += b.top1_equal;
     a.forced += b.forced;
     a.kl_sum += b.kl_sum;
@@ -466,6 +486,7 @@ fn report(ctx: &str, case: &Case, kv_dtype: KvDType, t: &Tally, quiet: bool) -> 
     };
     let passkey = r(t.passkey_found, t.passkey_prompts);
     let gen_eq = r(t.gen_equal, t.gen_total);
+    let gen_eq_found = r(t.gen_equal_found, t.gen_total_found);
     let top1 = r(t.top1_equal, t.forced);
     let kl = if t.forced == 0 {
         f64::NAN
@@ -490,10 +511,11 @@ fn report(ctx: &str, case: &Case, kv_dtype: KvDType, t: &Tally, quiet: bool) -> 
             }
         };
         eprintln!(
-            "fidelity ctx={ctx:>5} {:<23} passkey {}  generated=full {}  top1=full {}  KL {}  | {tps:6.1} tok/s  CPU part {cpu_ms:6.2} ms/tok  CPU share {:.2}  guard redo {:.2}",
+            "fidelity ctx={ctx:>5} {:<23} passkey {}  generated=full {} (where full found {})  top1=full {}  KL {}  | {tps:6.1} tok/s  CPU part {cpu_ms:6.2} ms/tok  CPU share {:.2}  guard redo {:.2}",
             case.label,
             show(passkey, 2),
             show(gen_eq, 3),
+            show(gen_eq_found, 3),
             show(top1, 4),
             show(kl, 5),
             cpu_share,
@@ -504,8 +526,29 @@ fn report(ctx: &str, case: &Case, kv_dtype: KvDType, t: &Tally, quiet: bool) -> 
         "context": ctx, "case": case.label, "mode": case.cfg.mode.name(), "kv_dtype": kv_dtype.name(),
         "budget_tokens": case.cfg.budget_tokens, "guard": case.guard,
         "passkey_accuracy": passkey, "generated_equal_to_full": gen_eq,
+        "generated_equal_to_full_where_full_found": gen_eq_found,
         "top1_agreement_with_full": top1, "mean_kl_from_full": kl,
         "tokens_per_s": tps, "cpu_part_ms_per_token": cpu_ms, "cpu_share": cpu_share,
         "guard_fallback_share": fallback,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_tokens_count_apart_where_the_reference_missed_the_key() {
+        let mut t = Tally::default();
+        // The reference found this key: 3 of 4 tokens equal.
+        t.tally_generated(&[1, 2, 3, 9], &[1, 2, 3, 4], true);
+        // It missed this one: 1 of 4.
+        t.tally_generated(&[5, 0, 0, 0], &[5, 6, 7, 8], false);
+        assert_eq!((t.gen_equal, t.gen_total), (4, 8));
+        assert_eq!((t.gen_equal_found, t.gen_total_found), (3, 4));
+        let mut sum = Tally::default();
+        merge(&mut sum, &t);
+        merge(&mut sum, &t);
+        assert_eq!((sum.gen_equal_found, sum.gen_total_found), (6, 8));
+    }
 }
