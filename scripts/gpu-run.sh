@@ -8,6 +8,7 @@
 # Usage: scripts/gpu-run.sh [path/to/decode-node] [layers]
 #   The binary must be built with `--features cuda`; layers defaults to 10 (of 40).
 #   STEP_TIMEOUT (seconds, default 180) bounds each step, so one hang cannot spend a lease.
+#   SKIP (step names, space-separated) leaves steps out, to fit a short lease.
 # Needs: an NVIDIA driver and the CUDA 13 cuBLAS and NVRTC libraries where the loader finds them.
 #   On the lent H100/H200 machines: LD_LIBRARY_PATH=/usr/local/nvidia/lib64:
 #   /opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/usr/local/cuda/targets/
@@ -25,6 +26,10 @@ model="$out/qwen3-14b-${layers}l"
 step() {
     local name=$1
     shift
+    if [[ " ${SKIP:-} " == *" $name "* ]]; then
+        echo "== $name: skipped (SKIP)" | tee -a "$out/summary.txt"
+        return
+    fi
     echo "== $name: $*" | tee -a "$out/summary.txt"
     local t0=$SECONDS
     if timeout -k 5 "$step_timeout" "$@" >"$out/$name.json" 2>"$out/$name.log"; then
@@ -67,10 +72,13 @@ step host-kernels "$bin" bench kernels --json --threads 1,4,8,16 --groups 5 --he
 # Scout's host selection alone (Quest's bound, then SparQ's key rows) at 32k on this shape, per
 # thread count: 12 of scout's 28 ms per step on the H200 in session 22.
 step host-select "$bin" bench select --json --context 32k --threads 1,4,8,16 --seconds 1
-# The dense step alone against the weights' bound, batch 1 and 8: `gemv_b{B}`, then cuBLAS.
+# The dense step alone against the weights' bound, batch 1 and 8 (`gemv_b1`, then cuBLAS),
+# and batch 4 both ways (`gemv_b{B}` is used up to batch 1 by default: at 8 it lost to cuBLAS).
 step dense-step "$bin" bench step --json --device cuda --model "$model" --batch 8 --seconds 3
-step dense-step-cublas env DECODE_NODE_GEMV=0 "$bin" bench step --json --device cuda \
-    --model "$model" --batch 8 --seconds 3
+step dense-step-b4-gemv env DECODE_NODE_GEMV_MAX_BATCH=8 "$bin" bench step --json \
+    --device cuda --model "$model" --batch 4 --seconds 2
+step dense-step-b4-cublas "$bin" bench step --json --device cuda --model "$model" --batch 4 \
+    --seconds 2
 # Each step's per-layer phases (selection, device, CPU waits) as debug lines in its log.
 export RUST_LOG=${RUST_LOG:-info,decode_node::engine::step=debug}
 step decode-8k-32k "$bin" bench decode --json --device cuda --model "$model" \

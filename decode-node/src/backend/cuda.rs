@@ -150,17 +150,18 @@ impl CudaBackend {
         };
         let mut blas_state = Blas::new(&stream, k.gemv.clone())?;
         // The small-batch kernel replaces cuBLAS only where it gives cuBLAS's products here.
-        if blas_state.gemv_on {
+        if blas_state.gemv_up_to > 0 {
             match selftest::gemv_vs_cublas(&mut blas_state) {
                 Ok(err) if err <= selftest::GEMV_TOLERANCE => {
                     tracing::info!(
                         err,
-                        "gemv agrees with cuBLAS on this device; small batches use it"
+                        up_to = blas_state.gemv_up_to,
+                        "gemv agrees with cuBLAS on this device; batches up to `up_to` use it"
                     );
                 }
                 r => {
                     tracing::error!(result = ?r, "gemv disagrees with cuBLAS on this device; every projection takes cuBLAS");
-                    blas_state.gemv_on = false;
+                    blas_state.gemv_up_to = 0;
                 }
             }
         }

@@ -41,12 +41,13 @@ pub(crate) struct Blas {
     /// Device picks' spec and results, and their host side (`pick::sample_rows`).
     pub(crate) pick: DevBuf,
     pub(crate) pick_staging: Pinned,
-    /// `gemv_b{B}` (the stream the handle issues on): a batch of at most
-    /// [`GEMV_MAX_BATCH`] rows of 16-bit activations takes it instead of cuBLAS while `gemv_on`
-    /// (`DECODE_NODE_GEMV=0`, or a start-up check that found it disagreeing: off).
+    /// `gemv_b{B}` (the stream the handle issues on): a batch of at most `gemv_up_to` rows
+    /// of 16-bit activations takes it instead of cuBLAS.
     gemv: Vec<CudaFunction>,
     stream: Arc<CudaStream>,
-    pub(crate) gemv_on: bool,
+    /// The largest batch `gemv_b{B}` takes; 0 = none (`DECODE_NODE_GEMV=0`, or a start-up
+    /// check that found it disagreeing with cuBLAS).
+    pub(crate) gemv_up_to: usize,
 }
 
 // SAFETY: the cuBLAS handle is only used under the backend's mutex, from one thread at a time.
@@ -86,7 +87,10 @@ impl Blas {
             pick_staging: Pinned::empty(),
             gemv,
             stream: Arc::clone(sh_stream),
-            gemv_on: std::env::var("DECODE_NODE_GEMV").map_or(true, |v| v != "0"),
+            gemv_up_to: gemv_up_to(
+                std::env::var("DECODE_NODE_GEMV").ok().as_deref(),
+                std::env::var("DECODE_NODE_GEMV_MAX_BATCH").ok().as_deref(),
+            ),
         };
         // SAFETY: the handle is valid and the stream outlives it (both owned by the backend).
         unsafe { blas::set_stream(handle, sh_stream.cu_stream() as _) }
@@ -193,15 +197,28 @@ impl Blas {
         w: u64,
         x: u64,
     ) -> Option<&CudaFunction> {
-        let fits = self.gemv_on
-            && matches!(dtype, KvDType::F16 | KvDType::Bf16)
-            && (1..=GEMV_MAX_BATCH).contains(&batch)
+        let fits = matches!(dtype, KvDType::F16 | KvDType::Bf16)
+            && (1..=self.gemv_up_to.min(GEMV_MAX_BATCH)).contains(&batch)
             && cols.is_multiple_of(8)
             && i32::try_from(cols).is_ok()
             && i32::try_from(rows).is_ok()
             && (w | x).is_multiple_of(16);
         fits.then(|| self.gemv.get(batch - 1)).flatten()
     }
+}
+
+/// The largest batch `gemv_b{B}` is used for. One by default: on an H200 (Qwen3-14B shape,
+/// 10 layers, bf16) `bench step` gave 333 tokens/s with it at batch 1 against cuBLAS's 310,
+/// but 912 against 1485 at batch 8, where each weight chunk's eight x loads and unpacks
+/// outweigh the saved bandwidth. `DECODE_NODE_GEMV=0` turns it off, and
+/// `DECODE_NODE_GEMV_MAX_BATCH` (up to 8) sets the limit, to measure the batches between.
+fn gemv_up_to(gemv: Option<&str>, max_batch: Option<&str>) -> usize {
+    if gemv == Some("0") {
+        return 0;
+    }
+    max_batch
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map_or(1, |b| b.min(GEMV_MAX_BATCH))
 }
 
 /// The device address of `w`, uploaded on first use.
@@ -277,5 +294,21 @@ fn half_type(d: KvDType) -> blas_sys::cudaDataType {
         // Weights are never int8 or fp8 (loaders make f32, f16 or bf16 tensors).
         KvDType::I8 => blas_sys::cudaDataType::CUDA_R_8I,
         KvDType::F8E4M3 => blas_sys::cudaDataType::CUDA_R_8F_E4M3,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemv_takes_batch_one_unless_told() {
+        assert_eq!(gemv_up_to(None, None), 1);
+        assert_eq!(gemv_up_to(Some("1"), None), 1);
+        assert_eq!(gemv_up_to(Some("0"), Some("4")), 0);
+        assert_eq!(gemv_up_to(None, Some("4")), 4);
+        assert_eq!(gemv_up_to(None, Some("0")), 0);
+        assert_eq!(gemv_up_to(None, Some("99")), GEMV_MAX_BATCH);
+        assert_eq!(gemv_up_to(None, Some("x")), 1);
     }
 }

@@ -629,11 +629,11 @@ pub(super) const GEMV_TOLERANCE: f64 = 1e-4;
 
 /// Largest difference of `gemv_b{B}` from cuBLAS GemmEx (relative to the reference's
 /// scale) over batches 1 ..= 8, f16 and bf16, beta 0 and 1, on random data with a width that
-/// leaves the kernel a tail. Leaves `b.gemv_on` as it found it.
+/// leaves the kernel a tail. Leaves `b.gemv_up_to` as it found it.
 pub(super) fn gemv_vs_cublas(b: &mut Blas) -> Result<f64, BackendError> {
-    let on = b.gemv_on;
+    let up_to = b.gemv_up_to;
     let r = gemv_vs_cublas_each(b);
-    b.gemv_on = on;
+    b.gemv_up_to = up_to;
     r
 }
 
@@ -666,7 +666,7 @@ fn gemv_vs_cublas_each(b: &mut Blas) -> Result<f64, BackendError> {
             for beta in [0f32, 1.0] {
                 let mut got = [vec![0f32; batch * rows], vec![0f32; batch * rows]];
                 for (use_gemv, out) in [false, true].into_iter().zip(got.iter_mut()) {
-                    b.gemv_on = use_gemv;
+                    b.gemv_up_to = if use_gemv { GEMV_MAX_BATCH } else { 0 };
                     super::driver::htod(yp, super::driver::f32_bytes(&y0), &stream)?;
                     // SAFETY: w, x and y hold rows x cols, 8 x cols and 8 x rows elements.
                     unsafe { b.gemm_beta(dt, rows, batch, cols, wp, xp, yp, beta)? };
