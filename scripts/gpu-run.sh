@@ -85,6 +85,22 @@ step decode-8k-32k "$bin" bench decode --json --device cuda --model "$model" \
     --context 8k,32k --modes full,hgca,recall,scout --budget-tokens 2048 --tokens 64
 step decode-64k "$bin" bench decode --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
+# Selection on the device (`--block-scorer sketch`: a 4-bit key sketch kept there, every block
+# scored by two kernels, no host KV read), with a layer-ahead prediction and without
+# (`--exact`: the real query only, which the device makes cheap).
+step decode-sketch "$bin" bench decode --json --device cuda --model "$model" \
+    --context 8k,32k --modes full,scout,recall --budget-tokens 2048 --tokens 64 \
+    --block-scorer sketch
+step decode-sketch-exact "$bin" bench decode --json --device cuda --model "$model" \
+    --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer sketch \
+    --exact
+step decode-sketch-64k "$bin" bench decode --json --device cuda --model "$model" \
+    --context 64k --modes full,scout --budget-tokens 2048 --tokens 64 --block-scorer sketch
+step decode-8k-batch8-sketch "$bin" bench decode --json --device cuda --model "$model" \
+    --context 8k --modes full,scout --batch 8 --tokens 64 --block-scorer sketch --exact
+step capacity-64k-sketch "$bin" bench capacity --json --device cuda --model "$model" \
+    --context 64k --modes full,scout --budget-tokens 2048 --tokens 32 \
+    --device-kv-bytes 40Gi --host-kv-bytes 48Gi --block-scorer sketch --exact
 # The general attention kernel instead of `attend_warps`: full attention's A/B.
 step decode-full-split-kernel env DECODE_NODE_ATTENTION_KERNEL=split "$bin" bench decode \
     --json --device cuda --model "$model" --context 8k,32k,64k --modes full --tokens 64

@@ -23,6 +23,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "merge_self",
     "rms_norm_half",
     "silu_mul_stacked_half",
+    "sketch_lse",
+    "sketch_shares",
     "attend_warps_g1_d64",
     "attend_warps_g2_d64",
     "attend_warps_g3_d64",

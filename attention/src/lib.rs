@@ -5,7 +5,8 @@
 //!   then V), shared with the host pool in `kv-transfer`.
 //! - [`Digest`]: Quest's channel-wise min/max of post-RoPE K per block and head, and its score.
 //! - [`BlockScorer`]: how blocks are ranked: by the digests' bound, or by an approximate
-//!   attention over each query head's largest key channels (`sparq`), read from the host KV.
+//!   attention over each query head's largest key channels (`sparq`), read from the host KV,
+//!   or over every key quantized to 4 bits ([`sketch`], kept on a GPU).
 //! - [`select_top_k`]: the budgeted block selection (sink and a local window always in); a
 //!   GQA group scores a block by the sum or the max of its heads' bounds ([`GroupScore`]).
 //! - [`attend_blocks`]: the CPU kernel (one KV head, its whole GQA group, online softmax in
@@ -57,6 +58,7 @@ mod policy;
 mod residency;
 mod select;
 mod sequence;
+pub mod sketch;
 mod sparq;
 
 pub use block::{BlockGeometry, HeadBlock, Rows, WireTokens};

@@ -147,13 +147,18 @@ pub enum BlockScorer {
         /// every block). Bounds the keys read per step by the budget, not the context.
         candidates: usize,
     },
+    /// Each block's share of an approximate attention over every key quantized to 4 bits
+    /// per channel (`crate::sketch`), every block scored. On the CPU it reads every key;
+    /// a GPU keeps the sketch (an eighth of a 16-bit KV cache) and scores on the device.
+    Sketch,
 }
 
 impl BlockScorer {
-    /// Parses `quest` or `sparq` (with `channels` and `candidates` for the latter).
+    /// Parses `quest`, `sparq` (with `channels` and `candidates`) or `sketch`.
     pub fn parse(s: &str, channels: usize, candidates: usize) -> Option<Self> {
         match s {
             "quest" => Some(Self::Quest),
+            "sketch" => Some(Self::Sketch),
             "sparq" => Some(Self::Sparq {
                 channels,
                 candidates,

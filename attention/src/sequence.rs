@@ -16,6 +16,7 @@ use crate::plan::{self, PARALLEL_SELECT_BLOCKS};
 use crate::policy::{AttentionConfig, BlockScorer, Mode, RecallLimits, RecallPolicy};
 use crate::residency::{DeviceBlock, Residency};
 use crate::select::select_spans;
+use crate::sketch;
 use crate::sparq;
 use rayon::prelude::*;
 
@@ -298,6 +299,14 @@ impl SeqAttention {
                 }
                 scores
             }
+            BlockScorer::Sketch => self.scores_of(
+                cfg,
+                layer,
+                head,
+                q_group,
+                keys,
+                &(0..older).collect::<Vec<_>>(),
+            ),
         };
         scores.resize(n, 0.0);
         scores
@@ -331,6 +340,16 @@ impl SeqAttention {
                 cfg.group_score,
                 blocks,
             ),
+            BlockScorer::Sketch => sketch::block_scores(
+                &self.geom,
+                keys.src,
+                layer,
+                head,
+                q_group,
+                keys.scale,
+                cfg.group_score,
+                blocks,
+            ),
         }
     }
 
@@ -348,6 +367,84 @@ impl SeqAttention {
         keys: BlockKeys<'_>,
         plans: &mut [HeadPlan],
     ) {
+        let per_head = q.len() / self.geom.num_kv_heads.max(1);
+        let this = &*self;
+        let scored: Vec<Vec<(usize, f32)>> = (0..plans.len().min(self.geom.num_kv_heads))
+            .map(|h| {
+                let (device, cands) = this.reselect_candidates(cfg, layer, h, &plans[h]);
+                let room = cfg.budget_blocks(this.geom.block_size).max(2);
+                if cands.len() + device.len() + plans[h].cpu.len() <= room {
+                    // All of them fit: no scores needed.
+                    return cands.into_iter().map(|b| (b, 0.0)).collect();
+                }
+                let q_group = &q[h * per_head..(h + 1) * per_head];
+                let scores = this.scores_of(cfg, layer, h, q_group, keys, &cands);
+                cands.into_iter().zip(scores).collect()
+            })
+            .collect();
+        self.reselect_device_with(cfg, layer, plans, scored);
+    }
+
+    /// [`SeqAttention::reselect_device`] from block scores made elsewhere (a device's, by the
+    /// real query): `scores[h]` holds every block of head `h`, as
+    /// [`SeqAttention::block_scores`] returns them.
+    pub fn reselect_device_scored(
+        &mut self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        scores: &[Vec<f32>],
+        plans: &mut [HeadPlan],
+    ) {
+        let scored: Vec<Vec<(usize, f32)>> = (0..plans.len().min(self.geom.num_kv_heads))
+            .map(|h| {
+                let cands = self.reselect_candidates(cfg, layer, h, &plans[h]).1;
+                let s = scores.get(h).map(Vec::as_slice).unwrap_or_default();
+                cands
+                    .into_iter()
+                    .map(|b| (b, s.get(b).copied().unwrap_or(f32::NEG_INFINITY)))
+                    .collect()
+            })
+            .collect();
+        self.reselect_device_with(cfg, layer, plans, scored);
+    }
+
+    /// Head `h`'s resident blocks outside its CPU part: those the device attends whatever
+    /// the query (sink, local window), and the candidates for the rest of the budget.
+    fn reselect_candidates(
+        &self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        h: usize,
+        plan: &HeadPlan,
+    ) -> (Vec<usize>, Vec<usize>) {
+        let n = self.num_blocks();
+        let bs = self.geom.block_size;
+        let budget = cfg.budget_blocks(bs).max(2);
+        if layer < cfg.dense_layers || n <= budget {
+            return (Vec::new(), Vec::new());
+        }
+        let recent = cfg.local_blocks(bs).clamp(1, budget - 1);
+        let res = &self.heads[layer * self.geom.num_kv_heads + h].res;
+        let (mut device, mut cands) = (Vec::new(), Vec::new());
+        for b in (0..n).filter(|b| res.is_resident(*b) && plan.cpu.binary_search(b).is_err()) {
+            if b == 0 || b >= n - recent {
+                device.push(b);
+            } else {
+                cands.push(b);
+            }
+        }
+        (device, cands)
+    }
+
+    /// The body of the two `reselect_device`s: `scored[h]` is head `h`'s candidates with
+    /// their scores by the real query.
+    fn reselect_device_with(
+        &mut self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        plans: &mut [HeadPlan],
+        scored: Vec<Vec<(usize, f32)>>,
+    ) {
         let n = self.num_blocks();
         let bs = self.geom.block_size;
         let budget = cfg.budget_blocks(bs).max(2);
@@ -355,27 +452,14 @@ impl SeqAttention {
             // Every block is selected whatever the query.
             return;
         }
-        let recent = cfg.local_blocks(bs).clamp(1, budget - 1);
         let hk = self.geom.num_kv_heads;
-        let per_head = q.len() / hk;
-        for (h, plan) in plans.iter_mut().enumerate().take(hk) {
-            let res = &self.heads[layer * hk + h].res;
-            let (mut device, mut cands) = (Vec::new(), Vec::new());
-            for b in (0..n).filter(|b| res.is_resident(*b) && plan.cpu.binary_search(b).is_err()) {
-                if b == 0 || b >= n - recent {
-                    device.push(b);
-                } else {
-                    cands.push(b);
-                }
-            }
+        for ((h, plan), mut scored) in plans.iter_mut().enumerate().take(hk).zip(scored) {
+            let mut device = self.reselect_candidates(cfg, layer, h, plan).0;
             let k = budget.saturating_sub(plan.cpu.len() + device.len());
-            if cands.len() > k {
-                let q_group = &q[h * per_head..(h + 1) * per_head];
-                let scores = self.scores_of(cfg, layer, h, q_group, keys, &cands);
-                let mut scored: Vec<(usize, f32)> = cands.into_iter().zip(scores).collect();
+            if scored.len() > k {
                 device.extend(crate::select::best_blocks(&mut scored, k, None));
             } else {
-                device.extend(cands);
+                device.extend(scored.into_iter().map(|(b, _)| b));
             }
             device.sort_unstable();
             let res = &mut self.heads[layer * hk + h].res;
@@ -400,9 +484,18 @@ impl SeqAttention {
             return (0..n).collect();
         }
         let scores = self.block_scores(cfg, layer, head, q_group, keys);
+        self.select_from(cfg, layer, &scores)
+    }
+
+    /// The top-k selection of one head of `layer` from its block scores (every block, as
+    /// [`SeqAttention::block_scores`] returns them, made here or on a device).
+    pub fn select_from(&self, cfg: &AttentionConfig, layer: usize, scores: &[f32]) -> Vec<usize> {
+        if layer < cfg.dense_layers {
+            return (0..self.num_blocks()).collect();
+        }
         let bs = self.geom.block_size;
         select_spans(
-            &scores,
+            scores,
             cfg.budget_blocks(bs),
             cfg.local_blocks(bs),
             cfg.select_spans,
@@ -421,28 +514,49 @@ impl SeqAttention {
         let hk = self.geom.num_kv_heads;
         let per_head = q.len() / hk;
         let n = self.num_blocks();
+        let q_of = |h: usize| &q[h * per_head..(h + 1) * per_head];
+        // Scores first, heads in parallel when the context is long enough to pay for it:
+        // scoring every block of every head is the step thread's largest job in sparse modes.
+        let this = &*self;
+        // Sparq and the sketch read keys: a few dozen blocks per head already pay for a
+        // thread each.
+        let reads_keys = !matches!(cfg.scorer, BlockScorer::Quest);
+        let par = n >= PARALLEL_SELECT_BLOCKS || (reads_keys && n >= PARALLEL_SPARQ_BLOCKS);
+        let scores = if self.needs_scores(cfg, layer) {
+            each_head(par, hk, |h| this.block_scores(cfg, layer, h, q_of(h), keys))
+        } else {
+            Vec::new()
+        };
+        self.plan_layer_scored(cfg, layer, &scores)
+    }
+
+    /// True when planning `layer` reads block scores (a sparse mode past the dense layers):
+    /// else [`SeqAttention::plan_layer_scored`] takes none.
+    pub fn needs_scores(&self, cfg: &AttentionConfig, layer: usize) -> bool {
+        layer >= cfg.dense_layers && matches!(cfg.mode, Mode::Hgca | Mode::Recall | Mode::Scout)
+    }
+
+    /// [`SeqAttention::plan_layer`] from block scores made elsewhere (a device's):
+    /// `scores[h]` holds every block of KV head `h` as [`SeqAttention::block_scores`] returns
+    /// them, or nothing where [`SeqAttention::needs_scores`] says none are read.
+    pub fn plan_layer_scored(
+        &mut self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        scores: &[Vec<f32>],
+    ) -> Vec<HeadPlan> {
+        let hk = self.geom.num_kv_heads;
+        let n = self.num_blocks();
         let bs = self.geom.block_size;
         let cap = cfg.resident_blocks_per_head();
         let step = self.step;
         let dense = layer < cfg.dense_layers;
-        let q_of = |h: usize| &q[h * per_head..(h + 1) * per_head];
-        // Scores and selections first, heads in parallel when the context is long enough to
-        // pay for it: scoring every block of every head is the step thread's largest job in
-        // sparse modes.
-        let this = &*self;
-        // Sparq reads keys: a few dozen blocks per head already pay for a thread each.
-        let par = n >= PARALLEL_SELECT_BLOCKS
-            || (matches!(cfg.scorer, BlockScorer::Sparq { .. }) && n >= PARALLEL_SPARQ_BLOCKS);
-        let (scores, sels): (Vec<Vec<f32>>, Vec<Vec<usize>>) = match cfg.mode {
-            Mode::Hgca if !dense => (
-                each_head(par, hk, |h| this.block_scores(cfg, layer, h, q_of(h), keys)),
-                Vec::new(),
-            ),
-            Mode::Recall | Mode::Scout => (
-                Vec::new(),
-                each_head(par, hk, |h| this.select(cfg, layer, h, q_of(h), keys)),
-            ),
-            _ => (Vec::new(), Vec::new()),
+        let scores_of = |h: usize| scores.get(h).map(Vec::as_slice).unwrap_or_default();
+        let sels: Vec<Vec<usize>> = match cfg.mode {
+            Mode::Recall | Mode::Scout => (0..hk)
+                .map(|h| self.select_from(cfg, layer, scores_of(h)))
+                .collect(),
+            _ => Vec::new(),
         };
         let first = !self.layers[layer].initialised;
         self.layers[layer].initialised = true;
@@ -452,7 +566,7 @@ impl SeqAttention {
             let plan = match cfg.mode {
                 Mode::Full => plan::full(&mut st.res, n, step),
                 Mode::Hgca => {
-                    let scores = scores.get(h).map(Vec::as_slice);
+                    let scores = (!dense).then(|| scores.get(h).map(Vec::as_slice)).flatten();
                     plan::hgca(cfg, scores, bs, n, (&mut st.res, step))
                 }
                 Mode::Recall | Mode::Scout => {
@@ -877,12 +991,59 @@ mod tests {
             channels: 4,
             candidates,
         };
-        for scorer in [BlockScorer::Quest, sparq(0), sparq(2)] {
+        for scorer in [BlockScorer::Quest, sparq(0), sparq(2), BlockScorer::Sketch] {
             cfg.scorer = scorer;
             let sel = seq.select(&cfg, 0, 0, &q, keys(&mem));
             assert!(sel.contains(&17), "{scorer:?}: {sel:?}");
             assert!(sel.contains(&0) && sel.contains(&31));
             assert_eq!(sel.len(), 4);
+        }
+    }
+
+    #[test]
+    fn plans_from_scores_made_elsewhere_equal_the_ones_made_here() {
+        // What a device scoring the blocks hands back: `plan_layer_scored` and
+        // `reselect_device_scored` must plan as `plan_layer` and `reselect_device` do.
+        let (mem, digests, _) = setup(700, 2, 16, 21);
+        for (mode, scorer) in [
+            (Mode::Scout, BlockScorer::Quest),
+            (Mode::Scout, BlockScorer::Sketch),
+            (Mode::Recall, BlockScorer::Sketch),
+            (Mode::Hgca, BlockScorer::Quest),
+        ] {
+            let mut cfg = AttentionConfig::scout(16);
+            cfg.mode = mode;
+            cfg.scorer = scorer;
+            cfg.budget_tokens = 160;
+            cfg.device_blocks_per_head = 12;
+            let mut here = SeqAttention::new(mem.geom, 1, 700, digests.clone());
+            let mut there = SeqAttention::new(mem.geom, 1, 700, digests.clone());
+            for (step, seed) in [31u64, 32, 33].into_iter().enumerate() {
+                let q = values(seed, 2 * 3 * 16, 1.0);
+                let scores: Vec<Vec<f32>> = (0..2)
+                    .map(|h| there.block_scores(&cfg, 0, h, &q[h * 48..(h + 1) * 48], keys(&mem)))
+                    .collect();
+                assert!(there.needs_scores(&cfg, 0));
+                let mut a = here.plan_layer(&cfg, 0, &q, keys(&mem));
+                let mut b = there.plan_layer_scored(&cfg, 0, &scores);
+                assert_eq!(a, b, "{mode:?} {scorer:?} step {step}");
+                if mode == Mode::Scout && scorer == BlockScorer::Quest {
+                    // Quest's scores do not depend on which blocks are scored together.
+                    let q2 = values(seed + 100, 2 * 3 * 16, 1.0);
+                    let s2: Vec<Vec<f32>> = (0..2)
+                        .map(|h| {
+                            there.block_scores(&cfg, 0, h, &q2[h * 48..(h + 1) * 48], keys(&mem))
+                        })
+                        .collect();
+                    here.reselect_device(&cfg, 0, &q2, keys(&mem), &mut a);
+                    there.reselect_device_scored(&cfg, 0, &s2, &mut b);
+                    assert_eq!(a, b, "reselected, step {step}");
+                }
+                here.finish_layer(&cfg, 0, &a);
+                there.finish_layer(&cfg, 0, &b);
+                here.step += 1;
+                there.step += 1;
+            }
         }
     }
 

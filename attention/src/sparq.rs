@@ -509,13 +509,20 @@ pub(crate) fn block_scores(
         let mut s = scratch();
         lse.chunks_mut(g).enumerate().for_each(|x| one(&mut s, x));
     }
-    // Each head's share of every block: normalised over the blocks scored.
+    group_shares(&lse, g, how)
+}
+
+/// Each head's share of every block (`lse` is `[blocks][G]` log2-sum-exp2 sums, normalised
+/// over the blocks scored), combined over the group as `how` says (the sum is the group's
+/// attention mass).
+pub(crate) fn group_shares(lse: &[f32], g: usize, how: GroupScore) -> Vec<f32> {
+    let g = g.max(1);
     let mut scores = vec![
         match how {
             GroupScore::Sum => 0f32,
             GroupScore::Max => f32::NEG_INFINITY,
         };
-        blocks.len()
+        lse.len() / g
     ];
     for h in 0..g {
         let col: Vec<f32> = lse.iter().skip(h).step_by(g).copied().collect();

@@ -293,6 +293,22 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
         self.submit(kv, layer, blocks, q, scale)?;
         self.collect()
     }
+    /// Block scores of `layer`'s blocks `0 .. blocks` for every KV head by
+    /// `attention::BlockScorer::Sketch` (`q` is `[num_kv_heads][G][head_dim]`, `scale` the
+    /// softmax scale), computed where this sequence keeps a sketch of its keys, brought up to
+    /// `kv`'s tokens first. `Ok(None)`: this device keeps none (the host scores instead).
+    fn sketch_scores(
+        &mut self,
+        _kv: &dyn KvSource,
+        _layer: usize,
+        _q: &[f32],
+        _scale: f32,
+        _how: attention::GroupScore,
+        _blocks: usize,
+    ) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
+        Ok(None)
+    }
+
     /// Starts copying, for each KV head `h`, `blocks[h]` of `layer` into their slots on the
     /// recall stream (one batch); they are ready for the next [`DeviceSeq::attend`] of
     /// `layer`, which orders after the copies on the device without waiting on the host.

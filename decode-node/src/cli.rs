@@ -175,8 +175,12 @@ pub struct ModelArgs {
     /// by their share of an approximate attention over every key of those blocks, computed on
     /// each query head's largest channels (`--scorer-channels`) read from host KV. On
     /// SmolLM2-135M (3.8k tokens, budget 512) sparq keeps top-1 agreement with full 0.83
-    /// where quest keeps 0.62, and costs 15-25% of CPU decode speed there.
-    #[arg(long, env = "DECODE_NODE_BLOCK_SCORER", default_value = "sparq", value_parser = ["quest", "sparq"])]
+    /// where quest keeps 0.62, and costs 15-25% of CPU decode speed there. `sketch` scores
+    /// every block by an approximate attention over every key quantized to 4 bits: a GPU
+    /// keeps that sketch (an eighth of a 16-bit KV cache) and scores on the device, so
+    /// selection reads no host KV; on the CPU it reads every key (as slow as full attention's
+    /// key half).
+    #[arg(long, env = "DECODE_NODE_BLOCK_SCORER", default_value = "sparq", value_parser = ["quest", "sparq", "sketch"])]
     pub block_scorer: String,
     /// Key channels per query head that `--block-scorer sparq` reads (0: a quarter of the
     /// head dimension).
@@ -518,8 +522,9 @@ pub struct SelectBench {
     /// Thread counts of the pool selection runs on, e.g. `1,2`.
     #[arg(long, default_value = "1,2")]
     pub threads: String,
-    /// Block scorers to measure: `quest` (digests only) and/or `sparq` (re-ranks the best
-    /// candidates by an approximate attention over key rows read from host KV).
+    /// Block scorers to measure: `quest` (digests only), `sparq` (re-ranks the best
+    /// candidates by an approximate attention over key rows read from host KV) and/or
+    /// `sketch` (every key, quantized to 4 bits as read: the CPU path of a GPU's scorer).
     #[arg(long, default_value = "quest,sparq")]
     pub scorers: String,
     /// KV heads per layer (the default is Qwen3-14B's shape: 8 KV heads, groups of 5, head

@@ -337,8 +337,18 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
         m.recall_threshold = 0.0;
     };
     let full = |m: &mut crate::cli::ModelArgs| m.attention = "full".into();
+    // Scout again with the sketch scorer: a device scores from the sketch it keeps, the
+    // CPU from the keys it reads (the same scores up to float rounding).
+    let sketch = |m: &mut crate::cli::ModelArgs| {
+        scout(m);
+        m.block_scorer = "sketch".into();
+    };
     type Setting<'a> = &'a dyn Fn(&mut crate::cli::ModelArgs);
-    let cases: [(&str, Setting<'_>); 2] = [("full", &full), ("scout", &scout)];
+    let cases: [(&str, Setting<'_>); 3] = [
+        ("full", &full),
+        ("scout", &scout),
+        ("scout, sketch scorer", &sketch),
+    ];
     for (name, set) in cases {
         let mut outs = Vec::new();
         for dev in ["cpu", device.as_str()] {
@@ -368,7 +378,7 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
             .take_while(|(a, b)| a == b)
             .count();
         println!(
-            "{} decode {name:<5} {} prompt tokens, {} generated: {agree}/{} tokens equal to the CPU backend's",
+            "{} decode {name} {} prompt tokens, {} generated: {agree}/{} tokens equal to the CPU backend's",
             if same { "PASS" } else { "FAIL" },
             kv.header.num_tokens,
             outs[1].len(),

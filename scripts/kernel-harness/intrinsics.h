@@ -24,3 +24,4 @@ static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 struct uint4 { unsigned x, y, z, w; };
 using std::max;
 using std::min;
+using std::isfinite;

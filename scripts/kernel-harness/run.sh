@@ -21,3 +21,5 @@ trap 'rm -rf "$out"' EXIT
 "$out/attend_warps"
 "$cxx" -std=c++20 -O2 -w -pthread -o "$out/gemv" gemv.cpp
 "$out/gemv"
+"$cxx" -std=c++20 -O2 -w -pthread -o "$out/sketch" sketch.cpp
+"$out/sketch"

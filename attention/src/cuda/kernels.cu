@@ -1072,3 +1072,114 @@ extern "C" __global__ void sample_rows(const float* logits, const unsigned int* 
         o[5 + 2 * j] = __float_as_uint(x[id] - lse);
     }
 }
+
+// Block scores from a 4-bit sketch of every key (attention::sketch), step 1: each query head's
+// log2-sum-exp2 over each block's tokens of temp * scale_t * sum_c q[c] * (nibble_c - 8).
+// nib: [hk][cap][D/2] bytes (channel 2j in the low nibble of byte j), scl: [hk][cap] f32,
+// q: [hk][G][D] f32, lse: [hk][nblocks][G]. One warp per block (SKETCH_WARPS a CUDA block,
+// blockIdx.y the KV head); each lane takes tokens lane, lane + 32, ... of the block and keeps
+// a running (max, sum) per query head, merged across the warp at the end. D a multiple of 32
+// (whole 16-byte loads), at most MAX_HEAD; G at most 8; nib 16-byte aligned.
+#define SKETCH_WARPS 4
+extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
+    sketch_lse(const unsigned char* nib, const float* scl, long long cap, int n_tokens, int block_size,
+               int nblocks, const float* q, int G, int D, float temp, float* lse) {
+    __shared__ float qs[8 * MAX_HEAD];
+    const int h = blockIdx.y;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] = q[(long long)h * G * D + i];
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int b = blockIdx.x * SKETCH_WARPS + warp;
+    if (b >= nblocks) return;  // a whole warp
+    const int nb = D >> 1;
+    float m[8], s[8];
+#pragma unroll
+    for (int g = 0; g < 8; g++) {
+        m[g] = NEG_INF;
+        s[g] = 0.f;
+    }
+    const int first = b * block_size;
+    const int end = min(first + block_size, n_tokens);
+    for (int t0 = first; t0 < end; t0 += 32) {
+        const int t = t0 + lane;
+        if (t < end) {
+            const uint4* row = (const uint4*)(nib + ((long long)h * cap + t) * nb);
+            const float ts = temp * scl[(long long)h * cap + t];
+            float acc[8];
+#pragma unroll
+            for (int g = 0; g < 8; g++) acc[g] = 0.f;
+            for (int w = 0; w < (D >> 5); w++) {
+                const uint4 v = row[w];
+                const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        const float x = (float)((int)((words[k] >> (4 * j)) & 15u) - 8);
+                        const int c = w * 32 + k * 8 + j;
+#pragma unroll
+                        for (int g = 0; g < 8; g++)
+                            if (g < G) acc[g] = fmaf(qs[g * D + c], x, acc[g]);
+                    }
+            }
+#pragma unroll
+            for (int g = 0; g < 8; g++)
+                if (g < G) {
+                    const float v = ts * acc[g];
+                    const float mn = fmaxf(m[g], v);
+                    s[g] = s[g] * exp2f(m[g] - mn) + exp2f(v - mn);
+                    m[g] = mn;
+                }
+        }
+    }
+    // Lanes without tokens hold (-inf, 0): they add nothing.
+#pragma unroll
+    for (int g = 0; g < 8; g++) {
+        if (g >= G) break;
+        const float mx = warp_max(m[g]);
+        const float sum = warp_sum(mx == NEG_INF ? 0.f : s[g] * exp2f(m[g] - mx));
+        if (lane == 0) lse[((long long)h * nblocks + b) * G + g] = sum > 0.f ? mx + log2f(sum) : NEG_INF;
+    }
+}
+
+// Step 2: each KV head's block scores from step 1's lse: per query head, its share of every
+// block (exp2(lse - total), total the log2-sum-exp2 over the blocks; 0 where it is not
+// finite), combined over the group by max (how 0) or sum (how 1). One CUDA block of 256
+// threads per KV head (blockIdx.x); scores: [hk][nblocks].
+extern "C" __global__ void __launch_bounds__(256)
+    sketch_shares(const float* lse, int nblocks, int G, int how, float* scores) {
+    __shared__ float red[256];
+    const int h = blockIdx.x;
+    const float* l = lse + (long long)h * nblocks * G;
+    float* out = scores + (long long)h * nblocks;
+    for (int g = 0; g < G; g++) {
+        float mx = NEG_INF;
+        for (int b = threadIdx.x; b < nblocks; b += blockDim.x) mx = fmaxf(mx, l[(long long)b * G + g]);
+        red[threadIdx.x] = mx;
+        __syncthreads();
+        for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+            if ((int)threadIdx.x < o) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + o]);
+            __syncthreads();
+        }
+        mx = red[0];
+        __syncthreads();
+        float sum = 0.f;
+        if (mx != NEG_INF)
+            for (int b = threadIdx.x; b < nblocks; b += blockDim.x) sum += exp2f(l[(long long)b * G + g] - mx);
+        red[threadIdx.x] = sum;
+        __syncthreads();
+        for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+            if ((int)threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
+            __syncthreads();
+        }
+        const float total = mx + log2f(red[0]);
+        __syncthreads();
+        for (int b = threadIdx.x; b < nblocks; b += blockDim.x) {
+            const float share = isfinite(total) ? exp2f(l[(long long)b * G + g] - total) : 0.f;
+            if (g == 0)
+                out[b] = how == 0 ? fmaxf(NEG_INF, share) : share;
+            else
+                out[b] = how == 0 ? fmaxf(out[b], share) : out[b] + share;
+        }
+    }
+}

@@ -16,6 +16,7 @@ mod driver;
 mod layer;
 mod pick;
 pub mod selftest;
+mod sketch;
 mod slots;
 mod store;
 
@@ -141,6 +142,8 @@ impl CudaBackend {
             merge_self: f("merge_self")?,
             rms_norm_half: f("rms_norm_half")?,
             silu_mul_stacked_half: f("silu_mul_stacked_half")?,
+            sketch_lse: f("sketch_lse")?,
+            sketch_shares: f("sketch_shares")?,
             warps: Kernels::warps_names()
                 .map(|n| f(&n))
                 .collect::<Result<_, _>>()?,

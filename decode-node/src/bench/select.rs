@@ -81,8 +81,10 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
     let threads: Vec<usize> = parse_list(&args.threads, "thread count")?;
     let scorers: Vec<String> = parse_list(&args.scorers, "scorer")?;
     anyhow::ensure!(
-        scorers.iter().all(|s| s == "quest" || s == "sparq"),
-        "--scorers takes `quest` and/or `sparq`"
+        scorers
+            .iter()
+            .all(|s| ["quest", "sparq", "sketch"].contains(&s.as_str())),
+        "--scorers takes `quest`, `sparq` and/or `sketch`"
     );
     anyhow::ensure!(
         (1..=64).contains(&args.kv_heads)
@@ -136,8 +138,9 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
             let cfg = AttentionConfig {
                 scorer: match (name.as_str(), base.scorer) {
                     ("quest", _) => BlockScorer::Quest,
+                    ("sketch", _) => BlockScorer::Sketch,
                     (_, s @ BlockScorer::Sparq { .. }) => s,
-                    (_, BlockScorer::Quest) => BlockScorer::Sparq {
+                    (_, BlockScorer::Quest | BlockScorer::Sketch) => BlockScorer::Sparq {
                         channels: (d / 4).max(1),
                         candidates: 4,
                     },
@@ -199,7 +202,8 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
 }
 
 /// Bytes one layer's selection reads, averaged over `queries`' layers: every digest of
-/// every head (Quest's bound), and for SparQ the key rows it reads of the blocks it scores.
+/// every head (Quest's bound), for SparQ the key rows it reads of the blocks it scores, and
+/// for the sketch on the CPU every key (it quantizes what it reads).
 fn bytes_per_layer(
     cfg: &AttentionConfig,
     geom: BlockGeometry,
@@ -210,6 +214,9 @@ fn bytes_per_layer(
     let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
     let older = geom.blocks_for(ctx).saturating_sub(1);
     let digests = (hk * older * 2 * d * 4) as f64;
+    if cfg.scorer == BlockScorer::Sketch {
+        return (hk * older * bs * d * geom.dtype.size()) as f64;
+    }
     let BlockScorer::Sparq {
         channels,
         candidates,

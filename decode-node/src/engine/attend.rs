@@ -9,8 +9,8 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use attention::{
-    AttentionConfig, BlockKeys, DeviceBlock, HeadPlan, HeadQuery, Mode, Partial, Scratch,
-    SeqAttention, attend_head, cosine,
+    AttentionConfig, BlockKeys, BlockScorer, DeviceBlock, HeadPlan, HeadQuery, Mode, Partial,
+    Scratch, SeqAttention, attend_head, cosine,
 };
 use kv_transfer::CommittedKv;
 use rayon::prelude::*;
@@ -212,6 +212,15 @@ fn attend_seqs(
     parts
 }
 
+/// One sequence's planning of a layer: its state, KV, query (`None`: not planned) and the
+/// block scores a device made for it.
+type Planning<'a> = (
+    &'a mut SeqAttention,
+    &'a CommittedKv,
+    Option<&'a [f32]>,
+    Option<Vec<Vec<f32>>>,
+);
+
 /// Runs the CPU part: every head's `plan.cpu` blocks with `q`, on the current rayon pool
 /// (the CPU attention pool: this runs inside one of its tasks).
 fn cpu_part(
@@ -333,10 +342,48 @@ impl<'a> BatchAttention<'a> {
         if let Some((plans, job)) = self.accepted(b, layer, qb)? {
             return Ok((plans, job, true));
         }
-        let keys = self.block_keys(b);
-        let plans = self.slots[b].seq.plan_layer(self.cfg, layer, qb, keys);
+        let plans = match self.device_scores(b, layer, qb) {
+            Some(scores) => self.slots[b]
+                .seq
+                .plan_layer_scored(self.cfg, layer, &scores),
+            None => {
+                let keys = self.block_keys(b);
+                self.slots[b].seq.plan_layer(self.cfg, layer, qb, keys)
+            }
+        };
         let job = self.spawn_cpu_if_any(b, layer, &plans, qb);
         Ok((plans, job, false))
+    }
+
+    /// Sequence `b`'s block scores of `layer` by `q`, computed on its device where the
+    /// scorer is the sketch and the device keeps one (every block, as
+    /// `SeqAttention::block_scores` gives them); `None`: the host scores.
+    fn device_scores(&mut self, b: usize, layer: usize, q: &[f32]) -> Option<Vec<Vec<f32>>> {
+        if self.cfg.scorer != BlockScorer::Sketch {
+            return None;
+        }
+        let slot = &mut self.slots[b];
+        let dev = slot.dev.as_deref_mut()?;
+        if !slot.seq.needs_scores(self.cfg, layer) {
+            return None;
+        }
+        let n = slot.seq.num_blocks();
+        // The newest block is always attended and scores 0, as on the host.
+        let older = n.checked_sub(1).filter(|&o| o > 0)?;
+        let (scale, how) = (self.shape.scale, self.cfg.group_score);
+        match dev.sketch_scores(slot.kv.as_ref(), layer, q, scale, how, older) {
+            Ok(Some(mut scores)) => {
+                for s in &mut scores {
+                    s.resize(n, 0.0);
+                }
+                Some(scores)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, layer, "device sketch scores failed; the host scores");
+                None
+            }
+        }
     }
 
     /// Sequence `b`'s `layer` as planned a layer ahead, where there is such a plan and the
@@ -368,7 +415,21 @@ impl<'a> BatchAttention<'a> {
             fell_back,
         });
         self.slots[b].seq.record_guard(fell_back);
-        self.sample_prediction(b, layer, qb, &a);
+        // The real query's scores from the device, where it scores: the sample and the
+        // device part's reselection below share them.
+        let sampled = self.slots[b]
+            .seq
+            .step()
+            .is_multiple_of(PREDICTION_SAMPLE_STEPS);
+        let wanted = sampled || (!fell_back && self.cfg.guard.device_real_query);
+        let real = if wanted {
+            self.device_scores(b, layer, qb)
+        } else {
+            None
+        };
+        if sampled {
+            self.sample_prediction(b, layer, qb, &a, real.as_deref());
+        }
         if fell_back {
             if let Some(job) = a.job {
                 self.discard(b, job)?;
@@ -377,10 +438,16 @@ impl<'a> BatchAttention<'a> {
         }
         let Ahead { mut plans, job, .. } = a;
         if self.cfg.guard.device_real_query {
-            let keys = self.block_keys(b);
-            self.slots[b]
-                .seq
-                .reselect_device(self.cfg, layer, qb, keys, &mut plans);
+            let seq = &mut self.slots[b].seq;
+            match &real {
+                Some(scores) => seq.reselect_device_scored(self.cfg, layer, scores, &mut plans),
+                None => {
+                    let keys = self.block_keys(b);
+                    self.slots[b]
+                        .seq
+                        .reselect_device(self.cfg, layer, qb, keys, &mut plans);
+                }
+            }
         }
         // The predicted blocks, attended with the real query unless the predicted query's
         // part was started ahead.
@@ -394,14 +461,24 @@ impl<'a> BatchAttention<'a> {
     /// an H200: 120 ms of a 137 ms step).
     fn plan_layers(&mut self, layer: usize, qs: &[Option<&[f32]>]) -> Vec<Option<Vec<HeadPlan>>> {
         let (cfg, scale) = (self.cfg, self.shape.scale);
-        let work: Vec<(&mut SeqAttention, &CommittedKv, Option<&[f32]>)> = self
+        // Scores from the devices first (one launch and wait each), where they make them.
+        let scored: Vec<Option<Vec<Vec<f32>>>> = qs
+            .iter()
+            .enumerate()
+            .map(|(b, q)| q.and_then(|q| self.device_scores(b, layer, q)))
+            .collect();
+        let work: Vec<Planning<'_>> = self
             .slots
             .iter_mut()
             .zip(qs)
-            .map(|(slot, q)| (&mut *slot.seq, &**slot.kv, *q))
+            .zip(scored)
+            .map(|((slot, q), s)| (&mut *slot.seq, &**slot.kv, *q, s))
             .collect();
-        let plan = |(seq, kv, q): (&mut SeqAttention, &CommittedKv, Option<&[f32]>)| {
-            q.map(|q| seq.plan_layer(cfg, layer, q, BlockKeys { src: kv, scale }))
+        let plan = |(seq, kv, q, scored): Planning<'_>| {
+            q.map(|q| match scored {
+                Some(s) => seq.plan_layer_scored(cfg, layer, &s),
+                None => seq.plan_layer(cfg, layer, q, BlockKeys { src: kv, scale }),
+            })
         };
         if qs.iter().flatten().count() > 1 {
             work.into_par_iter().map(plan).collect()
@@ -473,18 +550,26 @@ impl<'a> BatchAttention<'a> {
         Ok(())
     }
 
-    /// Measures the prediction's hit ratio against a selection with the real query: sampled,
-    /// as that costs as much as the selection itself.
-    fn sample_prediction(&mut self, b: usize, layer: usize, qb: &[f32], a: &Ahead) {
+    /// Measures the prediction's hit ratio against a selection with the real query (its
+    /// block scores `real` where a device made them): sampled, as that costs as much as the
+    /// selection itself.
+    fn sample_prediction(
+        &mut self,
+        b: usize,
+        layer: usize,
+        qb: &[f32],
+        a: &Ahead,
+        real: Option<&[Vec<f32>]>,
+    ) {
         let keys = self.block_keys(b);
         let seq = &mut *self.slots[b].seq;
-        if !seq.step().is_multiple_of(PREDICTION_SAMPLE_STEPS) {
-            return;
-        }
         let per = qb.len() / self.shape.num_kv_heads;
         for h in 0..self.shape.num_kv_heads {
             let qh = &qb[h * per..(h + 1) * per];
-            let real = seq.select(self.cfg, layer, h, qh, keys);
+            let real = match real.and_then(|r| r.get(h)) {
+                Some(scores) => seq.select_from(self.cfg, layer, scores),
+                None => seq.select(self.cfg, layer, h, qh, keys),
+            };
             let predicted = a.plans[h].selected();
             seq.record_prediction(&predicted, &real, &a.q_pred[h * per..(h + 1) * per], qh);
         }

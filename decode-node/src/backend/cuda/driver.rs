@@ -174,6 +174,8 @@ pub(crate) struct Kernels {
     pub(crate) merge_self: CudaFunction,
     pub(crate) rms_norm_half: CudaFunction,
     pub(crate) silu_mul_stacked_half: CudaFunction,
+    pub(crate) sketch_lse: CudaFunction,
+    pub(crate) sketch_shares: CudaFunction,
     /// `attend_warps_g{G}_d{D}`: [`Kernels::warps`] picks one.
     pub(crate) warps: Vec<CudaFunction>,
     /// `gemv_b{B}`, B = 1 ..= [`GEMV_MAX_BATCH`], in order.

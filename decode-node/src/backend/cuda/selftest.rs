@@ -220,6 +220,17 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         check_sample_rows(backend),
     );
     for (dt, g, d, bs) in [
+        (KvDType::Bf16, 5, 128, 32),
+        (KvDType::F16, 8, 64, 16),
+        (KvDType::I8, 3, 128, 32),
+    ] {
+        add(
+            &format!("sketch scores (prompt, a step, a regrowth) {dt:?} G={g} D={d} block {bs}"),
+            SKETCH_TOLERANCE,
+            check_sketch(sh, dt, g, d, bs),
+        );
+    }
+    for (dt, g, d, bs) in [
         (KvDType::F16, 1, 64, 32),
         (KvDType::Bf16, 4, 128, 32),
         (KvDType::F16, 5, 128, 32),
@@ -953,6 +964,68 @@ pub(super) const ATTENTION_TOLERANCE: f64 = 1e-5;
 
 /// The device attention of `dt` blocks of `block_size` tokens (group `g`, head dimension `d`)
 /// against the CPU kernel on random KV: the largest relative error of outputs and LSEs.
+/// Block scores are shares (at most 1): an absolute bound.
+const SKETCH_TOLERANCE: f64 = 1e-5;
+
+/// The device's sketch scores (`--block-scorer sketch`) against `attention::sketch` on the
+/// host, over three calls on one sequence: its prompt (the first fill), one token more (a
+/// staged fill) and 700 more (past the room: the layer is sketched again). Group max and sum.
+fn check_sketch(
+    sh: &Arc<Shared>,
+    dt: KvDType,
+    g: usize,
+    d: usize,
+    block_size: usize,
+) -> Result<f64, BackendError> {
+    use attention::GroupScore;
+    use attention::sketch::{nibble_bytes, scores_from_sketch, sketch_tokens};
+    let mut r = SplitMix(44);
+    let hk = 3;
+    let geom = BlockGeometry {
+        block_size,
+        num_kv_heads: hk,
+        head_dim: d,
+        dtype: dt,
+    };
+    let last = block_size * 120 + 9 + 1 + 700;
+    let mut kv = mem_kv(&mut r, &geom, last);
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut sketch = super::sketch::SeqSketch::default();
+    let mut worst = 0f64;
+    for (round, n) in [block_size * 120 + 9, block_size * 120 + 10, last]
+        .into_iter()
+        .enumerate()
+    {
+        kv.n = n;
+        let blocks = geom.blocks_for(n) - 1;
+        let q = random(&mut r, hk * g * d, 2.0);
+        let how = if round == 1 {
+            GroupScore::Sum
+        } else {
+            GroupScore::Max
+        };
+        let got = sketch.scores(sh, &geom, &kv, 0, &q, scale, how, blocks)?;
+        for (h, got) in got.iter().enumerate() {
+            let mut nib = vec![0u8; n * nibble_bytes(d)];
+            let mut scales = vec![0f32; n];
+            sketch_tokens(&geom, &kv, 0, h, 0, n, &mut nib, &mut scales);
+            let qg = &q[h * g * d..(h + 1) * g * d];
+            let want = scores_from_sketch(&nib, &scales, n, block_size, d, blocks, qg, scale, how);
+            if got.len() != want.len() {
+                return Err(BackendError::Device(format!(
+                    "{} sketch scores for {} blocks",
+                    got.len(),
+                    want.len()
+                )));
+            }
+            for (a, b) in got.iter().zip(&want) {
+                worst = worst.max(f64::from((a - b).abs()));
+            }
+        }
+    }
+    Ok(worst)
+}
+
 pub(super) fn check_split_attention(
     sh: &Arc<Shared>,
     dt: KvDType,

@@ -9,12 +9,13 @@
 
 use std::sync::{Arc, Mutex};
 
-use attention::{BlockGeometry, DeviceBlock, KvSource, Partial};
+use attention::{BlockGeometry, DeviceBlock, GroupScore, KvSource, Partial};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, result as drv, sys};
 use kv_transfer::HostPool;
 
 use super::call::{SlotList, SplitK, pack, partials};
 use super::driver::WARPS_PER_BLOCK;
+use super::sketch::SeqSketch;
 use super::slots::{Fill, NoSlot, SlotTable};
 use super::{DevBuf, Shared, dev_err, htod};
 use crate::backend::{BackendError, DeviceKv, DeviceSeq};
@@ -476,6 +477,7 @@ impl DeviceKv for CudaKvStore {
             out: DevBuf::default(),
             pending: None,
             main_mark: None,
+            sketch: SeqSketch::default(),
             store: self,
         })
     }
@@ -518,6 +520,8 @@ pub(super) struct CudaSeq {
     pending: Option<Pending>,
     /// Marks the main stream for the recall stream to wait on.
     main_mark: Option<Event>,
+    /// The keys' 4-bit sketch, for `--block-scorer sketch` (empty until first scored).
+    sketch: SeqSketch,
 }
 
 /// A submitted device part, for [`DeviceSeq::collect`].
@@ -814,6 +818,26 @@ impl DeviceSeq for CudaSeq {
                 Ok(partials(&host, hk, group, d))
             }
         }
+    }
+
+    fn sketch_scores(
+        &mut self,
+        kv: &dyn KvSource,
+        layer: usize,
+        q: &[f32],
+        scale: f32,
+        how: GroupScore,
+        blocks: usize,
+    ) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
+        let geom = self.store.geom;
+        let group = q.len() / (geom.num_kv_heads * geom.head_dim).max(1);
+        if !super::sketch::supported(&geom, group) || layer >= self.recall_events.len() {
+            return Ok(None);
+        }
+        let store = Arc::clone(&self.store);
+        self.sketch
+            .scores(&store.shared, &geom, kv, layer, q, scale, how, blocks)
+            .map(Some)
     }
 
     fn recall(

@@ -1,0 +1,77 @@
+// `sketch_lse` then `sketch_shares` run with a thread per CUDA thread (see simt.h) against the
+// scores of attention::sketch computed here in double precision from its definition: head
+// dims 64 and 128, groups 1, 5 and 8, 16- and 32-token blocks, a partial last block, tokens
+// with scale 0, a capacity past the tokens, two KV heads, group max and sum. Exit status 1
+// beyond float rounding.
+#include "simt.h"
+#include "../../attention/src/cuda/kernels.cu"
+#include <cstdio>
+#include <random>
+
+static std::mt19937 rng(9);
+static int bad = 0;
+
+static void check(int hk, int D, int G, int bs, int n, long long cap, int how) {
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    const int nb = D / 2;
+    const int nblocks = (n + bs - 1) / bs;
+    std::vector<uint4> nib_store(((size_t)hk * cap * nb) / 16 + 1);
+    unsigned char* nib = (unsigned char*)nib_store.data();
+    std::vector<float> scl((size_t)hk * cap), q((size_t)hk * G * D);
+    for (size_t i = 0; i < (size_t)hk * cap * nb; i++) nib[i] = (unsigned char)(rng() & 0xff);
+    for (size_t i = 0; i < scl.size(); i++) scl[i] = (i % 11 == 3) ? 0.f : 0.05f + 0.2f * fabsf(u(rng));
+    for (auto& x : q) x = 3.f * u(rng);
+    const float temp = 0.125f * 1.4426950408889634f;
+    std::vector<float> lse((size_t)hk * nblocks * G), scores((size_t)hk * nblocks);
+    launch({(unsigned)((nblocks + SKETCH_WARPS - 1) / SKETCH_WARPS), (unsigned)hk, 1}, SKETCH_WARPS * 32, [&] {
+        sketch_lse(nib, scl.data(), cap, n, bs, nblocks, q.data(), G, D, temp, lse.data());
+    });
+    launch({(unsigned)hk, 1, 1}, 256, [&] { sketch_shares(lse.data(), nblocks, G, how, scores.data()); });
+    double worst = 0;
+    for (int h = 0; h < hk; h++) {
+        std::vector<double> want(nblocks, how == 0 ? -INFINITY : 0.0);
+        for (int g = 0; g < G; g++) {
+            std::vector<double> l(nblocks);
+            for (int b = 0; b < nblocks; b++) {
+                std::vector<double> v;
+                for (int t = b * bs; t < std::min(n, (b + 1) * bs); t++) {
+                    double dot = 0;
+                    for (int c = 0; c < D; c++) {
+                        const int byte = nib[((size_t)h * cap + t) * nb + c / 2];
+                        const int x = ((byte >> (4 * (c % 2))) & 15) - 8;
+                        dot += (double)q[((size_t)h * G + g) * D + c] * x;
+                    }
+                    v.push_back((double)temp * scl[(size_t)h * cap + t] * dot);
+                }
+                double m = -INFINITY, s = 0;
+                for (double x : v) m = std::max(m, x);
+                for (double x : v) s += exp2(x - m);
+                l[b] = m + log2(s);
+                const double got = lse[((size_t)h * nblocks + b) * G + g];
+                worst = std::max(worst, fabs(got - l[b]) / (1.0 + fabs(l[b])));
+            }
+            double m = -INFINITY, s = 0;
+            for (double x : l) m = std::max(m, x);
+            for (double x : l) s += exp2(x - m);
+            const double total = m + log2(s);
+            for (int b = 0; b < nblocks; b++) {
+                const double share = exp2(l[b] - total);
+                want[b] = how == 0 ? std::max(want[b], share) : want[b] + share;
+            }
+        }
+        for (int b = 0; b < nblocks; b++)
+            worst = std::max(worst, fabs((double)scores[(size_t)h * nblocks + b] - want[b]));
+    }
+    const bool ok = worst < 2e-5 && !std::isnan(worst);
+    if (!ok) bad++;
+    printf("%s sketch hk=%d D=%d G=%d bs=%d n=%d cap=%lld %s: max err %.2e\n", ok ? "PASS" : "FAIL", hk, D, G, bs,
+           n, cap, how == 0 ? "max" : "sum", worst);
+}
+
+int main() {
+    check(2, 128, 5, 32, 32 * 9 + 7, 32 * 12, 0);
+    check(1, 64, 3, 16, 16 * 5 + 1, 16 * 6, 1);
+    check(2, 64, 8, 32, 32 * 4, 32 * 4, 0);
+    check(1, 128, 1, 16, 16 * 9 + 15, 16 * 10 + 3, 1);
+    return bad ? 1 : 0;
+}
