@@ -85,29 +85,18 @@ step decode-8k-32k "$bin" bench decode --json --device cuda --model "$model" \
     --context 8k,32k --modes full,hgca,recall,scout --budget-tokens 2048 --tokens 64
 step decode-64k "$bin" bench decode --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
-# Selection on the device (`--block-scorer sketch`: a 4-bit key sketch kept there, every block
-# scored by two kernels, no host KV read), with a layer-ahead prediction and without
-# (`--exact`: the real query only, which the device makes cheap).
-step decode-sketch "$bin" bench decode --json --device cuda --model "$model" \
-    --context 8k,32k --modes full,scout,recall --budget-tokens 2048 --tokens 64 \
-    --block-scorer sketch
-step decode-sketch-exact "$bin" bench decode --json --device cuda --model "$model" \
-    --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer sketch \
-    --exact
-step decode-sketch-64k "$bin" bench decode --json --device cuda --model "$model" \
-    --context 64k --modes full,scout --budget-tokens 2048 --tokens 64 --block-scorer sketch
-step decode-8k-batch8-sketch "$bin" bench decode --json --device cuda --model "$model" \
-    --context 8k --modes full,scout --batch 8 --tokens 64 --block-scorer sketch --exact
-step capacity-64k-sketch "$bin" bench capacity --json --device cuda --model "$model" \
-    --context 64k --modes full,scout --budget-tokens 2048 --tokens 32 \
-    --device-kv-bytes 40Gi --host-kv-bytes 48Gi --block-scorer sketch --exact
+# The sparse modes' selection as it was before the sketch scorer became the default on a
+# GPU: sparq on the host (reading host KV), with a layer-ahead prediction.
+step decode-sparq "$bin" bench decode --json --device cuda --model "$model" \
+    --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer sparq
 # The general attention kernel instead of `attend_warps`: full attention's A/B.
 step decode-full-split-kernel env DECODE_NODE_ATTENTION_KERNEL=split "$bin" bench decode \
     --json --device cuda --model "$model" --context 8k,32k,64k --modes full --tokens 64
-# Scout's selection on the critical path: the device part by the predicted query (no second
-# selection with the real one), Quest's bound alone (no key reads), both.
+# Scout's host selection on the critical path (sparq): the device part by the predicted query
+# (no second selection with the real one); Quest's bound alone (no key reads).
 step scout-32k-predicted-device "$bin" bench decode --json --device cuda --model "$model" \
-    --context 32k --modes scout --budget-tokens 2048 --tokens 64 --guard-predicted-device
+    --context 32k --modes scout --budget-tokens 2048 --tokens 64 --guard-predicted-device \
+    --block-scorer sparq
 step scout-32k-quest "$bin" bench decode --json --device cuda --model "$model" \
     --context 32k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer quest
 # 16-token blocks (more of full's answers on SmolLM2 at 7.8k): `attend_warps_*_b16`.

@@ -293,6 +293,11 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
         self.submit(kv, layer, blocks, q, scale)?;
         self.collect()
     }
+    /// True when [`DeviceSeq::sketch_scores`] answers for `group` query heads per KV head.
+    fn scores_on_device(&self, _group: usize) -> bool {
+        false
+    }
+
     /// Block scores of `layer`'s blocks `0 .. blocks` for every KV head by
     /// `attention::BlockScorer::Sketch` (`q` is `[num_kv_heads][G][head_dim]`, `scale` the
     /// softmax scale), computed where this sequence keeps a sketch of its keys, brought up to

@@ -331,6 +331,8 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
     // recall runs every step.
     let scout = |m: &mut crate::cli::ModelArgs| {
         m.attention = "scout".into();
+        // The same scorer on both (`auto` is the sketch on a GPU only).
+        m.block_scorer = "sparq".into();
         m.block_size = 16;
         m.budget_tokens = 128;
         m.device_blocks = 4;
@@ -338,10 +340,12 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
     };
     let full = |m: &mut crate::cli::ModelArgs| m.attention = "full".into();
     // Scout again with the sketch scorer: a device scores from the sketch it keeps, the
-    // CPU from the keys it reads (the same scores up to float rounding).
+    // CPU from the keys it reads (the same scores up to float rounding). With the real query
+    // only, as a device that scores makes no prediction.
     let sketch = |m: &mut crate::cli::ModelArgs| {
         scout(m);
         m.block_scorer = "sketch".into();
+        m.exact = true;
     };
     type Setting<'a> = &'a dyn Fn(&mut crate::cli::ModelArgs);
     let cases: [(&str, Setting<'_>); 3] = [

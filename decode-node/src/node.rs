@@ -143,7 +143,7 @@ pub(crate) fn attention_config(
         select_spans: args.select_spans,
         dense_layers: args.dense_layers as usize,
         scorer: BlockScorer::parse(
-            &args.block_scorer,
+            scorer_for(&args.block_scorer, &args.device),
             match args.scorer_channels {
                 0 => (geom.head_dim / 4).max(1),
                 n => n as usize,
@@ -156,6 +156,17 @@ pub(crate) fn attention_config(
             n => n as usize,
         },
     })
+}
+
+/// The block scorer `--block-scorer` names on `device`: `auto` is the sketch on a GPU (it
+/// scores there, reading no host KV, and keeps more of full attention's answers than sparq)
+/// and sparq on the CPU (where the sketch would quantize every key it reads, every step).
+fn scorer_for<'a>(flag: &'a str, device: &str) -> &'a str {
+    match flag {
+        "auto" if device.starts_with("cuda") => "sketch",
+        "auto" => "sparq",
+        f => f,
+    }
 }
 
 /// Dtype of the host pool: `--kv-dtype`, or the model's.

@@ -597,10 +597,14 @@ fn tokens_picked_where_the_logits_are_equal_the_host_picks() {
 /// Device memory for KV that lives on the host: the engine's device path (submit every
 /// sequence's part, then collect each) without a GPU. Each part is computed at submit from the
 /// blocks the residency table names.
+/// With `sketch`, it scores blocks for `--block-scorer sketch` as a GPU does, from a sketch
+/// of the keys made here (`attention::sketch`), counting the calls in `scored`.
 #[derive(Debug)]
 struct HostDeviceKv {
     geom: attention::BlockGeometry,
     collected: Arc<std::sync::atomic::AtomicUsize>,
+    sketch: bool,
+    scored: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[derive(Debug)]
@@ -608,6 +612,8 @@ struct HostDeviceSeq {
     geom: attention::BlockGeometry,
     pending: Option<Vec<attention::Partial>>,
     collected: Arc<std::sync::atomic::AtomicUsize>,
+    sketch: bool,
+    scored: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl crate::backend::DeviceKv for HostDeviceKv {
@@ -620,6 +626,8 @@ impl crate::backend::DeviceKv for HostDeviceKv {
             geom: self.geom,
             pending: None,
             collected: self.collected.clone(),
+            sketch: self.sketch,
+            scored: self.scored.clone(),
         })
     }
 }
@@ -677,6 +685,45 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
     ) -> Result<(), crate::backend::BackendError> {
         Ok(())
     }
+
+    fn scores_on_device(&self, _group: usize) -> bool {
+        self.sketch
+    }
+
+    fn sketch_scores(
+        &mut self,
+        kv: &dyn attention::KvSource,
+        layer: usize,
+        q: &[f32],
+        scale: f32,
+        how: attention::GroupScore,
+        blocks: usize,
+    ) -> Result<Option<Vec<Vec<f32>>>, crate::backend::BackendError> {
+        use attention::sketch::{nibble_bytes, scores_from_sketch, sketch_tokens};
+        if !self.sketch {
+            return Ok(None);
+        }
+        self.scored
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (hk, d, bs) = (
+            self.geom.num_kv_heads,
+            self.geom.head_dim,
+            self.geom.block_size,
+        );
+        let n = kv.num_tokens();
+        let per = q.len() / hk;
+        Ok(Some(
+            (0..hk)
+                .map(|h| {
+                    let mut nib = vec![0u8; n * nibble_bytes(d)];
+                    let mut scales = vec![0f32; n];
+                    sketch_tokens(&self.geom, kv, layer, h, 0, n, &mut nib, &mut scales);
+                    let qg = &q[h * per..(h + 1) * per];
+                    scores_from_sketch(&nib, &scales, n, bs, d, blocks, qg, scale, how)
+                })
+                .collect(),
+        ))
+    }
 }
 
 /// The CPU backend dressed as a device, each part switched on by a test: `picks` picks the LM
@@ -690,6 +737,9 @@ struct TestDevice {
     resident: std::sync::atomic::AtomicBool,
     /// The resident path attends with twice the softmax scale: wrong, for the start check.
     wrong_resident: bool,
+    /// Its device memory scores blocks for `--block-scorer sketch` (see [`HostDeviceKv`]).
+    sketch: bool,
+    scored: Arc<std::sync::atomic::AtomicUsize>,
     resident_layers: Arc<std::sync::atomic::AtomicUsize>,
     /// Resident layers that brought their query back, and that merged a CPU part.
     resident_queries: Arc<std::sync::atomic::AtomicUsize>,
@@ -770,6 +820,8 @@ impl crate::backend::Backend for TestDevice {
             Arc::new(HostDeviceKv {
                 geom,
                 collected: self.collected.clone(),
+                sketch: self.sketch,
+                scored: self.scored.clone(),
             }) as Arc<dyn crate::backend::DeviceKv>
         }))
     }
@@ -993,5 +1045,65 @@ fn device_parts_submitted_for_the_whole_batch_give_each_sequence_its_own() {
         let collected = dev.collected.load(std::sync::atomic::Ordering::Relaxed);
         assert!(collected > 0, "{mode}: the device path ran");
         rig.wait_pool_empty();
+    }
+}
+
+/// Selection scored by the device (`--block-scorer sketch` on a device that keeps the sketch)
+/// plans as the host's scores of the same sketch do: the same tokens as a node scoring on the
+/// host with the real query only (`--exact`), since a device that scores makes no
+/// layer-ahead prediction. Through the host's layers and with layers resident.
+#[test]
+fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
+    let flags = [
+        "--attention",
+        "scout",
+        "--block-size",
+        "8",
+        "--budget-tokens",
+        "48",
+        "--device-blocks",
+        "2",
+        "--block-scorer",
+        "sketch",
+    ];
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 9 + 70)).collect();
+    let run = |dev: Arc<TestDevice>, flags: &[&str]| -> Vec<Vec<u32>> {
+        let model = Arc::new(crate::model::load("tiny", dev).unwrap());
+        let rig = Rig::start_with(3, 1 << 30, Some(model), flags);
+        let mut streams: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| rig.submit(&format!("r{i}"), p, 6))
+            .collect();
+        let ids = streams.iter_mut().map(|rx| drain(rx).0).collect();
+        rig.wait_pool_empty();
+        ids
+    };
+    let mut exact = flags.to_vec();
+    exact.push("--exact");
+    let host = Arc::new(TestDevice {
+        kv: true,
+        ..TestDevice::default()
+    });
+    let want = run(host.clone(), &exact);
+    assert_eq!(host.scored.load(std::sync::atomic::Ordering::Relaxed), 0);
+    for resident in [false, true] {
+        let dev = Arc::new(TestDevice {
+            kv: true,
+            sketch: true,
+            resident: resident.into(),
+            ..TestDevice::default()
+        });
+        let got = run(dev.clone(), &flags);
+        assert_eq!(got, want, "resident {resident}");
+        let scored = dev.scored.load(std::sync::atomic::Ordering::Relaxed);
+        // Every sparse layer of every step of every request, at least.
+        assert!(
+            scored >= 3 * 5,
+            "resident {resident}: {scored} device scorings"
+        );
+        if resident {
+            assert!(crate::backend::Backend::attention_on_device(&*dev));
+        }
     }
 }

@@ -820,6 +820,10 @@ impl DeviceSeq for CudaSeq {
         }
     }
 
+    fn scores_on_device(&self, group: usize) -> bool {
+        super::sketch::supported(&self.store.geom, group)
+    }
+
     fn sketch_scores(
         &mut self,
         kv: &dyn KvSource,
