@@ -32,6 +32,12 @@ pub const fn nibble_bytes(head_dim: usize) -> usize {
     head_dim.div_ceil(2)
 }
 
+/// Tokens of one KV head's sketch that fit in `slot_bytes` (a device keeps its sketch in
+/// the slots of its KV arena, a head block each): their nibble rows, then their f32 scales.
+pub const fn tokens_per_slot(slot_bytes: usize, head_dim: usize) -> usize {
+    slot_bytes / (nibble_bytes(head_dim) + 4)
+}
+
 /// Quantizes key `k` into `nib` (channel `2j` in the low nibble of byte `j`, `2j + 1` in the
 /// high one) and returns the scale: `k[c] ≈ scale * (nibble(c) - 8)`. A zero key (or one
 /// with an infinite channel) gives scale 0, so it scores 0 whatever the query; a NaN channel

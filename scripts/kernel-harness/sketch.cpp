@@ -1,8 +1,8 @@
 // `sketch_lse` then `sketch_shares` run with a thread per CUDA thread (see simt.h) against the
 // scores of attention::sketch computed here in double precision from its definition: head
 // dims 64 and 128, groups 1, 5 and 8, 16- and 32-token blocks, a partial last block, tokens
-// with scale 0, a capacity past the tokens, two KV heads, group max and sum. Exit status 1
-// beyond float rounding.
+// with scale 0, pages of a size that no block divides, scattered and in no order, with room
+// past the tokens, two KV heads, group max and sum. Exit status 1 beyond float rounding.
 #include "simt.h"
 #include "../../attention/src/cuda/kernels.cu"
 #include <cstdio>
@@ -11,20 +11,34 @@
 static std::mt19937 rng(9);
 static int bad = 0;
 
-static void check(int hk, int D, int G, int bs, int n, long long cap, int how) {
+static void check(int hk, int D, int G, int bs, int n, int page_tokens, int how) {
     std::uniform_real_distribution<float> u(-1.f, 1.f);
     const int nb = D / 2;
     const int nblocks = (n + bs - 1) / bs;
-    std::vector<uint4> nib_store(((size_t)hk * cap * nb) / 16 + 1);
-    unsigned char* nib = (unsigned char*)nib_store.data();
-    std::vector<float> scl((size_t)hk * cap), q((size_t)hk * G * D);
-    for (size_t i = 0; i < (size_t)hk * cap * nb; i++) nib[i] = (unsigned char)(rng() & 0xff);
+    const int max_pages = (n + page_tokens - 1) / page_tokens + 1;  // a spare, as the table may have
+    // Every page its own allocation; the table lists them per head, in an order unrelated to
+    // where they sit.
+    const size_t page_bytes = (size_t)page_tokens * (nb + 4);
+    std::vector<std::vector<uint4>> store((size_t)hk * max_pages, std::vector<uint4>(page_bytes / 16 + 1));
+    std::vector<unsigned long long> pages((size_t)hk * max_pages);
+    for (size_t i = 0; i < pages.size(); i++) pages[i] = (unsigned long long)store[(i * 7 + 3) % pages.size()].data();
+    // The token-major sketch the reference reads, copied into the pages.
+    std::vector<unsigned char> nib((size_t)hk * n * nb);
+    std::vector<float> scl((size_t)hk * n), q((size_t)hk * G * D);
+    for (auto& x : nib) x = (unsigned char)(rng() & 0xff);
     for (size_t i = 0; i < scl.size(); i++) scl[i] = (i % 11 == 3) ? 0.f : 0.05f + 0.2f * fabsf(u(rng));
     for (auto& x : q) x = 3.f * u(rng);
+    for (int h = 0; h < hk; h++)
+        for (int t = 0; t < n; t++) {
+            unsigned char* page = (unsigned char*)pages[(size_t)h * max_pages + t / page_tokens];
+            const int r = t % page_tokens;
+            memcpy(page + (size_t)r * nb, &nib[((size_t)h * n + t) * nb], nb);
+            memcpy(page + (size_t)page_tokens * nb + (size_t)r * 4, &scl[(size_t)h * n + t], 4);
+        }
     const float temp = 0.125f * 1.4426950408889634f;
     std::vector<float> lse((size_t)hk * nblocks * G), scores((size_t)hk * nblocks);
     launch({(unsigned)((nblocks + SKETCH_WARPS - 1) / SKETCH_WARPS), (unsigned)hk, 1}, SKETCH_WARPS * 32, [&] {
-        sketch_lse(nib, scl.data(), cap, n, bs, nblocks, q.data(), G, D, temp, lse.data());
+        sketch_lse(pages.data(), max_pages, page_tokens, n, bs, nblocks, q.data(), G, D, temp, lse.data());
     });
     launch({(unsigned)hk, 1, 1}, 256, [&] { sketch_shares(lse.data(), nblocks, G, how, scores.data()); });
     double worst = 0;
@@ -37,11 +51,11 @@ static void check(int hk, int D, int G, int bs, int n, long long cap, int how) {
                 for (int t = b * bs; t < std::min(n, (b + 1) * bs); t++) {
                     double dot = 0;
                     for (int c = 0; c < D; c++) {
-                        const int byte = nib[((size_t)h * cap + t) * nb + c / 2];
+                        const int byte = nib[((size_t)h * n + t) * nb + c / 2];
                         const int x = ((byte >> (4 * (c % 2))) & 15) - 8;
                         dot += (double)q[((size_t)h * G + g) * D + c] * x;
                     }
-                    v.push_back((double)temp * scl[(size_t)h * cap + t] * dot);
+                    v.push_back((double)temp * scl[(size_t)h * n + t] * dot);
                 }
                 double m = -INFINITY, s = 0;
                 for (double x : v) m = std::max(m, x);
@@ -64,14 +78,14 @@ static void check(int hk, int D, int G, int bs, int n, long long cap, int how) {
     }
     const bool ok = worst < 2e-5 && !std::isnan(worst);
     if (!ok) bad++;
-    printf("%s sketch hk=%d D=%d G=%d bs=%d n=%d cap=%lld %s: max err %.2e\n", ok ? "PASS" : "FAIL", hk, D, G, bs,
-           n, cap, how == 0 ? "max" : "sum", worst);
+    printf("%s sketch hk=%d D=%d G=%d bs=%d n=%d page=%d %s: max err %.2e\n", ok ? "PASS" : "FAIL", hk, D, G, bs,
+           n, page_tokens, how == 0 ? "max" : "sum", worst);
 }
 
 int main() {
-    check(2, 128, 5, 32, 32 * 9 + 7, 32 * 12, 0);
-    check(1, 64, 3, 16, 16 * 5 + 1, 16 * 6, 1);
-    check(2, 64, 8, 32, 32 * 4, 32 * 4, 0);
-    check(1, 128, 1, 16, 16 * 9 + 15, 16 * 10 + 3, 1);
+    check(2, 128, 5, 32, 32 * 9 + 7, 240, 0);
+    check(1, 64, 3, 16, 16 * 5 + 1, 27, 1);
+    check(2, 64, 8, 32, 32 * 4, 128, 0);
+    check(1, 128, 1, 16, 16 * 9 + 15, 61, 1);
     return bad ? 1 : 0;
 }

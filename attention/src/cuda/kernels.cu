@@ -1075,14 +1075,16 @@ extern "C" __global__ void sample_rows(const float* logits, const unsigned int* 
 
 // Block scores from a 4-bit sketch of every key (attention::sketch), step 1: each query head's
 // log2-sum-exp2 over each block's tokens of temp * scale_t * sum_c q[c] * (nibble_c - 8).
-// nib: [hk][cap][D/2] bytes (channel 2j in the low nibble of byte j), scl: [hk][cap] f32,
-// q: [hk][G][D] f32, lse: [hk][nblocks][G]. One warp per block (SKETCH_WARPS a CUDA block,
-// blockIdx.y the KV head); each lane takes tokens lane, lane + 32, ... of the block and keeps
-// a running (max, sum) per query head, merged across the warp at the end. D a multiple of 32
-// (whole 16-byte loads), at most MAX_HEAD; G at most 8; nib 16-byte aligned.
+// The sketch lives in pages (arena slots of the KV store): pages[h * max_pages + p] is the
+// address of KV head h's page p, holding tokens p * page_tokens onwards: page_tokens rows of
+// D/2 bytes (channel 2j in the low nibble of byte j), then their f32 scales. q: [hk][G][D] f32,
+// lse: [hk][nblocks][G]. One warp per block (SKETCH_WARPS a CUDA block, blockIdx.y the KV
+// head); each lane takes tokens lane, lane + 32, ... of the block and keeps a running (max,
+// sum) per query head, merged across the warp at the end. D a multiple of 32 (whole 16-byte
+// loads), at most MAX_HEAD; G at most 8; pages 16-byte aligned.
 #define SKETCH_WARPS 4
 extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
-    sketch_lse(const unsigned char* nib, const float* scl, long long cap, int n_tokens, int block_size,
+    sketch_lse(const unsigned long long* pages, int max_pages, int page_tokens, int n_tokens, int block_size,
                int nblocks, const float* q, int G, int D, float temp, float* lse) {
     __shared__ float qs[8 * MAX_HEAD];
     const int h = blockIdx.y;
@@ -1103,8 +1105,10 @@ extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
     for (int t0 = first; t0 < end; t0 += 32) {
         const int t = t0 + lane;
         if (t < end) {
-            const uint4* row = (const uint4*)(nib + ((long long)h * cap + t) * nb);
-            const float ts = temp * scl[(long long)h * cap + t];
+            const int p = t / page_tokens, r = t - p * page_tokens;
+            const unsigned char* page = (const unsigned char*)pages[(long long)h * max_pages + p];
+            const uint4* row = (const uint4*)(page + (long long)r * nb);
+            const float ts = temp * ((const float*)(page + (long long)page_tokens * nb))[r];
             float acc[8];
 #pragma unroll
             for (int g = 0; g < 8; g++) acc[g] = 0.f;

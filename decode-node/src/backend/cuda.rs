@@ -178,6 +178,9 @@ impl CudaBackend {
                 warps_on: std::sync::atomic::AtomicBool::new(
                     std::env::var("DECODE_NODE_ATTENTION_KERNEL").map_or(true, |v| v != "split"),
                 ),
+                sketch_on: std::sync::atomic::AtomicBool::new(
+                    std::env::var("DECODE_NODE_DEVICE_SKETCH").map_or(true, |v| v != "0"),
+                ),
                 idle: Default::default(),
             }),
             blas: Mutex::new(blas_state),
@@ -443,6 +446,7 @@ impl Backend for CudaBackend {
         pool: &HostPool,
     ) -> Result<Option<Arc<dyn DeviceKv>>, BackendError> {
         selftest::check_warps_or_off(&self.shared, geom.dtype, geom.block_size, geom.head_dim);
+        selftest::check_sketch_or_off(&self.shared, &geom);
         // Int8 and fp8 blocks go to the device as the pool holds them (codes and per-token
         // scales, about half of f16's bytes to copy and keep); the attention kernel applies
         // the scales as it loads each tile. That path is checked on this device before it

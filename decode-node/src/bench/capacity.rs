@@ -73,6 +73,12 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
             },
             cfg.max_context(),
             attention.resident_blocks_per_head(),
+            crate::engine::admission::SketchSlots::of_node(
+                &attention,
+                &geom,
+                cfg.num_layers,
+                m.device != "cpu",
+            ),
         );
         let by_device = fit(need.device, args.device_kv_bytes);
         let pool_blocks = args.host_kv_bytes / geom.block_bytes() as u64;

@@ -11,7 +11,8 @@ pub(crate) struct Need {
     /// New tokens it may generate: `max_new_tokens` clamped to the context left (at least 1).
     pub max_new: u32,
     /// Device KV bytes: what it can ever attend (prompt, the token fed first and `max_new`
-    /// more, in whole blocks), capped by the resident blocks a sparse mode keeps per head.
+    /// more, in whole blocks), capped by the resident blocks a sparse mode keeps per head,
+    /// plus the arena slots its key sketch takes where a device keeps one.
     pub device: u64,
     /// Host pool blocks its decode growth takes (one per layer for every block boundary its
     /// new tokens cross).
@@ -37,17 +38,54 @@ pub(crate) struct Request {
     pub max_new_tokens: u32,
 }
 
+/// Where a device keeps each request's key sketch (`--block-scorer sketch`) in its KV arena:
+/// a slot per `tokens_per_slot` tokens of each (scored layer, KV head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SketchSlots {
+    pub tokens_per_slot: usize,
+    /// Layers that score blocks (past the dense ones).
+    pub layers: usize,
+}
+
+impl SketchSlots {
+    /// What a node with device memory (`device`) attending with `attention` keeps of each
+    /// request's sketch there: `None` unless it scores blocks with the sketch.
+    pub(crate) fn of_node(
+        attention: &attention::AttentionConfig,
+        geom: &BlockGeometry,
+        num_layers: usize,
+        device: bool,
+    ) -> Option<Self> {
+        let scores = attention.scorer == attention::BlockScorer::Sketch
+            && attention.mode != attention::Mode::Full;
+        (device && scores).then(|| Self {
+            tokens_per_slot: attention::sketch::tokens_per_slot(geom.head_bytes(), geom.head_dim),
+            layers: num_layers.saturating_sub(attention.dense_layers),
+        })
+    }
+}
+
 impl Need {
     /// What `r` can use on a node with `max_context` positions whose mode keeps at most
-    /// `resident_per_head` blocks per (layer, KV head) on the device.
-    pub(crate) fn of(r: &Request, max_context: usize, resident_per_head: usize) -> Self {
+    /// `resident_per_head` blocks per (layer, KV head) on the device, and whose device keeps
+    /// a key sketch per request where `sketch` says so.
+    pub(crate) fn of(
+        r: &Request,
+        max_context: usize,
+        resident_per_head: usize,
+        sketch: Option<SketchSlots>,
+    ) -> Self {
         let g = &r.geom;
         let room = max_context.saturating_sub(r.num_tokens + 1);
         let max_new = (r.max_new_tokens as usize).min(room.max(1));
         // Positions it may ever hold: the prompt, the token fed first and `max_new` more.
         let can_attend = g.blocks_for(r.num_tokens + max_new + 1);
         let per_head = can_attend.min(resident_per_head);
-        let device = (per_head * g.head_bytes() * g.num_kv_heads * r.num_layers) as u64;
+        let sketch_slots = sketch.map_or(0, |s| {
+            (r.num_tokens + max_new + 1).div_ceil(s.tokens_per_slot.max(1)) * s.layers
+        });
+        let device =
+            ((per_head * r.num_layers + sketch_slots) * g.head_bytes() * g.num_kv_heads) as u64;
         let grow_blocks =
             (g.blocks_for(r.num_tokens + max_new + 1) - g.blocks_for(r.num_tokens)) * r.num_layers;
         Self {
@@ -167,6 +205,23 @@ mod tests {
     }
 
     #[test]
+    fn a_device_sketch_adds_its_slots_to_the_device_need() {
+        // 20 tokens + 1 fed + 10 new = 31 positions; 8 tokens a slot: 4 slots per (scored
+        // layer, KV head), 2 layers of 3 scored.
+        let plain = Need::of(&request(20, 10), 1000, usize::MAX, None);
+        let sketch = SketchSlots {
+            tokens_per_slot: 8,
+            layers: 2,
+        };
+        let with = Need::of(&request(20, 10), 1000, usize::MAX, Some(sketch));
+        assert_eq!(
+            with.device - plain.device,
+            (4 * 2 * 2 * GEOM.head_bytes()) as u64
+        );
+        assert_eq!((with.host, with.max_new), (plain.host, plain.max_new));
+    }
+
+    #[test]
     fn need_counts_what_a_request_can_use() {
         // (tokens, max_new, context, resident per head) -> (max_new, device blocks per head,
         // growth blocks in all)
@@ -187,7 +242,7 @@ mod tests {
             ((32, 1, 1000, usize::MAX), (1, 3, 3)),
         ];
         for ((tokens, max_new, ctx, per_head), (want_new, want_dev, want_grow)) in table {
-            let n = Need::of(&request(tokens, max_new), ctx, per_head);
+            let n = Need::of(&request(tokens, max_new), ctx, per_head, None);
             let case = format!("tokens {tokens} max_new {max_new} ctx {ctx} cap {per_head}");
             assert_eq!(n.max_new, want_new, "{case}");
             assert_eq!(
@@ -213,7 +268,7 @@ mod tests {
 
     #[test]
     fn a_request_starts_only_with_batch_and_device_room_and_nobody_ahead() {
-        let need = Need::of(&request(20, 10), 1000, usize::MAX); // 12 KiB of device KV
+        let need = Need::of(&request(20, 10), 1000, usize::MAX, None); // 12 KiB of device KV
         let table = [
             (room(0, 0, false), Decision::Start),
             (room(3, 0, false), Decision::Start),
@@ -231,7 +286,7 @@ mod tests {
     fn refused_when_it_can_never_fit_or_waited_too_long() {
         let t = Duration::from_secs(10);
         let (short, long) = (Duration::from_secs(1), Duration::from_secs(11));
-        let small = Need::of(&request(20, 10), 1000, usize::MAX);
+        let small = Need::of(&request(20, 10), 1000, usize::MAX, None);
         let mut huge_device = small;
         huge_device.device = 100_001;
         let mut huge_host = small;

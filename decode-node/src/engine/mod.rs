@@ -349,6 +349,12 @@ impl StepLoop {
                 },
                 self.model.model.cfg.max_position_embeddings,
                 self.cfg.attention.resident_blocks_per_head(),
+                admission::SketchSlots::of_node(
+                    &self.cfg.attention,
+                    job.kv.geometry(),
+                    job.kv.num_layers(),
+                    self.device_kv.is_some(),
+                ),
             );
             let room = Room {
                 running: self.running.len(),

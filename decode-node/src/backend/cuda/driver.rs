@@ -254,6 +254,10 @@ pub(crate) struct Shared {
     /// `sparse_attention_split` (`DECODE_NODE_ATTENTION_KERNEL=split`, or a start-up check
     /// that found it disagreeing).
     pub(crate) warps_on: std::sync::atomic::AtomicBool,
+    /// Sequences keep their key sketch here and `--block-scorer sketch` scores on the device;
+    /// off: the host scores (`DECODE_NODE_DEVICE_SKETCH=0`, or a start-up check that found
+    /// the device's scores disagreeing with the host's).
+    pub(crate) sketch_on: std::sync::atomic::AtomicBool,
     /// How long the main stream sat empty while the host worked.
     pub(crate) idle: IdleClock,
 }

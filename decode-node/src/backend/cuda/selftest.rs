@@ -296,6 +296,26 @@ pub(super) fn check_warps_or_off(
     );
 }
 
+/// Checks the device's sketch scores against the host's at `geom`'s dtype, block size and
+/// head dim (4 query heads per KV head) and turns them off on `sh` where they disagree or
+/// fail: `--block-scorer sketch` then scores on the host. Nothing to check where the shape
+/// has no sketch kernels or they are off.
+pub(super) fn check_sketch_or_off(sh: &Arc<Shared>, geom: &BlockGeometry) {
+    if !sh.sketch_on.load(Ordering::Acquire) || !super::sketch::supported(geom, 4) {
+        return;
+    }
+    match check_sketch(sh, geom.dtype, 4, geom.head_dim, geom.block_size) {
+        Ok(err) if err <= SKETCH_TOLERANCE => tracing::info!(
+            err,
+            "the device's sketch scores agree with the host's; sequences keep their sketch there"
+        ),
+        r => {
+            tracing::error!(result = ?r, "the device's sketch scores disagree with the host's on this device; --block-scorer sketch scores on the host");
+            sh.sketch_on.store(false, Ordering::Release);
+        }
+    }
+}
+
 /// A random bf16 model (the `small` preset) on a fresh backend of device `ordinal`.
 fn selftest_model(ordinal: usize) -> Result<(Arc<CudaBackend>, crate::model::Model), String> {
     let backend = Arc::new(CudaBackend::new(ordinal).map_err(|e| e.to_string())?);
@@ -968,8 +988,9 @@ pub(super) const ATTENTION_TOLERANCE: f64 = 1e-5;
 const SKETCH_TOLERANCE: f64 = 1e-5;
 
 /// The device's sketch scores (`--block-scorer sketch`) against `attention::sketch` on the
-/// host, over three calls on one sequence: its prompt (the first fill), one token more (a
-/// staged fill) and 700 more (past the room: the layer is sketched again). Group max and sum.
+/// host, over three calls on one sequence: its prompt (the first fill, many pages), one token
+/// more (a staged fill) and 700 more (new pages, the page table grown). Group max and sum.
+/// Then an arena too small for the sketch: the call fails as device-full, nothing copied.
 fn check_sketch(
     sh: &Arc<Shared>,
     dt: KvDType,
@@ -990,6 +1011,9 @@ fn check_sketch(
     let last = block_size * 120 + 9 + 1 + 700;
     let mut kv = mem_kv(&mut r, &geom, last);
     let scale = 1.0 / (d as f32).sqrt();
+    let err = |e: kv_transfer::Error| BackendError::Device(e.to_string());
+    let pool = HostPool::new(geom, geom.block_bytes() as u64).map_err(err)?;
+    let store = super::store::CudaKvStore::new(Arc::clone(sh), geom, 64 << 20, &pool)?;
     let mut sketch = super::sketch::SeqSketch::default();
     let mut worst = 0f64;
     for (round, n) in [block_size * 120 + 9, block_size * 120 + 10, last]
@@ -1004,7 +1028,7 @@ fn check_sketch(
         } else {
             GroupScore::Max
         };
-        let got = sketch.scores(sh, &geom, &kv, 0, &q, scale, how, blocks)?;
+        let got = sketch.scores(&store, &kv, 0, &q, scale, how, blocks)?;
         for (h, got) in got.iter().enumerate() {
             let mut nib = vec![0u8; n * nibble_bytes(d)];
             let mut scales = vec![0f32; n];
@@ -1023,6 +1047,23 @@ fn check_sketch(
             }
         }
     }
+    store.give_back(sketch.take_slots());
+    // Two slots: not enough pages for three heads' sketch.
+    let small =
+        super::store::CudaKvStore::new(Arc::clone(sh), geom, 2 * geom.head_bytes() as u64, &pool)?;
+    let q = random(&mut r, hk * g * d, 2.0);
+    let blocks = geom.blocks_for(kv.n) - 1;
+    let mut starved = super::sketch::SeqSketch::default();
+    match starved.scores(&small, &kv, 0, &q, scale, GroupScore::Max, blocks) {
+        Err(BackendError::DeviceFull(_)) => {}
+        r => {
+            return Err(BackendError::Device(format!(
+                "a sketch bigger than the arena: {:?}",
+                r.map(|s| s.len())
+            )));
+        }
+    }
+    small.give_back(starved.take_slots());
     Ok(worst)
 }
 

@@ -2,17 +2,20 @@
 //! `--block-scorer sketch` computed from it: selection then reads no host KV and costs two
 //! kernel launches and one small copy back per layer.
 //!
-//! The sketch of each layer is one allocation, `[num_kv_heads][cap][head_dim / 2]` nibbles
-//! then `[num_kv_heads][cap]` f32 scales, filled from the host pool as tokens arrive (the
-//! prompt on a layer's first scoring, then the tokens appended since). Outgrowing `cap`
-//! allocates twice the room and sketches the layer again from the host.
+//! The sketch lives in pages taken from the KV arena's slots (so admission's device bytes
+//! count it, and it is freed with the sequence's slots): each (layer, KV head) has a page per
+//! [`tokens_per_slot`] tokens, holding their nibble rows, then their f32 scales. Pages are
+//! filled from the host pool as tokens arrive (the prompt on a layer's first scoring, then
+//! the tokens appended since); a per-layer table of page addresses, `[num_kv_heads][pages]`,
+//! goes up when a page is added.
 
-use attention::sketch::{nibble_bytes, sketch_tokens};
+use attention::sketch::{nibble_bytes, sketch_tokens, tokens_per_slot};
 use attention::{BlockGeometry, GroupScore, KvSource};
 use rayon::prelude::*;
 
 use super::driver::Pinned;
-use super::{DevBuf, Shared, f32_bytes, htod};
+use super::store::CudaKvStore;
+use super::{DevBuf, f32_bytes, htod};
 use crate::backend::BackendError;
 
 /// Query heads per KV head, and head dims, the kernels take (`sketch_lse`'s registers and
@@ -29,12 +32,71 @@ const FILL_TOKENS: usize = 2048;
 /// fill (a prompt) is a one-off and goes straight from the host buffers.
 const STAGED_TOKENS: usize = 64;
 
+/// Where a KV head's sketch rows sit in its pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Pages {
+    /// Tokens a page holds.
+    pub(super) tokens: usize,
+    /// Bytes of one token's nibble row.
+    pub(super) row: usize,
+}
+
+/// A run of consecutive tokens inside one page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Run {
+    /// The page (its index in the head's list).
+    pub(super) page: usize,
+    /// First token of the run, and how many.
+    pub(super) token: usize,
+    pub(super) len: usize,
+    /// Byte offsets in the page of the run's first nibble row and first scale.
+    pub(super) rows_at: usize,
+    pub(super) scales_at: usize,
+}
+
+impl Pages {
+    pub(super) fn new(geom: &BlockGeometry) -> Self {
+        Self {
+            tokens: tokens_per_slot(geom.head_bytes(), geom.head_dim).max(1),
+            row: nibble_bytes(geom.head_dim),
+        }
+    }
+
+    /// Pages that hold `n` tokens.
+    pub(super) fn for_tokens(&self, n: usize) -> usize {
+        n.div_ceil(self.tokens)
+    }
+
+    /// Tokens `from .. to` cut at page boundaries (the layout `sketch_lse` reads).
+    pub(super) fn runs(&self, from: usize, to: usize) -> impl Iterator<Item = Run> + '_ {
+        let mut t = from;
+        std::iter::from_fn(move || {
+            if t >= to {
+                return None;
+            }
+            let (page, r) = (t / self.tokens, t % self.tokens);
+            let len = (self.tokens - r).min(to - t);
+            let run = Run {
+                page,
+                token: t,
+                len,
+                rows_at: r * self.row,
+                scales_at: self.tokens * self.row + r * 4,
+            };
+            t += len;
+            Some(run)
+        })
+    }
+}
+
 /// One layer's sketch.
 #[derive(Debug, Default)]
 struct Layer {
-    buf: DevBuf,
-    /// Tokens per KV head the buffer has room for.
-    cap: usize,
+    /// Per KV head, its pages' arena slots in token order.
+    pages: Vec<Vec<u32>>,
+    /// The page table as `sketch_lse` reads it, `[num_kv_heads][table_pages]` addresses.
+    table: DevBuf,
+    table_pages: usize,
     /// Tokens sketched so far.
     done: usize,
 }
@@ -45,8 +107,9 @@ pub(super) struct SeqSketch {
     layers: Vec<Layer>,
     lse: DevBuf,
     scores: DevBuf,
-    /// The query, then a short fill's nibbles and scales, on their way up. Reused once the
-    /// last call's copy back (which follows every copy up in stream order) has finished.
+    /// The query, then a short fill's rows and scales and a grown page table, on their way
+    /// up. Reused once the last call's copy back (which follows every copy up in stream
+    /// order) has finished.
     staging: Pinned,
     /// Where the staged query lands.
     q: DevBuf,
@@ -70,35 +133,68 @@ pub(super) fn supported(geom: &BlockGeometry, group: usize) -> bool {
     d.is_multiple_of(32) && d <= MAX_HEAD_DIM && (1..=MAX_GROUP).contains(&group)
 }
 
+/// Floats of staging a run of `len` tokens takes (its rows are whole f32 words: head_dim is
+/// a multiple of 32).
+fn run_words(p: &Pages, len: usize) -> usize {
+    len * (p.row / 4 + 1)
+}
+
 impl SeqSketch {
-    /// Brings `layer`'s sketch up to `kv`'s tokens: the ones not sketched yet are quantized
-    /// here and copied up (all of them after a growth).
-    /// `staging_offset`: floats of the staging buffer already holding this call's query.
+    /// Every arena slot the sketch holds, handed over (the sequence is going).
+    pub(super) fn take_slots(&mut self) -> Vec<u32> {
+        self.layers
+            .iter_mut()
+            .flat_map(|l| l.pages.drain(..).flatten())
+            .collect()
+    }
+
+    /// Brings `layer`'s sketch up to `kv`'s tokens (pages taken as needed, the tokens not
+    /// sketched yet quantized here and copied up) and returns its page table's address and
+    /// width. `staged`: floats at the start of the staging buffer already holding this call's
+    /// query.
     fn fill(
         &mut self,
-        sh: &Shared,
-        geom: &BlockGeometry,
+        store: &CudaKvStore,
         kv: &dyn KvSource,
         layer: usize,
-        staging_offset: usize,
-    ) -> Result<u64, BackendError> {
+        staged: usize,
+    ) -> Result<(u64, usize), BackendError> {
+        let geom = *store.geom();
+        let sh = store.shared();
+        let hk = geom.num_kv_heads;
+        let pg = Pages::new(&geom);
         if self.layers.len() <= layer {
             self.layers.resize_with(layer + 1, Layer::default);
         }
-        let (hk, d) = (geom.num_kv_heads, geom.head_dim);
-        let nb = nibble_bytes(d);
-        let n = kv.num_tokens();
         let Self {
             layers, staging, ..
         } = self;
         let l = &mut layers[layer];
-        if n > l.cap {
-            l.cap = (2 * l.cap).max(n + 256).next_multiple_of(256);
-            l.done = 0;
+        l.pages.resize_with(hk, Vec::new);
+        let (from, to) = (l.done, kv.num_tokens());
+        // Pages first: a full arena fails the call before anything is copied.
+        let want = pg.for_tokens(to);
+        for pages in &mut l.pages {
+            while pages.len() < want {
+                let slot = store
+                    .take_slot()
+                    .ok_or_else(|| store.full("a sketch page"))?;
+                pages.push(slot);
+            }
         }
-        let cap = l.cap;
-        let base = l.buf.ptr(&sh.stream, hk * cap * (nb + 4))?;
-        let (from, to) = (l.done, n);
+        let grown = want > l.table_pages;
+        let table_pages = want.max(l.table_pages);
+        let table: Vec<u64> = l
+            .pages
+            .iter()
+            .flat_map(|p| {
+                p.iter()
+                    .map(|&s| store.slot_addr(s))
+                    .chain(std::iter::repeat(0))
+                    .take(table_pages)
+            })
+            .collect();
+        let table_at = l.table.ptr(&sh.stream, table.len().max(1) * 8)?;
         if from < to {
             // Every head's new tokens, quantized in pieces on the host in parallel.
             let pieces: Vec<(usize, usize)> = (0..hk)
@@ -108,48 +204,61 @@ impl SeqSketch {
                 .into_par_iter()
                 .map(|(h, t)| {
                     let end = (t + FILL_TOKENS).min(to);
-                    let mut nib = vec![0u8; (end - t) * nb];
+                    let mut nib = vec![0u8; (end - t) * pg.row];
                     let mut scales = vec![0f32; end - t];
-                    sketch_tokens(geom, kv, layer, h, t, end, &mut nib, &mut scales);
+                    sketch_tokens(&geom, kv, layer, h, t, end, &mut nib, &mut scales);
                     (h, t, nib, scales)
                 })
                 .collect();
-            let scales_at = base + (hk * cap * nb) as u64;
-            if to - from <= STAGED_TOKENS {
-                // Nibble rows are whole f32 words (head_dim is a multiple of 32).
-                let words: usize = made.iter().map(|m| m.2.len() / 4 + m.3.len()).sum();
-                let stage = staging.get(staging_offset + words)?;
-                let mut at = staging_offset;
-                for (h, t, nib, scales) in &made {
-                    let row = (h * cap + t) as u64;
-                    let w = nib.len() / 4;
-                    for (dst, src) in stage[at..at + w].iter_mut().zip(nib.chunks_exact(4)) {
-                        *dst = f32::from_ne_bytes([src[0], src[1], src[2], src[3]]);
+            let small = to - from <= STAGED_TOKENS;
+            let mut at = staged;
+            for (h, t0, nib, scales) in &made {
+                for run in pg.runs(*t0, t0 + scales.len()) {
+                    let page = store.slot_addr(l.pages[*h][run.page]);
+                    let i = run.token - t0;
+                    let rows = &nib[i * pg.row..(i + run.len) * pg.row];
+                    let sc = &scales[i..i + run.len];
+                    if small {
+                        let stage = staging.get(at + run_words(&pg, run.len))?;
+                        let w = rows.len() / 4;
+                        for (dst, src) in stage[at..at + w].iter_mut().zip(rows.chunks_exact(4)) {
+                            *dst = f32::from_ne_bytes([src[0], src[1], src[2], src[3]]);
+                        }
+                        stage[at + w..at + w + sc.len()].copy_from_slice(sc);
+                        htod(
+                            page + run.rows_at as u64,
+                            f32_bytes(&stage[at..at + w]),
+                            &sh.stream,
+                        )?;
+                        htod(
+                            page + run.scales_at as u64,
+                            f32_bytes(&stage[at + w..at + w + sc.len()]),
+                            &sh.stream,
+                        )?;
+                        at += w + sc.len();
+                    } else {
+                        htod(page + run.rows_at as u64, rows, &sh.stream)?;
+                        htod(page + run.scales_at as u64, f32_bytes(sc), &sh.stream)?;
                     }
-                    htod(
-                        base + row * nb as u64,
-                        f32_bytes(&stage[at..at + w]),
-                        &sh.stream,
-                    )?;
-                    at += w;
-                    stage[at..at + scales.len()].copy_from_slice(scales);
-                    htod(
-                        scales_at + row * 4,
-                        f32_bytes(&stage[at..at + scales.len()]),
-                        &sh.stream,
-                    )?;
-                    at += scales.len();
-                }
-            } else {
-                for (h, t, nib, scales) in &made {
-                    let row = (h * cap + t) as u64;
-                    htod(base + row * nb as u64, nib, &sh.stream)?;
-                    htod(scales_at + row * 4, f32_bytes(scales), &sh.stream)?;
                 }
             }
-            l.done = to;
+            if grown {
+                let bytes: Vec<u8> = table.iter().flat_map(|a| a.to_ne_bytes()).collect();
+                if small {
+                    let words = bytes.len() / 4;
+                    let stage = staging.get(at + words)?;
+                    for (dst, src) in stage[at..at + words].iter_mut().zip(bytes.chunks_exact(4)) {
+                        *dst = f32::from_ne_bytes([src[0], src[1], src[2], src[3]]);
+                    }
+                    htod(table_at, f32_bytes(&stage[at..at + words]), &sh.stream)?;
+                } else {
+                    htod(table_at, &bytes, &sh.stream)?;
+                }
+            }
         }
-        Ok(base)
+        l.table_pages = table_pages;
+        l.done = to;
+        Ok((table_at, table_pages))
     }
 
     /// Scores of blocks `0 .. blocks` of `layer` for every KV head (`q` is
@@ -158,8 +267,7 @@ impl SeqSketch {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn scores(
         &mut self,
-        sh: &Shared,
-        geom: &BlockGeometry,
+        store: &CudaKvStore,
         kv: &dyn KvSource,
         layer: usize,
         q: &[f32],
@@ -167,9 +275,11 @@ impl SeqSketch {
         how: GroupScore,
         blocks: usize,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let geom = *store.geom();
+        let sh = store.shared();
         let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
         let group = q.len() / (hk * d).max(1);
-        if !supported(geom, group) || q.len() != hk * group * d {
+        if !supported(&geom, group) || q.len() != hk * group * d {
             return Err(BackendError::Unsupported(format!(
                 "sketch scores with {} query floats for {hk} KV heads of head_dim {d} (kernels: head_dim a multiple of 32 up to {MAX_HEAD_DIM}, at most {MAX_GROUP} query heads per KV head)",
                 q.len()
@@ -184,17 +294,16 @@ impl SeqSketch {
         }
         sh.bind()?;
         sh.idle.busy();
-        let qp = self.q.ptr(&sh.stream, q.len() * 4)?;
-        // Room for the query and the longest staged fill at once: growing the buffer later
-        // would free memory a queued copy still reads.
-        let fill_words = hk * STAGED_TOKENS * (nibble_bytes(d) / 4 + 1);
-        let staged = &mut self.staging.get(q.len() + fill_words)?[..q.len()];
+        // Room for the query, the longest staged fill and its page table at once: growing
+        // the buffer later would free memory a queued copy still reads.
+        let pg = Pages::new(&geom);
+        let most_pages = pg.for_tokens(kv.num_tokens()) + 1;
+        let room = q.len() + hk * (run_words(&pg, STAGED_TOKENS) + 2 * most_pages);
+        let staged = &mut self.staging.get(room)?[..q.len()];
         staged.copy_from_slice(q);
+        let qp = self.q.ptr(&sh.stream, q.len() * 4)?;
         htod(qp, f32_bytes(staged), &sh.stream)?;
-        let base = self.fill(sh, geom, kv, layer, q.len())?;
-        let cap = self.layers[layer].cap;
-        let nib = base;
-        let scl = base + (hk * cap * nibble_bytes(d)) as u64;
+        let (table, table_pages) = self.fill(store, kv, layer, q.len())?;
         let lse = self.lse.ptr(&sh.stream, hk * blocks * group * 4)?;
         let out = self.scores.ptr(&sh.stream, hk * blocks * 4)?;
         let temp = scale * std::f32::consts::LOG2_E;
@@ -207,6 +316,10 @@ impl SeqSketch {
             as_i32(blocks, "blocks")?,
         );
         let (g32, d32) = (as_i32(group, "group")?, as_i32(d, "head_dim")?);
+        let (pages32, page_tokens32) = (
+            as_i32(table_pages, "sketch pages")?,
+            as_i32(pg.tokens, "tokens per sketch page")?,
+        );
         let how32: i32 = match how {
             GroupScore::Max => 0,
             GroupScore::Sum => 1,
@@ -214,17 +327,26 @@ impl SeqSketch {
         let grid_x = u32::try_from(blocks.div_ceil(SKETCH_WARPS))
             .map_err(|_| BackendError::Unsupported(format!("{blocks} blocks")))?;
         let hk32 = hk as u32;
-        let cap64 = cap as i64;
-        // SAFETY: the buffers hold what the kernels index: the sketch [hk][cap] rows with
-        // n <= cap filled, q [hk][G][D], lse [hk][blocks][G] and scores [hk][blocks]; the
-        // argument types are the kernels'.
+        // SAFETY: the page table lists hk x table_pages pages holding every token below n
+        // (filled above), q holds [hk][G][D] floats, lse [hk][blocks][G] and scores
+        // [hk][blocks]; the argument types are the kernels'.
         unsafe {
             sh.launch(
                 &sh.k.sketch_lse,
                 (grid_x, hk32),
                 (SKETCH_WARPS * 32) as u32,
                 &[
-                    &nib, &scl, &cap64, &n32, &bs32, &blocks32, &qp, &g32, &d32, &temp, &lse,
+                    &table,
+                    &pages32,
+                    &page_tokens32,
+                    &n32,
+                    &bs32,
+                    &blocks32,
+                    &qp,
+                    &g32,
+                    &d32,
+                    &temp,
+                    &lse,
                 ],
             )?;
             sh.launch(
@@ -237,5 +359,68 @@ impl SeqSketch {
         let mut host = vec![0f32; hk * blocks];
         sh.read_back(&mut host, out)?;
         Ok(host.chunks_exact(blocks).map(<[f32]>::to_vec).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attention::KvDType;
+
+    #[test]
+    fn runs_put_each_token_where_the_kernel_reads_it() {
+        // The kernel's address of token t: page t / tokens, row t % tokens, scales after the
+        // page's rows. Runs written into fake pages must land every token there.
+        let pg = Pages { tokens: 7, row: 16 };
+        let page_bytes = pg.tokens * (pg.row + 4);
+        let mut pages = vec![vec![0u8; page_bytes]; pg.for_tokens(40)];
+        let (from, to) = (3, 40);
+        for run in pg.runs(from, to) {
+            assert!(run.len > 0 && run.page == run.token / pg.tokens);
+            assert!(run.token % pg.tokens + run.len <= pg.tokens, "{run:?}");
+            for i in 0..run.len {
+                let t = (run.token + i) as u8;
+                let p = &mut pages[run.page];
+                p[run.rows_at + i * pg.row..run.rows_at + (i + 1) * pg.row].fill(t);
+                p[run.scales_at + i * 4..run.scales_at + (i + 1) * 4].fill(t);
+            }
+        }
+        for t in from..to {
+            let (p, r) = (&pages[t / pg.tokens], t % pg.tokens);
+            assert!(
+                p[r * pg.row..(r + 1) * pg.row]
+                    .iter()
+                    .all(|&b| b == t as u8)
+            );
+            let s = pg.tokens * pg.row + r * 4;
+            assert!(p[s..s + 4].iter().all(|&b| b == t as u8), "token {t}");
+        }
+        let total: usize = pg.runs(from, to).map(|r| r.len).sum();
+        assert_eq!(total, to - from);
+        assert_eq!(pg.runs(5, 5).count(), 0);
+    }
+
+    #[test]
+    fn a_page_is_one_arena_slot_and_keeps_the_kernels_alignment() {
+        for (dtype, bs, d) in [
+            (KvDType::Bf16, 32, 128),
+            (KvDType::F16, 16, 64),
+            (KvDType::I8, 32, 128),
+            (KvDType::F8E4M3, 16, 64),
+            (KvDType::F32, 32, 96),
+        ] {
+            let geom = BlockGeometry {
+                block_size: bs,
+                num_kv_heads: 2,
+                head_dim: d,
+                dtype,
+            };
+            let pg = Pages::new(&geom);
+            assert!(pg.tokens * (pg.row + 4) <= geom.head_bytes(), "{geom:?}");
+            assert!(pg.tokens >= bs, "{geom:?}: {} tokens a page", pg.tokens);
+            // 16-byte rows from 16-byte aligned slots, 4-byte aligned scales.
+            assert_eq!(geom.head_bytes() % 16, 0);
+            assert_eq!(pg.row % 16, 0);
+        }
     }
 }

@@ -7,6 +7,7 @@
 //! remembers how many tokens it holds: the newest block grows by one token a step and is
 //! copied again when attended with more tokens than it holds.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use attention::{BlockGeometry, DeviceBlock, GroupScore, KvSource, Partial};
@@ -164,11 +165,30 @@ impl CudaKvStore {
         })
     }
 
-    fn take_slot(&self) -> Option<u32> {
+    /// A free arena slot, taken.
+    pub(super) fn take_slot(&self) -> Option<u32> {
         self.free.lock().ok()?.pop()
     }
 
-    fn give_back(&self, slots: impl IntoIterator<Item = u32>) {
+    /// The arena is full: `what` found no slot.
+    pub(super) fn full(&self, what: &str) -> BackendError {
+        BackendError::DeviceFull(format!(
+            "{what}: all {} device KV slots are in use",
+            self.slots
+        ))
+    }
+
+    /// The block geometry of the slots.
+    pub(super) fn geom(&self) -> &BlockGeometry {
+        &self.geom
+    }
+
+    /// The device this arena is on.
+    pub(super) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    pub(super) fn give_back(&self, slots: impl IntoIterator<Item = u32>) {
         if let Ok(mut f) = self.free.lock() {
             f.extend(slots);
         }
@@ -308,7 +328,7 @@ impl CudaKvStore {
         Ok(true)
     }
 
-    fn slot_addr(&self, slot: u32) -> u64 {
+    pub(super) fn slot_addr(&self, slot: u32) -> u64 {
         self.base + slot as u64 * self.geom.head_bytes() as u64
     }
 }
@@ -715,6 +735,7 @@ impl Drop for CudaSeq {
         }
         let slots: Vec<u32> = self.table.held().collect();
         self.store.give_back(slots);
+        self.store.give_back(self.sketch.take_slots());
     }
 }
 
@@ -822,6 +843,7 @@ impl DeviceSeq for CudaSeq {
 
     fn scores_on_device(&self, group: usize) -> bool {
         super::sketch::supported(&self.store.geom, group)
+            && self.store.shared.sketch_on.load(Ordering::Acquire)
     }
 
     fn sketch_scores(
@@ -835,12 +857,12 @@ impl DeviceSeq for CudaSeq {
     ) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
         let geom = self.store.geom;
         let group = q.len() / (geom.num_kv_heads * geom.head_dim).max(1);
-        if !super::sketch::supported(&geom, group) || layer >= self.recall_events.len() {
+        if !self.scores_on_device(group) || layer >= self.recall_events.len() {
             return Ok(None);
         }
         let store = Arc::clone(&self.store);
         self.sketch
-            .scores(&store.shared, &geom, kv, layer, q, scale, how, blocks)
+            .scores(&store, kv, layer, q, scale, how, blocks)
             .map(Some)
     }
 
