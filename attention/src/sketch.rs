@@ -43,30 +43,82 @@ pub const fn tokens_per_slot(slot_bytes: usize, head_dim: usize) -> usize {
 /// with an infinite channel) gives scale 0, so it scores 0 whatever the query; a NaN channel
 /// counts as 0.
 pub fn quantize_key(k: &[f32], nib: &mut [u8]) -> f32 {
-    let amax = k.iter().fold(0f32, |m, x| m.max(x.abs()));
+    // Eight lanes, so it vectorises; NaN is passed over as `f32::max` does.
+    let mut lanes = [0f32; 8];
+    let (k8, k_tail) = k.split_at(k.len() / 8 * 8);
+    for c in k8.chunks_exact(8) {
+        for i in 0..8 {
+            let a = c[i].abs();
+            lanes[i] = if a > lanes[i] { a } else { lanes[i] };
+        }
+    }
+    let amax = lanes.iter().chain(k_tail).fold(0f32, |m, x| m.max(x.abs()));
     let scale = if amax.is_finite() && amax > 0.0 {
         amax / LEVEL_MAX
     } else {
         0.0
     };
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    let level = |x: f32| ((x * inv).round().clamp(-8.0, LEVEL_MAX) as i32 + NIBBLE_ZERO) as u8;
-    for (j, byte) in nib.iter_mut().enumerate() {
-        let lo = k.get(2 * j).map_or(NIBBLE_ZERO as u8, |&x| level(x));
-        let hi = k.get(2 * j + 1).map_or(NIBBLE_ZERO as u8, |&x| level(x));
-        *byte = lo | (hi << 4);
+    let level = |x: f32| level(x * inv);
+    let (pairs, odd) = k.split_at(k.len() / 2 * 2);
+    for (byte, p) in nib.iter_mut().zip(pairs.chunks_exact(2)) {
+        *byte = level(p[0]) | (level(p[1]) << 4);
+    }
+    let rest = nib.len().min(pairs.len() / 2);
+    if let (Some(&x), Some(byte)) = (odd.first(), nib.get_mut(rest)) {
+        *byte = level(x) | ((NIBBLE_ZERO as u8) << 4);
+    }
+    for byte in nib.iter_mut().skip(k.len().div_ceil(2)) {
+        *byte = (NIBBLE_ZERO as u8) | ((NIBBLE_ZERO as u8) << 4);
     }
     scale
 }
 
+/// The nibble of `t` (a key channel over its scale): `t` rounded half away from zero, as
+/// `f32::round` does, clamped to -8 ..= 7 and offset by 8; NaN gives 8 (zero). Integer
+/// steps, not `round`, which is a libm call per element on the baseline x86-64 target (most
+/// of the quantizing's time); the same value for every `|t| < 2^23`.
+#[inline(always)]
+fn level(t: f32) -> u8 {
+    let a = t.abs();
+    // Saturating: NaN gives 0, and `a - whole` is exact below 2^23.
+    let whole = a as i32;
+    let mag = whole + i32::from(a - whole as f32 >= 0.5);
+    // Branch-free, so the callers' loops vectorise.
+    let r = mag * (1 - 2 * i32::from(t < 0.0));
+    (r.clamp(-8, LEVEL_MAX as i32) + NIBBLE_ZERO) as u8
+}
+
 /// `sum_c q[c] * (nibble(c) - 8)`, the sketch's dot product before its scale.
 pub fn nibble_dot(q: &[f32], nib: &[u8]) -> f32 {
-    let mut acc = 0f32;
-    for (c, &x) in q.iter().enumerate() {
-        let n = (nib[c / 2] >> (4 * (c % 2))) & 0xf;
-        acc = x.mul_add((i32::from(n) - NIBBLE_ZERO) as f32, acc);
+    let mut k = vec![0f32; q.len()];
+    unpack(nib, &mut k);
+    dot(q, &k)
+}
+
+/// The levels (`nibble - 8`) of a token's row, as floats, into `out` (one per channel).
+fn unpack(nib: &[u8], out: &mut [f32]) {
+    for (pair, &b) in out.chunks_mut(2).zip(nib) {
+        pair[0] = f32::from(b & 0xf) - NIBBLE_ZERO as f32;
+        if let Some(hi) = pair.get_mut(1) {
+            *hi = f32::from(b >> 4) - NIBBLE_ZERO as f32;
+        }
     }
-    acc
+}
+
+/// `sum a[i] * b[i]` over eight independent lanes (so it vectorises), then their sum. Plain
+/// multiply and add: `mul_add` is a libm call on the baseline x86-64 target.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (a8, a_tail) = a.split_at(a.len() / 8 * 8);
+    let (b8, b_tail) = b.split_at(a8.len().min(b.len()));
+    for (x, y) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = a_tail.iter().zip(b_tail).map(|(x, y)| x * y).sum();
+    lanes.iter().sum::<f32>() + tail
 }
 
 /// Every token's key of (`layer`, `head`) in `block`, `[len][head_dim]` f32 (int8 and fp8
@@ -141,12 +193,18 @@ pub fn sketch_tokens(
 /// nibble_dot(q_h, k̂_t)`, into `out[G]`; `-inf` for an empty block.
 fn block_lse(q_group: &[f32], d: usize, temp: f32, nib: &[u8], scales: &[f32], out: &mut [f32]) {
     let nb = nibble_bytes(d);
-    let mut acc = vec![0f32; scales.len()];
-    for (o, q) in out.iter_mut().zip(q_group.chunks_exact(d)) {
-        for (t, a) in acc.iter_mut().enumerate() {
-            *a = temp * scales[t] * nibble_dot(q, &nib[t * nb..(t + 1) * nb]);
+    let g = out.len();
+    // Each token's levels once, then every head's dot product with them.
+    let mut acc = vec![0f32; g * scales.len()];
+    let mut k = vec![0f32; d];
+    for (t, &s) in scales.iter().enumerate() {
+        unpack(&nib[t * nb..(t + 1) * nb], &mut k);
+        for (h, q) in q_group.chunks_exact(d).enumerate() {
+            acc[h * scales.len() + t] = temp * s * dot(q, &k);
         }
-        *o = log2_sum_exp2(&acc);
+    }
+    for (o, a) in out.iter_mut().zip(acc.chunks_exact(scales.len().max(1))) {
+        *o = log2_sum_exp2(a);
     }
 }
 
@@ -309,6 +367,29 @@ mod tests {
         // A NaN channel (a broken key) counts as 0; the rest keep their scale.
         assert_eq!(quantize_key(&[f32::NAN, 7.0, 0.0, -7.0], &mut nib), 1.0);
         assert_eq!(nib, [0xf8, 0x18]);
+    }
+
+    #[test]
+    fn levels_round_half_away_from_zero_as_f32_round_does() {
+        let want = |t: f32| (t.round().clamp(-8.0, 7.0) as i32 + NIBBLE_ZERO) as u8;
+        let mut seed = 5;
+        let mut ts: Vec<f32> = (0..100_000).map(|_| 9.0 * lcg(&mut seed)).collect();
+        for w in -9..=9 {
+            let x = w as f32 + 0.5;
+            ts.extend([
+                x,
+                -x,
+                x.next_up(),
+                x.next_down(),
+                -x.next_up(),
+                -x.next_down(),
+            ]);
+        }
+        ts.extend([0.0, -0.0, 7.0, -8.0, 1e-30, -1e-30, 0.49999997, -0.49999997]);
+        for t in ts {
+            assert_eq!(level(t), want(t), "{t:e}");
+        }
+        assert_eq!(level(f32::NAN), NIBBLE_ZERO as u8);
     }
 
     #[test]
