@@ -298,41 +298,14 @@ pub fn scores_from_sketch(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::{KvDType, encode_from_f32};
-
-    struct Keys {
-        blocks: Vec<Vec<u8>>,
-        n: usize,
-    }
-    impl KvSource for Keys {
-        fn block(&self, _layer: usize, block: usize) -> &[u8] {
-            &self.blocks[block]
-        }
-        fn num_tokens(&self) -> usize {
-            self.n
-        }
-    }
+    use crate::dtype::KvDType;
+    use crate::sparq::tests::keys;
 
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    /// One KV head's keys `k` (`[n][d]`) in the pool's block layout (K transposed), bf16.
-    fn keys(geom: BlockGeometry, k: &[Vec<f32>]) -> Keys {
-        let bs = geom.block_size;
-        let nb = k.len().div_ceil(bs);
-        let mut blocks = vec![vec![0u8; geom.block_bytes()]; nb];
-        for (t, key) in k.iter().enumerate() {
-            let blk = &mut blocks[t / bs];
-            for (c, &x) in key.iter().enumerate() {
-                let at = (c * bs + t % bs) * 2;
-                encode_from_f32(KvDType::Bf16, &[x], &mut blk[at..at + 2]);
-            }
-        }
-        Keys { blocks, n: k.len() }
     }
 
     #[test]

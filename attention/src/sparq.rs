@@ -544,11 +544,11 @@ pub(crate) fn group_shares(lse: &[f32], g: usize, how: GroupScore) -> Vec<f32> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// One layer of `n` tokens, K only (V zero), in the pool's block layout.
-    struct Keys {
+    pub(crate) struct Keys {
         blocks: Vec<Vec<u8>>,
         n: usize,
     }
@@ -561,7 +561,8 @@ mod tests {
         }
     }
 
-    fn keys(geom: BlockGeometry, k: &[Vec<f32>]) -> Keys {
+    /// Token `t`'s keys of every KV head are `k[t]` (`[num_kv_heads][head_dim]`).
+    pub(crate) fn keys(geom: BlockGeometry, k: &[Vec<f32>]) -> Keys {
         let (bs, d) = (geom.block_size, geom.head_dim);
         let nb = k.len().div_ceil(bs);
         let mut blocks = vec![vec![0u8; geom.block_bytes()]; nb];

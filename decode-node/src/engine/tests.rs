@@ -951,16 +951,7 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
             kv: true,
             ..TestDevice::default()
         });
-        let model = Arc::new(crate::model::load("tiny", dev).unwrap());
-        let rig = Rig::start_with(3, 1 << 30, Some(model), flags);
-        let mut streams: Vec<_> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| rig.submit(&format!("r{i}"), p, 6))
-            .collect();
-        let ids = streams.iter_mut().map(|rx| drain(rx).0).collect();
-        rig.wait_pool_empty();
-        ids
+        greedy_on(dev, flags, &prompts, 6)
     };
     for (flags, wrong) in cases {
         let flags = flags.as_slice();
@@ -1067,18 +1058,7 @@ fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
         "sketch",
     ];
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 9 + 70)).collect();
-    let run = |dev: Arc<TestDevice>, flags: &[&str]| -> Vec<Vec<u32>> {
-        let model = Arc::new(crate::model::load("tiny", dev).unwrap());
-        let rig = Rig::start_with(3, 1 << 30, Some(model), flags);
-        let mut streams: Vec<_> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| rig.submit(&format!("r{i}"), p, 6))
-            .collect();
-        let ids = streams.iter_mut().map(|rx| drain(rx).0).collect();
-        rig.wait_pool_empty();
-        ids
-    };
+    let run = |dev: Arc<TestDevice>, flags: &[&str]| greedy_on(dev, flags, &prompts, 6);
     let mut exact = flags.to_vec();
     exact.push("--exact");
     let host = Arc::new(TestDevice {
@@ -1106,4 +1086,19 @@ fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
             assert!(crate::backend::Backend::attention_on_device(&*dev));
         }
     }
+}
+
+/// The greedy tokens of `prompts` (`n` each, submitted together) on the tiny model over
+/// `dev`, with `flags`.
+fn greedy_on(dev: Arc<TestDevice>, flags: &[&str], prompts: &[Vec<u32>], n: u32) -> Vec<Vec<u32>> {
+    let model = Arc::new(crate::model::load("tiny", dev).unwrap());
+    let rig = Rig::start_with(3, 1 << 30, Some(model), flags);
+    let mut streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| rig.submit(&format!("r{i}"), p, n))
+        .collect();
+    let ids = streams.iter_mut().map(|rx| drain(rx).0).collect();
+    rig.wait_pool_empty();
+    ids
 }

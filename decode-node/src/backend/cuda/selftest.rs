@@ -984,6 +984,16 @@ pub(super) const ATTENTION_TOLERANCE: f64 = 1e-5;
 
 /// The device attention of `dt` blocks of `block_size` tokens (group `g`, head dimension `d`)
 /// against the CPU kernel on random KV: the largest relative error of outputs and LSEs.
+/// The geometry of the attention and sketch checks: three KV heads.
+fn three_heads(dtype: KvDType, head_dim: usize, block_size: usize) -> BlockGeometry {
+    BlockGeometry {
+        block_size,
+        num_kv_heads: 3,
+        head_dim,
+        dtype,
+    }
+}
+
 /// Block scores are shares (at most 1): an absolute bound.
 const SKETCH_TOLERANCE: f64 = 1e-5;
 
@@ -1001,13 +1011,8 @@ fn check_sketch(
     use attention::GroupScore;
     use attention::sketch::{nibble_bytes, scores_from_sketch, sketch_tokens};
     let mut r = SplitMix(44);
-    let hk = 3;
-    let geom = BlockGeometry {
-        block_size,
-        num_kv_heads: hk,
-        head_dim: d,
-        dtype: dt,
-    };
+    let geom = three_heads(dt, d, block_size);
+    let hk = geom.num_kv_heads;
     let last = block_size * 120 + 9 + 1 + 700;
     let mut kv = mem_kv(&mut r, &geom, last);
     let scale = 1.0 / (d as f32).sqrt();
@@ -1075,13 +1080,8 @@ pub(super) fn check_split_attention(
     block_size: usize,
 ) -> Result<f64, BackendError> {
     let mut r = SplitMix(20);
-    let hk = 3;
-    let geom = BlockGeometry {
-        block_size,
-        num_kv_heads: hk,
-        head_dim: d,
-        dtype: dt,
-    };
+    let geom = three_heads(dt, d, block_size);
+    let hk = geom.num_kv_heads;
     let n = block_size * 300 + 5;
     let kv = mem_kv(&mut r, &geom, n);
     let q = random(&mut r, hk * g * d, 1.0);
