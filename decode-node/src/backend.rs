@@ -325,6 +325,13 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
     ) -> Result<(), BackendError>;
 }
 
+/// True when a GPU's sketch kernels (`--block-scorer sketch` scored on the device) take heads
+/// of `head_dim` in groups of `group`: whole 16-byte loads of 4-bit rows, a register per
+/// query head.
+pub fn sketch_fits(head_dim: usize, group: usize) -> bool {
+    head_dim.is_multiple_of(32) && head_dim <= 128 && (1..=8).contains(&group)
+}
+
 /// Dense ops of the executor. Activations are f32, row-major `[batch][features]`.
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// A short name for logs and metrics (`cpu`, `cuda:0`).

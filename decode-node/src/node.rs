@@ -88,11 +88,13 @@ fn read_intervals(path: &std::path::Path, layers: usize) -> anyhow::Result<Vec<u
     Ok(iv)
 }
 
-/// The attention settings `args` ask for, for KV of `geom` in a model of `num_layers` layers.
+/// The attention settings `args` ask for, for KV of `geom` in a model of `num_layers` layers
+/// with `group` query heads per KV head.
 pub(crate) fn attention_config(
     args: &ModelArgs,
     geom: BlockGeometry,
     num_layers: usize,
+    group: usize,
 ) -> anyhow::Result<AttentionConfig> {
     let mode = Mode::parse(&args.attention)
         .with_context(|| format!("--attention {:?}", args.attention))?;
@@ -143,7 +145,7 @@ pub(crate) fn attention_config(
         select_spans: args.select_spans,
         dense_layers: args.dense_layers as usize,
         scorer: BlockScorer::parse(
-            scorer_for(&args.block_scorer, &args.device),
+            scorer_for(&args.block_scorer, &args.device, geom.head_dim, group),
             match args.scorer_channels {
                 0 => (geom.head_dim / 4).max(1),
                 n => n as usize,
@@ -158,12 +160,15 @@ pub(crate) fn attention_config(
     })
 }
 
-/// The block scorer `--block-scorer` names on `device`: `auto` is the sketch on a GPU (it
-/// scores there, reading no host KV, and keeps more of full attention's answers than sparq)
-/// and sparq on the CPU (where the sketch would quantize every key it reads, every step).
-fn scorer_for<'a>(flag: &'a str, device: &str) -> &'a str {
+/// The block scorer `--block-scorer` names on `device` for heads of `head_dim` in groups of
+/// `group`: `auto` is the sketch on a GPU whose kernels take the shape (it scores there,
+/// reading no host KV, and keeps more of full attention's answers than sparq) and sparq
+/// elsewhere (the CPU would quantize every key it reads, every step).
+fn scorer_for<'a>(flag: &'a str, device: &str, head_dim: usize, group: usize) -> &'a str {
     match flag {
-        "auto" if device.starts_with("cuda") => "sketch",
+        "auto" if device.starts_with("cuda") && crate::backend::sketch_fits(head_dim, group) => {
+            "sketch"
+        }
         "auto" => "sparq",
         f => f,
     }
@@ -211,7 +216,8 @@ impl Node {
             vocab_size: cfg.vocab_size,
             max_context: cfg.max_context(),
         };
-        let attention = attention_config(args, geom, cfg.num_layers)?;
+        let group = cfg.num_heads / cfg.num_kv_heads.max(1);
+        let attention = attention_config(args, geom, cfg.num_layers, group)?;
         Ok(Self {
             model: Arc::new(model),
             layout,
@@ -252,6 +258,35 @@ impl Node {
             max_context: c.max_context() as u32,
             architecture: c.arch.model_type().into(),
             num_attention_heads: c.num_heads as u32,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_scores_with_the_sketch_only_on_a_gpu_that_takes_the_shape() {
+        let table = [
+            // (flag, device, head_dim, group) -> scorer
+            (("auto", "cuda", 128, 5), "sketch"),
+            (("auto", "cuda:1", 64, 8), "sketch"),
+            (("auto", "cpu", 128, 5), "sparq"),
+            // Shapes the device kernels do not take: the host's default.
+            (("auto", "cuda", 80, 4), "sparq"),
+            (("auto", "cuda", 256, 4), "sparq"),
+            (("auto", "cuda", 128, 10), "sparq"),
+            // A named scorer is kept wherever.
+            (("sketch", "cpu", 96, 4), "sketch"),
+            (("quest", "cuda", 128, 5), "quest"),
+        ];
+        for ((flag, device, d, g), want) in table {
+            assert_eq!(
+                scorer_for(flag, device, d, g),
+                want,
+                "{flag} {device} {d} {g}"
+            );
         }
     }
 }

@@ -62,7 +62,8 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
     for mode in &modes {
         let mut m = args.common.model.clone();
         m.attention = mode.clone();
-        let attention = crate::node::attention_config(&m, geom, cfg.num_layers)?;
+        let group = cfg.num_heads / cfg.num_kv_heads.max(1);
+        let attention = crate::node::attention_config(&m, geom, cfg.num_layers, group)?;
         let need = Need::of(
             &Request {
                 geom,

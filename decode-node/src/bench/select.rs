@@ -108,7 +108,7 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
         geom.block_size.is_power_of_two() && (8..=256).contains(&geom.block_size),
         "--block-size must be a power of two in 8..=256"
     );
-    let base = crate::node::attention_config(&args.common.model, geom, args.layers)?;
+    let base = crate::node::attention_config(&args.common.model, geom, args.layers, args.group)?;
     let (hk, g, d) = (args.kv_heads, args.group, args.head_dim);
     let scale = 1.0 / (d as f32).sqrt();
     let bw_buf: Vec<f32> = (0..beyond_cache(256 << 20) / 4)

@@ -18,10 +18,6 @@ use super::store::CudaKvStore;
 use super::{DevBuf, f32_bytes, htod};
 use crate::backend::BackendError;
 
-/// Query heads per KV head, and head dims, the kernels take (`sketch_lse`'s registers and
-/// its whole 16-byte loads).
-const MAX_GROUP: usize = 8;
-const MAX_HEAD_DIM: usize = 128;
 /// Blocks one `sketch_lse` CUDA block scores (one per warp: the kernels' `SKETCH_WARPS`).
 const SKETCH_WARPS: usize = 4;
 /// Tokens sketched per host task when a layer is filled: big enough to amortise a task,
@@ -129,8 +125,7 @@ impl Default for SeqSketch {
 
 /// True when the sketch kernels take this shape.
 pub(super) fn supported(geom: &BlockGeometry, group: usize) -> bool {
-    let d = geom.head_dim;
-    d.is_multiple_of(32) && d <= MAX_HEAD_DIM && (1..=MAX_GROUP).contains(&group)
+    crate::backend::sketch_fits(geom.head_dim, group)
 }
 
 /// Floats of staging a run of `len` tokens takes (its rows are whole f32 words: head_dim is
@@ -281,7 +276,7 @@ impl SeqSketch {
         let group = q.len() / (hk * d).max(1);
         if !supported(&geom, group) || q.len() != hk * group * d {
             return Err(BackendError::Unsupported(format!(
-                "sketch scores with {} query floats for {hk} KV heads of head_dim {d} (kernels: head_dim a multiple of 32 up to {MAX_HEAD_DIM}, at most {MAX_GROUP} query heads per KV head)",
+                "sketch scores with {} query floats for {hk} KV heads of head_dim {d} (kernels: head_dim a multiple of 32 up to 128, at most 8 query heads per KV head)",
                 q.len()
             )));
         }
