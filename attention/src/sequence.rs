@@ -369,17 +369,17 @@ impl SeqAttention {
     ) {
         let per_head = q.len() / self.geom.num_kv_heads.max(1);
         let this = &*self;
-        let scored: Vec<Vec<(usize, f32)>> = (0..plans.len().min(self.geom.num_kv_heads))
+        let scored: Vec<Reselect> = (0..plans.len().min(self.geom.num_kv_heads))
             .map(|h| {
                 let (device, cands) = this.reselect_candidates(cfg, layer, h, &plans[h]);
                 let room = cfg.budget_blocks(this.geom.block_size).max(2);
                 if cands.len() + device.len() + plans[h].cpu.len() <= room {
                     // All of them fit: no scores needed.
-                    return cands.into_iter().map(|b| (b, 0.0)).collect();
+                    return (device, cands.into_iter().map(|b| (b, 0.0)).collect());
                 }
                 let q_group = &q[h * per_head..(h + 1) * per_head];
                 let scores = this.scores_of(cfg, layer, h, q_group, keys, &cands);
-                cands.into_iter().zip(scores).collect()
+                (device, cands.into_iter().zip(scores).collect())
             })
             .collect();
         self.reselect_device_with(cfg, layer, plans, scored);
@@ -395,14 +395,15 @@ impl SeqAttention {
         scores: &[Vec<f32>],
         plans: &mut [HeadPlan],
     ) {
-        let scored: Vec<Vec<(usize, f32)>> = (0..plans.len().min(self.geom.num_kv_heads))
+        let scored: Vec<Reselect> = (0..plans.len().min(self.geom.num_kv_heads))
             .map(|h| {
-                let cands = self.reselect_candidates(cfg, layer, h, &plans[h]).1;
+                let (device, cands) = self.reselect_candidates(cfg, layer, h, &plans[h]);
                 let s = scores.get(h).map(Vec::as_slice).unwrap_or_default();
-                cands
+                let cands = cands
                     .into_iter()
                     .map(|b| (b, s.get(b).copied().unwrap_or(f32::NEG_INFINITY)))
-                    .collect()
+                    .collect();
+                (device, cands)
             })
             .collect();
         self.reselect_device_with(cfg, layer, plans, scored);
@@ -436,14 +437,15 @@ impl SeqAttention {
         (device, cands)
     }
 
-    /// The body of the two `reselect_device`s: `scored[h]` is head `h`'s candidates with
+    /// The body of the two `reselect_device`s: per head, the blocks its device part keeps
+    /// whatever the query ([`SeqAttention::reselect_candidates`]) and its candidates with
     /// their scores by the real query.
     fn reselect_device_with(
         &mut self,
         cfg: &AttentionConfig,
         layer: usize,
         plans: &mut [HeadPlan],
-        scored: Vec<Vec<(usize, f32)>>,
+        scored: Vec<Reselect>,
     ) {
         let n = self.num_blocks();
         let bs = self.geom.block_size;
@@ -453,8 +455,9 @@ impl SeqAttention {
             return;
         }
         let hk = self.geom.num_kv_heads;
-        for ((h, plan), mut scored) in plans.iter_mut().enumerate().take(hk).zip(scored) {
-            let mut device = self.reselect_candidates(cfg, layer, h, plan).0;
+        for ((h, plan), (mut device, mut scored)) in
+            plans.iter_mut().enumerate().take(hk).zip(scored)
+        {
             let k = budget.saturating_sub(plan.cpu.len() + device.len());
             if scored.len() > k {
                 device.extend(crate::select::best_blocks(&mut scored, k, None));
@@ -752,6 +755,10 @@ impl SeqAttention {
         self.layers.iter().map(|l| l.history.clone()).collect()
     }
 }
+
+/// One head's reselection: the blocks its device part keeps whatever the query, and its
+/// other resident blocks with their scores.
+type Reselect = (Vec<usize>, Vec<(usize, f32)>);
 
 /// Blocks from which sparq scoring runs heads in parallel.
 const PARALLEL_SPARQ_BLOCKS: usize = 32;

@@ -171,25 +171,13 @@ impl SeqSketch {
         let want = pg.for_tokens(to);
         for pages in &mut l.pages {
             while pages.len() < want {
-                let slot = store
-                    .take_slot()
-                    .ok_or_else(|| store.full("a sketch page"))?;
+                let slot = store.take_slot().ok_or_else(|| store.full())?;
                 pages.push(slot);
             }
         }
         let grown = want > l.table_pages;
         let table_pages = want.max(l.table_pages);
-        let table: Vec<u64> = l
-            .pages
-            .iter()
-            .flat_map(|p| {
-                p.iter()
-                    .map(|&s| store.slot_addr(s))
-                    .chain(std::iter::repeat(0))
-                    .take(table_pages)
-            })
-            .collect();
-        let table_at = l.table.ptr(&sh.stream, table.len().max(1) * 8)?;
+        let table_at = l.table.ptr(&sh.stream, (hk * table_pages).max(1) * 8)?;
         if from < to {
             // Every head's new tokens, quantized in pieces on the host in parallel.
             let pieces: Vec<(usize, usize)> = (0..hk)
@@ -238,7 +226,18 @@ impl SeqSketch {
                 }
             }
             if grown {
-                let bytes: Vec<u8> = table.iter().flat_map(|a| a.to_ne_bytes()).collect();
+                // `[num_kv_heads][table_pages]` page addresses.
+                let bytes: Vec<u8> = l
+                    .pages
+                    .iter()
+                    .flat_map(|p| {
+                        p.iter()
+                            .map(|&s| store.slot_addr(s))
+                            .chain(std::iter::repeat(0))
+                            .take(table_pages)
+                    })
+                    .flat_map(u64::to_ne_bytes)
+                    .collect();
                 if small {
                     let words = bytes.len() / 4;
                     let stage = staging.get(at + words)?;

@@ -170,12 +170,9 @@ impl CudaKvStore {
         self.free.lock().ok()?.pop()
     }
 
-    /// The arena is full: `what` found no slot.
-    pub(super) fn full(&self, what: &str) -> BackendError {
-        BackendError::DeviceFull(format!(
-            "{what}: all {} device KV slots are in use",
-            self.slots
-        ))
+    /// The arena is full.
+    pub(super) fn full(&self) -> BackendError {
+        full(self.slots)
     }
 
     /// The block geometry of the slots.
