@@ -44,6 +44,7 @@ mod block;
 pub mod cuda;
 mod digest;
 mod dtype;
+pub mod host_sketch;
 mod kernel;
 #[cfg(target_arch = "x86_64")]
 mod kernel_avx2;

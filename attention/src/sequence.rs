@@ -10,6 +10,7 @@
 
 use crate::block::{BlockGeometry, HeadBlock};
 use crate::digest::{GroupQuery, HeadDigests};
+use crate::host_sketch::{HeadSketch, SketchPage};
 use crate::kernel::{Scratch, attend_blocks};
 use crate::merge::Partial;
 use crate::plan::{self, PARALLEL_SELECT_BLOCKS};
@@ -19,6 +20,7 @@ use crate::select::select_spans;
 use crate::sketch;
 use crate::sparq;
 use rayon::prelude::*;
+use std::sync::Mutex;
 
 /// Read access to one sequence's KV blocks (the host pool implements it).
 pub trait KvSource: Sync {
@@ -120,13 +122,16 @@ fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 { 0.0 } else { a as f64 / b as f64 }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct HeadState {
     digests: HeadDigests,
     res: Residency,
     /// The CPU part of this head's last plan (sorted): blocks selected on the CPU twice in a
     /// row go first when recall cannot move them all.
     prev_cpu: Vec<usize>,
+    /// The key sketch kept on the host ([`SeqAttention::keep_sketch`]); locked per head so
+    /// heads score (and catch up) in parallel.
+    sketch: Option<Mutex<HeadSketch>>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -174,6 +179,7 @@ impl SeqAttention {
                     digests: d,
                     res: Residency::new(n),
                     prev_cpu: Vec::new(),
+                    sketch: None,
                 }
             })
             .collect();
@@ -184,6 +190,31 @@ impl SeqAttention {
             num_tokens,
             step: 0,
             stats: SeqStats::default(),
+        }
+    }
+
+    /// Keeps the key sketch of `cfg`'s scored layers (past the dense ones) on the host in
+    /// `pages` of `tokens_per_page` tokens ([`crate::host_sketch`]), so the sketch scorer
+    /// reads it instead of quantizing the keys it scores at every step. The pages are shared
+    /// out evenly over those layers' KV heads; where a head's run short (more tokens than
+    /// the caller planned for), it scores as without a kept sketch.
+    pub fn keep_sketch(
+        &mut self,
+        cfg: &AttentionConfig,
+        pages: Vec<Box<dyn SketchPage>>,
+        tokens_per_page: usize,
+    ) {
+        let hk = self.geom.num_kv_heads;
+        let first = cfg.dense_layers.min(self.layers.len()) * hk;
+        let heads = self.heads.len() - first;
+        if heads == 0 || tokens_per_page == 0 {
+            return;
+        }
+        let each = pages.len() / heads;
+        let mut pages = pages.into_iter();
+        for st in &mut self.heads[first..] {
+            let mine: Vec<_> = pages.by_ref().take(each).collect();
+            st.sketch = Some(Mutex::new(HeadSketch::new(mine, tokens_per_page)));
         }
     }
 
@@ -340,16 +371,34 @@ impl SeqAttention {
                 cfg.group_score,
                 blocks,
             ),
-            BlockScorer::Sketch => sketch::block_scores(
-                &self.geom,
-                keys.src,
-                layer,
-                head,
-                q_group,
-                keys.scale,
-                cfg.group_score,
-                blocks,
-            ),
+            BlockScorer::Sketch => {
+                // The kept sketch, brought up to the last block scored; else the keys read
+                // (also where the head is busy: never wait on a lock inside a rayon pool).
+                let to = blocks.iter().max().map_or(0, |&b| {
+                    ((b + 1) * self.geom.block_size).min(keys.src.num_tokens())
+                });
+                if let Some(mut kept) = st.sketch.as_ref().and_then(|m| m.try_lock().ok())
+                    && (kept.tokens() >= to || kept.catch_up(&self.geom, keys.src, layer, head, to))
+                {
+                    return kept.block_scores(
+                        &self.geom,
+                        q_group,
+                        keys.scale,
+                        cfg.group_score,
+                        blocks,
+                    );
+                }
+                sketch::block_scores(
+                    &self.geom,
+                    keys.src,
+                    layer,
+                    head,
+                    q_group,
+                    keys.scale,
+                    cfg.group_score,
+                    blocks,
+                )
+            }
         }
     }
 
@@ -1055,6 +1104,70 @@ mod tests {
     }
 
     #[test]
+    fn a_kept_sketch_plans_as_the_keys_read_at_every_step() {
+        // Head_dim 64 takes the SIMD scoring where the CPU has it: scores agree to rounding,
+        // plans exactly. A sequence whose pages run short scores from the keys past them.
+        let (mut mem, digests, keys_all) = setup(330, 2, 64, 5);
+        let mut cfg = AttentionConfig::scout(16);
+        cfg.scorer = BlockScorer::Sketch;
+        cfg.budget_tokens = 96;
+        cfg.device_blocks_per_head = 4;
+        mem.n = 250;
+        let page_bytes = 48 * (crate::sketch::nibble_bytes(64) + 4);
+        let tpp = crate::host_sketch::tokens_per_page(page_bytes, 64, 16);
+        let pages = |n: usize| -> Vec<Box<dyn SketchPage>> {
+            (0..n)
+                .map(|_| Box::new(vec![0u8; page_bytes]) as Box<dyn SketchPage>)
+                .collect()
+        };
+        let mut read = SeqAttention::new(mem.geom, 1, 250, digests.clone());
+        let mut kept = SeqAttention::new(mem.geom, 1, 250, digests.clone());
+        kept.keep_sketch(
+            &cfg,
+            pages(2 * crate::host_sketch::pages_for(330, tpp)),
+            tpp,
+        );
+        let mut short = SeqAttention::new(mem.geom, 1, 250, digests);
+        short.keep_sketch(&cfg, pages(2 * 6), tpp);
+        for step in 0..70u64 {
+            let q = values(400 + step, 2 * 3 * 64, 1.0);
+            for h in 0..2 {
+                let qh = &q[h * 192..(h + 1) * 192];
+                let want = read.block_scores(&cfg, 0, h, qh, keys(&mem));
+                for seq in [&kept, &short] {
+                    let got = seq.block_scores(&cfg, 0, h, qh, keys(&mem));
+                    assert_eq!(want.len(), got.len());
+                    for (w, g) in want.iter().zip(&got) {
+                        assert!((w - g).abs() <= 1e-5 * (1.0 + w.abs()), "{w} vs {g}");
+                    }
+                }
+            }
+            let a = read.plan_layer(&cfg, 0, &q, keys(&mem));
+            assert_eq!(a, kept.plan_layer(&cfg, 0, &q, keys(&mem)), "step {step}");
+            assert_eq!(a, short.plan_layer(&cfg, 0, &q, keys(&mem)), "step {step}");
+            // The next token, as decode appends it.
+            let t = mem.n;
+            let k = &keys_all[t * 2 * 64..(t + 1) * 2 * 64];
+            mem.n += 1;
+            for seq in [&mut read, &mut kept, &mut short] {
+                seq.finish_layer(&cfg, 0, &a);
+                seq.append_token(&cfg, 0, k);
+                seq.advance();
+            }
+        }
+        let sketched = |seq: &SeqAttention| {
+            seq.heads[0]
+                .sketch
+                .as_ref()
+                .map(|m| m.lock().unwrap().tokens())
+        };
+        // Whole blocks only: the newest (partial) block is never scored.
+        assert_eq!(sketched(&kept), Some(304));
+        assert_eq!(sketched(&short), Some(288));
+        assert_eq!(sketched(&read), None);
+    }
+
+    #[test]
     fn adaptive_recall_moves_cpu_blocks_to_the_device() {
         let (mem, digests, _) = setup(512, 1, 16, 8);
         let mut cfg = AttentionConfig::scout(16);
@@ -1171,6 +1284,7 @@ mod tests {
             digests: HeadDigests::new(8, 4),
             res: Residency::new(8),
             prev_cpu,
+            sketch: None,
         };
         let heads = [head(vec![3, 7]), head(vec![])];
         let plan = |cpu: Vec<usize>| HeadPlan {

@@ -25,7 +25,7 @@ use crate::sequence::KvSource;
 /// The quantized value a nibble `n` stands for is `scale * (n - NIBBLE_ZERO)`.
 pub const NIBBLE_ZERO: i32 = 8;
 /// The largest magnitude maps to this level (the range is -8 ..= 7).
-const LEVEL_MAX: f32 = 7.0;
+pub(crate) const LEVEL_MAX: f32 = 7.0;
 
 /// Bytes of one token's nibbles for one KV head (its scale is kept apart, as an f32).
 pub const fn nibble_bytes(head_dim: usize) -> usize {
@@ -79,7 +79,7 @@ pub fn quantize_key(k: &[f32], nib: &mut [u8]) -> f32 {
 /// steps, not `round`, which is a libm call per element on the baseline x86-64 target (most
 /// of the quantizing's time); the same value for every `|t| < 2^23`.
 #[inline(always)]
-fn level(t: f32) -> u8 {
+pub(crate) fn level(t: f32) -> u8 {
     let a = t.abs();
     // Saturating: NaN gives 0, and `a - whole` is exact below 2^23.
     let whole = a as i32;
@@ -191,7 +191,14 @@ pub fn sketch_tokens(
 
 /// Each query head's log2-sum-exp2 over the tokens of one block of `temp * scale_t *
 /// nibble_dot(q_h, k̂_t)`, into `out[G]`; `-inf` for an empty block.
-fn block_lse(q_group: &[f32], d: usize, temp: f32, nib: &[u8], scales: &[f32], out: &mut [f32]) {
+pub(crate) fn block_lse(
+    q_group: &[f32],
+    d: usize,
+    temp: f32,
+    nib: &[u8],
+    scales: &[f32],
+    out: &mut [f32],
+) {
     let nb = nibble_bytes(d);
     let g = out.len();
     // Each token's levels once, then every head's dot product with them.

@@ -400,7 +400,7 @@ struct Buf {
 /// per-key powers use [`exp2_approx`], which the compiler vectorises (libm's `exp2f` is a
 /// call per key, and there is one key per block token and head).
 #[inline(always)]
-fn log2_sum_exp2(x: &[f32]) -> f32 {
+pub(crate) fn log2_sum_exp2(x: &[f32]) -> f32 {
     // Eight independent lanes over whole chunks, so both reductions vectorise without
     // reassociation; the tail (blocks not a multiple of 8) apart.
     let (body, tail) = x.split_at(x.len() / 8 * 8);

@@ -254,6 +254,13 @@ pub trait DeviceKv: Send + Sync + std::fmt::Debug {
     fn host_pool_pinned(&self) -> bool {
         true
     }
+
+    /// True when its sequences keep the key sketch here and score blocks with it
+    /// ([`DeviceSeq::scores_on_device`]) for `group` query heads per KV head: admission then
+    /// counts the sketch in device memory, not in host pool blocks.
+    fn keeps_sketch(&self, _group: usize) -> bool {
+        false
+    }
 }
 
 /// The device side of one sequence's attention. It decides nothing about placement: the

@@ -290,6 +290,17 @@ impl Block {
     }
 }
 
+/// A block holds a page of a sequence's host-kept key sketch, so the sketch is pool memory,
+/// reserved and freed as KV is.
+impl attention::host_sketch::SketchPage for Block {
+    fn bytes(&self) -> &[u8] {
+        Block::bytes(self)
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        Block::bytes_mut(self)
+    }
+}
+
 impl Drop for Block {
     fn drop(&mut self) {
         let inner = &self.pool.inner;

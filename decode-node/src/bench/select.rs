@@ -116,10 +116,13 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
         .collect();
     let mut rows = Vec::new();
     for &ctx in &contexts {
-        let bytes = (args.layers * geom.blocks_for(ctx) * geom.block_bytes()) as u64;
-        let pool = kv_transfer::HostPool::new(geom, bytes)?;
+        // The KV, and the pages of a host-kept sketch for every (layer, KV head).
+        let tpp = attention::host_sketch::tokens_per_page(geom.block_bytes(), d, geom.block_size);
+        let sketch_pages = attention::host_sketch::pages_for(ctx, tpp) * hk * args.layers;
+        let blocks = args.layers * geom.blocks_for(ctx) + sketch_pages;
+        let pool = kv_transfer::HostPool::new(geom, (blocks * geom.block_bytes()) as u64)?;
         let (src, digests) = sequence(&pool, args.layers, ctx)?;
-        let seq = SeqAttention::new(geom, args.layers, ctx, digests);
+        let seq = SeqAttention::new(geom, args.layers, ctx, digests.clone());
         let keys = BlockKeys { src: &src, scale };
         // A query per layer: a few large channels per head over small ones, as trained
         // models' are (SparQ's channel union then depends on the data, as it would).
@@ -148,6 +151,21 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
                 ..base.clone()
             };
             let bytes = bytes_per_layer(&cfg, geom, ctx, &queries, g);
+            // The sketch as a node keeps it: in pool pages, made before the first step.
+            let kept = (cfg.scorer == BlockScorer::Sketch)
+                .then(|| -> anyhow::Result<SeqAttention> {
+                    let mut kept = SeqAttention::new(geom, args.layers, ctx, digests.clone());
+                    let mut r = pool.reserve(sketch_pages)?;
+                    kept.keep_sketch(&cfg, crate::engine::take_pages(&mut r, sketch_pages), tpp);
+                    for (layer, q) in queries.iter().enumerate() {
+                        for h in 0..hk {
+                            kept.select(&cfg, layer, h, &q[h * g * d..(h + 1) * g * d], keys);
+                        }
+                    }
+                    Ok(kept)
+                })
+                .transpose()?;
+            let seq = kept.as_ref().unwrap_or(&seq);
             for &t in &threads {
                 let bw = read_bandwidth(&bw_buf, t, args.seconds.min(1.0));
                 let pool = rayon::ThreadPoolBuilder::new()
@@ -203,7 +221,7 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
 
 /// Bytes one layer's selection reads, averaged over `queries`' layers: every digest of
 /// every head (Quest's bound), for SparQ the key rows it reads of the blocks it scores, and
-/// for the sketch on the CPU every key (it quantizes what it reads).
+/// for the sketch every token's nibbles and scale.
 fn bytes_per_layer(
     cfg: &AttentionConfig,
     geom: BlockGeometry,
@@ -215,7 +233,7 @@ fn bytes_per_layer(
     let older = geom.blocks_for(ctx).saturating_sub(1);
     let digests = (hk * older * 2 * d * 4) as f64;
     if cfg.scorer == BlockScorer::Sketch {
-        return (hk * older * bs * d * geom.dtype.size()) as f64;
+        return (hk * older * bs * (attention::sketch::nibble_bytes(d) + 4)) as f64;
     }
     let BlockScorer::Sparq {
         channels,

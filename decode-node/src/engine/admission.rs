@@ -17,7 +17,9 @@ pub(crate) struct Need {
     /// Host pool blocks its decode growth takes (one per layer for every block boundary its
     /// new tokens cross).
     pub grow_blocks: usize,
-    /// Those blocks in bytes.
+    /// Host pool blocks its key sketch takes where the host keeps one.
+    pub sketch_pages: usize,
+    /// Those blocks (growth and sketch) in bytes.
     pub host: u64,
     /// Bytes its prompt already holds in the pool.
     pub prompt_bytes: u64,
@@ -38,18 +40,22 @@ pub(crate) struct Request {
     pub max_new_tokens: u32,
 }
 
-/// Where a device keeps each request's key sketch (`--block-scorer sketch`) in its KV arena:
-/// a slot per `tokens_per_slot` tokens of each (scored layer, KV head).
+/// Where each request's key sketch (`--block-scorer sketch`) is kept: on a device, in its
+/// KV arena, a slot (a head block) per `tokens_per_slot` tokens of each (scored layer, KV
+/// head); on the host, a pool block per `tokens_per_slot` tokens of each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SketchSlots {
     pub tokens_per_slot: usize,
     /// Layers that score blocks (past the dense ones).
     pub layers: usize,
+    /// In device memory, or host pool blocks.
+    pub on_device: bool,
 }
 
 impl SketchSlots {
-    /// What a node with device memory (`device`) attending with `attention` keeps of each
-    /// request's sketch there: `None` unless it scores blocks with the sketch.
+    /// What a node attending with `attention` keeps of each request's sketch: on its device
+    /// where that keeps and scores one (`device`), else in its host pool; `None` unless it
+    /// scores blocks with the sketch.
     pub(crate) fn of_node(
         attention: &attention::AttentionConfig,
         geom: &BlockGeometry,
@@ -58,10 +64,25 @@ impl SketchSlots {
     ) -> Option<Self> {
         let scores = attention.scorer == attention::BlockScorer::Sketch
             && attention.mode != attention::Mode::Full;
-        (device && scores).then(|| Self {
-            tokens_per_slot: attention::sketch::tokens_per_slot(geom.head_bytes(), geom.head_dim),
+        let tokens_per_slot = if device {
+            attention::sketch::tokens_per_slot(geom.head_bytes(), geom.head_dim)
+        } else {
+            attention::host_sketch::tokens_per_page(
+                geom.block_bytes(),
+                geom.head_dim,
+                geom.block_size,
+            )
+        };
+        (scores && tokens_per_slot > 0).then(|| Self {
+            tokens_per_slot,
             layers: num_layers.saturating_sub(attention.dense_layers),
+            on_device: device,
         })
+    }
+
+    /// Slots (or pages) of one KV head over the scored layers for `tokens` positions.
+    pub(crate) fn per_head(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.tokens_per_slot.max(1)) * self.layers
     }
 }
 
@@ -81,18 +102,22 @@ impl Need {
         // Positions it may ever hold: the prompt, the token fed first and `max_new` more.
         let can_attend = g.blocks_for(r.num_tokens + max_new + 1);
         let per_head = can_attend.min(resident_per_head);
-        let sketch_slots = sketch.map_or(0, |s| {
-            (r.num_tokens + max_new + 1).div_ceil(s.tokens_per_slot.max(1)) * s.layers
-        });
+        let positions = r.num_tokens + max_new + 1;
+        let (device_sketch, sketch_pages) = match sketch {
+            Some(s) if s.on_device => (s.per_head(positions), 0),
+            Some(s) => (0, s.per_head(positions) * g.num_kv_heads),
+            None => (0, 0),
+        };
         let device =
-            ((per_head * r.num_layers + sketch_slots) * g.head_bytes() * g.num_kv_heads) as u64;
+            ((per_head * r.num_layers + device_sketch) * g.head_bytes() * g.num_kv_heads) as u64;
         let grow_blocks =
             (g.blocks_for(r.num_tokens + max_new + 1) - g.blocks_for(r.num_tokens)) * r.num_layers;
         Self {
             max_new: max_new as u32,
             device,
             grow_blocks,
-            host: (grow_blocks * g.block_bytes()) as u64,
+            sketch_pages,
+            host: ((grow_blocks + sketch_pages) * g.block_bytes()) as u64,
             prompt_bytes: r.prompt_bytes,
         }
     }
@@ -212,6 +237,7 @@ mod tests {
         let sketch = SketchSlots {
             tokens_per_slot: 8,
             layers: 2,
+            on_device: true,
         };
         let with = Need::of(&request(20, 10), 1000, usize::MAX, Some(sketch));
         assert_eq!(
@@ -219,6 +245,43 @@ mod tests {
             (4 * 2 * 2 * GEOM.head_bytes()) as u64
         );
         assert_eq!((with.host, with.max_new), (plain.host, plain.max_new));
+        assert_eq!(with.sketch_pages, 0);
+    }
+
+    #[test]
+    fn a_host_sketch_adds_its_pages_to_the_host_need() {
+        // As above, in pool blocks: 4 per (scored layer, KV head), 2 layers, 2 KV heads.
+        let plain = Need::of(&request(20, 10), 1000, usize::MAX, None);
+        let sketch = SketchSlots {
+            tokens_per_slot: 8,
+            layers: 2,
+            on_device: false,
+        };
+        let with = Need::of(&request(20, 10), 1000, usize::MAX, Some(sketch));
+        assert_eq!(with.sketch_pages, 4 * 2 * 2);
+        assert_eq!(
+            with.host - plain.host,
+            (4 * 2 * 2 * GEOM.block_bytes()) as u64
+        );
+        assert_eq!(
+            (with.device, with.grow_blocks),
+            (plain.device, plain.grow_blocks)
+        );
+        // A node's own figures: f32 blocks of 16 tokens, 2 heads of 8 dims (2 KiB) hold
+        // 2048 / (4 + 4) = 256 tokens, whole blocks.
+        let cfg = attention::AttentionConfig {
+            scorer: attention::BlockScorer::Sketch,
+            dense_layers: 1,
+            ..attention::AttentionConfig::scout(16)
+        };
+        let host = SketchSlots::of_node(&cfg, &GEOM, 3, false).unwrap();
+        assert_eq!((host.tokens_per_slot, host.on_device), (256, false));
+        assert_eq!(host.layers, 2);
+        let full = attention::AttentionConfig {
+            mode: attention::Mode::Full,
+            ..cfg
+        };
+        assert_eq!(SketchSlots::of_node(&full, &GEOM, 3, false), None);
     }
 
     #[test]

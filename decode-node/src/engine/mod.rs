@@ -19,6 +19,7 @@ pub use error::EngineError;
 pub use job::{
     Control, Event, FinishReason, Job, JobSpec, OutputOptions, RequestStats, TopLogprob,
 };
+pub(crate) use running::take_pages;
 pub use solo::SoloDecoder;
 
 use std::collections::VecDeque;
@@ -339,6 +340,16 @@ impl StepLoop {
                     .inc();
                 continue;
             }
+            let geom = job.kv.geometry();
+            let group = self.model.model.cfg.num_heads / geom.num_kv_heads.max(1);
+            let sketch = admission::SketchSlots::of_node(
+                &self.cfg.attention,
+                geom,
+                job.kv.num_layers(),
+                self.device_kv
+                    .as_ref()
+                    .is_some_and(|d| d.keeps_sketch(group)),
+            );
             let need = Need::of(
                 &admission::Request {
                     geom: *job.kv.geometry(),
@@ -349,12 +360,7 @@ impl StepLoop {
                 },
                 self.model.model.cfg.max_position_embeddings,
                 self.cfg.attention.resident_blocks_per_head(),
-                admission::SketchSlots::of_node(
-                    &self.cfg.attention,
-                    job.kv.geometry(),
-                    job.kv.num_layers(),
-                    self.device_kv.is_some(),
-                ),
+                sketch,
             );
             let room = Room {
                 running: self.running.len(),
@@ -365,12 +371,18 @@ impl StepLoop {
                 queue_blocked: !keep.is_empty(),
             };
             let grow = match admission::decide(&need, &room) {
-                Decision::Start => self.pool.reserve(need.grow_blocks).ok(),
+                Decision::Start => self.pool.reserve(need.grow_blocks + need.sketch_pages).ok(),
                 Decision::Wait => None,
             };
-            if let Some(r) = grow {
+            if let Some(mut r) = grow {
+                let pages = running::take_pages(&mut r, need.sketch_pages);
                 job.kv.grow(r);
-                self.start(job, need.device, now);
+                let mut run = self.start(job, need.device, now);
+                if let Some(s) = sketch.filter(|s| !s.on_device) {
+                    run.seq
+                        .keep_sketch(&self.cfg.attention, pages, s.tokens_per_slot);
+                }
+                self.running.push(run);
                 continue;
             }
             let waited = now.duration_since(job.spec.arrived);
@@ -393,7 +405,7 @@ impl StepLoop {
         self.waiting = keep;
     }
 
-    fn start(&mut self, job: Job, device_need: u64, now: Instant) {
+    fn start(&self, job: Job, device_need: u64, now: Instant) -> Running {
         let queue = now.duration_since(job.spec.arrived).as_secs_f64();
         self.metrics.queue_time.observe(queue);
         self.metrics
@@ -408,15 +420,14 @@ impl StepLoop {
                 "admitted"
             )
         });
-        let r = Running::start(
+        Running::start(
             job,
             device_need,
             now,
             &self.model.tokenizer,
             self.device_kv.as_ref(),
             self.cfg.attention.resident_blocks_per_head(),
-        );
-        self.running.push(r);
+        )
     }
 }
 

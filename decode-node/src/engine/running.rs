@@ -42,6 +42,17 @@ pub(super) struct Running {
     pub(super) seen: SeqStats,
 }
 
+/// `n` blocks of `r` as pages of a host-kept key sketch (fewer only if `r` holds fewer).
+pub(crate) fn take_pages(
+    r: &mut kv_transfer::Reservation,
+    n: usize,
+) -> Vec<Box<dyn attention::host_sketch::SketchPage>> {
+    (0..n)
+        .map_while(|_| r.take())
+        .map(|b| Box::new(b) as Box<dyn attention::host_sketch::SketchPage>)
+        .collect()
+}
+
 /// The time between a token and the one before it, or since arrival for the first.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum Latency {

@@ -56,9 +56,21 @@ impl<'a> SoloDecoder<'a> {
         mut kv: CommittedKv,
         max_new: usize,
     ) -> Result<Self, kv_transfer::Error> {
-        kv.grow(pool.reserve(kv.blocks_to_grow(max_new + 1))?);
+        // The pool blocks the step loop would take: growth, and the sketch where the host
+        // keeps one.
+        let geom = *kv.geometry();
+        let sketch = super::admission::SketchSlots::of_node(cfg, &geom, kv.num_layers(), false);
+        let sketch_pages = sketch.map_or(0, |s| {
+            s.per_head(kv.num_tokens() + max_new + 1) * geom.num_kv_heads
+        });
+        let mut r = pool.reserve(kv.blocks_to_grow(max_new + 1) + sketch_pages)?;
+        let pages = super::running::take_pages(&mut r, sketch_pages);
+        kv.grow(r);
         let digests = kv.take_digests();
-        let seq = SeqAttention::new(*kv.geometry(), kv.num_layers(), kv.num_tokens(), digests);
+        let mut seq = SeqAttention::new(geom, kv.num_layers(), kv.num_tokens(), digests);
+        if let Some(s) = sketch {
+            seq.keep_sketch(cfg, pages, s.tokens_per_slot);
+        }
         Ok(Self {
             model,
             cfg,

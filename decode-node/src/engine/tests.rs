@@ -218,6 +218,61 @@ fn scout_on_a_pool_of_one_thread_streams_the_greedy_tokens() {
     rig.wait_pool_empty();
 }
 
+/// On a CPU node the sketch scorer keeps each request's sketch in host pool blocks, taken
+/// with its growth at admission and freed with its KV: the pool holds exactly those pages
+/// more than under sparq while the request runs, and the tokens stay the greedy ones (a
+/// budget over the whole context).
+#[test]
+fn a_cpu_node_keeps_each_sketch_in_pool_blocks_and_frees_them() {
+    let prompt = Rig::prompt(60);
+    let max_new = 12;
+    let held = |scorer: &str| {
+        let flags = [
+            "--attention",
+            "scout",
+            "--block-size",
+            "8",
+            "--budget-tokens",
+            "4096",
+            "--device-blocks",
+            "2",
+            "--block-scorer",
+            scorer,
+        ];
+        let rig = Rig::start_with(1, 1 << 30, None, &flags);
+        let mut rx = rig.submit("k", &prompt, max_new);
+        // Taken or promised: constant while the request runs.
+        let Some(Event::Token { .. }) = rx.blocking_recv() else {
+            panic!("no first token")
+        };
+        let u = rig.pool.usage();
+        let (ids, _) = drain(&mut rx);
+        assert_eq!(
+            ids,
+            rig.reference(&prompt, max_new as usize)[1..],
+            "{scorer}"
+        );
+        rig.wait_pool_empty();
+        let geom = rig.layout.geom;
+        let args = Args::parse_from(["t", "--model", "tiny"].iter().chain(&flags));
+        let node = Node::build(&args.model).unwrap();
+        let layers = rig.model.model.cfg.num_layers;
+        let pages = admission::SketchSlots::of_node(&node.attention, &geom, layers, false)
+            .map_or(0, |s| {
+                s.per_head(prompt.len() + max_new as usize + 1) * geom.num_kv_heads
+            });
+        (
+            u.used + u.reserved,
+            pages as u64 * geom.block_bytes() as u64,
+        )
+    };
+    let (sparq, no_pages) = held("sparq");
+    let (sketch, pages) = held("sketch");
+    assert_eq!(no_pages, 0);
+    assert!(pages > 0);
+    assert_eq!(sketch - sparq, pages);
+}
+
 #[test]
 fn cancels_end_waiting_and_running_requests_and_free_their_kv() {
     let rig = Rig::start(1, 1 << 30);
@@ -629,6 +684,10 @@ impl crate::backend::DeviceKv for HostDeviceKv {
             sketch: self.sketch,
             scored: self.scored.clone(),
         })
+    }
+
+    fn keeps_sketch(&self, _group: usize) -> bool {
+        self.sketch
     }
 }
 

@@ -486,6 +486,10 @@ impl DeviceKv for CudaKvStore {
         self.pinned
     }
 
+    fn keeps_sketch(&self, group: usize) -> bool {
+        super::sketch::supported(&self.geom, group) && self.shared.sketch_on.load(Ordering::Acquire)
+    }
+
     fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq> {
         let hk = self.geom.num_kv_heads;
         Box::new(CudaSeq {
@@ -839,8 +843,7 @@ impl DeviceSeq for CudaSeq {
     }
 
     fn scores_on_device(&self, group: usize) -> bool {
-        super::sketch::supported(&self.store.geom, group)
-            && self.store.shared.sketch_on.load(Ordering::Acquire)
+        self.store.keeps_sketch(group)
     }
 
     fn sketch_scores(
