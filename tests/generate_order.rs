@@ -79,10 +79,13 @@ async fn scout_with_a_whole_budget_and_cpu_part_equals_full_and_sparse_uses_the_
         );
     }
 
-    // Real sparse attention: small budget, layer-ahead prediction, recall.
+    // Real sparse attention: small budget, layer-ahead prediction (off by default on the
+    // CPU), recall.
     let s = Served::start(&[
         "--attention",
         "scout",
+        "--layer-ahead",
+        "on",
         "--block-size",
         "8",
         "--budget-tokens",

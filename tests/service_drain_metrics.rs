@@ -42,7 +42,9 @@ async fn sigterm_finishes_running_requests_then_exits_zero() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_expose_every_required_name() {
-    let s = Served::start(&["--served-model-name", "tiny-chat"]);
+    // Layer-ahead on, so its families (prediction cosine, guard) have samples: a CPU node
+    // predicts nothing by default.
+    let s = Served::start(&["--served-model-name", "tiny-chat", "--layer-ahead", "on"]);
     assert_eq!(http_get(s.metrics, "/health").0, 200);
     push(&s, &prompt_kv("m1", &prompt(20, 1))).await.unwrap();
     generate(&s, gen_req("m1", 3)).await.unwrap();

@@ -148,8 +148,10 @@ pub enum BlockScorer {
         candidates: usize,
     },
     /// Each block's share of an approximate attention over every key quantized to 4 bits
-    /// per channel (`crate::sketch`), every block scored. On the CPU it reads every key;
-    /// a GPU keeps the sketch (an eighth of a 16-bit KV cache) and scores on the device.
+    /// per channel (`crate::sketch`), every block scored. A GPU keeps the sketch (an eighth
+    /// of a 16-bit KV cache) and scores on the device; a CPU node keeps it in host pool
+    /// blocks ([`crate::SeqAttention::keep_sketch`]); without either it quantizes every
+    /// key it scores.
     Sketch,
 }
 
@@ -164,6 +166,15 @@ impl BlockScorer {
                 candidates,
             }),
             _ => None,
+        }
+    }
+
+    /// The name [`BlockScorer::parse`] takes.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Quest => "quest",
+            Self::Sparq { .. } => "sparq",
+            Self::Sketch => "sketch",
         }
     }
 }

@@ -108,9 +108,17 @@ pub struct ModelArgs {
     /// recall is adaptive (`--recall-threshold`).
     #[arg(long, env = "DECODE_NODE_RECALL_PROFILE")]
     pub recall_profile: Option<std::path::PathBuf>,
-    /// Turn off layer-ahead CPU pre-computation (`scout` ablation).
+    /// Turn off layer-ahead CPU pre-computation (`scout` ablation; `--layer-ahead off`).
     #[arg(long, env = "DECODE_NODE_NO_PRECOMPUTE")]
     pub no_precompute: bool,
+    /// Layer-ahead prediction in `scout`: layer i + 1's blocks chosen from a predicted query
+    /// while layer i attends, so host selection overlaps the device's work. `auto`: on with a
+    /// GPU, off on `--device cpu`, where both parts run on the same cores and there is nothing
+    /// to overlap (SmolLM2-135M, 7.8k tokens, budget 1024, 2 cores: 50.8 tokens/s with it,
+    /// 57.0 without, and fewer of full attention's answers kept). `on` shows what a GPU
+    /// node's prediction costs in accuracy (`bench fidelity`).
+    #[arg(long, env = "DECODE_NODE_LAYER_AHEAD", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    pub layer_ahead: String,
     /// Turn off periodic recall (`scout` ablation).
     #[arg(long, env = "DECODE_NODE_NO_RECALL")]
     pub no_recall: bool,
@@ -176,12 +184,13 @@ pub struct ModelArgs {
     /// each query head's largest channels (`--scorer-channels`) read from host KV. On
     /// SmolLM2-135M (3.8k tokens, budget 512) sparq keeps top-1 agreement with full 0.83
     /// where quest keeps 0.62, and costs 15-25% of CPU decode speed there. `sketch` scores
-    /// every block by an approximate attention over every key quantized to 4 bits (0.85 at
-    /// 3.8k, KL 0.06 against sparq's 0.09): a GPU keeps that sketch (an eighth of a 16-bit KV
-    /// cache) and scores on the device, reading no host KV, and then makes no layer-ahead
-    /// prediction (selection by the real query is cheaper there); on the CPU it quantizes
-    /// every key it reads, every step (slower than full attention). `auto`: sketch on a GPU,
-    /// sparq on the CPU.
+    /// every block by an approximate attention over every key quantized to 4 bits (0.84 at
+    /// 3.8k, KL 0.057 against sparq's 0.093; at 7.8k, budget 1024, KL 0.010 against 0.022):
+    /// a GPU keeps that sketch (an eighth of a 16-bit KV cache) and scores on the device,
+    /// reading no host KV, and then makes no layer-ahead prediction; a CPU node keeps it in
+    /// host pool blocks (admission counts them with the request's growth), quantized once as
+    /// blocks fill, and scores it with AVX2 (on SmolLM2 at 7.8k as fast as sparq). `auto`:
+    /// sketch, except sparq on a GPU whose kernels do not take the head shape.
     #[arg(long, env = "DECODE_NODE_BLOCK_SCORER", default_value = "auto", value_parser = ["auto", "quest", "sparq", "sketch"])]
     pub block_scorer: String,
     /// Key channels per query head that `--block-scorer sparq` reads (0: a quarter of the

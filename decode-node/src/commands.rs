@@ -227,14 +227,20 @@ pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Unspecified),
         s.first_token_seconds * 1e3
     );
+    let prediction = if node.attention.mode == attention::Mode::Scout && node.attention.precompute
+    {
+        format!("prediction hit ratio {:.1}%", s.prediction_hit_ratio * 100.0)
+    } else {
+        "no layer-ahead prediction".to_string()
+    };
     println!(
-        "attention: mode {}, block {}, budget {} tokens; CPU share {:.1}%, recalled blocks {}, prediction hit ratio {:.1}%",
+        "attention: mode {}, scorer {}, block {}, budget {} tokens; CPU share {:.1}%, recalled blocks {}, {prediction}",
         node.attention.mode.name(),
+        node.attention.scorer.name(),
         node.layout.geom.block_size,
         node.attention.budget_tokens,
         s.cpu_attention_ratio * 100.0,
         s.recalled_blocks,
-        s.prediction_hit_ratio * 100.0
     );
     let context = kv.header.num_tokens as usize + f.generated_tokens as usize;
     if context <= node.attention.budget_tokens {

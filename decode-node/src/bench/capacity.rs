@@ -83,7 +83,8 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
         );
         let by_device = fit(need.device, args.device_kv_bytes);
         let pool_blocks = args.host_kv_bytes / geom.block_bytes() as u64;
-        let blocks_each = (geom.blocks_for(ctx) * cfg.num_layers + need.grow_blocks) as u64;
+        let blocks_each =
+            (geom.blocks_for(ctx) * cfg.num_layers + need.grow_blocks + need.sketch_pages) as u64;
         let by_host = fit(blocks_each, pool_blocks);
         let most = by_device.min(by_host).min(u64::from(args.max_requests));
         let node = start_node(

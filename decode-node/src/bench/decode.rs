@@ -35,11 +35,14 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let mut m = args.common.model.clone();
             m.attention = mode.clone();
             let node_device = m.device.clone();
-            // Room for the whole context of every request on the host, and on the device in
-            // `full` (the other modes hold their budget there).
-            let kv_bytes =
-                kv_bytes_for(&cfg, ctx + args.tokens as usize + 64) * u64::from(args.batch.max(1));
-            let host = kv_bytes + (kv_bytes >> 4) + (64 << 20);
+            // Room for the whole context of every request on the host (and its key sketch,
+            // where the host keeps one), and on the device in `full` (the other modes hold
+            // their budget there).
+            let tokens = ctx + args.tokens as usize + 64;
+            let batch = u64::from(args.batch.max(1));
+            let kv_bytes = kv_bytes_for(&cfg, tokens) * batch;
+            let host =
+                kv_bytes + (kv_bytes >> 4) + sketch_bytes_for(&cfg, tokens) * batch + (64 << 20);
             let device = if mode == "full" { host } else { 4 << 30 };
             let node = start_node(m, host, device, args.batch.max(1), 600.0, false).await?;
             let (weights, bw) = *bound.get_or_insert_with(|| {

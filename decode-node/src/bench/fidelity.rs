@@ -302,7 +302,10 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             let mut layout = node.layout.clone();
             layout.geom.dtype = dtype;
             let g = layout.geom;
-            let per_token = (g.block_bytes() * layout.num_layers) as u64 / g.block_size as u64;
+            // KV and a host-kept key sketch per token.
+            let sketch = attention::sketch::nibble_bytes(g.head_dim) + 4;
+            let per_token = (g.block_bytes() * layout.num_layers) as u64 / g.block_size as u64
+                + (sketch * g.num_kv_heads * layout.num_layers) as u64;
             // Two live sequences at most (the one decoding, the next being ingested) plus slack.
             let pool = HostPool::new(
                 g,

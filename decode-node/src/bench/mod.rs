@@ -288,6 +288,13 @@ fn kv_bytes_for(cfg: &crate::model::ModelConfig, tokens: usize) -> u64 {
     (tokens * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * es) as u64
 }
 
+/// Bytes of a host-kept key sketch (`--block-scorer sketch` on the CPU) for `tokens` tokens
+/// of every layer, not counting its last page's rounding.
+fn sketch_bytes_for(cfg: &crate::model::ModelConfig, tokens: usize) -> u64 {
+    let per_token = attention::sketch::nibble_bytes(cfg.head_dim) + 4;
+    (tokens * cfg.num_layers * cfg.num_kv_heads * per_token) as u64
+}
+
 /// The configuration of `model` (`tiny`, a HF directory or a GGUF file, which is read whole:
 /// its configuration comes with its tensors).
 fn model_config(model: &crate::cli::ModelArgs) -> anyhow::Result<crate::model::ModelConfig> {

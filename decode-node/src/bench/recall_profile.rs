@@ -25,7 +25,12 @@ pub(super) fn recall_profile(args: &RecallProfileBench) -> anyhow::Result<serde_
         .collect();
     let kv = client::prefill_kv(&node.model, &prompt, "profile", node.wire_dtype())?;
     let geom = node.layout.geom;
-    let blocks = (geom.blocks_for(ctx + args.tokens as usize + 1) + 1) * node.layout.num_layers;
+    let positions = ctx + args.tokens as usize + 1;
+    let nl = node.layout.num_layers;
+    // The KV, and the key sketch's pages where the host keeps one.
+    let sketch = crate::engine::admission::SketchSlots::of_node(&node.attention, &geom, nl, false)
+        .map_or(0, |s| s.per_head(positions) * geom.num_kv_heads);
+    let blocks = (geom.blocks_for(positions) + 1) * nl + sketch;
     let pool = HostPool::new(geom, (blocks * geom.block_bytes()) as u64)?;
     let mut ingest = None;
     for m in push_messages(&kv, 256) {

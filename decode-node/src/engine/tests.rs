@@ -188,6 +188,8 @@ fn scout_on_a_pool_of_one_thread_streams_the_greedy_tokens() {
     let flags = [
         "--attention",
         "scout",
+        "--layer-ahead",
+        "on",
         "--block-size",
         "8",
         "--budget-tokens",
