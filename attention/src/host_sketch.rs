@@ -72,7 +72,29 @@ fn block_stride(block_size: usize, head_dim: usize) -> usize {
 /// Sketches tokens `range` of `block` of (`layer`, `head`) into `dst` (that block's sketch:
 /// scales, then transposed nibbles) straight from the pool's transposed K, every token at
 /// once a channel row at a time: [`crate::sketch::quantize_key`]'s values, bit for bit.
+/// Compiled for AVX2 too, where the CPU has it: its loops over tokens vectorise 8 wide
+/// (a prompt's sketch is made at its first step, so this is time to the first token).
 fn sketch_block(
+    geom: &BlockGeometry,
+    src: &dyn KvSource,
+    layer: usize,
+    head: usize,
+    block: usize,
+    range: std::ops::Range<usize>,
+    dst: &mut [u8],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        unsafe { avx2::sketch_block(geom, src, layer, head, block, range, dst) };
+        return;
+    }
+    sketch_block_body(geom, src, layer, head, block, range, dst);
+}
+
+/// [`sketch_block`]'s definition, for the compiler to vectorise at each call site's features.
+#[inline(always)]
+fn sketch_block_body(
     geom: &BlockGeometry,
     src: &dyn KvSource,
     layer: usize,
@@ -123,11 +145,20 @@ fn sketch_block(
     }
     let zero = NIBBLE_ZERO as u8;
     for (j, out) in nib.chunks_exact_mut(bs).take(nibble_bytes(d)).enumerate() {
+        let out = &mut out[t0..t0 + n];
         let even = &k[2 * j * n..(2 * j + 1) * n];
-        let odd = k.get((2 * j + 1) * n..(2 * j + 2) * n);
-        for (t, o) in out[t0..t0 + n].iter_mut().enumerate() {
-            let high = odd.map_or(zero, |r| level(r[t] * inv[t]));
-            *o = level(even[t] * inv[t]) | (high << 4);
+        match k.get((2 * j + 1) * n..(2 * j + 2) * n) {
+            Some(odd) => {
+                for (((o, &e), &x), &i) in out.iter_mut().zip(even).zip(odd).zip(&inv) {
+                    *o = level(e * i) | (level(x * i) << 4);
+                }
+            }
+            // An odd head_dim's last byte: its high nibble stands for 0.
+            None => {
+                for ((o, &e), &i) in out.iter_mut().zip(even).zip(&inv) {
+                    *o = level(e * i) | (zero << 4);
+                }
+            }
         }
     }
 }
@@ -291,6 +322,23 @@ mod avx2 {
 
     pub(super) fn available() -> bool {
         is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+
+    /// [`super::sketch_block`] compiled for AVX2.
+    ///
+    /// # Safety
+    /// AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn sketch_block(
+        geom: &crate::block::BlockGeometry,
+        src: &dyn crate::sequence::KvSource,
+        layer: usize,
+        head: usize,
+        block: usize,
+        range: std::ops::Range<usize>,
+        dst: &mut [u8],
+    ) {
+        super::sketch_block_body(geom, src, layer, head, block, range, dst);
     }
 
     /// [`super::lse_of_block`] on AVX2: heads in groups of up to eight, each byte row of

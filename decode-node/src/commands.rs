@@ -227,9 +227,11 @@ pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Unspecified),
         s.first_token_seconds * 1e3
     );
-    let prediction = if node.attention.mode == attention::Mode::Scout && node.attention.precompute
-    {
-        format!("prediction hit ratio {:.1}%", s.prediction_hit_ratio * 100.0)
+    let prediction = if node.attention.mode == attention::Mode::Scout && node.attention.precompute {
+        format!(
+            "prediction hit ratio {:.1}%",
+            s.prediction_hit_ratio * 100.0
+        )
     } else {
         "no layer-ahead prediction".to_string()
     };
