@@ -479,14 +479,8 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::dtype::KvDType;
+    use crate::sketch::tests::lcg;
     use crate::sparq::tests::keys;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
 
     fn pages(n: usize, bytes: usize) -> Vec<Box<dyn SketchPage>> {
         (0..n)

@@ -303,12 +303,13 @@ pub fn scores_from_sketch(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::dtype::KvDType;
     use crate::sparq::tests::keys;
 
-    fn lcg(seed: &mut u64) -> f32 {
+    /// Uniform in [-1, 1), from a 64-bit LCG.
+    pub(crate) fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
