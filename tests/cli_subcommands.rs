@@ -127,9 +127,11 @@ fn bench_fidelity_reports_each_case_against_full() {
         "16",
         "--guard",
         "both",
+        "--layer-ahead",
+        "on",
     ]);
     let rows = v["results"].as_array().unwrap();
-    // full, scout x2 budgets x guard on/off, hgca x2 budgets.
+    // full, scout x2 budgets x guard on/off (it predicts), hgca x2 budgets.
     assert_eq!(rows.len(), 7, "{rows:?}");
     let case = |name: &str| rows.iter().find(|r| r["case"] == name).unwrap();
     assert_eq!(case("full")["top1_agreement_with_full"], 1.0);

@@ -54,7 +54,8 @@ struct Case {
 }
 
 /// The configurations: `full` first (the reference), then each sparse mode at each budget;
-/// `scout` with the guard on and off when `--guard both`.
+/// `scout` with the guard on and off when `--guard both`, where it predicts (layer-ahead on,
+/// not `--exact`: else there is nothing to guard).
 fn cases(args: &FidelityBench, base: &AttentionConfig, block: usize) -> anyhow::Result<Vec<Case>> {
     let budgets: Vec<usize> = parse_list(&args.budgets, "--budgets")?;
     let guards: Vec<bool> = match args.guard.as_str() {
@@ -76,11 +77,8 @@ fn cases(args: &FidelityBench, base: &AttentionConfig, block: usize) -> anyhow::
             continue;
         }
         for &b in &budgets {
-            let gs: &[bool] = if mode == Mode::Scout {
-                &guards
-            } else {
-                &[true]
-            };
+            let predicts = mode == Mode::Scout && base.precompute && !base.exact;
+            let gs: &[bool] = if predicts { &guards } else { &[true] };
             for &g in gs {
                 let mut cfg = AttentionConfig {
                     mode,
@@ -95,9 +93,9 @@ fn cases(args: &FidelityBench, base: &AttentionConfig, block: usize) -> anyhow::
                 if !g {
                     cfg.guard = PredictionGuard::OFF;
                 }
-                let guard_label = match (mode, g) {
-                    (Mode::Scout, true) => " guard",
-                    (Mode::Scout, false) => " no-guard",
+                let guard_label = match (predicts, g) {
+                    (true, true) => " guard",
+                    (true, false) => " no-guard",
                     _ => "",
                 };
                 out.push(Case {
