@@ -5,7 +5,8 @@
 //! blocks, so the sketch is accounted as KV is). A page holds whole KV blocks
 //! ([`tokens_per_page`] tokens); each block is its tokens' f32 scales, then its nibbles
 //! transposed as K is in the pool: a row per byte (channels `2j`, `2j + 1`), a column per
-//! token, so the AVX2 path widens 32 tokens' nibbles at once and needs no horizontal sums.
+//! token, so the AVX2 path widens 8 or 16 tokens' nibbles at once for every head of the group
+//! and needs no horizontal sums.
 //! The sketch follows the pool: before a layer scores, the blocks it scores that are not
 //! sketched yet are quantized from the KV (the prompt at the first step, then a block each
 //! time one fills) exactly as [`crate::sketch::sketch_tokens`] does, so the scores are the

@@ -204,9 +204,17 @@ impl SeqAttention {
         pages: Vec<Box<dyn SketchPage>>,
         tokens_per_page: usize,
     ) {
-        let hk = self.geom.num_kv_heads;
+        let (hk, bs) = (self.geom.num_kv_heads, self.geom.block_size.max(1));
         let first = cfg.dense_layers.min(self.layers.len()) * hk;
         let heads = self.heads.len() - first;
+        // Whole blocks, and no more than the smallest page holds.
+        let fits = pages.iter().map(|p| p.bytes().len()).min().unwrap_or(0);
+        let tokens_per_page = tokens_per_page.min(crate::host_sketch::tokens_per_page(
+            fits,
+            self.geom.head_dim,
+            bs,
+        )) / bs
+            * bs;
         if heads == 0 || tokens_per_page == 0 {
             return;
         }
@@ -1127,14 +1135,18 @@ mod tests {
             pages(2 * crate::host_sketch::pages_for(330, tpp)),
             tpp,
         );
-        let mut short = SeqAttention::new(mem.geom, 1, 250, digests);
+        let mut short = SeqAttention::new(mem.geom, 1, 250, digests.clone());
         short.keep_sketch(&cfg, pages(2 * 6), tpp);
+        // A page size that is no whole number of blocks, or more than a page holds, is cut
+        // down to what the pages hold in whole blocks.
+        let mut loose = SeqAttention::new(mem.geom, 1, 250, digests);
+        loose.keep_sketch(&cfg, pages(2 * 8), tpp + 7);
         for step in 0..70u64 {
             let q = values(400 + step, 2 * 3 * 64, 1.0);
             for h in 0..2 {
                 let qh = &q[h * 192..(h + 1) * 192];
                 let want = read.block_scores(&cfg, 0, h, qh, keys(&mem));
-                for seq in [&kept, &short] {
+                for seq in [&kept, &short, &loose] {
                     let got = seq.block_scores(&cfg, 0, h, qh, keys(&mem));
                     assert_eq!(want.len(), got.len());
                     for (w, g) in want.iter().zip(&got) {
@@ -1145,11 +1157,12 @@ mod tests {
             let a = read.plan_layer(&cfg, 0, &q, keys(&mem));
             assert_eq!(a, kept.plan_layer(&cfg, 0, &q, keys(&mem)), "step {step}");
             assert_eq!(a, short.plan_layer(&cfg, 0, &q, keys(&mem)), "step {step}");
+            assert_eq!(a, loose.plan_layer(&cfg, 0, &q, keys(&mem)), "step {step}");
             // The next token, as decode appends it.
             let t = mem.n;
             let k = &keys_all[t * 2 * 64..(t + 1) * 2 * 64];
             mem.n += 1;
-            for seq in [&mut read, &mut kept, &mut short] {
+            for seq in [&mut read, &mut kept, &mut short, &mut loose] {
                 seq.finish_layer(&cfg, 0, &a);
                 seq.append_token(&cfg, 0, k);
                 seq.advance();
@@ -1164,6 +1177,7 @@ mod tests {
         // Whole blocks only: the newest (partial) block is never scored.
         assert_eq!(sketched(&kept), Some(304));
         assert_eq!(sketched(&short), Some(288));
+        assert_eq!(sketched(&loose), Some(304));
         assert_eq!(sketched(&read), None);
     }
 
