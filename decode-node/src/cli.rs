@@ -95,7 +95,10 @@ pub struct ModelArgs {
     /// Attention split: `scout`, `full` (all KV on device), `hgca`, `recall`.
     #[arg(long, env = "DECODE_NODE_ATTENTION", default_value = "scout", value_parser = ["scout", "full", "hgca", "recall"])]
     pub attention: String,
-    /// Tokens per KV block.
+    /// Tokens per KV block: the unit of sparse selection. Smaller blocks select more
+    /// precisely at the same budget: on SmolLM2-135M at 7.8k tokens (budget 1024, sketch
+    /// scorer, CPU) block 16 kept top-1 agreement with full 0.973 (KL 0.0066) where block 32
+    /// kept 0.957 (KL 0.0104), for ~7% of decode speed and twice the digests.
     #[arg(long, env = "DECODE_NODE_BLOCK_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub block_size: u32,
     /// Tokens attended per layer and KV head in sparse modes.

@@ -340,11 +340,11 @@ impl StepLoop {
                     .inc();
                 continue;
             }
-            let geom = job.kv.geometry();
+            let geom = *job.kv.geometry();
             let group = self.model.model.cfg.num_heads / geom.num_kv_heads.max(1);
             let sketch = admission::SketchSlots::of_node(
                 &self.cfg.attention,
-                geom,
+                &geom,
                 job.kv.num_layers(),
                 self.device_kv
                     .as_ref()
@@ -352,7 +352,7 @@ impl StepLoop {
             );
             let need = Need::of(
                 &admission::Request {
-                    geom: *job.kv.geometry(),
+                    geom,
                     num_layers: job.kv.num_layers(),
                     num_tokens: job.kv.num_tokens(),
                     prompt_bytes: job.kv.bytes(),
