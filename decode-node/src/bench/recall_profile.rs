@@ -29,7 +29,7 @@ pub(super) fn recall_profile(args: &RecallProfileBench) -> anyhow::Result<serde_
     let nl = node.layout.num_layers;
     // The KV, and the key sketch's pages where the host keeps one.
     let sketch = crate::engine::admission::SketchSlots::of_node(&node.attention, &geom, nl, false)
-        .map_or(0, |s| s.per_head(positions) * geom.num_kv_heads);
+        .map_or(0, |s| s.pool_pages(positions, geom.num_kv_heads));
     let blocks = (geom.blocks_for(positions) + 1) * nl + sketch;
     let pool = HostPool::new(geom, (blocks * geom.block_bytes()) as u64)?;
     let mut ingest = None;

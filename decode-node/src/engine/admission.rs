@@ -84,6 +84,16 @@ impl SketchSlots {
     pub(crate) fn per_head(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.tokens_per_slot.max(1)) * self.layers
     }
+
+    /// Host pool blocks the sketch of `positions` takes over all `num_kv_heads` KV heads:
+    /// none where the device keeps it.
+    pub(crate) fn pool_pages(&self, positions: usize, num_kv_heads: usize) -> usize {
+        if self.on_device {
+            0
+        } else {
+            self.per_head(positions) * num_kv_heads
+        }
+    }
 }
 
 impl Need {
@@ -100,18 +110,17 @@ impl Need {
         let room = max_context.saturating_sub(r.num_tokens + 1);
         let max_new = (r.max_new_tokens as usize).min(room.max(1));
         // Positions it may ever hold: the prompt, the token fed first and `max_new` more.
-        let can_attend = g.blocks_for(r.num_tokens + max_new + 1);
-        let per_head = can_attend.min(resident_per_head);
         let positions = r.num_tokens + max_new + 1;
+        let can_attend = g.blocks_for(positions);
+        let per_head = can_attend.min(resident_per_head);
         let (device_sketch, sketch_pages) = match sketch {
             Some(s) if s.on_device => (s.per_head(positions), 0),
-            Some(s) => (0, s.per_head(positions) * g.num_kv_heads),
+            Some(s) => (0, s.pool_pages(positions, g.num_kv_heads)),
             None => (0, 0),
         };
         let device =
             ((per_head * r.num_layers + device_sketch) * g.head_bytes() * g.num_kv_heads) as u64;
-        let grow_blocks =
-            (g.blocks_for(r.num_tokens + max_new + 1) - g.blocks_for(r.num_tokens)) * r.num_layers;
+        let grow_blocks = (can_attend - g.blocks_for(r.num_tokens)) * r.num_layers;
         Self {
             max_new: max_new as u32,
             device,

@@ -60,9 +60,8 @@ impl<'a> SoloDecoder<'a> {
         // keeps one.
         let geom = *kv.geometry();
         let sketch = super::admission::SketchSlots::of_node(cfg, &geom, kv.num_layers(), false);
-        let sketch_pages = sketch.map_or(0, |s| {
-            s.per_head(kv.num_tokens() + max_new + 1) * geom.num_kv_heads
-        });
+        let positions = kv.num_tokens() + max_new + 1;
+        let sketch_pages = sketch.map_or(0, |s| s.pool_pages(positions, geom.num_kv_heads));
         let mut r = pool.reserve(kv.blocks_to_grow(max_new + 1) + sketch_pages)?;
         let pages = super::running::take_pages(&mut r, sketch_pages);
         kv.grow(r);

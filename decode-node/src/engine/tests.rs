@@ -261,7 +261,7 @@ fn a_cpu_node_keeps_each_sketch_in_pool_blocks_and_frees_them() {
         let layers = rig.model.model.cfg.num_layers;
         let pages = admission::SketchSlots::of_node(&node.attention, &geom, layers, false)
             .map_or(0, |s| {
-                s.per_head(prompt.len() + max_new as usize + 1) * geom.num_kv_heads
+                s.pool_pages(prompt.len() + max_new as usize + 1, geom.num_kv_heads)
             });
         (
             u.used + u.reserved,
