@@ -103,7 +103,8 @@ fn prefill_then_generate_with_the_binaries() {
 
 #[test]
 fn make_model_writes_a_model_serve_loads() {
-    let dir = std::env::temp_dir().join(format!("decode-node-mm-{}", std::process::id()));
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join("model");
     let out = bin()
         .args([
             "make-model",
@@ -154,8 +155,8 @@ fn recall_profile_feeds_serve() {
     let iv = v["intervals"].as_array().unwrap();
     assert_eq!(iv.len(), tiny().model.cfg.num_layers);
     assert!(iv.iter().all(|x| x.as_u64().unwrap() >= 1));
-    let path =
-        std::env::temp_dir().join(format!("decode-node-profile-{}.json", std::process::id()));
+    let scratch = tempfile::tempdir().unwrap();
+    let path = scratch.path().join("profile.json");
     std::fs::write(&path, v.to_string()).unwrap();
     let s = Served::start(&[
         "--recall-profile",

@@ -8,7 +8,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_is_refused_without_the_token_and_accepted_with_it() {
     let dir = tempdir("auth");
-    let tok = dir.join("token");
+    let tok = dir.path().join("token");
     std::fs::write(&tok, "s3cret-token\n").unwrap();
     let s = Served::start(&["--auth-token-file", tok.to_str().unwrap()]);
     let ch = s.channel().await;
@@ -84,9 +84,9 @@ async fn tls_and_mutual_tls() {
         ("cli.pem", cli_cert.clone()),
         ("cli.key", cli_key.clone()),
     ] {
-        std::fs::write(dir.join(name), body).unwrap();
+        std::fs::write(dir.path().join(name), body).unwrap();
     }
-    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
     let s = Served::start(&[
         "--tls-cert",
         &p("srv.pem"),
@@ -203,10 +203,12 @@ async fn tls_and_mutual_tls() {
     assert!(!ok && err.contains("not https://"), "{err}");
 }
 
-fn tempdir(tag: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("decode-node-test-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A scratch directory removed when the test ends, however it ends.
+fn tempdir(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("decode-node-test-{tag}-"))
+        .tempdir()
+        .unwrap()
 }
 
 /// Runs a Generate with `token` to its end: the token ids, or the status.
@@ -233,7 +235,7 @@ async fn generate_as(
 async fn roles_and_leases_fence_who_may_use_a_request() {
     use tonic::Code::{Aborted, PermissionDenied};
     let dir = tempdir("lease");
-    let tok = dir.join("tokens");
+    let tok = dir.path().join("tokens");
     std::fs::write(&tok, "# prefill side\np1 push\ng1 generate\n").unwrap();
     let s = Served::start(&[
         "--auth-token-file",

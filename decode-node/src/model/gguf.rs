@@ -983,13 +983,11 @@ mod tests {
             let reference = quantized.get(n).cloned().unwrap_or_else(|| t.to_f32());
             hf.insert(n.clone(), Tensor::from_f32(t.shape.clone(), &reference));
         }
-        let dir = std::env::temp_dir().join(format!("gguf-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("m.gguf");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
         std::fs::write(&path, w.finish()).unwrap();
         assert!(is_gguf(&path));
         let g = load(&path).unwrap();
-        std::fs::remove_dir_all(&dir).ok();
         assert_eq!(g.cfg.num_kv_heads, cfg.num_kv_heads);
         assert!(g.cfg.tie_word_embeddings);
         let ids = match &g.tokenizer {
