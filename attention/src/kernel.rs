@@ -178,21 +178,14 @@ pub fn attend_blocks_on<'a>(
         }
         #[cfg(target_arch = "x86_64")]
         if simd && blk.bytes.len() >= geom.head_bytes() {
-            // The next block's bytes are requested while this one computes: blocks lie
-            // anywhere in the pool, so the hardware prefetcher stops at each block's end. A
-            // group spreads the requests over its loops (a burst fills the line-fill buffers
-            // ahead of its own loads: G=4/8 lost a third with it); one head computes too
-            // little per block to spread them, so it asks for the whole block at once (on a
-            // 50 GB/s AVX-512 EPYC, G=1 rose from 0.4-0.55 of read bandwidth with no prefetch
-            // to 0.6 spread and 0.75 in a burst, 1 thread).
+            // The next block's bytes are requested while this one computes, spread over its
+            // loops (`Prefetch`): blocks lie anywhere in the pool, so the hardware prefetcher
+            // stops at each block's end.
             let next = match blocks.peek() {
                 Some(n) => &n.bytes[..geom.head_bytes().min(n.bytes.len())],
                 None => &[],
             };
             let mut pf = crate::kernel_avx2::Prefetch::new(next);
-            if g == 1 {
-                pf.all();
-            }
             let mut st = State { acc, m, l, s };
             // SAFETY: `best` checked the CPU and that block size and head dim are multiples of
             // 8; the block holds a whole head block.

@@ -59,13 +59,21 @@ fn hmax(v: __m256) -> f32 {
     _mm_cvtss_f32(m)
 }
 
-/// Prefetches of the next block, one 64-byte line per call, spread over this block's inner
-/// loops: its bytes arrive while this block computes, without a burst that would fill the
-/// line-fill buffers ahead of this block's own loads (a whole-block burst measured slower).
-/// Into L2, not L1: L1's few miss buffers capped the lines in flight. `bench kernels`
-/// (2-core EPYC, 2 threads, D=128, four alternating runs) moved G=4 from 15.4 to 20.7 GB/s
-/// (f16) and 12.9 to 17.0 (bf16) on AVX2, 17.0 to 17.7 and 16.4 to 19.0 on AVX-512; G=1 and
-/// G=8 within noise. (On a Zen 3 host without AVX-512 an earlier try gained 0-3%: no loss.)
+/// Prefetches of the next block, spread evenly over this block's inner loops (each calls
+/// [`Prefetch::line`] once per iteration): its bytes arrive while this block computes,
+/// without a burst that fills the miss buffers ahead of this block's own loads. Into L2, not
+/// L1: L1's few miss buffers capped the lines in flight.
+///
+/// Evenly means the block's calls and the next block's lines in proportion
+/// ([`Prefetch::spread_over`]): one line per call had a group of 3+ heads request all of it
+/// during its K loops, and a burst at the start (once used for one head) stalled the loads
+/// behind it. The counts stay whole numbers: an exact ratio kept in a running credit, or a
+/// loop over the lines of a call, cost 15-25% at one thread in the calls' own instructions.
+/// `bench kernels` AVX2, 2-core EPYC, three alternating runs, GB/s at 1 / 2 threads, against
+/// one line per call: G=3 D=64 (SmolLM2's shape) 16.5 -> 21 / 31 -> 38; G=4 D=64
+/// 16.5 -> 18.5 / 28 -> 35; G=4 D=128 15 -> 15.5 / 25 -> 29; G=8 +0-5%. Against the burst,
+/// G=1 (two lines a call): 11-13 -> 18-25 / 18-24 -> 29-32 (bf16, D=64 and 128).
+///
 /// A plain value that each loop copies into a local and hands back: kept behind a shared
 /// reference (a `Cell`), the cursor went through memory every iteration, a store-to-load
 /// chain longer than a small tile's FMAs.
@@ -73,55 +81,95 @@ fn hmax(v: __m256) -> f32 {
 pub(crate) struct Prefetch<'a> {
     next: &'a [u8],
     off: usize,
-    /// Calls to [`Prefetch::line`] passed over after each request, and left to pass over.
+    /// Bytes a request covers: one line, or two where a block makes fewer calls than the
+    /// next has lines (one head). Two prefetches either way, the second of the same line
+    /// when one: no branch or loop, which measured 20-25% slower in a group's tiles.
+    step: usize,
+    /// Calls passed over after each request, and left to pass over.
     skip: u8,
     wait: u8,
+    /// Calls made (tests compare them with [`line_calls`]).
+    #[cfg(test)]
+    pub(crate) made: usize,
 }
 
 impl<'a> Prefetch<'a> {
-    /// Prefetches of `next` (empty: none), a line per call.
+    /// Prefetches of `next` (empty: none), a line per call until [`Prefetch::spread_over`].
     pub(crate) fn new(next: &'a [u8]) -> Self {
         Self {
             next,
             off: 0,
+            step: 64,
             skip: 0,
             wait: 0,
+            #[cfg(test)]
+            made: 0,
         }
     }
 
-    /// From now on, a line every other call: for a block whose loops call [`Prefetch::line`]
-    /// about twice per line of the next block, so the requests spread over all of it.
-    pub(crate) fn every_other_call(&mut self) {
-        self.skip = 1;
+    /// Spreads the lines left over the next `calls` calls: two lines a call where there are
+    /// more lines than calls, or one every `floor(calls / lines)` calls, so the last line
+    /// goes out a little early rather than late.
+    pub(crate) fn spread_over(&mut self, calls: usize) {
+        let lines = self.next.len().saturating_sub(self.off).div_ceil(64);
+        let calls = calls.max(1);
+        (self.step, self.skip) = if lines > calls {
+            (128, 0)
+        } else {
+            (64, (calls / lines.max(1) - 1).min(u8::MAX as usize) as u8)
+        };
+        self.wait = 0;
     }
 
-    /// Requests every line left at once.
-    #[inline]
-    pub(crate) fn all(&mut self) {
-        while self.off < self.next.len() {
-            self.request();
-        }
-    }
-
-    /// Requests the next line, if any is left and this call is not one passed over.
+    /// Requests the lines this call owes, if any are left.
     #[inline]
     pub(crate) fn line(&mut self) {
+        #[cfg(test)]
+        {
+            self.made += 1;
+        }
         if self.wait > 0 {
             self.wait -= 1;
             return;
         }
         self.wait = self.skip;
-        self.request();
-    }
-
-    #[inline]
-    fn request(&mut self) {
         if self.off < self.next.len() {
-            // SAFETY: a prefetch is a hint and never faults; the address lies inside `next`.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.next.as_ptr().add(self.off).cast()) };
-            self.off += 64;
+            let p = self.next.as_ptr().wrapping_add(self.off);
+            // SAFETY: a prefetch is a hint and never faults, whatever the address (the
+            // second may lie past `next`, computed without `add`'s in-bounds promise).
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T1>(p.cast());
+                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(self.step - 64).cast());
+            }
+            self.off += self.step;
         }
     }
+}
+
+/// Calls to [`Prefetch::line`] that [`block`] makes for a block of `len` tokens (`nv`
+/// vectors of 8) of a group of `g` heads on the register tiles (not the AVX-512 group path,
+/// which makes one per K row and one per V row and 32 channels): K once per tile, run of
+/// `T` vectors (then single vectors) and `P` channels; V once per tile, token and slice of
+/// `8 W` channels. It mirrors the tile shapes that [`scores`] and [`block_as`] pick (a
+/// test counts the calls).
+fn line_calls(g: usize, d: usize, nv: usize, len: usize) -> usize {
+    let mut calls = 0;
+    let mut h0 = 0;
+    while h0 < g {
+        let h = tile_heads(g - h0);
+        let (t, p, w) = match h {
+            1 => (4, 2, 8),
+            2 => (4, 1, 4),
+            _ => (2, 1, 2),
+        };
+        let singles = nv % t;
+        let single_p = if h <= 4 { 2 } else { 1 };
+        calls += (nv / t) * (d / p) + singles * (d / single_p);
+        let w = if d.is_multiple_of(8 * w) { w } else { 1 };
+        calls += (d / (8 * w)) * len;
+        h0 += h;
+    }
+    calls
 }
 
 /// Folds one block (`len` tokens) into `st`. `qs` is the pre-scaled `[G][D]` query.
@@ -177,20 +225,13 @@ unsafe fn block_as<E: Elem>(
     let wide = avx512 && b == 32 && len == 32 && (2..=8).contains(&g);
     // SAFETY: forwarded from this function's contract; `s` holds G x b scores; `wide` checked
     // the CPU.
+    pf.spread_over(if wide {
+        2 * d
+    } else {
+        line_calls(g, d, nv, len)
+    });
     let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s, pf) };
     if !done {
-        // The register tiles of three heads or more call `line` about twice per line of a
-        // block (once per channel and tile for K, per token and head-dim slice for V): a line
-        // every other call spreads the next block's requests over all of this one, where a
-        // line per call had them all in flight during the K loops. `bench kernels` AVX2,
-        // 2-core EPYC, three alternating runs, GB/s 1 / 2 threads: G=3 D=64 (SmolLM2's
-        // shape) 16.5 -> 21 / 31 -> 38; G=4 D=64 16.5 -> 18.5 / 28 -> 35; G=4 D=128 15 -> 15.5
-        // / 25 -> 29; G=8 +0-5%; G=5 D=128 1 thread -3%, 2 threads +5-10%. Two heads make
-        // one call per line (a line every other call lost a third), and the AVX-512 group
-        // path makes fewer still (lost 30% at D=128).
-        if g >= 3 {
-            pf.every_other_call();
-        }
         // SAFETY: forwarded from this function's contract; `s` holds G x b >= G x 8nv scores.
         unsafe { scores::<E>(kt, b, d, nv, qs, g, st.s, pf) };
     }
@@ -564,4 +605,58 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
         }
     }
     *pf = pfl;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `line_calls` counts the calls the tiles make, for every group size, both head dims
+    /// the tiles split differently, full and partial blocks, and each element type.
+    #[test]
+    fn line_calls_counts_the_calls_a_block_makes() {
+        if !available() {
+            return;
+        }
+        for dtype in [KvDType::F32, KvDType::F16, KvDType::Bf16, KvDType::I8] {
+            for d in [64, 72, 128] {
+                for g in 1..=9 {
+                    for len in [1, 8, 9, 24, 32] {
+                        let geom = BlockGeometry {
+                            block_size: 32,
+                            num_kv_heads: 1,
+                            head_dim: d,
+                            dtype,
+                        };
+                        let bytes = vec![0u8; geom.head_bytes()];
+                        let next = vec![0u8; geom.head_bytes()];
+                        let qs = vec![0.5f32; g * d];
+                        let (mut acc, mut m, mut l, mut sc) = (
+                            vec![0f32; g * d],
+                            vec![f32::NEG_INFINITY; g],
+                            vec![0f32; g],
+                            vec![0f32; g * 32],
+                        );
+                        let mut st = State {
+                            acc: &mut acc,
+                            m: &mut m,
+                            l: &mut l,
+                            s: &mut sc,
+                        };
+                        let mut pf = Prefetch::new(&next);
+                        // SAFETY: checked the CPU; a whole head block; 32 and d multiples of 8.
+                        unsafe { block(&geom, &qs, &bytes, len, &mut st, &mut pf, false) };
+                        let nv = len.div_ceil(8);
+                        let calls = line_calls(g, d, nv, len);
+                        let case = format!("{dtype:?} d={d} g={g} len={len}");
+                        assert_eq!(pf.made, calls, "{case}");
+                        // Every line, where two a call can carry them.
+                        if next.len().div_ceil(64) <= 2 * calls {
+                            assert!(pf.off >= next.len(), "{case}: {} of {}", pf.off, next.len());
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
