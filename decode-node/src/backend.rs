@@ -11,6 +11,7 @@ mod cpu;
 pub mod cuda;
 pub(crate) mod gemm;
 pub mod resident;
+pub(crate) mod team;
 
 pub use cpu::CpuBackend;
 pub use resident::{NextQuery, ResidentKv, ResidentLayer, ResidentQuery, ResidentSeq};

@@ -17,6 +17,7 @@ mod rows_avx2;
 mod rows_avx512;
 
 use super::gemm::{Mat, MatMut, gemm};
+use super::team;
 use super::{Backend, BackendError, LinearOut};
 use crate::tensor::Tensor;
 
@@ -233,40 +234,56 @@ impl<'a> RowJob<'a> {
 
 /// `y = x · wᵀ + bias` for every projection of `outs`, one weight row at a time (few
 /// inputs), as ONE parallel region over all their rows: a decode step of a small model has
-/// a few hundred such projections, and each region costs a wake-up and a join.
+/// a few hundred such projections, and each region costs a start and a join. Tasks are
+/// indices into the projections' rows, not a list built before the region: building one
+/// (2048 tasks for SmolLM2's LM head alone) was ~4% of a batch-1 step, serial on the step
+/// thread (perf).
 fn linear_rows(x: &[f32], batch: usize, outs: &mut [LinearOut<'_>]) {
     let inputs = RowInputs::new(x);
-    let jobs: Vec<RowJob<'_>> = outs
-        .iter()
-        .map(|o| RowJob::new(&inputs, batch, o.w, o.bias))
-        .collect();
-    let tasks: Vec<(usize, RowSlices<'_>)> = outs
+    let mut first = 0;
+    let jobs: SmallVec<[(RowJob<'_>, RowsOut, usize); 4]> = outs
         .iter_mut()
-        .enumerate()
-        .flat_map(|(j, o)| {
+        .map(|o| {
             let rows = o.w.rows();
-            row_tasks(o.y, rows, batch).map(move |t| (j, t))
+            let job = (
+                RowJob::new(&inputs, batch, o.w, o.bias),
+                RowsOut::new(o.y, rows, batch),
+                first,
+            );
+            first += rows.div_ceil(ROWS_PER_TASK);
+            job
         })
         .collect();
-    tasks
-        .into_par_iter()
-        .for_each_init(RowScratch::default, |scratch, (j, mut t)| {
-            let r0 = t.r0;
-            t.fill(scratch, |chunk, rows| jobs[j].run(r0, batch, chunk, rows))
-        });
+    team::for_each(first, &|t| {
+        // The last projection whose first task is at or before `t` (one with no rows
+        // shares its first task with the next).
+        let Some((job, out, first)) = jobs.iter().rev().find(|(_, _, first)| *first <= t) else {
+            return;
+        };
+        let r0 = (t - first) * ROWS_PER_TASK;
+        let n = ROWS_PER_TASK.min(job.w.rows() - r0);
+        // SAFETY: task `t` is the only one given rows `r0..r0 + n` of this projection.
+        unsafe { out.fill(r0, n, |chunk, rows| job.run(r0, batch, chunk, rows)) };
+    });
 }
 
-/// Rows `r0..r0 + n` of a projection's output `y` (`[batch][out]`): one slice per input.
-/// A task computes them `[n][batch]` (the order the row loops write) and puts each in place,
-/// so no pass over `y` runs on one thread after the parallel region. The slices sit inline up
-/// to a decode batch of eight: a step makes thousands of tasks (2048 for SmolLM2's LM head
-/// alone), and a heap list each was ~5% of a batch-1 step in malloc and free (perf).
-struct RowSlices<'y> {
-    r0: usize,
-    dst: SmallVec<[&'y mut [f32]; 8]>,
+/// A projection's output `y` (`[batch][out]`) that a region's tasks write, each its own rows.
+/// A task computes its rows `[n][batch]` (the order the row loops write) and puts each value
+/// in place, so no pass over `y` runs on one thread after the region.
+struct RowsOut {
+    y: *mut f32,
+    out: usize,
+    batch: usize,
 }
+
+// SAFETY: tasks write disjoint rows of `y` (see `fill`), which outlives the region.
+unsafe impl Send for RowsOut {}
+// SAFETY: as above.
+unsafe impl Sync for RowsOut {}
 
 /// A task's scratch: its rows' outputs `[n][batch]`, a second output (GLU) and widened rows.
+/// One per thread: a step's regions reuse it (a fresh one per task was malloc and free in
+/// the profile).
 #[derive(Default)]
 struct RowScratch {
     out: Vec<f32>,
@@ -274,39 +291,54 @@ struct RowScratch {
     rows: Vec<f32>,
 }
 
-impl RowSlices<'_> {
-    /// Runs `compute` into `[n][batch]` and writes the result to the slices (with one input,
-    /// straight into its slice).
-    fn fill(&mut self, scratch: &mut RowScratch, compute: impl FnOnce(&mut [f32], &mut Vec<f32>)) {
-        let batch = self.dst.len();
-        let n = self.dst.first().map_or(0, |d| d.len());
-        if n == 0 {
-            return;
-        }
-        if batch == 1 {
-            return compute(self.dst[0], &mut scratch.rows);
-        }
-        scratch.out.resize(n * batch, 0.0);
-        compute(&mut scratch.out, &mut scratch.rows);
-        for (b, d) in self.dst.iter_mut().enumerate() {
-            for (r, v) in d.iter_mut().enumerate() {
-                *v = scratch.out[r * batch + b];
-            }
-        }
-    }
+thread_local! {
+    static ROW_SCRATCH: std::cell::RefCell<RowScratch> = std::cell::RefCell::default();
 }
 
-/// `y` (`[batch][out]`) cut into tasks of [`ROWS_PER_TASK`] output rows.
-fn row_tasks(y: &mut [f32], out: usize, batch: usize) -> impl Iterator<Item = RowSlices<'_>> {
-    let mut per_input: Vec<std::slice::ChunksMut<'_, f32>> = y
-        .chunks_exact_mut(out.max(1))
-        .take(batch)
-        .map(|row| row.chunks_mut(ROWS_PER_TASK))
-        .collect();
-    (0..out.div_ceil(ROWS_PER_TASK)).map(move |ci| RowSlices {
-        r0: ci * ROWS_PER_TASK,
-        dst: per_input.iter_mut().filter_map(Iterator::next).collect(),
-    })
+impl RowsOut {
+    fn new(y: &mut [f32], out: usize, batch: usize) -> Self {
+        assert!(
+            y.len() >= out * batch,
+            "output of {} for {batch} x {out}",
+            y.len()
+        );
+        Self {
+            y: y.as_mut_ptr(),
+            out,
+            batch,
+        }
+    }
+
+    /// Runs `compute` (given `[n][batch]` and the thread's widened-rows scratch) for rows
+    /// `r0..r0 + n` and writes them to `y`: with one input, straight into place.
+    ///
+    /// # Safety
+    /// `r0 + n <= out`, and no other task writes rows `r0..r0 + n` while this runs.
+    unsafe fn fill(&self, r0: usize, n: usize, compute: impl FnOnce(&mut [f32], &mut Vec<f32>)) {
+        debug_assert!(r0 + n <= self.out);
+        if n == 0 || self.batch == 0 {
+            return;
+        }
+        ROW_SCRATCH.with_borrow_mut(|scratch| {
+            if self.batch == 1 {
+                // SAFETY: rows r0..r0 + n of the one input are in `y` and this task's alone.
+                let dst = unsafe { std::slice::from_raw_parts_mut(self.y.add(r0), n) };
+                return compute(dst, &mut scratch.rows);
+            }
+            let mut out = std::mem::take(&mut scratch.out);
+            out.resize(n * self.batch, 0.0);
+            compute(&mut out, &mut scratch.rows);
+            for b in 0..self.batch {
+                // SAFETY: as above, for input `b`'s rows.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(self.y.add(b * self.out + r0), n) };
+                for (r, v) in dst.iter_mut().enumerate() {
+                    *v = out[r * self.batch + b];
+                }
+            }
+            scratch.out = out;
+        })
+    }
 }
 
 /// `y = silu(x · gateᵀ) * (x · upᵀ)` on the row path, in one parallel region: each task
@@ -317,22 +349,26 @@ fn glu_rows(x: &[f32], batch: usize, gate: &Tensor, up: &Tensor, y: &mut [f32]) 
         RowJob::new(&inputs, batch, gate, None),
         RowJob::new(&inputs, batch, up, None),
     );
-    let tasks: Vec<RowSlices<'_>> = row_tasks(y, gate.rows(), batch).collect();
-    tasks
-        .into_par_iter()
-        .for_each_init(RowScratch::default, |scratch, mut t| {
-            let (r0, mut ups) = (t.r0, std::mem::take(&mut scratch.other));
-            t.fill(scratch, |chunk, rows| {
-                g.run(r0, batch, chunk, rows);
+    let rows = gate.rows();
+    let out = RowsOut::new(y, rows, batch);
+    team::for_each(rows.div_ceil(ROWS_PER_TASK), &|t| {
+        let r0 = t * ROWS_PER_TASK;
+        let n = ROWS_PER_TASK.min(rows - r0);
+        let mut ups = ROW_SCRATCH.with_borrow_mut(|s| std::mem::take(&mut s.other));
+        // SAFETY: task `t` is the only one given rows `r0..r0 + n`.
+        unsafe {
+            out.fill(r0, n, |chunk, widened| {
+                g.run(r0, batch, chunk, widened);
                 ups.resize(chunk.len(), 0.0);
-                u.run(r0, batch, &mut ups, rows);
+                u.run(r0, batch, &mut ups, widened);
                 chunk
                     .iter_mut()
                     .zip(ups.iter())
                     .for_each(|(a, b)| *a = super::silu_times(*a, *b));
-            });
-            scratch.other = ups;
-        });
+            })
+        };
+        ROW_SCRATCH.with_borrow_mut(|s| s.other = ups);
+    });
 }
 
 /// `y = x · wᵀ + bias` as a GEMM over tiles of inputs (many inputs).
