@@ -413,6 +413,20 @@ fn bench_decode_reports_traffic_against_read_bandwidth() {
             r["read_gb_per_s"].as_f64().unwrap(),
         );
         assert!((r["ratio_to_read_bandwidth"].as_f64().unwrap() - gbps / bw).abs() < 1e-9);
+        // The roofline: no faster than streaming the bytes at that bandwidth.
+        let roof = r["roofline_tokens_per_s"].as_f64().unwrap();
+        let per_token = r["bytes_per_token"].as_f64().unwrap();
+        assert!(roof <= bw * 1e9 / per_token * (1.0 + 1e-9), "{r}");
+        assert!(r["fmas_per_token"].as_f64().unwrap() > 0.0, "{r}");
+        let ratio = r["ratio_to_roofline"].as_f64().unwrap();
+        assert!(
+            (ratio - r["tokens_per_s"].as_f64().unwrap() / roof).abs() < 1e-9,
+            "{r}"
+        );
+        assert!(
+            ["memory", "FMA"].contains(&r["roofline_bound"].as_str().unwrap()),
+            "{r}"
+        );
     }
 }
 

@@ -461,7 +461,10 @@ pub enum Bench {
     Kernels(KernelsBench),
     /// Loopback PushKv throughput against memcpy, one or several concurrent pushes.
     Ingest(IngestBench),
-    /// Tokens/s and TTFT of each attention mode at each context length, through `serve`.
+    /// Tokens/s and TTFT of each attention mode at each context length, through `serve`; on
+    /// the CPU with the bytes a step moves against read bandwidth, and the ratio to a roofline
+    /// (those bytes at read bandwidth, or the step's FMAs at the FMA rate measured in the same
+    /// run, whichever is slower: batches of a few rows are bound by the FMAs).
     Decode(DecodeBench),
     /// How many requests of one context length each mode serves at once on this node's
     /// device and host KV memory, and their aggregate tokens/s, through `serve`.

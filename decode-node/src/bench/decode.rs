@@ -20,10 +20,15 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
     // A step streams the weights and the KV it attends: on the CPU from host memory, whose
     // bound is the read bandwidth of all cores; on a device from its own memory, whose copy
     // bandwidth the backend measures. Both are read off the first node started, while it is
-    // idle.
+    // idle; on the CPU, read bandwidth again after each mode (a VM's moves by half over
+    // minutes), and each row divides by the larger of the two around it. A CPU step also
+    // multiplies every weight by each row of the batch: from a few rows on, the FMA rate of
+    // the row kernels' SIMD bounds it before memory does.
     let cfg = model_config(&args.common.model)?;
     let on_device = args.common.model.device != "cpu";
-    let mut bound: Option<(u64, f64)> = None;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut bound: Option<(u64, u64, f64)> = None;
+    let fma_peak = (!on_device).then(|| fma_peak_threads(row_kernel_path(args.batch), cpus, 0.3));
     let bound_name = if on_device { "device copy" } else { "read" };
     let pool_dtype = crate::node::kv_dtype(&args.common.model.kv_dtype, &cfg.torch_dtype)?;
     let mut rows = Vec::new();
@@ -45,12 +50,13 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 kv_bytes + (kv_bytes >> 4) + sketch_bytes_for(&cfg, tokens) * batch + (64 << 20);
             let device = if mode == "full" { host } else { 4 << 30 };
             let node = start_node(m, host, device, args.batch.max(1), 600.0, false).await?;
-            let (weights, bw) = *bound.get_or_insert_with(|| {
+            let (weights, params, bw_before) = *bound.get_or_insert_with(|| {
                 let m = &node.model.model;
-                let bw = m.backend().memory_bandwidth().unwrap_or_else(|| {
-                    host_read_bandwidth(std::thread::available_parallelism().map_or(1, |n| n.get()))
-                });
-                (m.weight_bytes(), bw)
+                let bw = m
+                    .backend()
+                    .memory_bandwidth()
+                    .unwrap_or_else(|| host_read_bandwidth(cpus));
+                (m.weight_bytes(), m.weight_params(), bw)
             });
             let target = node.target();
             let info = model_info(&target).await?;
@@ -108,6 +114,13 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             // Every request of the batch counts the same steps' idle time: their mean.
             let device_idle_share = on_device.then(|| idle / args.batch.max(1) as f64 / secs);
             node.stop().await?;
+            let bw = if on_device {
+                bw_before
+            } else {
+                let after = host_read_bandwidth(cpus);
+                bound = Some((weights, params, after));
+                bw_before.max(after)
+            };
             if mode == "full" {
                 full_tps = Some(tps);
             }
@@ -132,8 +145,21 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                     (geom.block_bytes() * info.num_layers as usize) as f64 / geom.block_size as f64;
                 let step_bytes = weights as f64 + nb * attended * kv_per_token;
                 let gbps = step_bytes * tps / nb;
-                (step_bytes / nb, gbps, bw)
+                (step_bytes / nb, gbps, bw, attended)
             };
+            // The roofline: the slower of streaming the step's bytes and issuing its FMAs
+            // (every weight once per row; q·k and p·v per attended token and query head).
+            let roofline = fma_peak.map(|peak| {
+                let attn_fmas = 2.0
+                    * traffic.3
+                    * f64::from(info.num_layers)
+                    * cfg.num_heads as f64
+                    * f64::from(info.head_dim);
+                let step_fmas = nb * (params as f64 + attn_fmas);
+                let (mem_s, fma_s) = (traffic.0 * nb / bw, step_fmas / peak);
+                let bound = if fma_s > mem_s { "FMA" } else { "memory" };
+                (nb / mem_s.max(fma_s), bound, step_fmas / nb, peak)
+            });
             // Recall's traffic per generated token, and the share of recalled blocks that their
             // layer selected at its next step (what the copies were worth).
             let recall_per_token = recalled_bytes as f64 / tokens.max(1) as f64;
@@ -150,6 +176,11 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 "read_gb_per_s": traffic.2 / 1e9, "bound": bound_name,
                 "ratio_to_read_bandwidth": traffic.1 / traffic.2,
                 "fits_in_cache": !on_device && cache_note(traffic.0 * nb).is_some(),
+                "fmas_per_token": roofline.map(|r| r.2),
+                "fma_g_per_s": roofline.map(|r| r.3 / 1e9),
+                "roofline_tokens_per_s": roofline.map(|r| r.0),
+                "roofline_bound": roofline.map(|r| r.1),
+                "ratio_to_roofline": roofline.map(|r| tps / r.0),
             });
             if !args.common.json {
                 eprintln!(
@@ -174,7 +205,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                         recall_used_share.unwrap_or(0.0) * 100.0
                     );
                 }
-                let (per_token, gbps, bw) = traffic;
+                let (per_token, gbps, bw, _) = traffic;
                 eprintln!(
                     "decode ctx={ctx} {mode:>6}: {:.1} MB moved per token, {:.2} GB/s / {:.2} GB/s {bound_name} = {:.2}",
                     per_token / 1e6,
@@ -182,6 +213,13 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                     bw / 1e9,
                     gbps / bw
                 );
+                if let Some((roof, bound, _, peak)) = roofline {
+                    eprintln!(
+                        "decode ctx={ctx} {mode:>6}: roofline {roof:.1} tok/s ({bound} bound; FMA {:.0} G/s) = {:.2}",
+                        peak / 1e9,
+                        tps / roof
+                    );
+                }
                 if let Some(note) = cache_note(per_token * nb).filter(|_| !on_device) {
                     eprintln!("decode ctx={ctx} {mode:>6}: {note}");
                 }
@@ -190,4 +228,15 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
         }
     }
     Ok(json!({ "bench": "decode", "results": rows }))
+}
+
+/// The SIMD path of the CPU row kernels at `batch` rows: 8 lanes below 3 rows on x86-64
+/// (bound by memory, where wider FMAs do not help), the widest this CPU has from there.
+fn row_kernel_path(batch: u32) -> KernelPath {
+    #[cfg(target_arch = "x86_64")]
+    if batch < 3 {
+        return KernelPath::Avx2;
+    }
+    let _ = batch;
+    KernelPath::Scalar
 }

@@ -2,7 +2,7 @@
 //! of the same threads, measured in the same run.
 
 use super::*; // the shared helpers and imports of `bench`
-use attention::{KernelPath, attend_blocks_on};
+use attention::attend_blocks_on;
 
 /// CPU sparse attention: KV bytes scanned per second ÷ read bandwidth, per configuration.
 pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
@@ -148,14 +148,4 @@ fn scan_rate(
         best = best.max(data.len() as f64 / start.elapsed().as_secs_f64());
     }
     best
-}
-
-/// Scalar FMAs per second of `threads` threads issuing at once, at `path`'s vector width.
-fn fma_peak_threads(path: KernelPath, threads: usize, seconds: f64) -> f64 {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..threads.max(1))
-            .map(|_| s.spawn(move || attention::fma_peak_on(path, seconds)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
-    })
 }

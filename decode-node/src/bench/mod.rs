@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use attention::{BlockGeometry, HeadBlock, KvDType, Scratch, encode_from_f32};
+use attention::{BlockGeometry, HeadBlock, KernelPath, KvDType, Scratch, encode_from_f32};
 use bytes::Bytes;
 use decode_node_proto::v1 as pb;
 use kv_transfer::client::{PromptKv, PushOptions, push_kv};
@@ -87,6 +87,16 @@ fn host_read_bandwidth(threads: usize) -> f64 {
         .map(|i| (i % 7) as f32)
         .collect();
     read_bandwidth(&buf, threads, 1.0)
+}
+
+/// Scalar FMAs per second of `threads` threads issuing at once, at `path`'s vector width.
+pub(crate) fn fma_peak_threads(path: KernelPath, threads: usize, seconds: f64) -> f64 {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads.max(1))
+            .map(|_| s.spawn(move || attention::fma_peak_on(path, seconds)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+    })
 }
 
 /// A note for a figure whose `bytes` per step fit in the last-level cache: its reads may come

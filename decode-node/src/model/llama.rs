@@ -250,21 +250,27 @@ impl Model {
 
     /// Bytes of weights one decode step streams (every projection and the LM head).
     pub fn weight_bytes(&self) -> u64 {
-        let lin = |l: &Linear| l.w.bytes().len() as u64;
+        self.sum_over_weights(|w| w.bytes().len() as u64)
+    }
+
+    /// Weight elements one decode step multiplies each input row by: its FMAs per row.
+    pub fn weight_params(&self) -> u64 {
+        self.sum_over_weights(|w| (w.rows() * w.cols()) as u64)
+    }
+
+    /// `f` summed over every projection's weight and the LM head.
+    fn sum_over_weights(&self, f: impl Fn(&Tensor) -> u64) -> u64 {
         let layers: u64 = self
             .layers
             .iter()
             .map(|l| {
-                lin(&l.q)
-                    + lin(&l.k)
-                    + lin(&l.v)
-                    + lin(&l.o)
-                    + lin(&l.gate)
-                    + lin(&l.up)
-                    + lin(&l.down)
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .into_iter()
+                    .map(|lin| f(&lin.w))
+                    .sum::<u64>()
             })
             .sum();
-        layers + self.lm_head.as_ref().unwrap_or(&self.embed).bytes().len() as u64
+        layers + f(self.lm_head.as_ref().unwrap_or(&self.embed))
     }
 
     /// The backend it runs on.
