@@ -36,6 +36,10 @@ use smallvec::SmallVec;
 /// (gRPC, ingest) get a core back soon when they have work and the step thread is busy alone.
 const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(50);
 
+/// Most tasks a region takes: a part packs its bounds in one 64-bit word (a step's regions
+/// have a few thousand).
+const MAX_TASKS: usize = u32::MAX as usize;
+
 /// The shared state of one step's team.
 struct Team {
     /// Bumped each time a region is posted; helpers poll it (a read-only line until then).
@@ -102,8 +106,7 @@ impl Part {
 
 impl<'f> Region<'f> {
     fn new(tasks: usize, members: usize, task: &'f (dyn Fn(usize) + Sync)) -> Self {
-        // Task indices are packed in 32 bits; a step's regions have a few thousand.
-        let tasks = tasks.min(u32::MAX as usize);
+        debug_assert!(tasks <= MAX_TASKS);
         let members = members.max(1);
         let parts = (0..members)
             .map(|m| Part::new(tasks * m / members, tasks * (m + 1) / members))
@@ -182,13 +185,17 @@ pub(crate) fn run_step<R: Send>(step: impl FnOnce() -> R + Send) -> R {
 /// runs a step ([`run_step`]), else on rayon.
 pub(crate) fn for_each(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
     let team = CURRENT.get();
-    if team.is_null() {
-        (0..tasks).into_par_iter().for_each(task);
-        return;
-    }
     // SAFETY: CURRENT points at the team of the step this thread is inside (`run_step`
     // clears it before the team is dropped).
-    unsafe { &*team }.run(tasks, task);
+    let team = (!team.is_null()).then(|| unsafe { &*team });
+    match team {
+        // A region inside a region's task (none today) or past 32-bit task indices runs on
+        // rayon: the team has one region slot, and parts pack their bounds in 32 bits.
+        Some(team) if team.region.load(Ordering::Relaxed).is_null() && tasks <= MAX_TASKS => {
+            team.run(tasks, task)
+        }
+        _ => (0..tasks).into_par_iter().for_each(task),
+    }
 }
 
 impl Team {
@@ -357,6 +364,19 @@ mod tests {
         let n = AtomicUsize::new(0);
         p.install(|| run_step(|| for_each(10, &|_| _ = n.fetch_add(1, Ordering::Relaxed))));
         assert_eq!(n.load(Ordering::Relaxed), 10);
+    }
+
+    #[test]
+    fn a_region_inside_a_task_runs_on_rayon() {
+        let n = AtomicUsize::new(0);
+        pool(2).install(|| {
+            run_step(|| {
+                for_each(8, &|_| {
+                    for_each(8, &|_| _ = n.fetch_add(1, Ordering::Relaxed))
+                });
+            })
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 64);
     }
 
     #[test]
