@@ -241,7 +241,7 @@ impl<'a> RowJob<'a> {
 fn linear_rows(x: &[f32], batch: usize, outs: &mut [LinearOut<'_>]) {
     let inputs = RowInputs::new(x);
     let mut first = 0;
-    let jobs: SmallVec<[(RowJob<'_>, RowsOut, usize); 4]> = outs
+    let jobs: SmallVec<[(RowJob<'_>, RowsOut<'_>, usize); 4]> = outs
         .iter_mut()
         .map(|o| {
             let rows = o.w.rows();
@@ -269,17 +269,19 @@ fn linear_rows(x: &[f32], batch: usize, outs: &mut [LinearOut<'_>]) {
 
 /// A projection's output `y` (`[batch][out]`) that a region's tasks write, each its own rows.
 /// A task computes its rows `[n][batch]` (the order the row loops write) and puts each value
-/// in place, so no pass over `y` runs on one thread after the region.
-struct RowsOut {
+/// in place, so no pass over `y` runs on one thread after the region. It holds `y`'s borrow
+/// for as long as it lives.
+struct RowsOut<'y> {
     y: *mut f32,
     out: usize,
     batch: usize,
+    _y: std::marker::PhantomData<&'y mut [f32]>,
 }
 
-// SAFETY: tasks write disjoint rows of `y` (see `fill`), which outlives the region.
-unsafe impl Send for RowsOut {}
+// SAFETY: tasks write disjoint rows of `y` (see `fill`), which it borrows.
+unsafe impl Send for RowsOut<'_> {}
 // SAFETY: as above.
-unsafe impl Sync for RowsOut {}
+unsafe impl Sync for RowsOut<'_> {}
 
 /// A task's scratch: its rows' outputs `[n][batch]`, a second output (GLU) and widened rows.
 /// One per thread: a step's regions reuse it (a fresh one per task was malloc and free in
@@ -295,8 +297,8 @@ thread_local! {
     static ROW_SCRATCH: std::cell::RefCell<RowScratch> = std::cell::RefCell::default();
 }
 
-impl RowsOut {
-    fn new(y: &mut [f32], out: usize, batch: usize) -> Self {
+impl<'y> RowsOut<'y> {
+    fn new(y: &'y mut [f32], out: usize, batch: usize) -> Self {
         assert!(
             y.len() >= out * batch,
             "output of {} for {batch} x {out}",
@@ -306,6 +308,7 @@ impl RowsOut {
             y: y.as_mut_ptr(),
             out,
             batch,
+            _y: std::marker::PhantomData,
         }
     }
 
