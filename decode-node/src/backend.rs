@@ -14,6 +14,7 @@ pub mod resident;
 pub(crate) mod team;
 
 pub use cpu::CpuBackend;
+pub(crate) use cpu::row_fma_path;
 pub use resident::{NextQuery, ResidentKv, ResidentLayer, ResidentQuery, ResidentSeq};
 
 use std::sync::Arc;

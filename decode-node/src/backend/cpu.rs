@@ -61,6 +61,18 @@ fn prefetch_l2(p: *const u8) {
     unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast()) }
 }
 
+/// The SIMD path whose FMA rate bounds the row path at `batch` inputs: AVX2's 8 lanes below
+/// [`AVX512_MIN_BATCH`] on x86-64, the widest this CPU has from there (what `bench decode`
+/// measures its roofline with).
+pub(crate) fn row_fma_path(batch: usize) -> attention::KernelPath {
+    #[cfg(target_arch = "x86_64")]
+    if batch < AVX512_MIN_BATCH {
+        return attention::KernelPath::Avx2;
+    }
+    let _ = batch;
+    attention::KernelPath::Scalar
+}
+
 /// Inputs per rayon task on the GEMM path.
 const GEMM_ROWS_PER_TASK: usize = 64;
 

@@ -28,7 +28,8 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
     let on_device = args.common.model.device != "cpu";
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut bound: Option<(u64, u64, f64)> = None;
-    let fma_peak = (!on_device).then(|| fma_peak_threads(row_kernel_path(args.batch), cpus, 0.3));
+    let fma_peak = (!on_device)
+        .then(|| fma_peak_threads(crate::backend::row_fma_path(args.batch as usize), cpus, 0.3));
     let bound_name = if on_device { "device copy" } else { "read" };
     let pool_dtype = crate::node::kv_dtype(&args.common.model.kv_dtype, &cfg.torch_dtype)?;
     let mut rows = Vec::new();
@@ -228,15 +229,4 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
         }
     }
     Ok(json!({ "bench": "decode", "results": rows }))
-}
-
-/// The SIMD path of the CPU row kernels at `batch` rows: 8 lanes below 3 rows on x86-64
-/// (bound by memory, where wider FMAs do not help), the widest this CPU has from there.
-fn row_kernel_path(batch: u32) -> KernelPath {
-    #[cfg(target_arch = "x86_64")]
-    if batch < 3 {
-        return KernelPath::Avx2;
-    }
-    let _ = batch;
-    KernelPath::Scalar
 }
