@@ -49,47 +49,50 @@ fn place(res: &mut Residency, mut plan: HeadPlan, step: u64, cap: usize) -> Head
     plan
 }
 
-/// `hgca`: the sink and a recent window dense on the device (the local window where one is
-/// configured, else half the budget); the top-k of the rest by `scores` (one per block), with
-/// what is left of the budget, on the CPU. Without scores (a dense layer) all of the rest.
+/// `hgca`: the sink and a recent window dense on the device ([`hgca_window`] blocks); the
+/// rest of the selection `sel` (made with that window, see [`crate::select_spans`]) on the
+/// CPU. Without a selection (a dense layer) all of the rest.
 pub(crate) fn hgca(
     cfg: &AttentionConfig,
-    scores: Option<&[f32]>,
+    sel: Option<&[usize]>,
     block_size: usize,
     n: usize,
     (res, step): (&mut Residency, u64),
 ) -> HeadPlan {
     let cap = cfg.resident_blocks_per_head();
-    place(res, hgca_split(cfg, scores, block_size, n), step, cap)
+    place(res, hgca_split(cfg, sel, block_size, n), step, cap)
+}
+
+/// Newest blocks `hgca` attends densely on the device: the local window where one is
+/// configured, else half the budget; at least one, and never the whole budget.
+pub(crate) fn hgca_window(cfg: &AttentionConfig, block_size: usize) -> usize {
+    let budget = cfg.budget_blocks(block_size);
+    if cfg.local_window_tokens > 0 {
+        cfg.local_blocks(block_size)
+    } else {
+        budget / 2
+    }
+    .clamp(1, budget.saturating_sub(1).max(1))
 }
 
 /// The `hgca` split, before residency.
 fn hgca_split(
     cfg: &AttentionConfig,
-    scores: Option<&[f32]>,
+    sel: Option<&[usize]>,
     block_size: usize,
     n: usize,
 ) -> HeadPlan {
-    let budget = cfg.budget_blocks(block_size);
-    let window = if cfg.local_window_tokens > 0 {
-        cfg.local_blocks(block_size)
-    } else {
-        budget / 2
-    }
-    .clamp(1, budget.saturating_sub(1).max(1));
-    let start = n.saturating_sub(window).max(1).min(n);
+    let start = n.saturating_sub(hgca_window(cfg, block_size)).max(1).min(n);
     let mut device: Vec<usize> = (0..n.min(1)).chain(start..n).collect();
     device.dedup();
-    let Some(scores) = scores else {
-        return HeadPlan {
-            device,
-            cpu: (1..start).collect(),
-        };
+    let cpu = match sel {
+        Some(sel) => sel
+            .iter()
+            .copied()
+            .filter(|&b| b != 0 && b < start)
+            .collect(),
+        None => (1..start).collect(),
     };
-    let mut rest: Vec<(usize, f32)> = (1..start).map(|b| (b, scores[b])).collect();
-    let k = budget.saturating_sub(device.len());
-    let mut cpu = crate::select::best_blocks(&mut rest, k, cfg.select_spans.then_some(start));
-    cpu.sort_unstable();
     HeadPlan { device, cpu }
 }
 
@@ -166,12 +169,14 @@ mod tests {
             let k = if b == 4 { [9.0; 4] } else { [0.1; 4] };
             digests.update(b, &k);
         }
-        let scores = |digests: &HeadDigests| -> Vec<f32> {
+        // What the sequence hands hgca: the top-k with its window.
+        let sel = |cfg: &AttentionConfig, digests: &HeadDigests| -> Vec<usize> {
             let gq = GroupQuery::new(&[1.0; 4], d);
-            (0..n).map(|b| digests.score(&gq, b)).collect()
+            let scores: Vec<f32> = (0..n).map(|b| digests.score(&gq, b)).collect();
+            crate::select_spans(&scores, cfg.budget_blocks(16), hgca_window(cfg, 16), false)
         };
         let mut res = Residency::new(n);
-        let p = hgca(&cfg, Some(&scores(&digests)), 16, n, (&mut res, 0));
+        let p = hgca(&cfg, Some(&sel(&cfg, &digests)), 16, n, (&mut res, 0));
         assert!(res.device_blocks(&p.device).is_ok());
         // Budget 4 blocks: window 2 (8, 9) plus the sink on the device, 1 more on the CPU.
         assert_eq!(p.device, vec![0, 8, 9]);
@@ -187,7 +192,7 @@ mod tests {
             let k = if b == 6 { [5.0; 4] } else { [0.0; 4] };
             digests.update(b, &k);
         }
-        let p = hgca(&narrow, Some(&scores(&digests)), 16, n, (&mut res, 2));
+        let p = hgca(&narrow, Some(&sel(&narrow, &digests)), 16, n, (&mut res, 2));
         assert_eq!(p.device, vec![0, 9]);
         assert_eq!(p.cpu, vec![4, 6]);
         // A window past the budget is cut to what the budget holds besides the sink.
@@ -195,7 +200,7 @@ mod tests {
             local_window_tokens: 1000,
             ..cfg
         };
-        let p = hgca(&wide, Some(&scores(&digests)), 16, n, (&mut res, 3));
+        let p = hgca(&wide, Some(&sel(&wide, &digests)), 16, n, (&mut res, 3));
         assert_eq!(p.device, vec![0, 7, 8, 9]);
         assert!(p.cpu.is_empty());
         // The window slid: what left it made room, and the device holds no more than its cap.
@@ -207,7 +212,7 @@ mod tests {
             ..wide
         };
         let mut res = Residency::new(n);
-        let p = hgca(&tight, Some(&scores(&digests)), 16, n, (&mut res, 0));
+        let p = hgca(&tight, Some(&sel(&tight, &digests)), 16, n, (&mut res, 0));
         assert_eq!(p.device, vec![0, 9]);
         assert_eq!(p.cpu, vec![7, 8]);
     }

@@ -131,6 +131,9 @@ pub struct AttentionConfig {
     pub dense_layers: usize,
     /// How blocks are ranked for selection.
     pub scorer: BlockScorer,
+    /// The KV heads of a layer share its budget: past each head's sink and window, the
+    /// blocks of any head with the largest share of their head's attention.
+    pub shared_budget: bool,
 }
 
 /// How sparse modes rank a (layer, KV head)'s blocks for selection.
@@ -257,6 +260,7 @@ impl AttentionConfig {
             select_spans: false,
             dense_layers: 0,
             scorer: BlockScorer::Quest,
+            shared_budget: false,
             device_blocks_per_head: budget_tokens.div_ceil(block_size),
         }
     }

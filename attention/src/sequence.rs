@@ -16,7 +16,7 @@ use crate::merge::Partial;
 use crate::plan::{self, PARALLEL_SELECT_BLOCKS};
 use crate::policy::{AttentionConfig, BlockScorer, Mode, RecallLimits, RecallPolicy};
 use crate::residency::{DeviceBlock, Residency};
-use crate::select::select_spans;
+use crate::select::{select_shared, select_spans};
 use crate::sketch;
 use crate::sparq;
 use rayon::prelude::*;
@@ -430,7 +430,8 @@ impl SeqAttention {
             .map(|h| {
                 let (device, cands) = this.reselect_candidates(cfg, layer, h, &plans[h]);
                 let room = cfg.budget_blocks(this.geom.block_size).max(2);
-                if cands.len() + device.len() + plans[h].cpu.len() <= room {
+                // (A shared budget ranks every head's candidates against each other.)
+                if !cfg.shared_budget && cands.len() + device.len() + plans[h].cpu.len() <= room {
                     // All of them fit: no scores needed.
                     return (device, cands.into_iter().map(|b| (b, 0.0)).collect());
                 }
@@ -512,15 +513,26 @@ impl SeqAttention {
             return;
         }
         let hk = self.geom.num_kv_heads;
-        for ((h, plan), (mut device, mut scored)) in
-            plans.iter_mut().enumerate().take(hk).zip(scored)
-        {
-            let k = budget.saturating_sub(plan.cpu.len() + device.len());
-            if scored.len() > k {
-                device.extend(crate::select::best_blocks(&mut scored, k, None));
-            } else {
-                device.extend(scored.into_iter().map(|(b, _)| b));
+        let (mut kept, mut scored): (Vec<_>, Vec<_>) = scored.into_iter().unzip();
+        if cfg.shared_budget {
+            // The layer's room, to the best candidates of any head (candidate `h * n + b`).
+            let used: usize = (plans.iter().zip(&kept))
+                .map(|(p, d)| p.cpu.len() + d.len())
+                .sum();
+            let k = (budget * kept.len()).saturating_sub(used);
+            let mut all: Vec<(usize, f32)> = (scored.iter().enumerate())
+                .flat_map(|(h, c)| c.iter().map(move |&(b, s)| (h * n + b, s)))
+                .collect();
+            for p in crate::select::best_blocks(&mut all, k, None) {
+                kept[p / n].push(p % n);
             }
+        } else {
+            for ((plan, device), scored) in plans.iter().zip(&mut kept).zip(&mut scored) {
+                let k = budget.saturating_sub(plan.cpu.len() + device.len());
+                device.extend(crate::select::best_blocks(scored, k, None));
+            }
+        }
+        for ((h, plan), mut device) in plans.iter_mut().enumerate().take(hk).zip(kept) {
             device.sort_unstable();
             let res = &mut self.heads[layer * hk + h].res;
             for &b in &device {
@@ -560,6 +572,38 @@ impl SeqAttention {
             cfg.local_blocks(bs),
             cfg.select_spans,
         )
+    }
+
+    /// The selections of every KV head of `layer` from their block scores (as
+    /// [`SeqAttention::block_scores`] returns them, made here or on a device): the sink, the
+    /// mode's window of newest blocks and the best of the rest. Each head has its own budget,
+    /// or with `cfg.shared_budget` the heads share the layer's. Every block in a dense layer.
+    pub fn select_layer(
+        &self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        scores: &[Vec<f32>],
+    ) -> Vec<Vec<usize>> {
+        let hk = self.geom.num_kv_heads;
+        if layer < cfg.dense_layers {
+            return vec![(0..self.num_blocks()).collect(); hk];
+        }
+        let bs = self.geom.block_size;
+        let window = match cfg.mode {
+            Mode::Hgca => plan::hgca_window(cfg, bs),
+            _ => cfg.local_blocks(bs),
+        };
+        let all: Vec<&[f32]> = (0..hk)
+            .map(|h| scores.get(h).map(Vec::as_slice).unwrap_or_default())
+            .collect();
+        let budget = cfg.budget_blocks(bs);
+        if cfg.shared_budget {
+            select_shared(&all, budget, window, cfg.select_spans)
+        } else {
+            all.iter()
+                .map(|s| select_spans(s, budget, window, cfg.select_spans))
+                .collect()
+        }
     }
 
     /// Plans `layer`: for each KV head, the blocks the device and the CPU attend, given
@@ -610,13 +654,9 @@ impl SeqAttention {
         let bs = self.geom.block_size;
         let cap = cfg.resident_blocks_per_head();
         let step = self.step;
-        let dense = layer < cfg.dense_layers;
-        let scores_of = |h: usize| scores.get(h).map(Vec::as_slice).unwrap_or_default();
-        let sels: Vec<Vec<usize>> = match cfg.mode {
-            Mode::Recall | Mode::Scout => (0..hk)
-                .map(|h| self.select_from(cfg, layer, scores_of(h)))
-                .collect(),
-            _ => Vec::new(),
+        let sels = match cfg.mode {
+            Mode::Full => Vec::new(),
+            Mode::Hgca | Mode::Recall | Mode::Scout => self.select_layer(cfg, layer, scores),
         };
         let first = !self.layers[layer].initialised;
         self.layers[layer].initialised = true;
@@ -625,10 +665,13 @@ impl SeqAttention {
             let st = &mut self.heads[layer * hk + h];
             let plan = match cfg.mode {
                 Mode::Full => plan::full(&mut st.res, n, step),
-                Mode::Hgca => {
-                    let scores = (!dense).then(|| scores.get(h).map(Vec::as_slice)).flatten();
-                    plan::hgca(cfg, scores, bs, n, (&mut st.res, step))
-                }
+                Mode::Hgca => plan::hgca(
+                    cfg,
+                    sels.get(h).map(Vec::as_slice),
+                    bs,
+                    n,
+                    (&mut st.res, step),
+                ),
                 Mode::Recall | Mode::Scout => {
                     // The first plan fills the device with the prompt's top-k (sink and recent
                     // block included); recall mode fetches whatever is missing, every step.
@@ -1069,15 +1112,19 @@ mod tests {
         // What a device scoring the blocks hands back: `plan_layer_scored` and
         // `reselect_device_scored` must plan as `plan_layer` and `reselect_device` do.
         let (mem, digests, _) = setup(700, 2, 16, 21);
-        for (mode, scorer) in [
-            (Mode::Scout, BlockScorer::Quest),
-            (Mode::Scout, BlockScorer::Sketch),
-            (Mode::Recall, BlockScorer::Sketch),
-            (Mode::Hgca, BlockScorer::Quest),
+        for (mode, scorer, shared) in [
+            (Mode::Scout, BlockScorer::Quest, false),
+            (Mode::Scout, BlockScorer::Quest, true),
+            (Mode::Scout, BlockScorer::Sketch, false),
+            (Mode::Scout, BlockScorer::Sketch, true),
+            (Mode::Recall, BlockScorer::Sketch, true),
+            (Mode::Hgca, BlockScorer::Quest, false),
+            (Mode::Hgca, BlockScorer::Sketch, true),
         ] {
             let mut cfg = AttentionConfig::scout(16);
             cfg.mode = mode;
             cfg.scorer = scorer;
+            cfg.shared_budget = shared;
             cfg.budget_tokens = 160;
             cfg.device_blocks_per_head = 12;
             let mut here = SeqAttention::new(mem.geom, 1, 700, digests.clone());
@@ -1090,7 +1137,12 @@ mod tests {
                 assert!(there.needs_scores(&cfg, 0));
                 let mut a = here.plan_layer(&cfg, 0, &q, keys(&mem));
                 let mut b = there.plan_layer_scored(&cfg, 0, &scores);
-                assert_eq!(a, b, "{mode:?} {scorer:?} step {step}");
+                assert_eq!(a, b, "{mode:?} {scorer:?} {shared} step {step}");
+                // Ten blocks a head, shared or not: the layer's budget holds.
+                let attended = |p: &[HeadPlan]| -> usize {
+                    p.iter().map(|p| p.device.len() + p.cpu.len()).sum()
+                };
+                assert_eq!(attended(&a), 2 * 10, "{mode:?} {scorer:?} {shared}");
                 if mode == Mode::Scout && scorer == BlockScorer::Quest {
                     // Quest's scores do not depend on which blocks are scored together.
                     let q2 = values(seed + 100, 2 * 3 * 16, 1.0);
@@ -1101,7 +1153,8 @@ mod tests {
                         .collect();
                     here.reselect_device(&cfg, 0, &q2, keys(&mem), &mut a);
                     there.reselect_device_scored(&cfg, 0, &s2, &mut b);
-                    assert_eq!(a, b, "reselected, step {step}");
+                    assert_eq!(a, b, "reselected, {shared} step {step}");
+                    assert!(attended(&a) <= 2 * 10, "{shared}");
                 }
                 here.finish_layer(&cfg, 0, &a);
                 there.finish_layer(&cfg, 0, &b);

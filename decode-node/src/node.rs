@@ -109,7 +109,7 @@ pub(crate) fn attention_config(
     }
     let block_size = geom.block_size;
     let budget_tokens = (args.budget_tokens as usize).max(2 * block_size);
-    Ok(AttentionConfig {
+    let mut cfg = AttentionConfig {
         mode,
         budget_tokens,
         precompute: !args.no_precompute
@@ -158,11 +158,15 @@ pub(crate) fn attention_config(
             args.scorer_candidates as usize,
         )
         .with_context(|| format!("--block-scorer {:?}", args.block_scorer))?,
+        shared_budget: false,
         device_blocks_per_head: match args.device_blocks {
             0 => budget_tokens.div_ceil(block_size),
             n => n as usize,
         },
-    })
+    };
+    // Quest's bounds are not shares of a head's attention: no common scale across heads.
+    cfg.shared_budget = args.budget_split == "layer" && cfg.scorer != BlockScorer::Quest;
+    Ok(cfg)
 }
 
 /// The block scorer `--block-scorer` names on `device` for heads of `head_dim` in groups of

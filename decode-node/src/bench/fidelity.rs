@@ -432,6 +432,7 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
         "bench": "fidelity",
         "model": args.common.model.model,
         "block_size": geom.block_size,
+        "budget_split": if node.attention.shared_budget { "layer" } else { "head" },
         "prompts": args.prompts,
         "forced_tokens": forced,
         "reference": format!("full {}", dtypes[0]),

@@ -580,15 +580,25 @@ impl<'a> BatchAttention<'a> {
     ) {
         let keys = self.block_keys(b);
         let seq = &mut *self.slots[b].seq;
-        let per = qb.len() / self.shape.num_kv_heads;
-        for h in 0..self.shape.num_kv_heads {
-            let qh = &qb[h * per..(h + 1) * per];
-            let real = match real.and_then(|r| r.get(h)) {
-                Some(scores) => seq.select_from(self.cfg, layer, scores),
-                None => seq.select(self.cfg, layer, h, qh, keys),
-            };
+        let hk = self.shape.num_kv_heads;
+        let per = qb.len() / hk;
+        let q_of = |h: usize| &qb[h * per..(h + 1) * per];
+        let real = match real {
+            Some(scores) => seq.select_layer(self.cfg, layer, scores),
+            None => {
+                let scores: Vec<Vec<f32>> = if seq.needs_scores(self.cfg, layer) {
+                    (0..hk)
+                        .map(|h| seq.block_scores(self.cfg, layer, h, q_of(h), keys))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                seq.select_layer(self.cfg, layer, &scores)
+            }
+        };
+        for (h, real) in real.iter().enumerate() {
             let predicted = a.plans[h].selected();
-            seq.record_prediction(&predicted, &real, &a.q_pred[h * per..(h + 1) * per], qh);
+            seq.record_prediction(&predicted, real, &a.q_pred[h * per..(h + 1) * per], q_of(h));
         }
     }
 }
