@@ -294,16 +294,19 @@ fn lse_of_block(
 ) {
     let nb = nibble_bytes(d);
     let (sc, nib) = block.split_at(bs * 4);
-    let scales: Vec<f32> = sc[..len * 4]
-        .chunks_exact(4)
-        .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
+    // The scales, then the AVX2 path's sums, in the caller's buffer: one allocation per
+    // thread, not per block.
+    buf.resize(9 * bs, 0.0);
+    let (scales, acc) = buf.split_at_mut(bs);
+    let scales = &mut scales[..len];
+    for (s, b) in scales.iter_mut().zip(sc.chunks_exact(4)) {
+        *s = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+    }
     #[cfg(target_arch = "x86_64")]
     if bs.is_multiple_of(8) && avx2::available() {
-        buf.resize(8 * bs, 0.0);
         // SAFETY: AVX2 and FMA are present; `nib` holds `nb` rows of `bs` bytes and
         // `q_group` `out.len()` heads of `d` floats.
-        unsafe { avx2::block_lse(q_group, bias, d, bs, temp, nib, &scales, buf, out) };
+        unsafe { avx2::block_lse(q_group, bias, d, bs, temp, nib, scales, acc, out) };
         return;
     }
     // The definition's layout back: a row of `nb` bytes per token.
@@ -313,8 +316,8 @@ fn lse_of_block(
             *r = nib[j * bs + t];
         }
     }
-    let _ = (buf, bias);
-    block_lse(q_group, d, temp, &rows, &scales, out);
+    let _ = (acc, bias);
+    block_lse(q_group, d, temp, &rows, scales, out);
 }
 
 #[cfg(target_arch = "x86_64")]
