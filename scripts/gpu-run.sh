@@ -85,6 +85,10 @@ step decode-8k-32k "$bin" bench decode --json --device cuda --model "$model" \
     --context 8k,32k --modes full,hgca,recall,scout --budget-tokens 2048 --tokens 64
 step decode-64k "$bin" bench decode --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
+# Each KV head its own budget (the default until session 32): what a layer's shared budget
+# costs on a device, whose slots are per head (a head's blocks past them go to the CPU part).
+step decode-head-budgets "$bin" bench decode --json --device cuda --model "$model" \
+    --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 --budget-split head
 # The sparse modes' selection as it was before the sketch scorer became the default on a
 # GPU: sparq on the host (reading host KV), with a layer-ahead prediction.
 step decode-sparq "$bin" bench decode --json --device cuda --model "$model" \

@@ -1,6 +1,7 @@
 //! One planner per attention mode: how a (layer, KV head)'s blocks split between the device
-//! and the CPU this step. Each is a function of the head's scores and residency alone, so it
-//! is tested on its own; [`crate::SeqAttention::plan_layer`] picks one by mode. Every planner
+//! and the CPU this step. Each is a function of the head's selection (made for the whole layer
+//! by [`crate::SeqAttention::select_layer`]) and residency alone, so it is tested on its own;
+//! [`crate::SeqAttention::plan_layer`] picks one by mode. Every planner
 //! leaves each device block resident (with a slot) in the head's one residency table.
 
 use crate::policy::AttentionConfig;

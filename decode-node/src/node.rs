@@ -278,6 +278,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn heads_share_a_layers_budget_by_default_where_scores_are_shares() {
+        #[derive(clap::Parser)]
+        struct Args {
+            #[command(flatten)]
+            model: ModelArgs,
+        }
+        let geom = BlockGeometry {
+            block_size: 32,
+            num_kv_heads: 3,
+            head_dim: 64,
+            dtype: KvDType::Bf16,
+        };
+        let shared = |flags: &[&str]| -> bool {
+            use clap::Parser;
+            let args = Args::parse_from(["t"].iter().chain(flags));
+            attention_config(&args.model, geom, 30, 3)
+                .unwrap()
+                .shared_budget
+        };
+        assert!(shared(&[]));
+        assert!(shared(&["--block-scorer", "sparq"]));
+        assert!(!shared(&["--budget-split", "head"]));
+        // Quest's bounds have no common scale across heads.
+        assert!(!shared(&["--block-scorer", "quest"]));
+        assert!(!shared(&[
+            "--budget-split",
+            "layer",
+            "--block-scorer",
+            "quest"
+        ]));
+    }
+
+    #[test]
     fn auto_scores_with_the_sketch_on_the_cpu_and_on_a_gpu_that_takes_the_shape() {
         let table = [
             // (flag, device, head_dim, group) -> scorer
