@@ -542,7 +542,8 @@ impl SeqAttention {
         }
     }
 
-    /// Top-k selection for one head (no residency change).
+    /// Top-k selection for one head with its own budget (no residency change): what
+    /// `bench select` times; a layer is selected by [`SeqAttention::select_layer`].
     pub fn select(
         &self,
         cfg: &AttentionConfig,
@@ -556,18 +557,9 @@ impl SeqAttention {
             return (0..n).collect();
         }
         let scores = self.block_scores(cfg, layer, head, q_group, keys);
-        self.select_from(cfg, layer, &scores)
-    }
-
-    /// The top-k selection of one head of `layer` from its block scores (every block, as
-    /// [`SeqAttention::block_scores`] returns them, made here or on a device).
-    pub fn select_from(&self, cfg: &AttentionConfig, layer: usize, scores: &[f32]) -> Vec<usize> {
-        if layer < cfg.dense_layers {
-            return (0..self.num_blocks()).collect();
-        }
         let bs = self.geom.block_size;
         select_spans(
-            scores,
+            &scores,
             cfg.budget_blocks(bs),
             cfg.local_blocks(bs),
             cfg.select_spans,
