@@ -147,6 +147,11 @@ struct Tally {
     /// reference's own answer is wrong, its tokens are the model's least certain ones.
     gen_equal_found: usize,
     gen_total_found: usize,
+    /// Where a case's choice first differs from full's, in a passkey answer or a forced
+    /// position: how much more likely full found its own token than the case's (nats). Small
+    /// gaps are near-ties, which any change to attention's arithmetic may flip; large ones are
+    /// information the case lost.
+    gaps: Vec<f64>,
     top1_equal: usize,
     forced: usize,
     kl_sum: f64,
@@ -174,6 +179,20 @@ impl Tally {
             self.gen_equal_found += equal;
         }
     }
+
+    /// Full's preference for its token `want` over `got` at a position where it returned the
+    /// log-distribution `reference`.
+    fn tally_gap(&mut self, reference: &[f64], want: usize, got: usize) {
+        if want != got {
+            self.gaps.push(reference[want] - reference[got]);
+        }
+    }
+}
+
+/// The first position where `generated` leaves `reference` (both start with the prefill's
+/// token, so a step's logits chose the token one position later).
+fn first_divergence(generated: &[u32], reference: &[u32]) -> Option<usize> {
+    generated.iter().zip(reference).position(|(a, b)| a != b)
 }
 
 /// Log-softmax of `logits` in f64.
@@ -342,7 +361,7 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             let ids = passkey_prompt(tok, ctx, &key, depth)?;
             let kv = prefill_kv(&node.model, &ids, "fidelity", wire)?;
             let first = kv.header.next_token_id;
-            let mut reference: Option<(Vec<u32>, bool)> = None;
+            let mut reference: Option<(Vec<u32>, bool, Vec<Vec<f64>>)> = None;
             for (c, (s, case)) in cases.iter().enumerate() {
                 let mut generated = vec![first];
                 let run = run_case(
@@ -363,9 +382,15 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
                 let t = &mut t_ctx[c];
                 t.passkey_prompts += 1;
                 t.passkey_found += usize::from(found);
-                let (want, want_found) =
-                    reference.get_or_insert_with(|| (generated.clone(), found));
+                let (want, want_found, want_lps) = reference.get_or_insert_with(|| {
+                    let lps = run.logits.iter().map(|l| log_softmax(l)).collect();
+                    (generated.clone(), found, lps)
+                });
                 t.tally_generated(&generated, want, *want_found);
+                // Position 0 is the prefill's token, the same for every case.
+                if let Some(i) = first_divergence(&generated, want).filter(|&i| i > 0) {
+                    t.tally_gap(&want_lps[i - 1], want[i] as usize, generated[i] as usize);
+                }
                 if !args.common.json && args.verbose {
                     eprintln!(
                         "passkey ctx={ctx} prompt {p} key {key} {:<20} {answer:?}",
@@ -397,7 +422,9 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
                 }
                 Some(want) => {
                     for (p, q) in want.iter().zip(&lps) {
-                        t.top1_equal += usize::from(argmax_f64(p) == argmax_f64(q));
+                        let (a, b) = (argmax_f64(p), argmax_f64(q));
+                        t.top1_equal += usize::from(a == b);
+                        t.tally_gap(p, a, b);
                         t.kl_sum += kl(p, q);
                     }
                 }
@@ -466,6 +493,7 @@ fn merge(a: &mut Tally, b: &Tally) {
     a.gen_total += b.gen_total;
     a.gen_equal_found += b.gen_equal_found;
     a.gen_total_found += b.gen_total_found;
+    a.gaps.extend_from_slice(&b.gaps);
     a.top1_equal += b.top1_equal;
     a.forced += b.forced;
     a.kl_sum += b.kl_sum;
@@ -503,6 +531,7 @@ fn report(ctx: &str, case: &Case, kv_dtype: KvDType, t: &Tally, quiet: bool) -> 
         t.guard_fallbacks as f64 / t.guard_checks as f64
     };
     let cpu_share = t.cpu_ratio_sum / t.runs.max(1) as f64;
+    let gaps = quantiles(&t.gaps);
     if !quiet {
         // A figure with nothing measured behind it (no prompts, no forced text) prints as "-".
         let show = |v: f64, prec: usize| {
@@ -513,13 +542,17 @@ fn report(ctx: &str, case: &Case, kv_dtype: KvDType, t: &Tally, quiet: bool) -> 
             }
         };
         eprintln!(
-            "fidelity ctx={ctx:>5} {:<23} passkey {}  generated=full {} (where full found {})  top1=full {}  KL {}  | {tps:6.1} tok/s  CPU part {cpu_ms:6.2} ms/tok  CPU share {:.2}  guard redo {:.2}",
+            "fidelity ctx={ctx:>5} {:<23} passkey {}  generated=full {} (where full found {})  top1=full {}  KL {}  full's margin where they differ {} {}/{}/{} nats  | {tps:6.1} tok/s  CPU part {cpu_ms:6.2} ms/tok  CPU share {:.2}  guard redo {:.2}",
             case.label,
             show(passkey, 2),
             show(gen_eq, 3),
             show(gen_eq_found, 3),
             show(top1, 4),
             show(kl, 5),
+            t.gaps.len(),
+            show(gaps[0], 2),
+            show(gaps[1], 2),
+            show(gaps[2], 2),
             cpu_share,
             fallback
         );
@@ -530,9 +563,22 @@ fn report(ctx: &str, case: &Case, kv_dtype: KvDType, t: &Tally, quiet: bool) -> 
         "passkey_accuracy": passkey, "generated_equal_to_full": gen_eq,
         "generated_equal_to_full_where_full_found": gen_eq_found,
         "top1_agreement_with_full": top1, "mean_kl_from_full": kl,
+        "differences_from_full": t.gaps.len(),
+        "full_margin_where_different_nats": {"median": gaps[0], "p90": gaps[1], "max": gaps[2]},
         "tokens_per_s": tps, "cpu_part_ms_per_token": cpu_ms, "cpu_share": cpu_share,
         "guard_fallback_share": fallback,
     })
+}
+
+/// Median, 90th percentile and maximum of `v` (NaN where it is empty): nearest rank.
+fn quantiles(v: &[f64]) -> [f64; 3] {
+    if v.is_empty() {
+        return [f64::NAN; 3];
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let at = |q: f64| s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1];
+    [at(0.5), at(0.9), at(1.0)]
 }
 
 #[cfg(test)]
@@ -552,5 +598,23 @@ mod tests {
         merge(&mut sum, &t);
         merge(&mut sum, &t);
         assert_eq!((sum.gen_equal_found, sum.gen_total_found), (6, 8));
+    }
+
+    #[test]
+    fn a_difference_is_measured_by_how_much_full_preferred_its_own_token() {
+        // The prefill's token is shared; the case leaves full's answer at position 2.
+        assert_eq!(first_divergence(&[7, 1, 2, 3], &[7, 1, 5, 3]), Some(2));
+        assert_eq!(first_divergence(&[7, 1], &[7, 1]), None);
+        let mut t = Tally::default();
+        let lp = [-0.5f64, -1.25, -3.0];
+        t.tally_gap(&lp, 0, 0);
+        assert!(t.gaps.is_empty(), "equal choices are no difference");
+        t.tally_gap(&lp, 0, 1);
+        t.tally_gap(&lp, 0, 2);
+        assert_eq!(t.gaps, vec![0.75, 2.5]);
+        assert_eq!(quantiles(&t.gaps), [0.75, 2.5, 2.5]);
+        let q = quantiles(&(1..=10).map(f64::from).collect::<Vec<_>>());
+        assert_eq!(q, [5.0, 9.0, 10.0]);
+        assert!(quantiles(&[]).iter().all(|x| x.is_nan()));
     }
 }
