@@ -538,6 +538,57 @@ pub(crate) mod tests {
         }
     }
 
+    /// Scores that rise block after block and fall again, some blocks past the SIMD paths'
+    /// headroom over a head's running reference and some within it, and scores that jump by
+    /// hundreds (base 2) after the first block, where a stale reference would overflow: every
+    /// path equals the reference.
+    #[test]
+    fn rising_and_jumping_scores_match_the_reference() {
+        let n = 7 * 32 + 5;
+        // Each token's key scale: 16x over the first half and back, or 30000x after block 0.
+        let rise = |i: usize| (i.min(n - i) as f32 / 28.0).exp2();
+        let jump = |i: usize| if i < 32 { 0.01 } else { 300.0 };
+        let profiles: [(&dyn Fn(usize) -> f32, f64); 2] = [(&rise, 1e-5), (&jump, 1e-4)];
+        for (profile, tol) in profiles {
+            for dt in [KvDType::F32, KvDType::Bf16] {
+                for (g, d) in [(1, 64), (3, 64), (8, 128)] {
+                    let geom = BlockGeometry {
+                        block_size: 32,
+                        num_kv_heads: 1,
+                        head_dim: d,
+                        dtype: dt,
+                    };
+                    let q = values(3, g * d, 1.0);
+                    let mut keys = values(4, n * d, 1.0);
+                    for (i, k) in keys.chunks_mut(d).enumerate() {
+                        let x = profile(i);
+                        k.iter_mut().for_each(|v| *v *= x);
+                    }
+                    let blocks = build_blocks(&geom, &keys, &values(5, n * d, 1.0));
+                    let (keys, vals) = read_back(&geom, &blocks);
+                    let scale = 1.0 / (d as f32).sqrt();
+                    let (ro, rl) = reference(&q, &keys, &vals, d, scale);
+                    for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
+                        let p = attend_blocks_on(
+                            path,
+                            &geom,
+                            &q,
+                            scale,
+                            blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }),
+                            &mut Scratch::default(),
+                        );
+                        for (a, b) in p.out.iter().zip(&ro).chain(p.lse2.iter().zip(&rl)) {
+                            assert!(
+                                (*a as f64 - b).abs() <= tol * b.abs().max(1.0),
+                                "{path:?} {dt} G={g}: {a} vs {b}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn no_blocks_is_empty() {
         let geom = BlockGeometry {
