@@ -8,6 +8,10 @@
 //! - **teacher-forced agreement** on real text (a frozen snapshot of the repository's docs and
 //!   sources, built into the binary): after a prefill of the context, the text's next tokens are fed one by
 //!   one; top-1 agreement with full's next-token distribution and its mean KL divergence.
+//! - **full's margin where they differ**: at a passkey answer's first token unlike full's and
+//!   at each forced position whose top-1 differs, how much more likely full found its own
+//!   token (nats). Near-ties flip with any change to attention's arithmetic, a host dtype's
+//!   rounding included; a large margin is information the mode lost.
 //!
 //! With `--kv-dtypes`, every case runs on a host pool of each dtype, fed the same f32 prefill,
 //! and `full` on the first dtype is the reference: what a host dtype costs, next to what a
