@@ -538,10 +538,10 @@ pub(crate) mod tests {
         }
     }
 
-    /// Scores that rise block after block and fall again, some blocks past the SIMD paths'
-    /// headroom over a head's running reference and some within it, and scores that jump by
-    /// hundreds (base 2) after the first block, where a stale reference would overflow: every
-    /// path equals the reference.
+    /// Scores that rise past the running maximum block after block and fall again (each
+    /// block rescales the state by a different factor), and scores that jump by hundreds
+    /// (base 2) after the first block, where a state not rescaled would overflow: every path
+    /// equals the reference.
     #[test]
     fn rising_and_jumping_scores_match_the_reference() {
         let n = 7 * 32 + 5;

@@ -28,7 +28,7 @@ use kv_transfer::HostPool;
 use kv_transfer::client::PromptKv;
 use serde_json::json;
 
-use super::{parse_list, parse_tokens};
+use super::{parse_list, parse_tokens, quantile};
 use crate::cli::FidelityBench;
 use crate::client::{ingest_local, prefill_kv};
 use crate::engine::SoloDecoder;
@@ -574,15 +574,14 @@ fn report(ctx: &str, case: &Case, kv_dtype: KvDType, t: &Tally, quiet: bool) -> 
     })
 }
 
-/// Median, 90th percentile and maximum of `v` (NaN where it is empty): nearest rank.
+/// Median, 90th percentile and maximum of `v` (NaN where it is empty, printed as "-").
 fn quantiles(v: &[f64]) -> [f64; 3] {
     if v.is_empty() {
         return [f64::NAN; 3];
     }
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    let at = |q: f64| s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1];
-    [at(0.5), at(0.9), at(1.0)]
+    [0.5, 0.9, 1.0].map(|q| quantile(&s, q))
 }
 
 #[cfg(test)]
@@ -616,9 +615,9 @@ mod tests {
         t.tally_gap(&lp, 0, 1);
         t.tally_gap(&lp, 0, 2);
         assert_eq!(t.gaps, vec![0.75, 2.5]);
-        assert_eq!(quantiles(&t.gaps), [0.75, 2.5, 2.5]);
-        let q = quantiles(&(1..=10).map(f64::from).collect::<Vec<_>>());
-        assert_eq!(q, [5.0, 9.0, 10.0]);
+        assert_eq!(quantiles(&[2.5, 0.75, 1.0]), [1.0, 2.5, 2.5]);
+        let q = quantiles(&(1..=11).rev().map(f64::from).collect::<Vec<_>>());
+        assert_eq!(q, [6.0, 10.0, 11.0]);
         assert!(quantiles(&[]).iter().all(|x| x.is_nan()));
     }
 }

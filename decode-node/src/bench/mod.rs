@@ -178,6 +178,15 @@ fn memcpy_bandwidth(bytes: usize, seconds: f64) -> f64 {
     best
 }
 
+/// The `q` quantile (0..=1) of ascending `sorted` values, by the nearest rank (0 where there
+/// are none).
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
 fn parse_list<T: std::str::FromStr>(s: &str, what: &str) -> anyhow::Result<Vec<T>> {
     s.split(',')
         .map(|x| {

@@ -11,6 +11,7 @@ use decode_node_proto::v1 as pb;
 use kv_transfer::client::{PushOptions, push_kv};
 use serde_json::json;
 
+use super::quantile;
 use crate::cli::MultiturnBench;
 use crate::client;
 use crate::model::random::SplitMix;
@@ -25,13 +26,6 @@ struct Run {
     reused_tokens: u64,
     prompt_tokens: u64,
     ttft: Vec<f64>,
-}
-
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
 /// The conversation: `turns` turns of `conversations` conversations, round robin.
