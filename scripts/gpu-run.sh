@@ -22,7 +22,8 @@ layers=${2:-10}
 out=${OUT:-gpu-run}
 step_timeout=${STEP_TIMEOUT:-180}
 mkdir -p "$out"
-model="$out/qwen3-14b-${layers}l"
+# Outside $out: the device tool brings back only so many files, and the model's are not wanted.
+model="${MODEL_DIR:-/tmp}/qwen3-14b-${layers}l"
 step() {
     local name=$1
     shift
@@ -65,6 +66,10 @@ if grep -q "^FAIL gemv" "$out/selftest.json" 2>/dev/null; then
     echo "   gemv did not pass selftest: DECODE_NODE_GEMV=0 from here" | tee -a "$out/summary.txt"
     export DECODE_NODE_GEMV=0
 fi
+# The device part of attention alone over every block of a context (what `full` reads per
+# layer) against the copy bandwidth, per CUDA-block target: the kernel apart from the step.
+step device-kernels "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 \
+    --context 8k,32k,64k --ctas 0,1024 --seconds 0.3
 # The host's side: its read bandwidth and the CPU attention kernel per thread count. Scout's
 # CPU part and its selection (SparQ reads most of 4x the budget's keys) share that bandwidth.
 step host-kernels "$bin" bench kernels --json --threads 1,4,8,16 --groups 5 --head-dims 128 \

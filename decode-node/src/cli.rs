@@ -541,6 +541,17 @@ pub struct KernelsBench {
     /// on a CPU without AVX-512), `avx512`; a path this CPU lacks is skipped.
     #[arg(long, default_value = "best")]
     pub paths: String,
+    /// With `--device cuda`: tokens per KV head each timed call attends, every block of them
+    /// (what `full` reads per layer), e.g. `8k,64k`.
+    #[arg(long, default_value = "8k,64k")]
+    pub context: String,
+    /// With `--device cuda`: KV heads per call (Qwen3-14B's 8 by default).
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: usize,
+    /// With `--device cuda`: CUDA blocks the split-K launch aims for, a list to sweep (0: the
+    /// node's setting, `DECODE_NODE_ATTENTION_CTAS` or its default).
+    #[arg(long, default_value = "0")]
+    pub ctas: String,
 }
 
 /// `bench select`. The budget, scorer channels and candidates, group score, block size and

@@ -106,7 +106,58 @@ static void split(const unsigned char* a, const long long* o, const int* l, cons
     sparse_attention_split(a, o, l, hs, q, g, d, bs, dt, sc, ch, sp, po, pl);
 }
 
+// `combine_splits` alone over more splits than its 128 threads (the strided loops wrap), some
+// empty (lse -inf, NaN output that must not leak in), against the merge in double precision.
+static void check_combine(int heads, int splits, int G, int D) {
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    std::vector<float> part_out((size_t)heads * splits * G * D), part_lse((size_t)heads * splits * G);
+    for (auto& x : part_out) x = u(rng);
+    for (size_t i = 0; i < part_lse.size(); i++) {
+        part_lse[i] = i % 7 == 3 ? NEG_INF : u(rng) * 40.f;
+        if (part_lse[i] == NEG_INF)
+            for (int c = 0; c < D; c++) part_out[i * D + c] = NAN;
+    }
+    // The last head: every split empty.
+    for (int s = 0; s < splits * G; s++) part_lse[(size_t)(heads - 1) * splits * G + s] = NEG_INF;
+    std::vector<float> out((size_t)heads * G * D), lse((size_t)heads * G);
+    launch({(unsigned)(heads * G), 1, 1}, 128,
+           [&] { combine_splits(part_out.data(), part_lse.data(), splits, G, D, out.data(), lse.data()); });
+    double worst = 0;
+    for (int h = 0; h < heads; h++)
+        for (int g = 0; g < G; g++) {
+            double mx = -INFINITY;
+            for (int s = 0; s < splits; s++) mx = std::max(mx, (double)part_lse[((size_t)h * splits + s) * G + g]);
+            const float* got = &out[((size_t)h * G + g) * D];
+            if (mx == -INFINITY) {
+                for (int c = 0; c < D; c++)
+                    if (got[c] != 0.f && bad++ < 10) printf("combine h%d g%d: out %g, want 0\n", h, g, got[c]);
+                if (lse[h * G + g] != NEG_INF && bad++ < 10) printf("combine h%d g%d: lse not -inf\n", h, g);
+                continue;
+            }
+            double total = 0;
+            std::vector<double> o(D, 0.0);
+            for (int s = 0; s < splits; s++) {
+                const size_t i = ((size_t)h * splits + s) * G + g;
+                if (part_lse[i] == NEG_INF) continue;
+                const double w = exp2(part_lse[i] - mx);
+                total += w;
+                for (int c = 0; c < D; c++) o[c] += w * part_out[i * D + c];
+            }
+            const double want_lse = mx + log2(total);
+            double err = fabs(lse[h * G + g] - want_lse) / (1.0 + fabs(want_lse));
+            for (int c = 0; c < D; c++) err = std::max(err, fabs(got[c] - o[c] / total) / (1.0 + fabs(o[c] / total)));
+            worst = std::max(worst, err);
+        }
+    const bool ok = worst < 1e-5 && !std::isnan(worst);
+    if (!ok) bad++;
+    printf("%s combine_splits heads=%d splits=%d G=%d D=%d: max rel err %.2e\n", ok ? "PASS" : "FAIL", heads,
+           splits, G, D, worst);
+}
+
 int main() {
+    check_combine(2, 300, 2, 128);
+    check_combine(3, 5, 3, 64);
+    check_combine(2, 1024, 1, 80);
     check("sparse_attention_split", split, 5, 128, 2);
     check("attend_warps", attend_warps_g5_d128, 5, 128, 2);
     check("attend_warps", attend_warps_g5_d128, 5, 128, 1);

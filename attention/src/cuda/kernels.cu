@@ -476,28 +476,62 @@ extern "C" __global__ void sparse_attention_split(
     }
 }
 
-// Merges the splits of `sparse_attention_split`: one CUDA block per query head (h, g);
-// out [h][group][head_dim], lse2 [h][group]. A head with no blocks gets (0, -inf).
-extern "C" __global__ void combine_splits(const float* part_out, const float* part_lse, int splits,
-                                          int group, int head_dim, float* out, float* lse2) {
-    const int hg = blockIdx.x;
+// Merges the splits of `sparse_attention_split`: one CUDA block of 128 threads per query head
+// (h, g); out [h][group][head_dim], lse2 [h][group]. A head with no blocks gets (0, -inf).
+// The splits' weights are computed once into shared memory; then each warp sums every fourth
+// split with lane l holding dims l, l+32, .. (coalesced loads, several splits in flight per
+// lane) and the four warps' sums are added. A thread per dim looping over every split in turn
+// made this a chain of dependent L2 reads: at 128 splits as long as the attention itself.
+// splits <= COMBINE_MAX_SPLITS and head_dim <= 128 (the caller checks).
+#define COMBINE_MAX_SPLITS 1024
+extern "C" __global__ void __launch_bounds__(128) combine_splits(const float* part_out, const float* part_lse,
+                                                                  int splits, int group, int head_dim, float* out,
+                                                                  float* lse2) {
+    __shared__ float w_sh[COMBINE_MAX_SPLITS];
+    __shared__ float red_sh[4];
+    __shared__ float o_sh[4][128];
+    const int hg = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int h = hg / group, g = hg % group;
+    const long long base = (long long)h * splits;
     float mx = NEG_INF;
-    for (int s = 0; s < splits; s++) mx = fmaxf(mx, part_lse[((long long)h * splits + s) * group + g]);
+    for (int s = tid; s < splits; s += 128) mx = fmaxf(mx, part_lse[(base + s) * group + g]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red_sh[warp] = mx;
+    __syncthreads();
+    mx = fmaxf(fmaxf(red_sh[0], red_sh[1]), fmaxf(red_sh[2], red_sh[3]));
+    __syncthreads();  // red_sh is reused for the sum
     float total = 0.f;
-    if (mx != NEG_INF)
-        for (int s = 0; s < splits; s++) total += exp2f(part_lse[((long long)h * splits + s) * group + g] - mx);
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
-        float o = 0.f;
-        if (mx != NEG_INF)
-            for (int s = 0; s < splits; s++) {
-                const long long i = ((long long)h * splits + s) * group + g;
-                const float w = exp2f(part_lse[i] - mx);
-                if (w > 0.f) o += w * part_out[i * head_dim + c];
-            }
+    for (int s = tid; s < splits; s += 128) {
+        const float w = mx == NEG_INF ? 0.f : exp2f(part_lse[(base + s) * group + g] - mx);
+        w_sh[s] = w;
+        total += w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    if (lane == 0) red_sh[warp] = total;
+    __syncthreads();
+    total = (red_sh[0] + red_sh[1]) + (red_sh[2] + red_sh[3]);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int s = warp; s < splits; s += 4) {
+        const float w = w_sh[s];
+        const float* po = part_out + ((base + s) * group + g) * head_dim;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int c = lane + 32 * j;
+            // A split with no weight adds nothing, whatever its output holds.
+            if (c < head_dim && w > 0.f) acc[j] += w * po[c];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) o_sh[warp][lane + 32 * j] = acc[j];
+    __syncthreads();
+    for (int c = tid; c < head_dim; c += 128) {
+        const float o = (o_sh[0][c] + o_sh[1][c]) + (o_sh[2][c] + o_sh[3][c]);
         out[(long long)hg * head_dim + c] = mx != NEG_INF ? o / total : 0.f;
     }
-    if (threadIdx.x == 0) lse2[hg] = mx != NEG_INF ? mx + log2f(total) : NEG_INF;
+    if (tid == 0) lse2[hg] = mx != NEG_INF ? mx + log2f(total) : NEG_INF;
 }
 
 // One f16 (bits) as f32: the hardware conversion on the device, the exact bit walk elsewhere.

@@ -10,6 +10,7 @@
 //! and the LM head's tokens are picked there ([`pick`]); q, k and v cross PCIe for the host's
 //! q/k-norm, RoPE and selection, and the attention output comes back.
 
+mod attn_bench;
 mod blas;
 mod call;
 mod driver;
@@ -20,6 +21,7 @@ mod sketch;
 mod slots;
 mod store;
 
+pub use attn_bench::{AttnBenchSpec, AttnTiming};
 use blas::{Blas, upload};
 pub(crate) use driver::{
     DevBuf, Kernels, Shared, dev_err, dtoh_f32, dtype_code, f32_bytes, htod, launch_on,
@@ -181,6 +183,7 @@ impl CudaBackend {
                 sketch_on: std::sync::atomic::AtomicBool::new(
                     std::env::var("DECODE_NODE_DEVICE_SKETCH").map_or(true, |v| v != "0"),
                 ),
+                attention_ctas: std::sync::atomic::AtomicUsize::new(attention_ctas(info.sms)),
                 idle: Default::default(),
             }),
             blas: Mutex::new(blas_state),
@@ -239,6 +242,22 @@ impl CudaBackend {
         }
         sh.stream.synchronize().map_err(|e| dev_err("sync", e))?;
         Ok((2 * n * reps) as f64 / t.elapsed().as_secs_f64())
+    }
+}
+
+/// CUDA blocks an attention launch aims for: `DECODE_NODE_ATTENTION_CTAS` where it is a
+/// count from 1 to 65535, else two per multiprocessor (where the driver says how many).
+fn attention_ctas(sms: Option<usize>) -> usize {
+    let default = call::default_ctas(sms);
+    match std::env::var("DECODE_NODE_ATTENTION_CTAS") {
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=65535).contains(&n) => n,
+            _ => {
+                tracing::warn!(value = %v, default, "DECODE_NODE_ATTENTION_CTAS is not a count from 1 to 65535; using the default");
+                default
+            }
+        },
+        Err(_) => default,
     }
 }
 

@@ -6,6 +6,9 @@ use attention::attend_blocks_on;
 
 /// CPU sparse attention: KV bytes scanned per second ÷ read bandwidth, per configuration.
 pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
+    if args.common.model.device != "cpu" {
+        return device_kernels(args);
+    }
     let threads: Vec<usize> = parse_list(&args.threads, "thread count")?;
     let groups: Vec<usize> = parse_list(&args.groups, "group size")?;
     let head_dims: Vec<usize> = parse_list(&args.head_dims, "head dim")?;
@@ -148,4 +151,91 @@ fn scan_rate(
         best = best.max(data.len() as f64 / start.elapsed().as_secs_f64());
     }
     best
+}
+
+/// `bench kernels --device cuda`: the device part of attention over every block of a
+/// context, per group, head dim, context and CUDA-block target: KV bytes read per second ÷
+/// the device's copy bandwidth measured in the same run, and how long the combine and the
+/// host's packing of the slot list take of a call.
+#[cfg(feature = "cuda")]
+fn device_kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
+    use crate::backend::cuda::{AttnBenchSpec, CudaBackend};
+    let device = &args.common.model.device;
+    let groups: Vec<usize> = parse_list(&args.groups, "group size")?;
+    let head_dims: Vec<usize> = parse_list(&args.head_dims, "head dim")?;
+    let ctas: Vec<usize> = parse_list(&args.ctas, "CUDA block count")?;
+    let contexts: Vec<usize> = args
+        .context
+        .split(',')
+        .map(parse_tokens)
+        .collect::<anyhow::Result<_>>()?;
+    let block_size = args.common.model.block_size as usize;
+    anyhow::ensure!(
+        groups.iter().all(|&g| (1..=8).contains(&g))
+            && head_dims.iter().all(|&d| (1..=128).contains(&d))
+            && (1..=64).contains(&args.kv_heads)
+            && ctas.iter().all(|&c| c <= 65535)
+            && contexts.iter().all(|&c| (1..=1 << 20).contains(&c))
+            && (1..=128).contains(&block_size),
+        "with --device cuda: --groups 1..=8, --head-dims 1..=128, --kv-heads 1..=64, \
+         --ctas 0..=65535, --context 1..=1M tokens, --block-size 1..=128"
+    );
+    let dtype = crate::node::kv_dtype(&args.common.model.kv_dtype, "bfloat16")?;
+    let backend = CudaBackend::new(crate::node::cuda_ordinal(device)?)
+        .with_context(|| format!("--device {device}"))?;
+    let bw = backend.copy_bandwidth()?;
+    let mut rows = Vec::new();
+    for &g in &groups {
+        for &d in &head_dims {
+            for &context in &contexts {
+                for &c in &ctas {
+                    let spec = AttnBenchSpec {
+                        dtype,
+                        block_size,
+                        kv_heads: args.kv_heads,
+                        group: g,
+                        head_dim: d,
+                        context,
+                        ctas: c,
+                        seconds: args.seconds.max(0.05),
+                    };
+                    let t = backend.bench_attention(&spec)?;
+                    let gbps = t.kv_bytes as f64 / t.call_s;
+                    let kernel = if t.warps { "attend_warps" } else { "split" };
+                    if !args.common.json {
+                        eprintln!(
+                            "device {:>4} G={g} D={d:>3} ctx={context:>6} {kernel} ctas={:>5} (splits {:>4}): call {:7.1} us, {:7.1} GB/s of KV / {:.0} GB/s copy = {:.2}; combine {:5.1} us, host pack {:5.1} us, list upload {:5.1} us",
+                            dtype.name(),
+                            t.ctas,
+                            t.splits,
+                            t.call_s * 1e6,
+                            gbps / 1e9,
+                            bw / 1e9,
+                            gbps / bw,
+                            t.combine_s * 1e6,
+                            t.pack_s * 1e6,
+                            t.upload_s * 1e6,
+                        );
+                    }
+                    rows.push(json!({
+                        "dtype": dtype.name(), "group": g, "head_dim": d, "context": context,
+                        "kv_heads": args.kv_heads, "block_size": block_size, "kernel": kernel,
+                        "ctas": t.ctas, "splits": t.splits, "call_s": t.call_s,
+                        "combine_s": t.combine_s, "pack_s": t.pack_s, "upload_s": t.upload_s, "kv_bytes": t.kv_bytes,
+                        "kv_gb_per_s": gbps / 1e9, "copy_gb_per_s": bw / 1e9, "ratio": gbps / bw,
+                    }));
+                }
+            }
+        }
+    }
+    Ok(json!({ "bench": "kernels", "device": device, "results": rows }))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
+    let device = &args.common.model.device;
+    crate::node::cuda_ordinal(device)?;
+    anyhow::bail!(
+        "--device {device}: this binary was built without CUDA support; rebuild with `--features cuda`"
+    )
 }

@@ -5,8 +5,21 @@
 
 use attention::Partial;
 
-/// CUDA blocks the split-K kernel aims for per call (enough to fill an H100 twice over).
+/// CUDA blocks the split-K kernel aims for per call where the device's multiprocessors are
+/// not known; `DECODE_NODE_ATTENTION_CTAS` sets another.
 pub(super) const TARGET_CTAS: usize = 1024;
+
+/// CUDA blocks an attention launch aims for on a device of `sms` multiprocessors: two per
+/// multiprocessor. On an H200 (132), `bench kernels --device cuda` over every block of 8 KV
+/// heads (G=5, D=128, bf16), a call took 28-29 us at 8k with 256 blocks against 36 with the
+/// 512 that 1024 gave there (at least 4 blocks each), 115 against 119 us at 32k (1024), and
+/// 199-204 against 194-199 us at 64k (1024): the short contexts gain, the long one is even.
+pub(super) fn default_ctas(sms: Option<usize>) -> usize {
+    sms.map_or(TARGET_CTAS, |n| (2 * n).clamp(2, 65535))
+}
+
+/// Most splits of one head `combine_splits` merges (its shared weights array).
+pub(super) const MAX_SPLITS: usize = 1024;
 
 /// The (slot, tokens) entries of one call, head after head.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -75,16 +88,17 @@ pub(super) struct SplitK {
 }
 
 impl SplitK {
-    /// About [`TARGET_CTAS`] blocks over `heads` heads, none of them empty.
-    pub fn new(heads: usize, longest: usize) -> Self {
-        Self::at_least(heads, longest, 1)
+    /// About `target` blocks over `heads` heads, none of them empty.
+    pub fn new(target: usize, heads: usize, longest: usize) -> Self {
+        Self::at_least(target, heads, longest, 1)
     }
 
     /// As [`SplitK::new`], each CUDA block taking at least `min_chunk` entries where the list
-    /// has them (a kernel whose warps walk blocks of their own leaves none idle).
-    pub fn at_least(heads: usize, longest: usize, min_chunk: usize) -> Self {
+    /// has them (a kernel whose warps walk blocks of their own leaves none idle), and no head
+    /// cut in more than [`MAX_SPLITS`].
+    pub fn at_least(target: usize, heads: usize, longest: usize, min_chunk: usize) -> Self {
         let longest = longest.max(1);
-        let wanted = (TARGET_CTAS / heads.max(1)).clamp(1, longest);
+        let wanted = (target / heads.max(1)).clamp(1, longest.min(MAX_SPLITS));
         let chunk = longest.div_ceil(wanted).max(min_chunk.min(longest));
         Self {
             chunk,
@@ -202,7 +216,7 @@ mod tests {
     fn the_split_covers_the_longest_list_with_no_empty_block() {
         for heads in [1, 3, 8, 40] {
             for longest in [1, 2, 31, 128, 1000, 5000] {
-                let s = SplitK::new(heads, longest);
+                let s = SplitK::new(TARGET_CTAS, heads, longest);
                 assert!(s.chunk * s.splits >= longest, "{heads} {longest} {s:?}");
                 assert!(
                     s.chunk * (s.splits - 1) < longest,
@@ -215,17 +229,34 @@ mod tests {
             }
         }
         for longest in [1, 3, 4, 9, 256, 2048] {
-            let s = SplitK::at_least(8, longest, 4);
+            let s = SplitK::at_least(TARGET_CTAS, 8, longest, 4);
             assert!(s.chunk >= 4.min(longest), "{longest} {s:?}");
             assert!(s.chunk * s.splits >= longest && s.chunk * (s.splits - 1) < longest);
         }
+        for target in [1, 264, 4096, 1 << 20] {
+            for longest in [1, 700, 5000, 100_000] {
+                let s = SplitK::new(target, 1, longest);
+                assert!(s.splits <= MAX_SPLITS, "{target} {longest} {s:?}");
+                assert!(s.chunk * s.splits >= longest, "{target} {longest} {s:?}");
+            }
+        }
         assert_eq!(
-            SplitK::new(8, 0),
+            SplitK::new(TARGET_CTAS, 8, 0),
             SplitK {
                 chunk: 1,
                 splits: 1
             }
         );
+    }
+
+    #[test]
+    fn the_default_target_is_two_blocks_per_multiprocessor() {
+        assert_eq!(default_ctas(Some(132)), 264);
+        assert_eq!(default_ctas(Some(0)), 2, "a device that says 0 still gets a grid");
+        assert_eq!(default_ctas(None), TARGET_CTAS);
+        // Two per multiprocessor over Qwen3-14B's 8 KV heads at 64k (2048 blocks each).
+        let s = SplitK::at_least(default_ctas(Some(132)), 8, 2048, 4);
+        assert_eq!((s.splits, s.chunk), (33, 63));
     }
 
     #[test]

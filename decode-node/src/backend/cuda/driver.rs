@@ -21,6 +21,8 @@ pub struct DeviceInfo {
     pub count: usize,
     /// Its compute capability (major, minor), where the driver says.
     pub compute: Option<(i32, i32)>,
+    /// Its streaming multiprocessors, where the driver says.
+    pub sms: Option<usize>,
 }
 
 impl fmt::Display for DeviceInfo {
@@ -47,25 +49,26 @@ pub fn probe(ordinal: usize) -> Result<DeviceInfo, CudaError> {
     if ordinal >= count {
         return Err(CudaError::NoSuchDevice { ordinal, count });
     }
-    let compute = compute_capability(ordinal);
+    use sys::CUdevice_attribute as A;
+    let compute = attribute(ordinal, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).zip(
+        attribute(ordinal, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+    );
+    let sms = attribute(ordinal, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .and_then(|n| usize::try_from(n).ok());
     Ok(DeviceInfo {
         ordinal,
         count,
         compute,
+        sms,
     })
 }
 
-/// Device `ordinal`'s compute capability; `None` where the driver does not say.
-fn compute_capability(ordinal: usize) -> Option<(i32, i32)> {
+/// One attribute of device `ordinal`; `None` where the driver does not say.
+fn attribute(ordinal: usize, a: sys::CUdevice_attribute) -> Option<i32> {
     use cudarc::driver::result::device;
-    use sys::CUdevice_attribute as A;
     let dev = device::get(i32::try_from(ordinal).ok()?).ok()?;
     // SAFETY: `dev` came from `device::get`.
-    let attr = |a| unsafe { device::get_attribute(dev, a) }.ok();
-    Some((
-        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-    ))
+    unsafe { device::get_attribute(dev, a) }.ok()
 }
 
 /// Compiles the device kernels to PTX with NVRTC for no particular device.
@@ -258,6 +261,9 @@ pub(crate) struct Shared {
     /// off: the host scores (`DECODE_NODE_DEVICE_SKETCH=0`, or a start-up check that found
     /// the device's scores disagreeing with the host's).
     pub(crate) sketch_on: std::sync::atomic::AtomicBool,
+    /// CUDA blocks an attention call's split-K launch aims for (`DECODE_NODE_ATTENTION_CTAS`;
+    /// `bench kernels --device cuda` sweeps it).
+    pub(crate) attention_ctas: std::sync::atomic::AtomicUsize,
     /// How long the main stream sat empty while the host worked.
     pub(crate) idle: IdleClock,
 }

@@ -36,7 +36,7 @@ enum Lane {
 
 /// Where an attention call's query is.
 #[derive(Debug, Clone, Copy)]
-enum Query<'a> {
+pub(super) enum Query<'a> {
     /// On the host: it goes up with the call's slot list.
     Host(&'a [f32]),
     /// Already on the device (a resident layer's q rows), at this address.
@@ -352,17 +352,64 @@ impl CudaKvStore {
         q: Query<'_>,
         group: usize,
         scale: f32,
-        (out_dev, lse_dev): (u64, u64),
-    ) -> Result<(), BackendError> {
+        out: (u64, u64),
+    ) -> Result<Parts, BackendError> {
+        let mut scratch = self
+            .scratch
+            .lock()
+            .map_err(|_| BackendError::Device("scratch lock poisoned".into()))?;
+        let parts = self.launch_split(&mut scratch, list, q, group, scale)?;
+        self.launch_combine(&parts, out)?;
+        Ok(parts)
+    }
+
+    /// One attention call as serving queues it ([`CudaKvStore::launch_attention`]); where
+    /// its partials are, for [`CudaKvStore::bench_combine`].
+    pub(super) fn bench_call(
+        &self,
+        list: &SlotList,
+        q: Query<'_>,
+        group: usize,
+        out: (u64, u64),
+    ) -> Result<Parts, BackendError> {
+        let scale = 1.0 / (self.geom.head_dim as f32).sqrt();
+        self.launch_attention(list, q, group, scale, out)
+    }
+
+    /// The combine of an earlier call's partials alone.
+    pub(super) fn bench_combine(&self, parts: &Parts, out: (u64, u64)) -> Result<(), BackendError> {
+        self.launch_combine(parts, out)
+    }
+
+    /// Attention calls of `group` take `attend_warps`.
+    pub(super) fn takes_warps(&self, group: usize) -> bool {
+        self.warps_kernel(group).is_some()
+    }
+
+    /// Slots in the arena.
+    pub(super) fn slot_count(&self) -> usize {
+        self.slots
+    }
+
+    /// Queues the split-K kernel over `list`; where its partials are.
+    fn launch_split(
+        &self,
+        scratch: &mut Scratch,
+        list: &SlotList,
+        q: Query<'_>,
+        group: usize,
+        scale: f32,
+    ) -> Result<Parts, BackendError> {
         let sh = &*self.shared;
         // Every KV head of the list, a sequence's or (resident) a batch's.
         let (hk, d) = (list.heads(), self.geom.head_dim);
+        let target = sh.attention_ctas.load(Ordering::Relaxed);
         let (kernel, split) = match self.warps_kernel(group) {
             Some(f) => (
                 f,
-                SplitK::at_least(hk, list.longest_head(), WARPS_PER_BLOCK),
+                SplitK::at_least(target, hk, list.longest_head(), WARPS_PER_BLOCK),
             ),
-            None => (&sh.k.split, SplitK::new(hk, list.longest_head())),
+            None => (&sh.k.split, SplitK::new(target, hk, list.longest_head())),
         };
         let up = pack(
             list,
@@ -371,10 +418,6 @@ impl CudaKvStore {
                 Query::Device(_) => &[],
             },
         );
-        let mut scratch = self
-            .scratch
-            .lock()
-            .map_err(|_| BackendError::Device("scratch lock poisoned".into()))?;
         let io_dev = scratch.io.ptr(&sh.stream, up.bytes.len())?;
         htod(io_dev, &up.bytes, &sh.stream)?;
         let part_floats = hk * split.splits * group * (d + 1);
@@ -409,15 +452,50 @@ impl CudaKvStore {
                     &scale, &c, &s, &parts_dev, &part_lse,
                 ],
             )?;
+        }
+        Ok(Parts {
+            out: parts_dev,
+            lse: part_lse,
+            heads: hk,
+            group,
+            splits: split.splits,
+        })
+    }
+
+    /// Queues the merge of `parts` into `[heads][group][d]` outputs at the first address and
+    /// their base-2 log-sum-exps `[heads][group]` at the second.
+    fn launch_combine(
+        &self,
+        parts: &Parts,
+        (out_dev, lse_dev): (u64, u64),
+    ) -> Result<(), BackendError> {
+        let sh = &*self.shared;
+        let (s, g, d) = (
+            parts.splits as i32,
+            parts.group as i32,
+            self.geom.head_dim as i32,
+        );
+        // SAFETY: `parts` was sized for these heads, splits and group (`launch_split`), and
+        // the caller sized the outputs for them; splits <= MAX_SPLITS (`SplitK`).
+        unsafe {
             sh.launch(
                 &sh.k.combine,
-                ((hk * group) as u32, 1),
+                ((parts.heads * parts.group) as u32, 1),
                 128,
-                &[&parts_dev, &part_lse, &s, &g, &dd, &out_dev, &lse_dev],
-            )?;
+                &[&parts.out, &parts.lse, &s, &g, &d, &out_dev, &lse_dev],
+            )
         }
-        Ok(())
     }
+}
+
+/// Where a split-K launch left its partials, and their shape.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Parts {
+    out: u64,
+    lse: u64,
+    heads: usize,
+    group: usize,
+    splits: usize,
 }
 
 /// Device addresses of a resident layer's batch (see [`CudaKvStore::launch_resident`]).
