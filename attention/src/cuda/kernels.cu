@@ -561,36 +561,85 @@ __device__ __forceinline__ void unpack8(uint4 w, int dtype, float* f) {
     }
 }
 
-// `sparse_attention_split` for the common case, 16-bit KV (f16/bf16) in blocks of BS = 16 or
-// 32 tokens with head_dim D = 64 or 128 and G query heads per KV head: the same grid, arguments
-// and partials, so `combine_splits` merges either. The general kernel stages every tile in
-// shared memory behind three block-wide barriers and then does two shared loads per FMA; here
-// each of the 4 warps walks its own blocks with 16-byte loads straight into registers. For the
-// scores, lane l holds tokens 8*(l%TPR).. of K^T rows l/TPR, l/TPR+RPS, ... (one row is BS*2
-// bytes: TPR = BS/8 lanes), multiplies them by every query head at once, and the RPS lanes that
-// share its tokens sum by shuffles. For P.V, lane l holds dims 8*(l%(D/8)).. of V rows
-// l/(D/8), ... The 4 warps' running (max, sum, output) merge once at the end. 128 threads;
-// 16-byte aligned head blocks (the caller checks). Other shapes take the general kernel.
+// Eight 16-bit KV elements of dtype DT (1 = f16, 2 = bf16) as f32: `unpack8` with the dtype
+// known at compile time.
+template <int DT>
+__device__ __forceinline__ void unpack8_as(uint4 w, float* f) {
+    const unsigned int u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (DT == 2) {
+            f[2 * i] = __uint_as_float(u[i] << 16);
+            f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+        } else {
+            f[2 * i] = half_bits_to_f32((u16)(u[i] & 0xffffu));
+            f[2 * i + 1] = half_bits_to_f32((u16)(u[i] >> 16));
+        }
+    }
+}
+
+// A use of every word of `r` behind a branch the compiler cannot decide (`len` is never
+// negative): the code after it waits for all of the loads, so all of them are issued before
+// any of the work on them. Without it the scheduler interleaves loads with the FMAs on earlier
+// ones and keeps only ~5 of a tile's 16 in flight per lane.
+template <int N>
+__device__ __forceinline__ void all_loaded(const uint4 (&r)[N], int len, float& sink) {
+    unsigned int x = 0;
+#pragma unroll
+    for (int i = 0; i < N; i++) x |= r[i].x | r[i].y | r[i].z | r[i].w;
+    if (len < 0) sink = __uint_as_float(x);
+}
+
+// The shared memory of one `attend_warps` CUDA block, declared once by its entry (each dtype's
+// body would otherwise get its own copy).
 template <int G, int D, int BS>
-__device__ __forceinline__ void attend_warps(const unsigned char* arena, const long long* offs,
-                                             const int* lens, const int* head_start, const float* q,
-                                             int dtype, float scale, int chunk, int splits,
-                                             float* part_out, float* part_lse) {
+struct WarpsShared {
+    float q[G * D];
+    float p[4][G][BS];
+    float m[4][G], l[4][G];
+    float o[4][G][D];
+};
+
+// `sparse_attention_split` for the common case, 16-bit KV of dtype DT (1 = f16, 2 = bf16) in
+// blocks of BS = 16 or 32 tokens with head_dim D = 64 or 128 and G query heads per KV head: the
+// same grid, arguments and partials, so `combine_splits` merges either. The general kernel
+// stages every tile in shared memory behind three block-wide barriers and then does two shared
+// loads per FMA; here each of the 4 warps walks its own blocks with 16-byte loads straight into
+// registers. For the scores, lane l holds tokens 8*(l%TPR).. of K^T rows l/TPR, l/TPR+RPS, ...
+// (one row is BS*2 bytes: TPR = BS/8 lanes), multiplies them by every query head at once, and
+// the RPS lanes that share its tokens sum by shuffles. For P.V, lane l holds dims 8*(l%(D/8))..
+// of V rows l/(D/8), ... The 4 warps' running (max, sum, output) merge once at the end. 128
+// threads; 16-byte aligned head blocks (the caller checks). Other shapes take the general kernel.
+//
+// A lane issues all of a tile's loads (LB at a time: 16 where G <= 5, else 8 to stay within
+// the registers) and waits for them together (`all_loaded`). As the compiler scheduled the
+// loads before, a block's K^T tile was read ~5 loads deep and its V tile one load at a time
+// (each behind its `t < len` test): ~19 memory round trips per block and warp, which is
+// what an H200 measured, 0.27-0.32 of its copy bandwidth at 8-64k (`bench kernels --device
+// cuda`). Now two. The dtype is a template parameter, so each body is straight-line code.
+template <int G, int D, int BS, int DT>
+__device__ __forceinline__ void attend_warps(WarpsShared<G, D, BS>& sm, const unsigned char* arena,
+                                             const long long* offs, const int* lens,
+                                             const int* head_start, const float* q, float scale,
+                                             int chunk, int splits, float* part_out,
+                                             float* part_lse) {
     static_assert(BS == 16 || BS == 32, "blocks of 16 or 32 tokens");
     constexpr int TPR = BS / 8;    // lanes per K^T row (8 tokens each)
     constexpr int RPS = 32 / TPR;  // K^T rows per warp step
     constexpr int CPR = D / 8;     // 16-byte chunks per V row
     constexpr int TPS = 32 / CPR;  // V rows per warp step
     constexpr int NW = 4;          // warps per CUDA block
+    constexpr int KI = D / RPS;    // K^T rows per lane
+    constexpr int VI = BS / TPS;   // V rows per lane
+    constexpr int LB = G <= 5 ? 16 : 8;
+    constexpr int KB = KI < LB ? KI : LB;  // loads in flight per batch
+    constexpr int VB = VI < LB ? VI : LB;
+    static_assert(KI % KB == 0 && VI % VB == 0, "whole load batches");
     const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31;
-    __shared__ float q_sh[G * D];
-    __shared__ float p_sh[NW][G][BS];
-    __shared__ float m_sh[NW][G], l_sh[NW][G];
-    __shared__ float o_sh[NW][G][D];
     const float qscale = scale * 1.4426950408889634f;  // log2(e): exp becomes exp2
     const float* qh = q + (long long)h * G * D;
-    for (int i = tid; i < G * D; i += NW * 32) q_sh[i] = qh[i] * qscale;
+    for (int i = tid; i < G * D; i += NW * 32) sm.q[i] = qh[i] * qscale;
     __syncthreads();
     const int b0 = head_start[h] + s * chunk;
     const int b1 = min(b0 + chunk, head_start[h + 1]);
@@ -614,15 +663,23 @@ __device__ __forceinline__ void attend_warps(const unsigned char* arena, const l
 #pragma unroll
             for (int j = 0; j < 8; j++) sc[g][j] = 0.f;
 #pragma unroll
-        for (int i = 0; i < D / RPS; i++) {
-            const int c = r0 + RPS * i;
-            float k[8];
-            unpack8(*(const uint4*)(kt + (c * BS + tg * 8) * 2), dtype, k);
+        for (int i0 = 0; i0 < KI; i0 += KB) {
+            uint4 kr[KB];
 #pragma unroll
-            for (int g = 0; g < G; g++) {
-                const float qv = q_sh[g * D + c];
+            for (int i = 0; i < KB; i++)
+                kr[i] = *(const uint4*)(kt + ((r0 + RPS * (i0 + i)) * BS + tg * 8) * 2);
+            all_loaded(kr, len, sc[0][0]);
 #pragma unroll
-                for (int j = 0; j < 8; j++) sc[g][j] += qv * k[j];
+            for (int i = 0; i < KB; i++) {
+                const int c = r0 + RPS * (i0 + i);
+                float k[8];
+                unpack8_as<DT>(kr[i], k);
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const float qv = sm.q[g * D + c];
+#pragma unroll
+                    for (int j = 0; j < 8; j++) sc[g][j] += qv * k[j];
+                }
             }
         }
 #pragma unroll
@@ -660,24 +717,34 @@ __device__ __forceinline__ void attend_warps(const unsigned char* arena, const l
             for (int j = 0; j < 8; j++) acc[g][j] *= alpha;
             if (r0 == 0)
 #pragma unroll
-                for (int j = 0; j < 8; j++) p_sh[warp][g][tg * 8 + j] = sc[g][j];
+                for (int j = 0; j < 8; j++) sm.p[warp][g][tg * 8 + j] = sc[g][j];
         }
         __syncwarp();
 #pragma unroll
-        for (int j0 = 0; j0 < BS; j0 += TPS) {
-            const int t = j0 + tt;
-            if (t < len) {
-                float v[8];
-                unpack8(*(const uint4*)(vs + (t * D + cc * 8) * 2), dtype, v);
+        for (int j0 = 0; j0 < VI; j0 += VB) {
+            // Rows past `len` are loaded (they lie inside the slot) but never used: the tail
+            // may hold anything, NaN included.
+            uint4 vr[VB];
 #pragma unroll
-                for (int g = 0; g < G; g++) {
-                    const float p = p_sh[warp][g][t];
+            for (int j = 0; j < VB; j++)
+                vr[j] = *(const uint4*)(vs + ((tt + TPS * (j0 + j)) * D + cc * 8) * 2);
+            all_loaded(vr, len, acc[0][0]);
 #pragma unroll
-                    for (int j = 0; j < 8; j++) acc[g][j] += p * v[j];
+            for (int j = 0; j < VB; j++) {
+                const int t = tt + TPS * (j0 + j);
+                if (t < len) {
+                    float v[8];
+                    unpack8_as<DT>(vr[j], v);
+#pragma unroll
+                    for (int g = 0; g < G; g++) {
+                        const float p = sm.p[warp][g][t];
+#pragma unroll
+                        for (int e = 0; e < 8; e++) acc[g][e] += p * v[e];
+                    }
                 }
             }
         }
-        __syncwarp();  // the next block rewrites p_sh
+        __syncwarp();  // the next block rewrites sm.p
     }
     // Lanes that share `cc` hold the same dims of different rows.
 #pragma unroll
@@ -690,25 +757,25 @@ __device__ __forceinline__ void attend_warps(const unsigned char* arena, const l
 #pragma unroll
         for (int g = 0; g < G; g++)
 #pragma unroll
-            for (int j = 0; j < 8; j++) o_sh[warp][g][cc * 8 + j] = acc[g][j];
+            for (int j = 0; j < 8; j++) sm.o[warp][g][cc * 8 + j] = acc[g][j];
     if (lane == 0)
 #pragma unroll
         for (int g = 0; g < G; g++) {
-            m_sh[warp][g] = m[g];
-            l_sh[warp][g] = l[g];
+            sm.m[warp][g] = m[g];
+            sm.l[warp][g] = l[g];
         }
     __syncthreads();
     const long long base = ((long long)h * splits + s) * G;
     for (int i = tid; i < G * D; i += NW * 32) {
         const int g = i / D, c = i % D;
         float mx = NEG_INF;
-        for (int w = 0; w < NW; w++) mx = fmaxf(mx, m_sh[w][g]);
+        for (int w = 0; w < NW; w++) mx = fmaxf(mx, sm.m[w][g]);
         float sum = 0.f, o = 0.f;
         if (mx != NEG_INF)
             for (int w = 0; w < NW; w++) {
-                const float e = m_sh[w][g] == NEG_INF ? 0.f : exp2f(m_sh[w][g] - mx);
-                sum += l_sh[w][g] * e;
-                o += o_sh[w][g][c] * e;
+                const float e = sm.m[w][g] == NEG_INF ? 0.f : exp2f(sm.m[w][g] - mx);
+                sum += sm.l[w][g] * e;
+                o += sm.o[w][g][c] * e;
             }
         part_out[(base + g) * D + c] = sum > 0.f ? o / sum : 0.f;
         if (c == 0) part_lse[base + g] = sum > 0.f ? mx + log2f(sum) : NEG_INF;
@@ -717,14 +784,20 @@ __device__ __forceinline__ void attend_warps(const unsigned char* arena, const l
 
 // The entry points of `attend_warps`, `attend_warps_g{G}_d{D}` for 32-token blocks and
 // `attend_warps_g{G}_d{D}_b16` for 16: the arguments of `sparse_attention_split` (group,
-// head_dim and block_size are the name's).
+// head_dim and block_size are the name's; dtype 1 = f16, anything else bf16, as the caller
+// only launches these for 16-bit KV).
 #define ATTEND_WARPS_ENTRY(NAME, G, D, BS)                                                          \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
         const unsigned char* arena, const long long* offs, const int* lens, const int* head_start, \
         const float* q, int group, int head_dim, int block_size, int dtype, float scale,           \
         int chunk, int splits, float* part_out, float* part_lse) {                                 \
-        attend_warps<G, D, BS>(arena, offs, lens, head_start, q, dtype, scale, chunk, splits,      \
-                               part_out, part_lse);                                                \
+        __shared__ WarpsShared<G, D, BS> sm;                                                        \
+        if (dtype == 1)                                                                             \
+            attend_warps<G, D, BS, 1>(sm, arena, offs, lens, head_start, q, scale, chunk, splits,  \
+                                      part_out, part_lse);                                          \
+        else                                                                                        \
+            attend_warps<G, D, BS, 2>(sm, arena, offs, lens, head_start, q, scale, chunk, splits,  \
+                                      part_out, part_lse);                                          \
     }
 #define ATTEND_WARPS(G, D)                                          \
     ATTEND_WARPS_ENTRY(attend_warps_g##G##_d##D, G, D, 32)          \

@@ -252,7 +252,11 @@ mod tests {
     #[test]
     fn the_default_target_is_two_blocks_per_multiprocessor() {
         assert_eq!(default_ctas(Some(132)), 264);
-        assert_eq!(default_ctas(Some(0)), 2, "a device that says 0 still gets a grid");
+        assert_eq!(
+            default_ctas(Some(0)),
+            2,
+            "a device that says 0 still gets a grid"
+        );
         assert_eq!(default_ctas(None), TARGET_CTAS);
         // Two per multiprocessor over Qwen3-14B's 8 KV heads at 64k (2048 blocks each).
         let s = SplitK::at_least(default_ctas(Some(132)), 8, 2048, 4);
