@@ -15,7 +15,10 @@
 #   x86_64-linux/lib (never a `stubs` folder: its libcuda answers CUDA_ERROR_STUB_LIBRARY).
 #   Carry a stripped binary (`strip -o dist/decode-node target/release/decode-node`: 16 MB,
 #   the unstripped one is over the 64 MiB a call may carry). The whole run took 6 minutes on
-#   an H200 (2026-11-26), capacity the longest step (2 minutes).
+#   an H200 (2026-11-26), capacity the longest step (2 minutes); with SKIP="selftest-int8
+#   host-kernels host-select dense-step-b4-gemv dense-step-b4-cublas decode-full-split-kernel
+#   scout-32k-predicted-device scout-32k-quest decode-32k-block16 decode-8k-host-layers",
+#   5 minutes (2026-11-27).
 set -euo pipefail
 bin=${1:-target/release/decode-node}
 layers=${2:-10}
