@@ -93,6 +93,11 @@ step decode-8k-32k "$bin" bench decode --json --device cuda --model "$model" \
     --context 8k,32k --modes full,hgca,recall,scout --budget-tokens 2048 --tokens 64
 step decode-64k "$bin" bench decode --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
+# Scout's CPU part on a quarter of the cores (the default until 2026-11-27; now every core
+# but two where the device scores the blocks): what the CPU-attention pool's size is worth.
+step decode-cpu-quarter "$bin" bench decode --json --device cuda --model "$model" \
+    --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 \
+    --cpu-attention-threads "$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))"
 # Each KV head its own budget (the default until session 32): what a layer's shared budget
 # costs on a device, whose slots are per head (a head's blocks past them go to the CPU part).
 step decode-head-budgets "$bin" bench decode --json --device cuda --model "$model" \

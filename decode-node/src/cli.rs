@@ -293,10 +293,11 @@ pub struct ServeArgs {
     /// Requests decoded together at most.
     #[arg(long, env = "DECODE_NODE_MAX_BATCH", default_value_t = 64)]
     pub max_batch: u32,
-    /// Threads of the CPU-attention pool (the CPU part of sparse attention; on a GPU host
-    /// block selection runs on rayon's global pool, every core). 0: a quarter of the cores,
-    /// at least one; on `--device cpu`, every core, as the whole step runs in this pool. On a
-    /// GPU host the CPU part often decides scout's speed: give it most cores there.
+    /// Threads of the CPU-attention pool (the CPU part of sparse attention). 0: on `--device
+    /// cpu`, every core, as the whole step runs in this pool; on a GPU whose key sketch scores
+    /// the blocks (the default scorer there), every core but two, as the CPU part then decides
+    /// scout's speed; where the host scores blocks (`--block-scorer sparq|quest`, on rayon's
+    /// global pool, every core), a quarter of the cores, at least one.
     #[arg(long, env = "DECODE_NODE_CPU_ATTENTION_THREADS", default_value_t = 0)]
     pub cpu_attention_threads: usize,
     /// Seconds to finish running requests after SIGTERM before exiting.
@@ -620,6 +621,10 @@ pub struct DecodeBench {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 32)]
     pub tokens: u32,
+    /// Threads of the node's CPU-attention pool (0: `serve`'s default; see its
+    /// `--cpu-attention-threads`).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
+    pub cpu_attention_threads: u32,
 }
 
 /// `bench capacity`.
@@ -646,6 +651,10 @@ pub struct CapacityBench {
     /// Most requests tried per mode (also the node's batch limit).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_requests: u32,
+    /// Threads of the node's CPU-attention pool (0: `serve`'s default; see its
+    /// `--cpu-attention-threads`).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
+    pub cpu_attention_threads: u32,
 }
 
 /// `bench step`.

@@ -94,6 +94,7 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
             args.max_requests,
             600.0,
             false,
+            args.cpu_attention_threads,
         )
         .await?;
         let target = node.target();

@@ -50,7 +50,16 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let host =
                 kv_bytes + (kv_bytes >> 4) + sketch_bytes_for(&cfg, tokens) * batch + (64 << 20);
             let device = if mode == "full" { host } else { 4 << 30 };
-            let node = start_node(m, host, device, args.batch.max(1), 600.0, false).await?;
+            let node = start_node(
+                m,
+                host,
+                device,
+                args.batch.max(1),
+                600.0,
+                false,
+                args.cpu_attention_threads,
+            )
+            .await?;
             let (weights, params, bw_before) = *bound.get_or_insert_with(|| {
                 let m = &node.model.model;
                 let bw = m

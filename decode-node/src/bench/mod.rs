@@ -205,9 +205,11 @@ async fn start_node(
     max_batch: u32,
     kv_lease: f64,
     prefault: bool,
+    cpu_attention_threads: u32,
 ) -> anyhow::Result<InProcess> {
     let mut sa = InProcess::loopback_args(model, host_kv_bytes, device_kv_bytes);
     sa.max_batch = max_batch;
+    sa.cpu_attention_threads = cpu_attention_threads as usize;
     sa.kv_lease = kv_lease;
     sa.host_kv_prefault = prefault;
     InProcess::start(sa)
