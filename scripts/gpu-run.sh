@@ -77,9 +77,11 @@ step device-kernels "$bin" bench kernels --json --device cuda --groups 5 --head-
 # CPU part and its selection (SparQ reads most of 4x the budget's keys) share that bandwidth.
 step host-kernels "$bin" bench kernels --json --threads 1,4,8,16 --groups 5 --head-dims 128 \
     --seconds 1
-# Scout's host selection alone (Quest's bound, then SparQ's key rows) at 32k on this shape, per
-# thread count: 12 of scout's 28 ms per step on the H200 in session 22.
-step host-select "$bin" bench select --json --context 32k --threads 1,4,8,16 --seconds 1
+# Scout's host selection alone (Quest's bound, then SparQ's key rows) on this shape, per thread
+# count: 12 of scout's 28 ms per step on the H200 in session 22; and the host's part where the
+# device scores (the default): top-k and residency plan, 0.05 ms a layer at 64k on an EPYC VM.
+step host-select "$bin" bench select --json --context 32k,64k --threads 1,4,8,16 --seconds 1 \
+    --scorers quest,sparq,device
 # The dense step alone against the weights' bound, batch 1 and 8 (`gemv_b1`, then cuBLAS),
 # and batch 4 both ways (`gemv_b{B}` is used up to batch 1 by default: at 8 it lost to cuBLAS).
 step dense-step "$bin" bench step --json --device cuda --model "$model" --batch 8 --seconds 3

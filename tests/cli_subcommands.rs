@@ -388,6 +388,40 @@ fn bench_select_reports_each_scorer_against_read_bandwidth() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--scorers"));
 }
 
+/// `bench select --scorers device` times the host's part of a plan from scores a device
+/// made, over steps that open new blocks (1k tokens: the first step's token starts one).
+#[test]
+fn bench_select_times_the_hosts_part_of_a_device_scored_plan() {
+    let v = run_json(&[
+        "bench",
+        "select",
+        "--json",
+        "--scorers",
+        "device",
+        "--context",
+        "1k",
+        "--seconds",
+        "0.05",
+        "--kv-heads",
+        "2",
+        "--group",
+        "3",
+        "--head-dim",
+        "64",
+        "--layers",
+        "2",
+        "--budget-tokens",
+        "128",
+    ]);
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{v}");
+    let r = &rows[0];
+    assert_eq!(r["scorer"], "device");
+    assert_eq!(r["mode"], "scout");
+    assert_eq!(r["threads"], 1);
+    assert!(r["ms_per_layer"].as_f64().unwrap() > 0.0, "{r}");
+}
+
 /// `bench decode` on the CPU reports the bytes a step moves against read bandwidth.
 #[test]
 fn bench_decode_reports_traffic_against_read_bandwidth() {

@@ -572,7 +572,9 @@ pub struct SelectBench {
     pub threads: String,
     /// Block scorers to measure: `quest` (digests only), `sparq` (re-ranks the best
     /// candidates by an approximate attention over key rows read from host KV) and/or
-    /// `sketch` (every key, quantized to 4 bits as read: the CPU path of a GPU's scorer).
+    /// `sketch` (every key, quantized to 4 bits as read: the CPU path of a GPU's scorer),
+    /// and `device`: the host's part where a GPU scored every block (each head's top-k and
+    /// residency plan, on the step thread).
     #[arg(long, default_value = "quest,sparq")]
     pub scorers: String,
     /// KV heads per layer (the default is Qwen3-14B's shape: 8 KV heads, groups of 5, head

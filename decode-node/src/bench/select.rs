@@ -4,7 +4,7 @@
 //! scout's 28 ms per step at 32k (Qwen3-14B shape, 10 layers), more than the device's work.
 
 use super::*; // the shared helpers and imports of `bench`
-use crate::cli::SelectBench;
+use crate::cli::{BenchCommon, SelectBench};
 use attention::{AttentionConfig, BlockKeys, BlockScorer, HeadDigests, KvSource, SeqAttention};
 
 /// A sequence's KV blocks, taken from a host pool as an ingest takes them.
@@ -83,8 +83,8 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
     anyhow::ensure!(
         scorers
             .iter()
-            .all(|s| ["quest", "sparq", "sketch"].contains(&s.as_str())),
-        "--scorers takes `quest`, `sparq` and/or `sketch`"
+            .all(|s| ["quest", "sparq", "sketch", "device"].contains(&s.as_str())),
+        "--scorers takes `quest`, `sparq`, `sketch` and/or `device`"
     );
     anyhow::ensure!(
         (1..=64).contains(&args.kv_heads)
@@ -138,6 +138,18 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
             })
             .collect();
         for name in &scorers {
+            if name == "device" {
+                rows.push(device_scored(
+                    &args.common,
+                    &base,
+                    geom,
+                    args.layers,
+                    ctx,
+                    &digests,
+                    args.seconds,
+                ));
+                continue;
+            }
             let cfg = AttentionConfig {
                 scorer: match (name.as_str(), base.scorer) {
                     ("quest", _) => BlockScorer::Quest,
@@ -217,6 +229,72 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
         }
     }
     Ok(json!({ "bench": "select", "results": rows }))
+}
+
+/// The host's part of a layer's plan where the device scored every block (a GPU's sketch):
+/// each head's top-k of the scores and its residency plan, on the step thread, as a batch of
+/// one plans. The scores change every step (as on a random-weight model, the worst case for
+/// residency): four sets per layer taken in turn.
+fn device_scored(
+    common: &BenchCommon,
+    base: &AttentionConfig,
+    geom: BlockGeometry,
+    layers: usize,
+    ctx: usize,
+    digests: &[HeadDigests],
+    seconds: f64,
+) -> serde_json::Value {
+    let cfg = AttentionConfig {
+        scorer: BlockScorer::Sketch,
+        ..base.clone()
+    };
+    let (hk, nb) = (geom.num_kv_heads, geom.blocks_for(ctx));
+    let mut seq = SeqAttention::new(geom, layers, ctx, digests.to_vec());
+    let mut r = SplitMix(ctx as u64 ^ 0xd1ce);
+    let sets: Vec<Vec<Vec<f32>>> = (0..4 * layers)
+        .map(|_| {
+            (0..hk)
+                .map(|_| (0..nb).map(|_| r.next_f64() as f32 / nb as f32).collect())
+                .collect()
+        })
+        .collect();
+    let keys = vec![0.5f32; hk * geom.head_dim];
+    let mut times = Vec::new();
+    let end = Instant::now() + Duration::from_secs_f64(seconds);
+    while Instant::now() < end || times.len() < 4 * layers {
+        let i = times.len();
+        let layer = i % layers;
+        // A step's new token can open a block the sets do not cover: it scores 0, as the
+        // newest block does.
+        let mut scores = sets[i % sets.len()].clone();
+        for s in &mut scores {
+            s.resize(seq.num_blocks(), 0.0);
+        }
+        let start = Instant::now();
+        let plans = seq.plan_layer_scored(&cfg, layer, &scores);
+        times.push(start.elapsed().as_secs_f64());
+        std::hint::black_box(plans);
+        if layer == layers - 1 {
+            for l in 0..layers {
+                seq.append_token(&cfg, l, &keys);
+            }
+            seq.advance();
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let per_layer = times[times.len() / 2];
+    if !common.json {
+        eprintln!(
+            "select device ctx={ctx:>6} H={hk} {:?}: {:7.3} ms/layer (the host's top-k and residency plan of scores made on the device, 1 thread)",
+            cfg.mode,
+            per_layer * 1e3,
+        );
+    }
+    json!({
+        "scorer": "device", "context": ctx, "threads": 1, "kv_heads": hk,
+        "block_size": geom.block_size, "budget_tokens": cfg.budget_tokens,
+        "mode": format!("{:?}", cfg.mode).to_lowercase(), "ms_per_layer": per_layer * 1e3,
+    })
 }
 
 /// Bytes one layer's selection reads, averaged over `queries`' layers: every digest of
