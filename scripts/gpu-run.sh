@@ -130,4 +130,19 @@ step decode-8k-host-layers env DECODE_NODE_RESIDENT_LAYERS=0 "$bin" bench decode
 step capacity-64k "$bin" bench capacity --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 32 \
     --device-kv-bytes 40Gi --host-kv-bytes 48Gi
+# Per-kernel figures where Nsight Compute is installed (the lent machines have ncu in
+# /usr/local/cuda/bin, no nsys) and may read the counters: each kernel of one dense step
+# (time, DRAM throughput against its peak, registers, occupancy), then the attention kernel
+# and its combine over 64k tokens. Last, as a profiler can fail or be refused.
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active
+if [[ -n "$ncu" ]]; then
+    step ncu-step "$ncu" --csv --metrics "$metrics" "$bin" bench step --json --device cuda \
+        --model "$model" --batch 1 --seconds 0
+    step ncu-attention "$ncu" --csv --metrics "$metrics" -k "regex:attend_warps|combine_splits" \
+        --launch-count 6 "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 \
+        --context 64k --seconds 0.05
+else
+    echo "== ncu: not installed; no per-kernel profile" | tee -a "$out/summary.txt"
+fi
 echo "results in $out/"
