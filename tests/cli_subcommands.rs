@@ -323,18 +323,13 @@ fn avx512_switch_turns_the_wide_paths_off() {
     }
 }
 
-/// `bench select` measures each scorer's host selection against the same threads' read
-/// bandwidth: sparq (candidates from the bound, then key rows) reads more than quest alone.
-#[test]
-fn bench_select_reports_each_scorer_against_read_bandwidth() {
-    let v = run_json(&[
+/// `bench select --json` on a small shape (2 KV heads of 3 query heads, head dim 64, 2
+/// layers, budget 128), with `extra` flags.
+fn bench_select_json(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
         "bench",
         "select",
         "--json",
-        "--context",
-        "1k,2k",
-        "--threads",
-        "1",
         "--seconds",
         "0.05",
         "--kv-heads",
@@ -347,7 +342,16 @@ fn bench_select_reports_each_scorer_against_read_bandwidth() {
         "2",
         "--budget-tokens",
         "128",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    run_json(&args)
+}
+
+/// `bench select` measures each scorer's host selection against the same threads' read
+/// bandwidth: sparq (candidates from the bound, then key rows) reads more than quest alone.
+#[test]
+fn bench_select_reports_each_scorer_against_read_bandwidth() {
+    let v = bench_select_json(&["--context", "1k,2k", "--threads", "1"]);
     let rows = v["results"].as_array().unwrap();
     assert_eq!(rows.len(), 4, "{v}");
     let row = |scorer: &str, ctx: u64| {
@@ -392,27 +396,7 @@ fn bench_select_reports_each_scorer_against_read_bandwidth() {
 /// made, over steps that open new blocks (1k tokens: the first step's token starts one).
 #[test]
 fn bench_select_times_the_hosts_part_of_a_device_scored_plan() {
-    let v = run_json(&[
-        "bench",
-        "select",
-        "--json",
-        "--scorers",
-        "device",
-        "--context",
-        "1k",
-        "--seconds",
-        "0.05",
-        "--kv-heads",
-        "2",
-        "--group",
-        "3",
-        "--head-dim",
-        "64",
-        "--layers",
-        "2",
-        "--budget-tokens",
-        "128",
-    ]);
+    let v = bench_select_json(&["--scorers", "device", "--context", "1k"]);
     let rows = v["results"].as_array().unwrap();
     assert_eq!(rows.len(), 1, "{v}");
     let r = &rows[0];
