@@ -95,11 +95,57 @@ fn cuda_device_fails_clearly_or_passes_its_selftest() {
         &["selftest", "--device", "cpu"][..],
         &["serve", "--device", "cuda:x"][..],
         &["serve", "--device", "tpu"][..],
+        &["bench", "kernels", "--device", "tpu"][..],
     ] {
         let out = bin().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains("--device"), "{args:?}: {stderr}");
+    }
+}
+
+/// `bench kernels --device cuda` times the device's attention where there is a GPU, and
+/// otherwise fails at start saying why (the same reasons as the selftest), never a panic.
+#[test]
+fn device_kernel_bench_runs_or_fails_clearly() {
+    let out = bin()
+        .args([
+            "bench",
+            "kernels",
+            "--device",
+            "cuda",
+            "--json",
+            "--groups",
+            "2",
+            "--head-dims",
+            "64",
+            "--context",
+            "1k",
+            "--kv-heads",
+            "2",
+            "--seconds",
+            "0.05",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let row = &v["results"][0];
+        assert_eq!(row["context"], 1024, "{v}");
+        assert!(row["call_s"].as_f64().unwrap() > 0.0, "{v}");
+        assert!(row["kv_gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    } else {
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            stderr.contains("no CUDA driver")
+                || stderr.contains("built without CUDA support")
+                || stderr.contains("CUDA driver error")
+                || stderr.contains("does not exist"),
+            "{stderr}"
+        );
     }
 }
 
