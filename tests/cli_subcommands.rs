@@ -76,20 +76,11 @@ fn cuda_device_fails_clearly_or_passes_its_selftest() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
     if out.status.success() {
         assert!(stdout.contains("selftest passed"), "{stdout}");
         assert!(!stdout.contains("FAIL"), "{stdout}");
     } else {
-        assert_eq!(out.status.code(), Some(1), "{stderr}");
-        assert!(!stderr.contains("panicked"), "{stderr}");
-        assert!(
-            stderr.contains("no CUDA driver")
-                || stderr.contains("built without CUDA support")
-                || stderr.contains("CUDA driver error")
-                || stderr.contains("does not exist"),
-            "{stderr}"
-        );
+        assert_failed_for_want_of_a_gpu(&out);
     }
     for args in [
         &["selftest", "--device", "cpu"][..],
@@ -129,7 +120,6 @@ fn device_kernel_bench_runs_or_fails_clearly() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
     if out.status.success() {
         let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
         let row = &v["results"][0];
@@ -137,16 +127,23 @@ fn device_kernel_bench_runs_or_fails_clearly() {
         assert!(row["call_s"].as_f64().unwrap() > 0.0, "{v}");
         assert!(row["kv_gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
     } else {
-        assert_eq!(out.status.code(), Some(1), "{stderr}");
-        assert!(!stderr.contains("panicked"), "{stderr}");
-        assert!(
-            stderr.contains("no CUDA driver")
-                || stderr.contains("built without CUDA support")
-                || stderr.contains("CUDA driver error")
-                || stderr.contains("does not exist"),
-            "{stderr}"
-        );
+        assert_failed_for_want_of_a_gpu(&out);
     }
+}
+
+/// `out` is a start-up failure that says why there is no GPU to use (no driver, a binary
+/// without CUDA, a driver error, no such device): exit status 1, no panic.
+fn assert_failed_for_want_of_a_gpu(out: &std::process::Output) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("no CUDA driver")
+            || stderr.contains("built without CUDA support")
+            || stderr.contains("CUDA driver error")
+            || stderr.contains("does not exist"),
+        "{stderr}"
+    );
 }
 
 /// `bench fidelity` runs end to end on the embedded model: `full` is its own reference, and
