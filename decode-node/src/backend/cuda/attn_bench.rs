@@ -10,9 +10,8 @@ use attention::{BlockGeometry, KvDType};
 use cudarc::driver::{DevicePtr, result as drv};
 use kv_transfer::HostPool;
 
-use super::call::{SlotList, SplitK, pack};
-use super::driver::WARPS_PER_BLOCK;
-use super::store::{CudaKvStore, Query};
+use super::call::{SlotList, pack};
+use super::store::{CudaKvStore, Parts, Query};
 use super::{CudaBackend, dev_err, htod};
 use crate::backend::BackendError;
 
@@ -111,16 +110,10 @@ impl CudaBackend {
             sh.attention_ctas
                 .store(spec.ctas, std::sync::atomic::Ordering::Relaxed);
         }
-        let target = sh.attention_ctas.load(std::sync::atomic::Ordering::Relaxed);
         let r = timed(&store, &list, spec, q_at, (out_at, lse_at));
         sh.attention_ctas
             .store(old, std::sync::atomic::Ordering::Relaxed);
-        let (call_s, combine_s, warps) = r?;
-        let split = if warps {
-            SplitK::at_least(target, spec.kv_heads, nb, WARPS_PER_BLOCK)
-        } else {
-            SplitK::new(target, spec.kv_heads, nb)
-        };
+        let (call_s, combine_s, parts) = r?;
         let pack_s = per_call(spec.seconds, || {
             std::hint::black_box(pack(&list, &[]));
             Ok(())
@@ -142,25 +135,26 @@ impl CudaBackend {
             pack_s,
             upload_s,
             kv_bytes: (spec.kv_heads * spec.context * spec.head_dim * 2 * spec.dtype.size()) as u64,
-            ctas: split.splits * spec.kv_heads,
-            splits: split.splits,
-            warps,
+            ctas: parts.splits * parts.heads,
+            splits: parts.splits,
+            warps: store.takes_warps(spec.group),
         })
     }
 }
 
-/// Seconds per call of whole attention calls and of the combine alone, and whether the call
-/// took `attend_warps`.
+/// Seconds per call of whole attention calls and of the combine alone, and how the calls
+/// split the list.
 fn timed(
     store: &CudaKvStore,
     list: &SlotList,
     spec: &AttnBenchSpec,
     q: u64,
     out: (u64, u64),
-) -> Result<(f64, f64, bool), BackendError> {
+) -> Result<(f64, f64, Parts), BackendError> {
     let sh = store.shared();
     let sync = || sh.stream.synchronize().map_err(|e| dev_err("sync", e));
-    let call = || store.bench_call(list, Query::Device(q), spec.group, out);
+    let scale = 1.0 / (spec.head_dim as f32).sqrt();
+    let call = || store.launch_attention(list, Query::Device(q), spec.group, scale, out);
     let parts = call()?;
     sync()?;
     let call_s = per_call(spec.seconds, || {
@@ -172,11 +166,11 @@ fn timed(
     })? / 32.0;
     let combine_s = per_call(spec.seconds, || {
         for _ in 0..32 {
-            store.bench_combine(&parts, out)?;
+            store.launch_combine(&parts, out)?;
         }
         sync()
     })? / 32.0;
-    Ok((call_s, combine_s, store.takes_warps(spec.group)))
+    Ok((call_s, combine_s, parts))
 }
 
 /// Mean seconds of `f` over at least `seconds` (at least 3 runs, after one warm-up).

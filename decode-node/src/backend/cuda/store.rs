@@ -346,7 +346,7 @@ impl CudaKvStore {
     /// combine into `out`: `[hk][group][d]` outputs at the first address, their base-2
     /// log-sum-exps `[hk][group]` at the second, `hk` being the list's heads. The list (and a
     /// host query) go up in one upload; nothing waits.
-    fn launch_attention(
+    pub(super) fn launch_attention(
         &self,
         list: &SlotList,
         q: Query<'_>,
@@ -361,24 +361,6 @@ impl CudaKvStore {
         let parts = self.launch_split(&mut scratch, list, q, group, scale)?;
         self.launch_combine(&parts, out)?;
         Ok(parts)
-    }
-
-    /// One attention call as serving queues it ([`CudaKvStore::launch_attention`]); where
-    /// its partials are, for [`CudaKvStore::bench_combine`].
-    pub(super) fn bench_call(
-        &self,
-        list: &SlotList,
-        q: Query<'_>,
-        group: usize,
-        out: (u64, u64),
-    ) -> Result<Parts, BackendError> {
-        let scale = 1.0 / (self.geom.head_dim as f32).sqrt();
-        self.launch_attention(list, q, group, scale, out)
-    }
-
-    /// The combine of an earlier call's partials alone.
-    pub(super) fn bench_combine(&self, parts: &Parts, out: (u64, u64)) -> Result<(), BackendError> {
-        self.launch_combine(parts, out)
     }
 
     /// Attention calls of `group` take `attend_warps`.
@@ -464,7 +446,7 @@ impl CudaKvStore {
 
     /// Queues the merge of `parts` into `[heads][group][d]` outputs at the first address and
     /// their base-2 log-sum-exps `[heads][group]` at the second.
-    fn launch_combine(
+    pub(super) fn launch_combine(
         &self,
         parts: &Parts,
         (out_dev, lse_dev): (u64, u64),
@@ -493,9 +475,9 @@ impl CudaKvStore {
 pub(super) struct Parts {
     out: u64,
     lse: u64,
-    heads: usize,
+    pub(super) heads: usize,
     group: usize,
-    splits: usize,
+    pub(super) splits: usize,
 }
 
 /// Device addresses of a resident layer's batch (see [`CudaKvStore::launch_resident`]).
