@@ -309,8 +309,9 @@ pub async fn serve(
 /// only picks the top of the device's scores, and the CPU part of attention decides scout's
 /// speed: every core but two (the step thread and the runtime). Where the host scores (SparQ,
 /// Quest) selection runs on rayon's global pool, every core, beside this one: a quarter.
-/// The GPU host of 2026-11-27 (16 cores) read 42.8 GB/s with 4 threads and 132 with 16, and
-/// its CPU part waited 4 ms of scout's 13-15 ms step at 64k with 4.
+/// The H200's host (16 cores) read 42.8 GB/s with 4 threads and 132 with 16 (`bench
+/// kernels`, 2026-11-26); with 4, scout's CPU part there waited 4 ms of a 13-15 ms step at
+/// 64k (2026-11-27).
 fn default_cpu_threads(cpus: usize, model_on_rayon: bool, device_scores: bool) -> usize {
     if model_on_rayon {
         cpus.max(1)
