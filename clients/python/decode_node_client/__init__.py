@@ -469,17 +469,31 @@ def gather_paged(kv_layer, block_ids: Sequence[int], token_start: int, token_end
     """K and V of tokens [token_start, token_end) of one sequence from one layer of a paged KV
     cache, as [tokens, kv_heads, head_dim] numpy arrays (for `PushStream.push`). `block_ids` is
     the sequence's block table. Layouts, by the cache's shape:
-    `flash_attn` [2, num_blocks, block_size, kv_heads, head_dim] (vLLM's default),
+    `flash_attn` [2, num_blocks, block_size, kv_heads, head_dim] (vLLM's default before its
+    per-layer caches became [B, H, N, C] views),
     `flash_attn_hnd` [2, num_blocks, kv_heads, block_size, head_dim],
-    `flashinfer` [num_blocks, 2, block_size, kv_heads, head_dim].
+    `flashinfer` [num_blocks, 2, block_size, kv_heads, head_dim],
+    `vllm_bhnc` [num_blocks, kv_heads, block_size, 2 * head_dim], each token's row its K then its V
+    (vLLM's [B, H, N, C] view as its FlashAttention and Triton backends split it),
+    `vllm_cpu` and `vllm_cpu_amx` [num_blocks, kv_heads, block_size, 2 * head_dim] as vLLM's CPU
+    backend fills it (vLLM 0.32, read off its `cpu_attn_reshape_and_cache`): per block and head,
+    block_size * head_dim key values, then as many values. `vllm_cpu` (its `vec`/`vec16` kernels)
+    stores K transposed ([head_dim, block_size]) and V as rows; `vllm_cpu_amx` packs both for AMX
+    tiles: K as [block_size/16, head_dim/2, 16, 2], V as [head_dim/16, block_size/2, 16, 2].
     A torch cache is gathered on its device; only the sequence's tokens are copied to the host."""
     if layout == "flashinfer":
         k_all, v_all = kv_layer[:, 0], kv_layer[:, 1]
     elif layout in ("flash_attn", "flash_attn_hnd"):
         k_all, v_all = kv_layer[0], kv_layer[1]
+    elif layout == "vllm_bhnc":
+        dim = kv_layer.shape[3] // 2
+        k_all, v_all = kv_layer[..., :dim], kv_layer[..., dim:]
+    elif layout in ("vllm_cpu", "vllm_cpu_amx"):
+        return _gather_vllm_cpu(kv_layer, block_ids, token_start, token_end, amx=layout == "vllm_cpu_amx")
     else:
         raise ValueError(f"unknown layout {layout!r}")
-    block_size = k_all.shape[2] if layout == "flash_attn_hnd" else k_all.shape[1]
+    heads_first = layout in ("flash_attn_hnd", "vllm_bhnc")
+    block_size = k_all.shape[2] if heads_first else k_all.shape[1]
     if not 0 <= token_start <= token_end <= len(block_ids) * block_size:
         raise ValueError(f"tokens {token_start}..{token_end} outside {len(block_ids)} blocks of {block_size}")
     t = np.arange(token_start, token_end)
@@ -488,11 +502,41 @@ def gather_paged(kv_layer, block_ids: Sequence[int], token_start: int, token_end
         import torch
         blocks = torch.as_tensor(blocks, device=kv_layer.device)
         slots = torch.as_tensor(slots, device=kv_layer.device)
-    if layout == "flash_attn_hnd":
+    if heads_first:
         k, v = k_all[blocks, :, slots], v_all[blocks, :, slots]
     else:
         k, v = k_all[blocks, slots], v_all[blocks, slots]
     return _numpy(k), _numpy(v)
+
+
+def _gather_vllm_cpu(kv_layer, block_ids: Sequence[int], token_start: int, token_end: int, *,
+                     amx: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """`gather_paged` for vLLM's CPU backend: each token's K and V elements sit at computed offsets
+    within its block's key half and value half."""
+    num_blocks, heads, block_size, content = kv_layer.shape
+    dim = content // 2
+    if amx and (block_size % 16 or dim % 16):
+        raise ValueError(f"an AMX-packed cache needs block_size and head_dim multiples of 16, got {block_size}, {dim}")
+    if not 0 <= token_start <= token_end <= len(block_ids) * block_size:
+        raise ValueError(f"tokens {token_start}..{token_end} outside {len(block_ids)} blocks of {block_size}")
+    t = np.arange(token_start, token_end)
+    blocks = np.asarray(block_ids, dtype=np.int64)[t // block_size][:, None]
+    s, d = (t % block_size)[:, None], np.arange(dim)[None, :]
+    if amx:
+        k_pos = (s // 16) * (16 * dim) + (d // 2) * 32 + (s % 16) * 2 + d % 2
+        v_pos = (d // 16) * (block_size * 16) + (s // 2) * 32 + (d % 16) * 2 + s % 2
+    else:
+        k_pos, v_pos = d * block_size + s, s * dim + d
+    halves = (num_blocks, heads, 2, block_size * dim)
+    if isinstance(kv_layer, np.ndarray):
+        kv = kv_layer.reshape(halves)
+    else:  # torch: index on the cache's device (the backend's cache is contiguous: a view)
+        import torch
+        kv = kv_layer.view(halves)
+        blocks, k_pos, v_pos = (torch.as_tensor(x, device=kv_layer.device) for x in (blocks, k_pos, v_pos))
+    # Advanced indices apart around the head slice: the result is [tokens, head_dim, heads].
+    k, v = kv[:, :, 0][blocks, :, k_pos], kv[:, :, 1][blocks, :, v_pos]
+    return _numpy(k).transpose(0, 2, 1), _numpy(v).transpose(0, 2, 1)
 
 
 def generate(target, request_id: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 0.0,

@@ -18,7 +18,8 @@ step (`has_pending_push_work` keeps the engine stepping until then).
 
 `kv_connector_extra_config` keys: `target` (host:port), `token` or `token_file` (bearer token),
 `ca_cert`, `client_cert`, `client_key`, `domain` (TLS, as `channel()`), `layout` (the paged
-cache's: `flash_attn`, the default, `flash_attn_hnd` or `flashinfer`, see `gather_paged`),
+cache's, see `gather_paged`: `auto`, the default, tells them apart by shape and platform;
+`flash_attn_hnd` must be named),
 `commit_timeout_s` (30), `reuse_prefix` (false): ask the node to keep what its prefix cache holds
 of the prompt's start (`decode-node serve --prefix-cache-bytes`); those tokens, whole blocks of an
 earlier request's prompt and output, are then neither gathered nor sent, so a conversation's next
@@ -87,6 +88,40 @@ def _flag(value: Any, name: str) -> bool:
     raise ValueError(f"{name}: expected a boolean, got {value!r}")
 
 
+def _detect_layout(shape: Tuple[int, ...]) -> str:
+    """The paged cache's layout (see `gather_paged`) from its shape and the platform vLLM runs on.
+
+    vLLM before its [B, H, N, C] per-layer views hands 5-d caches: [2, B, ...] is FlashAttention's
+    (token-major; `flash_attn_hnd` must be configured by name), [B, 2, ...] FlashInfer's. A 4-d
+    cache is the [B, H, N, C] view: on vLLM's CPU backend a block holds its keys then its values,
+    elsewhere each token's row holds its key then its value."""
+    if len(shape) == 5:
+        return "flashinfer" if shape[1] == 2 and shape[0] != 2 else "flash_attn"
+    if len(shape) == 4:
+        try:
+            from vllm.platforms import current_platform
+            on_cpu = bool(current_platform.is_cpu())
+        except ImportError:
+            on_cpu = False
+        return _CPU_BY_ISA if on_cpu else "vllm_bhnc"
+    raise ValueError(f"no known paged KV layout has shape {shape}")
+
+
+# vLLM's CPU backend packs a block by the kernel it picked (the attention layer's `isa`), so that
+# layout is resolved per layer when it is first saved.
+_CPU_BY_ISA = "vllm_cpu_by_isa"
+_CPU_LAYOUTS = {"vec": "vllm_cpu", "vec16": "vllm_cpu", "amx": "vllm_cpu_amx"}
+
+
+def _cpu_layout(vllm_config, layer_name: str) -> str:
+    layers = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    isa = getattr(layers.get(layer_name), "isa", None)
+    if isa not in _CPU_LAYOUTS:
+        raise ValueError(f"layer {layer_name}: vLLM's CPU attention kernel {isa!r} packs KV in a layout this "
+                         f"connector does not read (known: {', '.join(_CPU_LAYOUTS)})")
+    return _CPU_LAYOUTS[isa]
+
+
 def _tp_rank() -> int:
     """This worker's tensor-parallel rank (vLLM's parallel state; 0 without vLLM)."""
     try:
@@ -141,6 +176,7 @@ class DecodeNodeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._role_ = role
+        self._vllm_config = vllm_config
         extra: Dict[str, Any] = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
         self._target: Optional[str] = extra.get("target")
         token = extra.get("token")
@@ -149,7 +185,7 @@ class DecodeNodeConnector(KVConnectorBase_V1):
                 token = f.read().strip()
         self._token: Optional[str] = token
         self._tls = {k: extra[k] for k in ("ca_cert", "client_cert", "client_key", "domain") if k in extra}
-        self._layout: str = extra.get("layout", "flash_attn")
+        self._layout: str = extra.get("layout", "auto")
         self._commit_timeout = float(extra.get("commit_timeout_s", 30))
         self._reuse_prefix = _flag(extra.get("reuse_prefix", False), "reuse_prefix")
         parallel = getattr(vllm_config, "parallel_config", None)
@@ -165,12 +201,14 @@ class DecodeNodeConnector(KVConnectorBase_V1):
         self._aborts: List[str] = []
         # Worker side.
         self._layers: Dict[str, int] = {}
+        self._layer_layouts: Dict[str, str] = {}
         self._heads = self._head_dim = 0
         # This rank's KV heads: [head_start, head_start + local heads) of the model's total.
         self._head_start = 0
         self._streams_per_push = 1
         self._pushes = True
         self._streams: Dict[str, PushStream] = {}
+        self._failed: set = set()  # requests whose push could not start: not retried per layer
         self._channels: Dict[str, grpc.Channel] = {}
         self._node_info: Dict[str, Tuple[str, int]] = {}
 
@@ -245,14 +283,19 @@ class DecodeNodeConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches) -> None:
         self._layers = {name: i for i, name in enumerate(kv_caches)}
+        self._layer_layouts = {}
         first = next(iter(kv_caches.values()))
         shape = tuple(first.shape)
-        if self._layout == "flash_attn_hnd":
+        if self._layout == "auto":
+            self._layout = _detect_layout(shape)
+        if self._layout == "flash_attn_hnd" and len(shape) == 5:
             local, self._head_dim = shape[2], shape[4]
-        elif self._layout in ("flash_attn", "flashinfer"):
+        elif self._layout in ("flash_attn", "flashinfer") and len(shape) == 5:
             local, self._head_dim = shape[3], shape[4]
+        elif self._layout in ("vllm_bhnc", "vllm_cpu", "vllm_cpu_amx", _CPU_BY_ISA) and len(shape) == 4:
+            local, self._head_dim = shape[1], shape[3] // 2
         else:
-            raise ValueError(f"unknown layout {self._layout!r}")
+            raise ValueError(f"layout {self._layout!r} does not fit a KV cache of shape {shape}")
         self._heads = self._total_heads or local * self._tp
         rank = _tp_rank()
         if self._heads >= self._tp:
@@ -274,6 +317,7 @@ class DecodeNodeConnector(KVConnectorBase_V1):
         if meta is None:
             return
         for req_id, first in meta.commits:
+            self._failed.discard(req_id)
             s = self._streams.pop(req_id, None)
             if s is None:
                 continue
@@ -282,24 +326,38 @@ class DecodeNodeConnector(KVConnectorBase_V1):
             except (DecodeNodeError, RuntimeError) as e:
                 log.warning("push of request %s did not commit: %s", req_id, e)
         for req_id in meta.aborts:
+            self._failed.discard(req_id)
             s = self._streams.pop(req_id, None)
             if s is not None:
                 s.abort()
+        # Open this step's new pushes now where vLLM calls this before the forward (older vLLM,
+        # or a step with synchronous loads), so the header's round trip overlaps the first layer;
+        # vLLM 0.32 calls it after the forward, and `save_kv_layer` opens them itself.
         for save in meta.saves:
-            if save.req_id in self._streams or not self._pushes:
-                continue
-            try:
-                ch = self._channel(save.target)
-                if save.target not in self._node_info:
-                    info = model_info(ch, self._token)
-                    self._node_info[save.target] = (info.model_id, info.kv_dtype)
-                model_id, dtype = self._node_info[save.target]
-                self._streams[save.req_id] = PushStream(
-                    ch, save.push_id, save.prompt_token_ids, num_layers=len(self._layers),
-                    num_kv_heads=self._heads, head_dim=self._head_dim, model_id=model_id, dtype=dtype,
-                    token=self._token, num_streams=self._streams_per_push, reuse_prefix=save.reuse_prefix)
-            except DecodeNodeError as e:
-                log.warning("push of request %s could not start: %s", save.req_id, e)
+            self._stream(save)
+
+    def _stream(self, save: SaveSpec) -> Optional[PushStream]:
+        """The push stream of `save`'s request, opened on first use (None: this rank does not push,
+        or the node could not be reached, which was logged once)."""
+        if not self._pushes:
+            return None
+        s = self._streams.get(save.req_id)
+        if s is not None or save.req_id in self._failed:
+            return s
+        try:
+            ch = self._channel(save.target)
+            if save.target not in self._node_info:
+                info = model_info(ch, self._token)
+                self._node_info[save.target] = (info.model_id, info.kv_dtype)
+            model_id, dtype = self._node_info[save.target]
+            s = self._streams[save.req_id] = PushStream(
+                ch, save.push_id, save.prompt_token_ids, num_layers=len(self._layers),
+                num_kv_heads=self._heads, head_dim=self._head_dim, model_id=model_id, dtype=dtype,
+                token=self._token, num_streams=self._streams_per_push, reuse_prefix=save.reuse_prefix)
+        except DecodeNodeError as e:
+            log.warning("push of request %s could not start: %s", save.req_id, e)
+            self._failed.add(save.req_id)
+        return s
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -309,8 +367,12 @@ class DecodeNodeConnector(KVConnectorBase_V1):
         if meta is None or not meta.saves:
             return
         layer = self._layers[layer_name]
+        layout = self._layout
+        if layout == _CPU_BY_ISA:
+            layout = self._layer_layouts.get(layer_name) or self._layer_layouts.setdefault(
+                layer_name, _cpu_layout(self._vllm_config, layer_name))
         for save in meta.saves:
-            s = self._streams.get(save.req_id)
+            s = self._stream(save)
             if s is None:
                 continue
             try:
@@ -318,11 +380,12 @@ class DecodeNodeConnector(KVConnectorBase_V1):
                 start = max(save.start, s.reused_tokens) if save.reuse_prefix else save.start
                 if start >= save.end:
                     continue
-                k, v = gather_paged(kv_layer, save.block_ids, start, save.end, layout=self._layout)
+                k, v = gather_paged(kv_layer, save.block_ids, start, save.end, layout=layout)
                 s.push(layer, k, v, token_start=start, head_start=self._head_start)
             except (DecodeNodeError, RuntimeError) as e:
                 log.warning("push of request %s failed: %s", save.req_id, e)
                 self._streams.pop(save.req_id).abort()
+                self._failed.add(save.req_id)
 
     def wait_for_save(self) -> None:
         return  # each layer's tokens were copied to the host by save_kv_layer

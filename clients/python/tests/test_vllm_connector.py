@@ -32,64 +32,96 @@ def scheduler_output(new=(), cached=(), scheduled=None):
         num_scheduled_tokens=scheduled or {})
 
 
-def step(sched, worker, out, caches, names):
-    """One engine step: metadata to the worker (pickled, as between processes), then the forward."""
+def step(sched, worker, out, caches, names, loads_after_forward=False):
+    """One engine step: metadata to the worker (pickled, as between processes), then the forward.
+    vLLM 0.32 starts a step's asynchronous loads after its forward (`loads_after_forward`)."""
     meta = pickle.loads(pickle.dumps(sched.build_connector_meta(out)))
     worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)
+    if not loads_after_forward:
+        worker.start_load_kv(None)
     for name in names:
         worker.save_kv_layer(name, caches[name], None)
+    if loads_after_forward:
+        worker.start_load_kv(None)
     worker.wait_for_save()
     worker.clear_connector_metadata()
 
 
-def paged(layers, seed=3):
+def put(cache, layout, block, slot, k, v):
+    """Writes one token's K and V ([heads, head_dim]) into a paged cache of `layout`."""
+    if layout == "flash_attn":
+        cache[0, block, slot], cache[1, block, slot] = k, v
+    elif layout == "vllm_bhnc":
+        dim = k.shape[-1]
+        cache[block, :, slot, :dim], cache[block, :, slot, dim:] = k, v
+    else:  # vLLM's CPU backend, AMX-packed (pinned to vLLM's own kernel by test_paged.py)
+        _, heads, size, content = cache.shape
+        dim = content // 2
+        halves = cache.reshape(cache.shape[0], heads, 2, size * dim)
+        d = np.arange(dim)  # the indexed result is [head_dim, heads]
+        halves[block, :, 0, (slot // 16) * 16 * dim + (d // 2) * 32 + (slot % 16) * 2 + d % 2] = k.T
+        halves[block, :, 1, (d // 16) * size * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2] = v.T
+
+
+def paged(layers, seed=3, layout="flash_attn", block=BLOCK):
     """The golden KV in a paged numpy cache (noise elsewhere) at a shuffled block table."""
     tokens, heads, dim = layers[0][0].shape
-    nblocks = -(-tokens // BLOCK)
+    nblocks = -(-tokens // block)
     rng = np.random.default_rng(seed)
     table = [int(b) for b in rng.permutation(nblocks + 4)[:nblocks]]
     names = [f"model.layers.{i}.self_attn.attn" for i in range(len(layers))]
+    shape = (2, nblocks + 4, block, heads, dim) if layout == "flash_attn" else (nblocks + 4, heads, block, 2 * dim)
     caches = {}
     for name, (k, v) in zip(names, layers):
-        cache = rng.standard_normal((2, nblocks + 4, BLOCK, heads, dim)).astype(np.float32)
+        cache = rng.standard_normal(shape).astype(np.float32)
         for t in range(tokens):
-            cache[0, table[t // BLOCK], t % BLOCK] = k[t]
-            cache[1, table[t // BLOCK], t % BLOCK] = v[t]
+            put(cache, layout, table[t // block], t % block, k[t], v[t])
         caches[name] = cache
     return table, names, caches
 
 
-def test_a_chunked_prefill_reaches_the_node_and_decodes_the_golden_greedy(node):
+@pytest.mark.parametrize("layout,loads_after_forward", [
+    ("flash_attn", False),  # vLLM before 0.32: 5-d caches, loads started before the forward
+    ("vllm_bhnc", True),  # vLLM 0.32 on a GPU: [B, H, N, C] views, loads after the forward
+    ("amx", True),  # vLLM 0.32 on a CPU with AMX: its kernel's packing, found from the layer
+])
+def test_a_chunked_prefill_reaches_the_node_and_decodes_the_golden_greedy(node, layout, loads_after_forward):
     g, layers = golden()
     prompt, greedy = g["prompt"].tolist(), g["greedy"].tolist()
     tokens = layers[0][0].shape[0]
-    table, names, caches = paged(layers)
-    sched = DecodeNodeConnector(config(node), KVConnectorRole.SCHEDULER)
-    worker = DecodeNodeConnector(config(node), KVConnectorRole.WORKER)
+    block = 16 if layout == "amx" else BLOCK  # AMX packs 16-token tiles
+    table, names, caches = paged(layers, layout="vllm_cpu_amx" if layout == "amx" else layout, block=block)
+    cfg = config(node)
+    if layout == "amx":  # what `auto` picks on vLLM's CPU platform; the layers carry their kernel
+        cfg = config(node, layout="vllm_cpu_by_isa")
+        cfg.compilation_config = NS(static_forward_context={n: NS(isa="amx") for n in names})
+    sched = DecodeNodeConnector(cfg, KVConnectorRole.SCHEDULER)
+    worker = DecodeNodeConnector(cfg, KVConnectorRole.WORKER)
     worker.register_kv_caches(caches)
-    req = NS(request_id="vllm-1", prompt_token_ids=prompt, kv_transfer_params={PUSH_ID: "dn-1"},
+    req = NS(request_id=f"vllm-1-{layout}", prompt_token_ids=prompt, kv_transfer_params={PUSH_ID: f"dn-1-{layout}"},
              output_token_ids=[])
     other = NS(request_id="vllm-2", prompt_token_ids=prompt[:5], kv_transfer_params=None, output_token_ids=[])
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     sched.update_state_after_alloc(req, None, 0)
     sched.update_state_after_alloc(other, None, 0)
     # Chunked prefill: the first step computes `cut` tokens with the blocks allocated so far.
-    cut = BLOCK * 2 + 1
-    first_blocks = -(-cut // BLOCK)
-    step(sched, worker, scheduler_output(new=[("vllm-1", table[:first_blocks], 0), ("vllm-2", [0], 0)],
-                                         scheduled={"vllm-1": cut, "vllm-2": 5}), caches, names)
-    step(sched, worker, scheduler_output(cached=[("vllm-1", table[first_blocks:], cut)],
-                                         scheduled={"vllm-1": tokens - cut}), caches, names)
+    cut = block + 1
+    first_blocks = -(-cut // block)
+    step(sched, worker, scheduler_output(new=[(f"vllm-1-{layout}", table[:first_blocks], 0), ("vllm-2", [0], 0)],
+                                         scheduled={f"vllm-1-{layout}": cut, "vllm-2": 5}), caches, names,
+         loads_after_forward)
+    step(sched, worker, scheduler_output(cached=[(f"vllm-1-{layout}", table[first_blocks:], cut)],
+                                         scheduled={f"vllm-1-{layout}": tokens - cut}), caches, names,
+         loads_after_forward)
     # The prefill sampled its token; the request finishes and the next step commits.
     req.output_token_ids = [greedy[0]]
     done, params = sched.request_finished(req, table)
-    assert not done and params == {PUSH_ID: "dn-1", PUSH_TARGET: node}
+    assert not done and params == {PUSH_ID: f"dn-1-{layout}", PUSH_TARGET: node}
     assert sched.request_finished(other, [0]) == (False, None)
     assert sched.has_pending_push_work()
-    step(sched, worker, scheduler_output(), caches, names)
+    step(sched, worker, scheduler_output(), caches, names, loads_after_forward)
     assert not sched.has_pending_push_work()
-    got, finish = generate_all(node, "dn-1", max_new_tokens=len(greedy) - 1, ignore_eos=True)
+    got, finish = generate_all(node, f"dn-1-{layout}", max_new_tokens=len(greedy) - 1, ignore_eos=True)
     assert [t.id for t in got] == greedy[1:] and finish.generated_tokens == len(greedy) - 1
     worker.shutdown()
 
@@ -226,3 +258,23 @@ def test_a_repeated_prompt_gathers_and_sends_only_what_the_node_lacks(caching_no
     with pytest.raises(ValueError):
         DecodeNodeConnector(config(caching_node, reuse_prefix="maybe"), KVConnectorRole.WORKER)
     worker.shutdown()
+
+
+def test_the_layout_is_told_from_the_cache_and_the_platform():
+    detect = vllm_connector._detect_layout
+    assert detect((2, 64, 16, 8, 128)) == "flash_attn"
+    assert detect((64, 2, 16, 8, 128)) == "flashinfer"
+    assert detect((2, 2, 16, 8, 128)) == "flash_attn"  # ambiguous: vLLM's default
+    assert detect((64, 8, 16, 256)) == "vllm_bhnc"  # no vLLM here, so not its CPU platform
+    with pytest.raises(ValueError, match="no known paged KV layout"):
+        detect((64, 16, 256))
+    layers = NS(compilation_config=NS(static_forward_context={"a": NS(isa="amx"), "b": NS(isa="vec16"),
+                                                              "c": NS(isa="neon"), "d": NS()}))
+    assert vllm_connector._cpu_layout(layers, "a") == "vllm_cpu_amx"
+    assert vllm_connector._cpu_layout(layers, "b") == "vllm_cpu"
+    for name in ("c", "d", "missing"):
+        with pytest.raises(ValueError, match="does not read"):
+            vllm_connector._cpu_layout(layers, name)
+    worker = DecodeNodeConnector(config("127.0.0.1:1", layout="flashinfer"), KVConnectorRole.WORKER)
+    with pytest.raises(ValueError, match="does not fit"):
+        worker.register_kv_caches({"l0": np.zeros((64, 8, 16, 256), np.float32)})
