@@ -70,12 +70,21 @@ def main():
                                     kv_timeout_ms=10_000)
         decode_s = time.time() - t0
         node = first + [t.id for t in toks]
-        own = list(llm.generate([text], SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True),
-                                use_tqdm=False)[0].outputs[0].token_ids)
+        mine = llm.generate([text], SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True,
+                                                   logprobs=5), use_tqdm=False)[0].outputs[0]
+        own = list(mine.token_ids)
         same = next((j for j, (a, b) in enumerate(zip(node, own)) if a != b), min(len(node), len(own)))
+        # How much more likely vLLM found its own token than the node's where they first part
+        # (a near-tie is arithmetic; a wide margin is information lost). None: not in vLLM's top 5.
+        margin = None
+        if same < min(len(node), len(own)):
+            lp = mine.logprobs[same]
+            if node[same] in lp:
+                margin = round(lp[own[same]].logprob - lp[node[same]].logprob, 4)
         tok = llm.get_tokenizer()
         row = {"prompt": i, "prompt_tokens": len(out.prompt_token_ids), "tokens_equal_before_first_difference": same,
-               "of": len(own), "prefill_push_s": round(prefill_s, 3), "node_decode_s": round(decode_s, 3),
+               "of": len(own), "vllm_margin_at_difference_nats": margin,
+               "prefill_push_s": round(prefill_s, 3), "node_decode_s": round(decode_s, 3),
                "node_text": tok.decode(node), "vllm_text": tok.decode(own)}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -369,8 +369,13 @@ class DecodeNodeConnector(KVConnectorBase_V1):
         layer = self._layers[layer_name]
         layout = self._layout
         if layout == _CPU_BY_ISA:
-            layout = self._layer_layouts.get(layer_name) or self._layer_layouts.setdefault(
-                layer_name, _cpu_layout(self._vllm_config, layer_name))
+            try:
+                layout = self._layer_layouts.get(layer_name) or self._layer_layouts.setdefault(
+                    layer_name, _cpu_layout(self._vllm_config, layer_name))
+            except ValueError as e:  # the engine runs on; its requests' pushes fail
+                for save in meta.saves:
+                    self._fail(save.req_id, e)
+                return
         for save in meta.saves:
             s = self._stream(save)
             if s is None:
@@ -382,10 +387,17 @@ class DecodeNodeConnector(KVConnectorBase_V1):
                     continue
                 k, v = gather_paged(kv_layer, save.block_ids, start, save.end, layout=layout)
                 s.push(layer, k, v, token_start=start, head_start=self._head_start)
-            except (DecodeNodeError, RuntimeError) as e:
-                log.warning("push of request %s failed: %s", save.req_id, e)
-                self._streams.pop(save.req_id).abort()
-                self._failed.add(save.req_id)
+            except (DecodeNodeError, RuntimeError, ValueError) as e:
+                self._fail(save.req_id, e)
+
+    def _fail(self, req_id: str, error: Exception) -> None:
+        """Ends a request's push (the node frees what it held); its later layers are not tried."""
+        if req_id not in self._failed:
+            log.warning("push of request %s failed: %s", req_id, error)
+            self._failed.add(req_id)
+        s = self._streams.pop(req_id, None)
+        if s is not None:
+            s.abort()
 
     def wait_for_save(self) -> None:
         return  # each layer's tokens were copied to the host by save_kv_layer

@@ -278,3 +278,32 @@ def test_the_layout_is_told_from_the_cache_and_the_platform():
     worker = DecodeNodeConnector(config("127.0.0.1:1", layout="flashinfer"), KVConnectorRole.WORKER)
     with pytest.raises(ValueError, match="does not fit"):
         worker.register_kv_caches({"l0": np.zeros((64, 8, 16, 256), np.float32)})
+
+
+def test_a_kernel_packing_the_connector_cannot_read_fails_the_push_not_the_engine(node):
+    """On a vLLM CPU kernel whose packing is unknown (say, ARM's `neon`), the push ends with a
+    warning and the node frees it; the engine's forward goes on."""
+    g, layers = golden()
+    prompt = g["prompt"].tolist()
+    tokens, heads, dim = layers[0][0].shape
+    names = [f"n{i}" for i in range(len(layers))]
+    caches = {n: np.zeros((8, heads, 16, 2 * dim), np.float32) for n in names}
+    cfg = config(node, layout="vllm_cpu_by_isa")
+    cfg.compilation_config = NS(static_forward_context={n: NS(isa="neon") for n in names})
+    sched = DecodeNodeConnector(cfg, KVConnectorRole.SCHEDULER)
+    worker = DecodeNodeConnector(cfg, KVConnectorRole.WORKER)
+    worker.register_kv_caches(caches)
+    req = NS(request_id="vllm-neon", prompt_token_ids=prompt, kv_transfer_params={PUSH_ID: "dn-neon"},
+             output_token_ids=[])
+    sched.update_state_after_alloc(req, None, 0)
+    step(sched, worker, scheduler_output(new=[("vllm-neon", [1, 2], 0)], scheduled={"vllm-neon": tokens}),
+         caches, names, loads_after_forward=True)
+    assert worker._streams == {} and worker._failed == {"vllm-neon"}
+    req.output_token_ids = [1]
+    sched.request_finished(req, [1, 2])
+    step(sched, worker, scheduler_output(), caches, names, loads_after_forward=True)
+    assert worker._failed == set()
+    deadline = time.time() + 10
+    while load(node).host_kv_bytes_used != 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert load(node).host_kv_bytes_used == 0
