@@ -70,6 +70,9 @@ def main():
                                     kv_timeout_ms=10_000)
         decode_s = time.time() - t0
         node = first + [t.id for t in toks]
+        t0 = time.time()
+        llm.generate([text], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        alone_s = time.time() - t0  # the same prefill with nothing pushed: the connector's cost
         mine = llm.generate([text], SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True,
                                                    logprobs=5), use_tqdm=False)[0].outputs[0]
         own = list(mine.token_ids)
@@ -84,7 +87,8 @@ def main():
         tok = llm.get_tokenizer()
         row = {"prompt": i, "prompt_tokens": len(out.prompt_token_ids), "tokens_equal_before_first_difference": same,
                "of": len(own), "vllm_margin_at_difference_nats": margin,
-               "prefill_push_s": round(prefill_s, 3), "node_decode_s": round(decode_s, 3),
+               "prefill_push_s": round(prefill_s, 3), "prefill_alone_s": round(alone_s, 3),
+               "node_decode_s": round(decode_s, 3),
                "node_text": tok.decode(node), "vllm_text": tok.decode(own)}
         rows.append(row)
         print(json.dumps(row), flush=True)

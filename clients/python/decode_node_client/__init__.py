@@ -156,6 +156,12 @@ def _numpy(t) -> np.ndarray:
     return t.detach().to("cpu").float().numpy()
 
 
+def _host(t):
+    """A numpy array as it is, a torch tensor on the host in its own dtype (`_encode` sends bf16
+    and f16 tensors' bits as they are where the node stores that dtype)."""
+    return t if isinstance(t, np.ndarray) else t.detach().to("cpu")
+
+
 def to_layers(past_key_values) -> list:
     """Per-layer (K, V) numpy arrays of shape [tokens, kv_heads, head_dim]."""
     if hasattr(past_key_values, "layers"):  # transformers >= 4.56 DynamicCache
@@ -177,7 +183,13 @@ def to_layers(past_key_values) -> list:
     return out
 
 
-def _encode(a: np.ndarray, dtype: int) -> bytes:
+def _encode(a, dtype: int) -> bytes:
+    if not isinstance(a, np.ndarray):  # torch, on the host
+        import torch
+        same = {common_pb2.DTYPE_BF16: torch.bfloat16, common_pb2.DTYPE_F16: torch.float16}.get(dtype)
+        if a.dtype == same:  # the node's dtype already: its bits as they are (little-endian hosts)
+            return a.contiguous().view(torch.int16).numpy().tobytes()
+        a = a.float().numpy()
     a = np.ascontiguousarray(a, dtype=np.float32)
     if dtype == common_pb2.DTYPE_F32:
         return a.astype("<f4").tobytes()
@@ -307,7 +319,7 @@ def _stream_parts(layer: int, k, v, token_start: int, head_start: int, shape: Tu
                   tokens: int, chunk: int, held: int = 0) -> Iterator[tuple]:
     """`PushStream.push`'s arguments checked and cut into chunks: (layer, start, head_start, k, v),
     leaving out tokens below `held` (the node reused them from its prefix cache)."""
-    k, v = _numpy(k), _numpy(v)
+    k, v = _host(k), _host(v)
     heads, dim = shape
     if k.shape != v.shape or k.ndim != 3 or k.shape[2] != dim or k.shape[1] == 0:
         raise ValueError(f"K/V must be [tokens, heads, {dim}]; got {k.shape}, {v.shape}")
@@ -465,7 +477,7 @@ class PushStream:
 
 
 def gather_paged(kv_layer, block_ids: Sequence[int], token_start: int, token_end: int, *,
-                 layout: str = "flash_attn") -> Tuple[np.ndarray, np.ndarray]:
+                 layout: str = "flash_attn", keep_dtype: bool = False) -> Tuple[np.ndarray, np.ndarray]:
     """K and V of tokens [token_start, token_end) of one sequence from one layer of a paged KV
     cache, as [tokens, kv_heads, head_dim] numpy arrays (for `PushStream.push`). `block_ids` is
     the sequence's block table. Layouts, by the cache's shape:
@@ -480,7 +492,10 @@ def gather_paged(kv_layer, block_ids: Sequence[int], token_start: int, token_end
     block_size * head_dim key values, then as many values. `vllm_cpu` (its `vec`/`vec16` kernels)
     stores K transposed ([head_dim, block_size]) and V as rows; `vllm_cpu_amx` packs both for AMX
     tiles: K as [block_size/16, head_dim/2, 16, 2], V as [head_dim/16, block_size/2, 16, 2].
-    A torch cache is gathered on its device; only the sequence's tokens are copied to the host."""
+    A torch cache is gathered on its device; only the sequence's tokens are copied to the host.
+    `keep_dtype`: a torch cache's tokens come back as host tensors in the cache's dtype (what
+    `PushStream.push` sends fastest: bf16 to a bf16 node is a copy), not as float32 numpy."""
+    out = _host if keep_dtype else _numpy
     if layout == "flashinfer":
         k_all, v_all = kv_layer[:, 0], kv_layer[:, 1]
     elif layout in ("flash_attn", "flash_attn_hnd"):
@@ -489,7 +504,8 @@ def gather_paged(kv_layer, block_ids: Sequence[int], token_start: int, token_end
         dim = kv_layer.shape[3] // 2
         k_all, v_all = kv_layer[..., :dim], kv_layer[..., dim:]
     elif layout in ("vllm_cpu", "vllm_cpu_amx"):
-        return _gather_vllm_cpu(kv_layer, block_ids, token_start, token_end, amx=layout == "vllm_cpu_amx")
+        k, v = _gather_vllm_cpu(kv_layer, block_ids, token_start, token_end, amx=layout == "vllm_cpu_amx")
+        return out(k), out(v)
     else:
         raise ValueError(f"unknown layout {layout!r}")
     heads_first = layout in ("flash_attn_hnd", "vllm_bhnc")
@@ -506,37 +522,42 @@ def gather_paged(kv_layer, block_ids: Sequence[int], token_start: int, token_end
         k, v = k_all[blocks, :, slots], v_all[blocks, :, slots]
     else:
         k, v = k_all[blocks, slots], v_all[blocks, slots]
-    return _numpy(k), _numpy(v)
+    return out(k), out(v)
 
 
-def _gather_vllm_cpu(kv_layer, block_ids: Sequence[int], token_start: int, token_end: int, *,
-                     amx: bool) -> Tuple[np.ndarray, np.ndarray]:
-    """`gather_paged` for vLLM's CPU backend: each token's K and V elements sit at computed offsets
-    within its block's key half and value half."""
-    num_blocks, heads, block_size, content = kv_layer.shape
+def _gather_vllm_cpu(kv_layer, block_ids: Sequence[int], token_start: int, token_end: int, *, amx: bool):
+    """`gather_paged` for vLLM's CPU backend: the blocks holding the tokens are taken whole and
+    unpacked by reshaping (no per-element index), then the span is cut out. [tokens, heads, dim]
+    in the cache's type (numpy or torch)."""
+    num_blocks, heads, size, content = kv_layer.shape
     dim = content // 2
-    if amx and (block_size % 16 or dim % 16):
-        raise ValueError(f"an AMX-packed cache needs block_size and head_dim multiples of 16, got {block_size}, {dim}")
-    if not 0 <= token_start <= token_end <= len(block_ids) * block_size:
-        raise ValueError(f"tokens {token_start}..{token_end} outside {len(block_ids)} blocks of {block_size}")
-    t = np.arange(token_start, token_end)
-    blocks = np.asarray(block_ids, dtype=np.int64)[t // block_size][:, None]
-    s, d = (t % block_size)[:, None], np.arange(dim)[None, :]
-    if amx:
-        k_pos = (s // 16) * (16 * dim) + (d // 2) * 32 + (s % 16) * 2 + d % 2
-        v_pos = (d // 16) * (block_size * 16) + (s // 2) * 32 + (d % 16) * 2 + s % 2
-    else:
-        k_pos, v_pos = d * block_size + s, s * dim + d
-    halves = (num_blocks, heads, 2, block_size * dim)
-    if isinstance(kv_layer, np.ndarray):
-        kv = kv_layer.reshape(halves)
-    else:  # torch: index on the cache's device (the backend's cache is contiguous: a view)
+    if amx and (size % 16 or dim % 16):
+        raise ValueError(f"an AMX-packed cache needs block_size and head_dim multiples of 16, got {size}, {dim}")
+    if not 0 <= token_start <= token_end <= len(block_ids) * size:
+        raise ValueError(f"tokens {token_start}..{token_end} outside {len(block_ids)} blocks of {size}")
+    first, last = token_start // size, max(token_end - 1, token_start) // size
+    blocks = np.asarray(block_ids[first:last + 1], dtype=np.int64)
+    is_np = isinstance(kv_layer, np.ndarray)
+    if not is_np:  # torch: index on the cache's device (the backend's cache is contiguous: a view)
         import torch
-        kv = kv_layer.view(halves)
-        blocks, k_pos, v_pos = (torch.as_tensor(x, device=kv_layer.device) for x in (blocks, k_pos, v_pos))
-    # Advanced indices apart around the head slice: the result is [tokens, head_dim, heads].
-    k, v = kv[:, :, 0][blocks, :, k_pos], kv[:, :, 1][blocks, :, v_pos]
-    return _numpy(k).transpose(0, 2, 1), _numpy(v).transpose(0, 2, 1)
+        blocks = torch.as_tensor(blocks, device=kv_layer.device)
+    halves = (num_blocks, heads, 2, size * dim)
+    kv = kv_layer.reshape(halves) if is_np else kv_layer.view(halves)
+    n = len(blocks)
+    k, v = kv[blocks, :, 0], kv[blocks, :, 1]  # [n, heads, size * dim] each, packed
+    perm = (lambda x, *axes: x.transpose(axes)) if is_np else (lambda x, *axes: x.permute(*axes))
+    if amx:
+        # K [size/16, dim/2, 16, 2] -> [size/16, 16, dim/2, 2]; V [dim/16, size/2, 16, 2] -> [size/2, 2, dim/16, 16].
+        k = perm(k.reshape(n, heads, size // 16, dim // 2, 16, 2), 0, 2, 4, 1, 3, 5)
+        v = perm(v.reshape(n, heads, dim // 16, size // 2, 16, 2), 0, 3, 5, 1, 2, 4)
+    else:
+        # K [dim, size] -> [size, dim]; V [size, dim] as it is.
+        k = perm(k.reshape(n, heads, dim, size), 0, 3, 1, 2)
+        v = perm(v.reshape(n, heads, size, dim), 0, 2, 1, 3)
+    lo = token_start - first * size
+    k = k.reshape(n * size, heads, dim)[lo:lo + token_end - token_start]
+    v = v.reshape(n * size, heads, dim)[lo:lo + token_end - token_start]
+    return k, v
 
 
 def generate(target, request_id: str, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 0.0,

@@ -385,7 +385,7 @@ class DecodeNodeConnector(KVConnectorBase_V1):
                 start = max(save.start, s.reused_tokens) if save.reuse_prefix else save.start
                 if start >= save.end:
                     continue
-                k, v = gather_paged(kv_layer, save.block_ids, start, save.end, layout=layout)
+                k, v = gather_paged(kv_layer, save.block_ids, start, save.end, layout=layout, keep_dtype=True)
                 s.push(layer, k, v, token_start=start, head_start=self._head_start)
             except (DecodeNodeError, RuntimeError, ValueError) as e:
                 self._fail(save.req_id, e)

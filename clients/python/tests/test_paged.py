@@ -49,3 +49,22 @@ def test_vllm_bhnc_splits_each_tokens_row_into_its_key_and_value():
     phys = np.ascontiguousarray(cache.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     k2, v2 = gather_paged(phys, table, 3, 20, layout="vllm_bhnc")
     assert np.array_equal(k2, k) and np.array_equal(v2, v)
+
+
+def test_a_torch_cache_keeps_its_dtype_and_is_sent_bit_for_bit():
+    """`keep_dtype` hands a torch cache's tokens over in bf16, and `_encode` sends a bf16 tensor
+    to a bf16 node as its bits: the same bytes as the float32 path's rounding (exact: bf16 values
+    survive f32). Runs where torch is installed (scripts/vllm-e2e.sh's venv); CI has none."""
+    torch = pytest.importorskip("torch")
+    from decode_node_client import _encode, common_pb2
+    f = np.load(FIXTURE)
+    cache = torch.from_numpy(f["cache_amx"]).view(torch.bfloat16)
+    table = f["table"].tolist()
+    k, v = gather_paged(cache, table, 3, 50, layout="vllm_cpu_amx", keep_dtype=True)
+    assert k.dtype == torch.bfloat16 and tuple(k.shape) == (47, 2, 32)
+    kf, vf = gather_paged(cache, table, 3, 50, layout="vllm_cpu_amx")
+    assert np.array_equal(k.float().numpy(), kf) and np.array_equal(v.float().numpy(), vf)
+    for dtype, tdtype in ((common_pb2.DTYPE_BF16, torch.bfloat16), (common_pb2.DTYPE_F16, torch.float16)):
+        t = k.to(tdtype)
+        assert _encode(t, dtype) == _encode(t.float().numpy(), dtype)
+    assert _encode(k, common_pb2.DTYPE_F32) == _encode(kf, common_pb2.DTYPE_F32)

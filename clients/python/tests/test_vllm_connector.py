@@ -229,9 +229,9 @@ def test_a_repeated_prompt_gathers_and_sends_only_what_the_node_lacks(caching_no
     gathered = []
     real_gather = vllm_connector.gather_paged
 
-    def spy(kv, blocks, start, end, layout):
+    def spy(kv, blocks, start, end, **kw):
         gathered.append((start, end))
-        return real_gather(kv, blocks, start, end, layout=layout)
+        return real_gather(kv, blocks, start, end, **kw)
 
     monkeypatch.setattr(vllm_connector, "gather_paged", spy)
     sched = DecodeNodeConnector(config(caching_node, reuse_prefix="true"), KVConnectorRole.SCHEDULER)
