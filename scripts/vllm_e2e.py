@@ -9,6 +9,7 @@ continuations are compared token by token. Run by scripts/vllm-e2e.sh, which set
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -41,13 +42,15 @@ def main():
     ap.add_argument("--max-batched-tokens", type=int, default=512,
                     help="vLLM's per-step token budget: below the long prompt, so its prefill is chunked")
     ap.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size")
+    ap.add_argument("--timing-repeats", type=int, default=3,
+                    help="prefills timed with and without a push per prompt, alternated (medians)")
     ap.add_argument("--json", help="write the per-prompt results here")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from decode_node_client import generate_all
+    from decode_node_client import drop_kv, generate_all
 
     ktc = KVTransferConfig(kv_connector="DecodeNodeConnector",
                            kv_connector_module_path="decode_node_client.vllm_connector",
@@ -56,7 +59,7 @@ def main():
               max_num_batched_tokens=args.max_batched_tokens, tensor_parallel_size=args.tp,
               enable_prefix_caching=False, kv_transfer_config=ktc)
     texts = prompts(llm.get_tokenizer(), args.long_tokens)
-    rows, ok = [], True
+    rows, ok, pending = [], True, []
     for i, text in enumerate(texts):
         rid = f"vllm-e2e-{os.getpid()}-{i}"
         push = SamplingParams(max_tokens=1, temperature=0,
@@ -70,12 +73,28 @@ def main():
                                     kv_timeout_ms=10_000)
         decode_s = time.time() - t0
         node = first + [t.id for t in toks]
-        t0 = time.time()
-        llm.generate([text], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-        alone_s = time.time() - t0  # the same prefill with nothing pushed: the connector's cost
+        # The connector's cost: the same prefill with and without a push, alternated (a shared
+        # VM's speed drifts), medians of `--timing-repeats`.
+        with_push, alone = [prefill_s], []
+        for r in range(args.timing_repeats):
+            t0 = time.time()
+            llm.generate([text], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+            alone.append(time.time() - t0)
+            if r + 1 < args.timing_repeats:
+                extra = f"{rid}-t{r}"
+                t0 = time.time()
+                llm.generate([text], SamplingParams(max_tokens=1, temperature=0, extra_args={
+                    "kv_transfer_params": {"decode_node_request_id": extra}}), use_tqdm=False)
+                with_push.append(time.time() - t0)
+                # Its commit goes out with vLLM's next step; dropped below, once that has run.
+                pending.append(extra)
+        prefill_s, alone_s = statistics.median(with_push), statistics.median(alone)
         mine = llm.generate([text], SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True,
                                                    logprobs=5), use_tqdm=False)[0].outputs[0]
         own = list(mine.token_ids)
+        for extra in pending:  # their commits went out with the steps since: free them now
+            drop_kv(args.target, extra)
+        pending.clear()
         same = next((j for j, (a, b) in enumerate(zip(node, own)) if a != b), min(len(node), len(own)))
         # How much more likely vLLM found its own token than the node's where they first part
         # (a near-tie is arithmetic; a wide margin is information lost). None: not in vLLM's top 5.
