@@ -50,7 +50,7 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from decode_node_client import drop_kv, generate_all
+    from decode_node_client import drop_kv, generate_all, get_load
 
     ktc = KVTransferConfig(kv_connector="DecodeNodeConnector",
                            kv_connector_module_path="decode_node_client.vllm_connector",
@@ -114,6 +114,10 @@ def main():
         # Greedy decodes in two engines' arithmetic (vLLM's bf16, the node's f32 over bf16 KV) may
         # part at a near-tie; the first tokens must agree, or the KV did not arrive as vLLM had it.
         ok &= same >= min(8, len(own))
+    # Every push was generated from or dropped: the node's pool is back to empty.
+    held = get_load(args.target).host_kv_bytes_used
+    print(f"node host KV in use at the end: {held} bytes", flush=True)
+    ok &= held == 0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
