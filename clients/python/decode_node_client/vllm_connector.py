@@ -93,8 +93,9 @@ def _detect_layout(shape: Tuple[int, ...]) -> str:
 
     vLLM before its [B, H, N, C] per-layer views hands 5-d caches: [2, B, ...] is FlashAttention's
     (token-major; `flash_attn_hnd` must be configured by name), [B, 2, ...] FlashInfer's. A 4-d
-    cache is the [B, H, N, C] view: on vLLM's CPU backend a block holds its keys then its values,
-    elsewhere each token's row holds its key then its value."""
+    cache is the [B, H, N, C] view: on vLLM's CPU backend each block is packed for the kernel that
+    backend picked (resolved per layer, `_cpu_layout`), elsewhere each token's row holds its key
+    then its value."""
     if len(shape) == 5:
         return "flashinfer" if shape[1] == 2 and shape[0] != 2 else "flash_attn"
     if len(shape) == 4:
