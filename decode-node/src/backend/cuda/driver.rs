@@ -121,6 +121,7 @@ fn compile_uncached(compute: Option<(i32, i32)>) -> Result<String, CudaError> {
                 "NVRTC could not compile for this device's architecture; compiling for none in particular"
             ),
         }
+        return compile_kernels_for(None);
     }
     compile(Vec::new())
 }
