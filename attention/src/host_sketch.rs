@@ -353,6 +353,7 @@ fn lse_of_block(
 /// query whose channels are alike in size, about a 250th of the score's own spread, against
 /// the key's 4 bits, which move it by about a 14th.
 #[derive(Debug)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // made and read on x86-64 only
 pub(crate) struct QueryI8 {
     /// `[G][nibble_bytes]`: channel `2j` of a head in byte 0, `2j + 1` in byte 1 (0 past an
     /// odd `d`), the pair again in bytes 2-3: the pairing `vpmaddubsw` makes of a token's
@@ -377,6 +378,7 @@ impl QueryI8 {
         None
     }
 
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn new(q_group: &[f32], d: usize) -> Option<Self> {
         if q_group.iter().any(|x| !x.is_finite()) {
             return None;
