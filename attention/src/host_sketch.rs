@@ -456,7 +456,6 @@ mod avx2 {
         acc: &mut [f32],
         out: &mut [f32],
     ) {
-        let len = scales.len();
         for ((qs, outs), bias) in q_group
             .chunks(8 * d)
             .zip(out.chunks_mut(8))
@@ -489,13 +488,7 @@ mod avx2 {
                     _ => dots::<8, 1, 1>(qs, d, bs, nib, bias, acc),
                 }
             }
-            for (o, a) in outs.iter_mut().zip(acc.chunks_exact_mut(bs)) {
-                let a = &mut a[..len];
-                for (x, &s) in a.iter_mut().zip(scales) {
-                    *x *= temp * s;
-                }
-                *o = crate::sparq::log2_sum_exp2(a);
-            }
+            scaled_lse(acc, bs, scales, outs, |_| temp);
         }
     }
 
@@ -517,7 +510,7 @@ mod avx2 {
         acc: &mut [f32],
         out: &mut [f32],
     ) {
-        let (len, nb) = (scales.len(), d.div_ceil(2));
+        let nb = d.div_ceil(2);
         for (((pairs, zero), steps), outs) in qi
             .pairs
             .chunks(8 * nb)
@@ -538,13 +531,26 @@ mod avx2 {
                     _ => dots_i8::<8>(pairs, zero, nb, bs, nib, acc),
                 }
             }
-            for ((o, a), &step) in outs.iter_mut().zip(acc.chunks_exact_mut(bs)).zip(steps) {
-                let a = &mut a[..len];
-                for (x, &s) in a.iter_mut().zip(scales) {
-                    *x *= temp * step * s;
-                }
-                *o = crate::sparq::log2_sum_exp2(a);
+            scaled_lse(acc, bs, scales, outs, |h| temp * steps[h]);
+        }
+    }
+
+    /// Each head `h`'s log2-sum-exp2 into `outs[h]` over its row of `acc` (`bs` apart), the
+    /// block's `scales.len()` tokens, each sum times `temp_of(h)` and its token's key scale.
+    #[inline(always)]
+    fn scaled_lse(
+        acc: &mut [f32],
+        bs: usize,
+        scales: &[f32],
+        outs: &mut [f32],
+        temp_of: impl Fn(usize) -> f32,
+    ) {
+        for (h, (o, a)) in outs.iter_mut().zip(acc.chunks_exact_mut(bs)).enumerate() {
+            let (a, temp) = (&mut a[..scales.len()], temp_of(h));
+            for (x, &s) in a.iter_mut().zip(scales) {
+                *x *= temp * s;
             }
+            *o = crate::sparq::log2_sum_exp2(a);
         }
     }
 
