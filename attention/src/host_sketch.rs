@@ -580,7 +580,7 @@ mod avx2 {
                 && acc.len() >= G * bs
                 && bs.is_multiple_of(16)
         );
-        let (low, high) = (_mm256_set1_epi16(0x0f), _mm256_set1_epi16(0xf0));
+        let nibbles = _mm256_set1_epi16(0x0f0f);
         let (even_of, odd_of) = (_mm256_set1_epi32(1), _mm256_set1_epi32(1 << 16));
         let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
         for t0 in (0..bs).step_by(16) {
@@ -594,10 +594,10 @@ mod avx2 {
                     let x = _mm256_cvtepu8_epi16(unsafe {
                         _mm_loadu_si128(np.add(j * bs + t0).cast())
                     });
-                    let both = _mm256_or_si256(
-                        _mm256_and_si256(x, low),
-                        _mm256_slli_epi16::<4>(_mm256_and_si256(x, high)),
-                    );
+                    // The byte is 0x00HL: (0x0HL0 | 0x00HL) & 0x0f0f is 0x0H0L, its low
+                    // nibble in the low byte and its high one in the high byte.
+                    let both =
+                        _mm256_and_si256(_mm256_or_si256(x, _mm256_slli_epi16::<4>(x)), nibbles);
                     for (h, s) in sum.iter_mut().enumerate() {
                         // SAFETY: head h's pair j, inside `pairs`.
                         let q = _mm256_set1_epi32(unsafe { *qp.add(h * nb + j) } as i32);
