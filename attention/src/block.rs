@@ -530,6 +530,10 @@ mod tests {
             (KvDType::Bf16, 32, 128, 33, 0),
             (KvDType::Bf16, 32, 64, 20, 7),
             (KvDType::Bf16, 8, 8, 3, 5),
+            // Longer runs: several groups of 8 tokens, then single ones (the AVX2 path).
+            (KvDType::Bf16, 32, 64, 30, 2),
+            (KvDType::Bf16, 64, 16, 60, 0),
+            (KvDType::Bf16, 64, 24, 25, 39),
         ];
         for (dtype, bs, d, n, slot0) in cases {
             let geom = BlockGeometry {
@@ -540,8 +544,12 @@ mod tests {
             };
             let es = dtype.size();
             let row = geom.num_kv_heads * geom.head_dim * es;
+            // Some NaN keys, which the digest skips; every channel's extremes somewhere.
             let vals: Vec<f32> = (0..n * row / es)
-                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.03)
+                .map(|i| match i % 89 {
+                    13 => f32::NAN,
+                    _ => ((i * 37 % 101) as f32 - 50.0) * 0.03,
+                })
                 .collect();
             let mut wire = vec![0u8; vals.len() * es];
             encode_from_f32(dtype, &vals, &mut wire);
