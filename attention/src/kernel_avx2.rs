@@ -25,7 +25,7 @@ pub(crate) fn available() -> bool {
 /// `2^x` per lane; lanes below -126 give 0 (exact enough: the weight underflows anyway).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn exp2_ps(x: __m256) -> __m256 {
+pub(crate) fn exp2_ps(x: __m256) -> __m256 {
     let lo = _mm256_set1_ps(-126.0);
     let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, lo);
     // `max_ps` returns its second operand when either is NaN: NaN lanes stay NaN.

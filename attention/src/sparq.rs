@@ -433,7 +433,7 @@ pub(crate) fn log2_sum_exp2(x: &[f32]) -> f32 {
 /// `ln m = 2 atanh(s)`, `s = (m - 1) / (m + 1)`, by its series to `s^7` (`|s| <= 0.172`: the
 /// next term is below 3e-8).
 #[inline(always)]
-fn log2_from_one(x: f32) -> f32 {
+pub(crate) fn log2_from_one(x: f32) -> f32 {
     if !(1.0..f32::INFINITY).contains(&x) {
         return x.log2();
     }
