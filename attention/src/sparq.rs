@@ -466,6 +466,12 @@ fn exp2_approx(x: f32) -> f32 {
     f32::from_bits(((i + 127) << 23) as u32) * p
 }
 
+/// [`exp2_approx`], but 0 below -126 (an empty block's share is none at all), NaN for NaN.
+#[inline(always)]
+fn exp2_or_zero(x: f32) -> f32 {
+    if x < -126.0 { 0.0 } else { exp2_approx(x) }
+}
+
 /// Scores `blocks` of (`layer`, `head`) for the group query `q_group` (`[G][head_dim]`):
 /// each head's approximate attention share of every block (its softmax over these blocks'
 /// keys, scores from its `channels` largest channels, scale `scale`), combined over the
@@ -545,12 +551,12 @@ pub(crate) fn group_shares(lse: &[f32], g: usize, how: GroupScore) -> Vec<f32> {
         lse.len() / g
     ];
     for h in 0..g {
-        let col: Vec<f32> = lse.iter().skip(h).step_by(g).copied().collect();
-        let m = col.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let total = m + col.iter().map(|l| (l - m).exp2()).sum::<f32>().log2();
-        for (s, l) in scores.iter_mut().zip(&col) {
+        let col = || lse.iter().skip(h).step_by(g).copied();
+        let m = col().fold(f32::NEG_INFINITY, f32::max);
+        let total = m + col().map(|l| exp2_or_zero(l - m)).sum::<f32>().log2();
+        for (s, l) in scores.iter_mut().zip(col()) {
             let share = if total.is_finite() {
-                (l - total).exp2()
+                exp2_or_zero(l - total)
             } else {
                 0.0
             };
