@@ -5,9 +5,9 @@
 # The rest of the workspace is not cross-linked here: checking it for aarch64 builds every
 # dependency again for that target (ring's and esaxx's C among them), 5.5 of the phase's 7 minutes
 # on CI's two cores, for the few `target_arch` arms of decode-node's CPU backend. To check it by hand:
-#   cargo clippy --workspace --all-targets --target aarch64-unknown-linux-gnu -- -D warnings Needs rustup's
-# aarch64 standard library, a cross linker and qemu-user; as root it installs the last two from
-# Debian's packages. Says "skipped" and exits 0 when one cannot be had.
+#   cargo clippy --workspace --all-targets --target aarch64-unknown-linux-gnu -- -D warnings
+# Needs rustup's aarch64 standard library, a cross linker and qemu-user; as root it installs the
+# last two from Debian's packages. Says "skipped" and exits 0 when one cannot be had.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=aarch64-unknown-linux-gnu
