@@ -677,9 +677,8 @@ mod avx2 {
     /// FMAs. As scalar code (sequential reductions, `exp2` without FMAs) it took as long as
     /// the dot products at head_dim 64.
     ///
-    /// # Safety
-    /// AVX2 and FMA; `bs` a multiple of 8 and at least `scales.len()`; `acc` holds
-    /// `outs.len()` rows of `bs`.
+    /// Needs AVX2 and FMA (callable safely from code compiled with them); the sizes (`bs` a
+    /// multiple of 8 and at least `scales.len()`, `acc` `outs.len()` rows of `bs`) are asserted.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn scaled_lse(
