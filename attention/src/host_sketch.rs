@@ -254,29 +254,38 @@ impl HeadSketch {
             .collect();
         let int8 = QueryI8::for_blocks(q_group, d, bs);
         let mut lse = vec![0f32; blocks.len() * g];
+        let sketch_of = |b: usize| {
+            let from = b * bs;
+            let page = self.pages[from / tpp].bytes();
+            let at = (from % tpp) / bs * stride;
+            &page[at..at + stride]
+        };
+        let tokens_of = |b: usize| self.tokens.min(b * bs + bs).saturating_sub(b * bs);
         let fill = |chunk: &mut [f32], first: usize, buf: &mut Vec<f32>| {
-            for (j, out) in chunk.chunks_mut(g).enumerate() {
-                let from = blocks[first + j] * bs;
-                let len = self.tokens.min(from + bs).saturating_sub(from);
+            let mine = &blocks[first..first + chunk.len() / g];
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = &int8; // always `None` here
+            #[cfg(target_arch = "x86_64")]
+            if let Some(qi) = int8.as_ref() {
+                let sketches: Vec<(&[u8], usize)> = mine
+                    .iter()
+                    .map(|&b| match tokens_of(b) {
+                        0 => (&[][..], 0),
+                        len => (sketch_of(b), len),
+                    })
+                    .collect();
+                // SAFETY: `QueryI8::for_blocks` made one only where AVX2 is present and 16
+                // divides `bs`; each sketch is a whole block's (or empty, with no tokens).
+                unsafe { avx2::chunk_lse_i8(qi, d, bs, temp, &sketches, buf, chunk) };
+                return;
+            }
+            for (&b, out) in mine.iter().zip(chunk.chunks_mut(g)) {
+                let len = tokens_of(b);
                 if len == 0 {
                     out.fill(f32::NEG_INFINITY);
                     continue;
                 }
-                let page = self.pages[from / tpp].bytes();
-                let at = (from % tpp) / bs * stride;
-                let block = &page[at..at + stride];
-                lse_of_block(
-                    q_group,
-                    &bias,
-                    int8.as_ref(),
-                    d,
-                    bs,
-                    temp,
-                    block,
-                    len,
-                    buf,
-                    out,
-                );
+                lse_of_block(q_group, &bias, d, bs, temp, sketch_of(b), len, buf, out);
             }
         };
         // A few dozen blocks a task: each block is a few microseconds.
@@ -293,15 +302,13 @@ impl HeadSketch {
 }
 
 /// Each query head's log2-sum-exp2 over the first `len` tokens of one block's sketch
-/// (`block`: scales, then transposed nibbles), into `out[G]`: on AVX2 in integers against
-/// `int8` where the caller made one ([`QueryI8::for_blocks`]), else (block size a multiple of
-/// 8) widened to f32 in registers; with a polynomial `exp2` either way. Elsewhere by the
-/// definition.
+/// (`block`: scales, then transposed nibbles), into `out[G]`, where the integer path
+/// ([`avx2::chunk_lse_i8`]) does not apply: on AVX2 (block size a multiple of 8) widened to
+/// f32 in registers, with a polynomial `exp2`; elsewhere by the definition.
 #[allow(clippy::too_many_arguments)]
 fn lse_of_block(
     q_group: &[f32],
     bias: &[f32],
-    int8: Option<&QueryI8>,
     d: usize,
     bs: usize,
     temp: f32,
@@ -321,13 +328,6 @@ fn lse_of_block(
         *s = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
     }
     #[cfg(target_arch = "x86_64")]
-    if let Some(qi) = int8 {
-        // SAFETY: `QueryI8::for_blocks` made one only where AVX2 is present and 16 divides
-        // `bs`; it holds `out.len()` heads; `nib` holds `nb` rows of `bs` bytes.
-        unsafe { avx2::block_lse_i8(qi, d, bs, temp, nib, scales, acc, out) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
     if bs.is_multiple_of(8) && avx2::available() {
         // SAFETY: AVX2 and FMA are present; `nib` holds `nb` rows of `bs` bytes and
         // `q_group` `out.len()` heads of `d` floats.
@@ -341,12 +341,12 @@ fn lse_of_block(
             *r = nib[j * bs + t];
         }
     }
-    let _ = (acc, bias, int8);
+    let _ = (acc, bias);
     block_lse(q_group, d, temp, &rows, scales, out);
 }
 
-/// The group's query as [`lse_of_block`]'s integer path reads it: each head rounded to int8
-/// on its own step (`q ≈ step * q8`, `|q8| <= 127`), so a block's dot products are exact
+/// The group's query as the integer path ([`avx2::chunk_lse_i8`]) reads it: each head rounded
+/// to int8 on its own step (`q ≈ step * q8`, `|q8| <= 127`), so a block's dot products are exact
 /// integer sums that `vpmaddubsw` forms 32 nibble products at a time, where widening each
 /// nibble to f32 for an FMA took 8. The rounding moves a token's score by at most
 /// `step / 2 * 8 * head_dim` times its key scale (the levels are at most 8 from zero): for a
@@ -627,47 +627,184 @@ mod avx2 {
         }
     }
 
-    /// [`super::lse_of_block`]'s integer path: heads in groups of up to eight (`dots_i8`),
-    /// each score scaled back by its head's step and its token's key scale.
+    /// The integer path of [`super::HeadSketch::block_scores`]: each head's log2-sum-exp2
+    /// over each of `blocks` (each block's sketch and its tokens; none: empty) into
+    /// `out[j * G + h]` for block `j` and head `h`, in two passes over the blocks. First every
+    /// token's sum (`dots_i8`, heads in groups of up to eight), scaled back by its head's
+    /// step and its token's key scale, into `x` (`[block][head][bs]`), with each head's
+    /// maximum `M` over all the blocks; then each block's `M + log2(sum 2^(x - M))`, eight
+    /// blocks' sums reduced together and their `log2` in one vector. Per block and head that
+    /// leaves no maximum or sum tree and no scalar `log2`: done block by block, those took
+    /// two fifths of a block's time at head_dim 64 (G = 3).
     ///
     /// # Safety
-    /// AVX2 and FMA; `bs` a multiple of 16; `nib` holds `d.div_ceil(2)` rows of `bs` bytes,
-    /// `qi` `out.len()` heads of `d` channels and `acc` `8 bs` floats.
+    /// AVX2 and FMA; `bs` a multiple of 16; every block holds `bs` scales and
+    /// `d.div_ceil(2)` rows of `bs` bytes, `qi` `G` heads of `d` channels; `out` holds
+    /// `blocks.len() * G` (the sizes are asserted).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn block_lse_i8(
+    pub(super) unsafe fn chunk_lse_i8(
         qi: &super::QueryI8,
         d: usize,
         bs: usize,
         temp: f32,
-        nib: &[u8],
-        scales: &[f32],
-        acc: &mut [f32],
+        blocks: &[(&[u8], usize)],
+        x: &mut Vec<f32>,
         out: &mut [f32],
     ) {
         let nb = d.div_ceil(2);
-        for (((pairs, zero), steps), outs) in qi
-            .pairs
-            .chunks(8 * nb)
-            .zip(qi.zero.chunks(8))
-            .zip(qi.step.chunks(8))
-            .zip(out.chunks_mut(8))
-        {
-            // SAFETY: as the caller promises; `dots_i8` asserts the sizes.
-            unsafe {
-                match outs.len() {
-                    1 => dots_i8::<1>(pairs, zero, nb, bs, nib, acc),
-                    2 => dots_i8::<2>(pairs, zero, nb, bs, nib, acc),
-                    3 => dots_i8::<3>(pairs, zero, nb, bs, nib, acc),
-                    4 => dots_i8::<4>(pairs, zero, nb, bs, nib, acc),
-                    5 => dots_i8::<5>(pairs, zero, nb, bs, nib, acc),
-                    6 => dots_i8::<6>(pairs, zero, nb, bs, nib, acc),
-                    7 => dots_i8::<7>(pairs, zero, nb, bs, nib, acc),
-                    _ => dots_i8::<8>(pairs, zero, nb, bs, nib, acc),
+        let g = qi.step.len();
+        assert!(
+            bs.is_multiple_of(16)
+                && out.len() >= blocks.len() * g
+                && blocks
+                    .iter()
+                    .all(|(b, len)| *len == 0 || (b.len() >= bs * (4 + nb) && *len <= bs))
+        );
+        let n = blocks.len();
+        for h0 in (0..g).step_by(8) {
+            let gn = (g - h0).min(8);
+            let (pairs, zero) = (&qi.pairs[h0 * nb..], &qi.zero[h0..h0 + gn]);
+            let temps: [f32; 8] =
+                std::array::from_fn(|h| if h < gn { temp * qi.step[h0 + h] } else { 0.0 });
+            x.resize(n * gn * bs, 0.0);
+            let mut top = [_mm256_set1_ps(f32::NEG_INFINITY); 8];
+            for (j, &(blk, len)) in blocks.iter().enumerate() {
+                // The sketch two blocks on, asked for ahead: 4-6% faster at 7.8k tokens
+                // (G = 3, one thread), where the loads of a block's first rows waited.
+                if let Some((next, _)) = blocks.get(j + 2) {
+                    for at in (0..next.len()).step_by(64) {
+                        // SAFETY: a prefetch is a hint; the address lies in `next`.
+                        unsafe { _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().add(at).cast()) };
+                    }
+                }
+                let acc = &mut x[j * gn * bs..(j + 1) * gn * bs];
+                if len == 0 {
+                    acc.fill(f32::NEG_INFINITY);
+                    continue;
+                }
+                let (sc, nib) = blk.split_at(bs * 4);
+                // SAFETY: the caller promises AVX2; `dots_i8` asserts the sizes.
+                unsafe {
+                    match gn {
+                        1 => dots_i8::<1>(pairs, zero, nb, bs, nib, acc),
+                        2 => dots_i8::<2>(pairs, zero, nb, bs, nib, acc),
+                        3 => dots_i8::<3>(pairs, zero, nb, bs, nib, acc),
+                        4 => dots_i8::<4>(pairs, zero, nb, bs, nib, acc),
+                        5 => dots_i8::<5>(pairs, zero, nb, bs, nib, acc),
+                        6 => dots_i8::<6>(pairs, zero, nb, bs, nib, acc),
+                        7 => dots_i8::<7>(pairs, zero, nb, bs, nib, acc),
+                        _ => dots_i8::<8>(pairs, zero, nb, bs, nib, acc),
+                    }
+                }
+                scale_block(acc, bs, sc, len, &temps[..gn], &mut top[..gn]);
+            }
+            for (h, m) in top.iter().take(gn).enumerate() {
+                let m = _mm256_cvtss_f32(all_lanes(*m, |a, b| _mm256_max_ps(a, b)));
+                let mv = _mm256_set1_ps(m);
+                for j0 in (0..n).step_by(8) {
+                    let k = (n - j0).min(8);
+                    let mut sums = [_mm256_setzero_ps(); 8];
+                    for (i, s) in sums.iter_mut().take(k).enumerate() {
+                        let row = &x[((j0 + i) * gn + h) * bs..][..bs];
+                        for v in row.chunks_exact(8) {
+                            // SAFETY: eight floats of the row.
+                            let v = unsafe { _mm256_loadu_ps(v.as_ptr()) };
+                            *s = _mm256_add_ps(
+                                *s,
+                                crate::kernel_avx2::exp2_ps(_mm256_sub_ps(v, mv)),
+                            );
+                        }
+                    }
+                    let mut lse = [0f32; 8];
+                    // SAFETY: eight floats.
+                    unsafe {
+                        _mm256_storeu_ps(
+                            lse.as_mut_ptr(),
+                            _mm256_add_ps(mv, log2_ps(sum_each(sums))),
+                        )
+                    };
+                    for (i, l) in lse.iter().take(k).enumerate() {
+                        out[(j0 + i) * g + h0 + h] = if m.is_finite() { *l } else { m };
+                    }
                 }
             }
-            scaled_lse(acc, bs, scales, outs, |h| temp * steps[h]);
         }
+    }
+
+    /// Scales one block's sums in place (`acc`: `temps.len()` rows of `bs`), each by its
+    /// head's temperature and its token's key scale (`sc`: `bs` f32 bytes), `-inf` past the
+    /// block's `len` tokens, and raises each head's running maximum `top`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn scale_block(
+        acc: &mut [f32],
+        bs: usize,
+        sc: &[u8],
+        len: usize,
+        temps: &[f32],
+        top: &mut [__m256],
+    ) {
+        assert!(bs.is_multiple_of(8) && sc.len() >= bs * 4 && acc.len() >= temps.len() * bs);
+        let neg = _mm256_set1_ps(f32::NEG_INFINITY);
+        let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
+        for i in 0..bs / 8 {
+            // Lanes at or past `len` are masked (their scales may be stale bytes).
+            let keep = _mm256_cmp_ps::<_CMP_LT_OQ>(
+                lane,
+                _mm256_set1_ps(len.saturating_sub(8 * i).min(8) as f32),
+            );
+            // SAFETY: 32 bytes of scales at 32 i < 4 bs (asserted).
+            let s = unsafe { _mm256_loadu_ps(sc.as_ptr().add(32 * i).cast()) };
+            for (h, (t, m)) in temps.iter().zip(top.iter_mut()).enumerate() {
+                let p = acc[h * bs + 8 * i..][..8].as_mut_ptr();
+                // SAFETY: eight floats of head h's row.
+                unsafe {
+                    let v = _mm256_mul_ps(_mm256_loadu_ps(p), _mm256_mul_ps(_mm256_set1_ps(*t), s));
+                    let v = _mm256_blendv_ps(neg, v, keep);
+                    _mm256_storeu_ps(p, v);
+                    *m = _mm256_max_ps(v, *m);
+                }
+            }
+        }
+    }
+
+    /// Lane `i` holds the sum of `v[i]`'s lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn sum_each(v: [__m256; 8]) -> __m256 {
+        let a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+        let b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+        // a: [v0 v1 v2 v3 | v0 v1 v2 v3] halves' sums, b the same for v4..v7.
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(a, b),
+            _mm256_permute2f128_ps::<0x31>(a, b),
+        )
+    }
+
+    /// `log2 x` per lane for positive normal `x` (`-inf` for 0): `x = 2^k m` with `m` in
+    /// [√½, √2) and `ln m = 2 atanh(s)`, `s = (m - 1) / (m + 1)`, by its series to `s^7`
+    /// ([`crate::sparq::log2_from_one`]'s, for any exponent).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn log2_ps(x: __m256) -> __m256 {
+        let bits = _mm256_castps_si256(x);
+        let k = _mm256_srai_epi32::<23>(_mm256_sub_epi32(
+            bits,
+            _mm256_set1_epi32(0.5f32.sqrt().to_bits() as i32),
+        ));
+        let m = _mm256_castsi256_ps(_mm256_sub_epi32(bits, _mm256_slli_epi32::<23>(k)));
+        let one = _mm256_set1_ps(1.0);
+        let s = _mm256_div_ps(_mm256_sub_ps(m, one), _mm256_add_ps(m, one));
+        let s2 = _mm256_mul_ps(s, s);
+        let c = |v: f32| _mm256_set1_ps(v);
+        let mut p = _mm256_fmadd_ps(s2, c(2.0 / 7.0), c(2.0 / 5.0));
+        p = _mm256_fmadd_ps(s2, p, c(2.0 / 3.0));
+        p = _mm256_fmadd_ps(s2, p, c(2.0));
+        let ln_m = _mm256_mul_ps(s, p);
+        let r = _mm256_fmadd_ps(ln_m, c(std::f32::consts::LOG2_E), _mm256_cvtepi32_ps(k));
+        let zero = _mm256_cmp_ps::<_CMP_LE_OQ>(x, _mm256_setzero_ps());
+        _mm256_blendv_ps(r, _mm256_set1_ps(f32::NEG_INFINITY), zero)
     }
 
     /// Each head `h`'s log2-sum-exp2 into `outs[h]` over its row of `acc` (`bs` apart), the
@@ -984,6 +1121,76 @@ mod tests {
                     assert!(
                         (w - x).abs() <= 1e-5 * (1.0 + w.abs()),
                         "d {d} G {g} {dtype:?} block size {bs} block {b}: {w} vs {x}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_log2_is_libms_for_every_exponent() {
+        if !avx2::available() {
+            return;
+        }
+        let mut seed = 3;
+        let mut xs: Vec<f32> = vec![0.0, f32::MIN_POSITIVE, 0.5f32.sqrt(), 1.0, 2.0, 31.99, 1e30];
+        xs.extend(
+            (0..200).map(|_| 2f32.powf(60.0 * lcg(&mut seed)) * (1.0 + lcg(&mut seed).abs())),
+        );
+        for x8 in xs.chunks(8) {
+            let mut v = [1f32; 8];
+            v[..x8.len()].copy_from_slice(x8);
+            let mut got = [0f32; 8];
+            // SAFETY: AVX2 and FMA are present; eight floats in and out.
+            unsafe {
+                use std::arch::x86_64::*;
+                _mm256_storeu_ps(got.as_mut_ptr(), avx2::log2_ps(_mm256_loadu_ps(v.as_ptr())));
+            }
+            for (x, g) in v.iter().zip(got) {
+                let want = x.log2();
+                assert!(
+                    g == want || (g - want).abs() <= 2e-7 * want.abs().max(1.0),
+                    "log2 {x}: {g} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_past_the_sketch_score_nothing_and_change_no_other_score() {
+        // The integer path takes a task's blocks together: an empty one among them (past
+        // the tokens) must neither read a page nor move the others' shares.
+        let mut seed = 5;
+        for (bs, g) in [(32, 3), (16, 9)] {
+            let geom = BlockGeometry {
+                block_size: bs,
+                num_kv_heads: 1,
+                head_dim: 64,
+                dtype: KvDType::Bf16,
+            };
+            // Past `PARALLEL_SELECT_BLOCKS`: the blocks go in tasks, which the empty one
+            // shifts.
+            let blocks = PARALLEL_SELECT_BLOCKS + 44;
+            let (_, hs, q) = sketched(&geom, g, bs * blocks, &mut seed);
+            let inside: Vec<usize> = (0..blocks).collect();
+            let mut mixed = inside.clone();
+            mixed.insert(7, blocks);
+            mixed.push(10_000);
+            for how in [GroupScore::Max, GroupScore::Sum] {
+                let want = hs.block_scores(&geom, &q, 0.1, how, &inside);
+                let got = hs.block_scores(&geom, &q, 0.1, how, &mixed);
+                assert_eq!((got[7], got[blocks + 1]), (0.0, 0.0), "bs {bs} G {g}");
+                let rest: Vec<f32> = got
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != 7 && *i != blocks + 1)
+                    .map(|(_, s)| *s)
+                    .collect();
+                for (w, x) in want.iter().zip(&rest) {
+                    assert!(
+                        (w - x).abs() <= 1e-6 * (1.0 + w.abs()),
+                        "bs {bs} G {g}: {w} vs {x}"
                     );
                 }
             }
