@@ -543,6 +543,16 @@ pub(crate) fn block_scores(
 /// attention mass).
 pub(crate) fn group_shares(lse: &[f32], g: usize, how: GroupScore) -> Vec<f32> {
     let g = g.max(1);
+    #[cfg(target_arch = "x86_64")]
+    if lse.len().is_multiple_of(g) && crate::kernel_avx2::available() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { group_shares_avx2(lse, g, how) };
+    }
+    group_shares_scalar(lse, g, how)
+}
+
+/// [`group_shares`] one block at a time.
+fn group_shares_scalar(lse: &[f32], g: usize, how: GroupScore) -> Vec<f32> {
     let mut scores = vec![
         match how {
             GroupScore::Sum => 0f32,
@@ -566,6 +576,80 @@ pub(crate) fn group_shares(lse: &[f32], g: usize, how: GroupScore) -> Vec<f32> {
             };
         }
     }
+    scores
+}
+
+/// [`group_shares`] eight blocks a vector: each head's column copied out once, its maximum
+/// and sum of `2^(lse - max)` in vectors, the shares by the kernel's `exp2` (0 below -126,
+/// as `exp2_or_zero`). Per block and head the scalar path spent two `exp2`s, 7% of a sketch
+/// step's scoring at 7.8k tokens (G = 3).
+///
+/// # Safety
+/// AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_shares_avx2(lse: &[f32], g: usize, how: GroupScore) -> Vec<f32> {
+    use std::arch::x86_64::*;
+    let n = lse.len() / g;
+    let nv = n.div_ceil(8);
+    let neg = _mm256_set1_ps(f32::NEG_INFINITY);
+    // The column, padded to whole vectors with -inf (whose powers are 0).
+    let mut col = vec![f32::NEG_INFINITY; 8 * nv];
+    let mut scores = vec![
+        match how {
+            GroupScore::Sum => 0f32,
+            GroupScore::Max => f32::NEG_INFINITY,
+        };
+        8 * nv
+    ];
+    for h in 0..g {
+        for (c, l) in col.iter_mut().zip(lse.iter().skip(h).step_by(g)) {
+            *c = *l;
+        }
+        let at = |i: usize| {
+            // SAFETY: vector i of the column, 8 i + 8 <= its length.
+            unsafe { _mm256_loadu_ps(col.as_ptr().add(8 * i)) }
+        };
+        // A NaN (first operand) is passed over, as `f32::max` does.
+        let m = (0..nv).fold(neg, |m, i| _mm256_max_ps(at(i), m));
+        let mut top = [0f32; 8];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(top.as_mut_ptr(), m) };
+        let m = top.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let mv = _mm256_set1_ps(m);
+        let sum = (0..nv).fold(_mm256_setzero_ps(), |s, i| {
+            _mm256_add_ps(s, crate::kernel_avx2::exp2_ps(_mm256_sub_ps(at(i), mv)))
+        });
+        let mut lanes = [0f32; 8];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+        let total = m + lanes.iter().sum::<f32>().log2();
+        if !total.is_finite() {
+            // Every share 0: a sum keeps its value, a maximum takes 0 in.
+            if how == GroupScore::Max {
+                scores.iter_mut().for_each(|s| *s = s.max(0.0));
+            }
+            continue;
+        }
+        let tv = _mm256_set1_ps(total);
+        for i in 0..nv {
+            let share = crate::kernel_avx2::exp2_ps(_mm256_sub_ps(at(i), tv));
+            let p = scores[8 * i..8 * i + 8].as_mut_ptr();
+            // SAFETY: vector i of `scores`, as long as the column.
+            unsafe {
+                let s = _mm256_loadu_ps(p);
+                _mm256_storeu_ps(
+                    p,
+                    match how {
+                        GroupScore::Sum => _mm256_add_ps(s, share),
+                        // A NaN share (first operand) is passed over, as `f32::max` does.
+                        GroupScore::Max => _mm256_max_ps(share, s),
+                    },
+                );
+            }
+        }
+    }
+    scores.truncate(n);
     scores
 }
 
@@ -618,6 +702,47 @@ pub(crate) mod tests {
 
     /// With every channel kept, the scores are each block's exact share of the attention
     /// (summed or maxed over the group's heads), from the definition.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_shares_are_the_scalar_ones() {
+        if !crate::kernel_avx2::available() {
+            return;
+        }
+        let mut seed = 11u64;
+        for g in 1..=9 {
+            for n in [1, 7, 8, 9, 40, 243] {
+                let mut lse: Vec<f32> = (0..n * g)
+                    .map(|_| 20.0 * crate::sketch::tests::lcg(&mut seed))
+                    .collect();
+                // Far below the rest (a share under 2^-126), absent, and NaN entries; in
+                // one case a whole column absent.
+                lse[0] = -300.0;
+                if n > 2 {
+                    lse[g] = f32::NEG_INFINITY;
+                    lse[2 * g + (g - 1)] = f32::NAN;
+                }
+                if n == 9 {
+                    lse.iter_mut()
+                        .skip(g - 1)
+                        .step_by(g)
+                        .for_each(|l| *l = f32::NEG_INFINITY);
+                }
+                for how in [GroupScore::Max, GroupScore::Sum] {
+                    let want = group_shares_scalar(&lse, g, how);
+                    // SAFETY: AVX2 and FMA are present.
+                    let got = unsafe { group_shares_avx2(&lse, g, how) };
+                    assert_eq!(want.len(), got.len());
+                    for (b, (w, x)) in want.iter().zip(&got).enumerate() {
+                        assert!(
+                            (w.is_nan() && x.is_nan()) || (w - x).abs() <= 1e-6 * (1.0 + w.abs()),
+                            "G {g} n {n} {how:?} block {b}: {w} vs {x}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn all_channels_give_each_blocks_exact_attention_share() {
         for dtype in [KvDType::F32, KvDType::Bf16, KvDType::I8, KvDType::F8E4M3] {
