@@ -172,6 +172,7 @@ impl CudaBackend {
         }
         Ok(Self {
             shared: Arc::new(Shared {
+                uploads: Mutex::new(driver::UploadRing::empty()),
                 ordinal,
                 ctx,
                 stream,

@@ -247,6 +247,9 @@ impl Kernels {
 /// What the backend and its KV store share.
 #[derive(Debug)]
 pub(crate) struct Shared {
+    /// The main stream's per-layer uploads ([`Shared::upload`]); first, so it is freed while
+    /// the context lives.
+    pub(crate) uploads: Mutex<UploadRing>,
     pub(crate) ordinal: usize,
     pub(crate) ctx: Arc<CudaContext>,
     /// Projections and the device part of attention, in order.
@@ -267,6 +270,14 @@ pub(crate) struct Shared {
     pub(crate) attention_ctas: std::sync::atomic::AtomicUsize,
     /// How long the main stream sat empty while the host worked.
     pub(crate) idle: IdleClock,
+}
+
+impl Drop for Shared {
+    /// The ring is freed after the copies that read it.
+    fn drop(&mut self) {
+        let _ = self.bind();
+        let _ = self.stream.synchronize();
+    }
 }
 
 /// Time the main stream had nothing to do: from each wait that emptied it (a copy back, a
@@ -325,6 +336,15 @@ impl Shared {
         let r = dtoh_f32(dst, src, &self.stream);
         self.idle.emptied();
         r
+    }
+
+    /// Queues the copy of `src` to device address `dst` on the main stream through the
+    /// page-locked [`UploadRing`]: the host does not wait for the device.
+    pub(crate) fn upload(&self, dst: u64, src: &[u8]) -> Result<(), BackendError> {
+        self.uploads
+            .lock()
+            .map_err(|_| BackendError::Device("upload ring lock poisoned".into()))?
+            .upload(dst, src, &self.stream)
     }
 
     /// Launches `f` on the main stream with raw arguments (device pointers as `u64`).
@@ -467,7 +487,192 @@ impl Drop for Pinned {
     }
 }
 
-/// Copies `src` to device address `dst` on `stream` (asynchronous for page-locked memory).
+/// Where [`UploadRing`] puts the next upload: its offset, and the halves the cursor leaves
+/// and enters on the way. Pure, so tested without a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Slot {
+    pub offset: usize,
+    /// The half the cursor left: mark how far the stream has to get to be done with it.
+    pub leave: Option<usize>,
+    /// The half the cursor entered: wait until the stream is done with its last uses.
+    pub enter: Option<usize>,
+}
+
+/// The cursor of a ring of two halves of `half` bytes each: uploads are laid one after the
+/// other (16-byte aligned) in the current half, and one that does not fit starts the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RingCursor {
+    half: usize,
+    /// The half in use, and the first byte past its last upload.
+    cur: usize,
+    at: usize,
+}
+
+impl RingCursor {
+    pub(crate) const ALIGN: usize = 16;
+
+    /// Halves of at least `half` bytes (a multiple of [`Self::ALIGN`], so both start aligned).
+    pub(crate) const fn new(half: usize) -> Self {
+        Self {
+            half: half.next_multiple_of(Self::ALIGN),
+            cur: 0,
+            at: 0,
+        }
+    }
+
+    /// Room for `len` bytes, or `None` where they exceed a half.
+    pub(crate) fn take(&mut self, len: usize) -> Option<Slot> {
+        if len > self.half {
+            return None;
+        }
+        let h = self.cur;
+        let start = self.at.next_multiple_of(Self::ALIGN);
+        if start + len <= (h + 1) * self.half {
+            self.at = start + len;
+            return Some(Slot {
+                offset: start,
+                leave: None,
+                enter: None,
+            });
+        }
+        let next = 1 - h;
+        (self.cur, self.at) = (next, next * self.half + len);
+        Some(Slot {
+            offset: next * self.half,
+            leave: Some(h),
+            enter: Some(next),
+        })
+    }
+}
+
+/// Page-locked memory that the main stream's per-layer uploads (slot lists, CPU partials,
+/// small constants) leave through. From pageable memory, a copy may synchronise with its
+/// stream ("the driver may synchronize with the stream and stage the copy", CUDA's API
+/// synchronisation notes), and copies past the driver's own staging do: a slot list of a 64k
+/// context (~200 KB) would make the host wait for the device at every layer. From here the
+/// copy is DMA and the host goes on. Two halves: the cursor moves into one only once the
+/// stream is past the last copy from it (an event recorded as the cursor left it, which a
+/// half of several megabytes put a step or more back).
+pub(crate) struct UploadRing {
+    ptr: *mut u8,
+    cursor: RingCursor,
+    /// Recorded on the stream as the cursor left each half.
+    marks: [Option<sys::CUevent>; 2],
+}
+
+// SAFETY: plain memory and event handles owned by this value, used under the `Shared` mutex.
+unsafe impl Send for UploadRing {}
+
+impl fmt::Debug for UploadRing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UploadRing")
+            .field("cursor", &self.cursor)
+            .finish()
+    }
+}
+
+impl UploadRing {
+    /// Bytes of each half where nothing larger was asked for.
+    const HALF: usize = 4 << 20;
+
+    /// No memory yet.
+    pub(crate) const fn empty() -> Self {
+        Self {
+            ptr: std::ptr::null_mut(),
+            cursor: RingCursor::new(0),
+            marks: [None, None],
+        }
+    }
+
+    /// Queues the copy of `src` to device address `dst` on `stream` through the ring.
+    pub(crate) fn upload(
+        &mut self,
+        dst: u64,
+        src: &[u8],
+        stream: &CudaStream,
+    ) -> Result<(), BackendError> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let slot = match self.cursor.take(src.len()) {
+            Some(s) if !self.ptr.is_null() => s,
+            _ => {
+                self.grow(src.len(), stream)?;
+                self.cursor
+                    .take(src.len())
+                    .ok_or_else(|| BackendError::Device("upload ring too small".into()))?
+            }
+        };
+        if let Some(h) = slot.leave {
+            let ev = match self.marks[h] {
+                Some(e) => e,
+                None => {
+                    let e = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                        .map_err(|e| dev_err("creating an event", e))?;
+                    self.marks[h] = Some(e);
+                    e
+                }
+            };
+            // SAFETY: the event and the stream are live.
+            unsafe { drv::event::record(ev, stream.cu_stream()) }
+                .map_err(|e| dev_err("marking the upload ring", e))?;
+        }
+        if let Some(e) = slot.enter.and_then(|h| self.marks[h]) {
+            // SAFETY: a live event; recorded before (an unrecorded one returns at once).
+            unsafe { drv::event::synchronize(e) }
+                .map_err(|e| dev_err("waiting for the upload ring", e))?;
+        }
+        // SAFETY: the slot lies in the ring (`take` keeps it within two halves) and the
+        // stream is past every earlier copy from it (the wait above); the copy reads it before
+        // the cursor comes back round.
+        unsafe {
+            let at = self.ptr.add(slot.offset);
+            std::ptr::copy_nonoverlapping(src.as_ptr(), at, src.len());
+            drv::memcpy_htod_async(
+                dst,
+                std::slice::from_raw_parts(at, src.len()),
+                stream.cu_stream(),
+            )
+        }
+        .map_err(|e| dev_err("copy to device", e))
+    }
+
+    /// A ring whose halves hold `len` bytes, once the stream is done with the old one.
+    fn grow(&mut self, len: usize, stream: &CudaStream) -> Result<(), BackendError> {
+        stream
+            .synchronize()
+            .map_err(|e| dev_err("synchronising", e))?;
+        self.release();
+        let half = len.max(Self::HALF);
+        // SAFETY: a fresh allocation; PORTABLE pins it for every context.
+        let p = unsafe { drv::malloc_host(2 * half, sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(|e| dev_err("pinned upload ring", e))?;
+        self.ptr = p.cast();
+        self.cursor = RingCursor::new(half);
+        Ok(())
+    }
+
+    fn release(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: allocated by `malloc_host`, freed once, the stream past its copies
+            // (`grow` waited for it; `Shared`'s drop does before its ring goes).
+            let _ = unsafe { drv::free_host(self.ptr.cast()) };
+            self.ptr = std::ptr::null_mut();
+        }
+        for e in self.marks.iter_mut().filter_map(Option::take) {
+            // SAFETY: created by `event::create`, destroyed once.
+            let _ = unsafe { drv::event::destroy(e) };
+        }
+    }
+}
+
+impl Drop for UploadRing {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Copies `src` to device address `dst` on `stream` (asynchronous for page-locked memory)./// Copies `src` to device address `dst` on `stream` (asynchronous for page-locked memory).
 pub(crate) fn htod(dst: u64, src: &[u8], stream: &CudaStream) -> Result<(), BackendError> {
     // SAFETY: callers pass a device range of at least `src.len()` bytes.
     unsafe { drv::memcpy_htod_async(dst, src, stream.cu_stream()) }
@@ -505,6 +710,56 @@ pub(crate) fn dtype_code(d: KvDType) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ring_never_hands_out_bytes_the_stream_may_still_read() {
+        // Model the stream as the copies queued since each half was last left: a half's
+        // copies are only known done once the cursor has left it and come back (its mark).
+        let mut c = RingCursor::new(1000);
+        let half = c.half;
+        assert_eq!(half, 1008);
+        let mut live: Vec<(usize, usize)> = Vec::new(); // queued, not known done
+        let mut in_half: [Vec<(usize, usize)>; 2] = [Vec::new(), Vec::new()];
+        let mut seed = 1u64;
+        let mut switches = 0;
+        for _ in 0..5000 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let len = 1 + (seed >> 33) as usize % 400;
+            let s = c.take(len).expect("fits a half");
+            assert_eq!(s.offset % RingCursor::ALIGN, 0);
+            assert_eq!(s.leave.is_some(), s.enter.is_some());
+            if let (Some(l), Some(e)) = (s.leave, s.enter) {
+                assert_ne!(l, e);
+                switches += 1;
+                // Entering a half waits for its mark: its copies are done.
+                for r in std::mem::take(&mut in_half[e]) {
+                    live.retain(|x| *x != r);
+                }
+            }
+            let h = s.offset / half;
+            assert!(s.offset + len <= (h + 1) * half, "a copy crosses its half");
+            for &(a, n) in &live {
+                assert!(
+                    s.offset + len <= a || a + n <= s.offset,
+                    "[{}, {}) overlaps a queued copy [{a}, {})",
+                    s.offset,
+                    s.offset + len,
+                    a + n
+                );
+            }
+            live.push((s.offset, len));
+            in_half[h].push((s.offset, len));
+        }
+        assert!(switches > 100, "the test must wrap the ring: {switches}");
+        assert_eq!(
+            c.take(half + 1),
+            None,
+            "larger than a half: the caller grows the ring"
+        );
+        assert!(c.take(half).is_some());
+    }
 
     #[test]
     fn driver_errors_are_told_apart_full_lost_or_failed() {

@@ -411,8 +411,9 @@ enum Staging {
     /// Through the pinned staging: true DMA, but the host must not rewrite the staging until
     /// the copy ran (the residual's fence), which a layer that never waits cannot promise.
     Pinned,
-    /// From pageable memory: the driver copies it aside before the call returns.
-    Pageable,
+    /// Through the upload ring ([`super::driver::UploadRing`]): DMA too, and safe without a
+    /// fence, for a layer that never waits.
+    Ring,
 }
 
 /// Where each projection of one `queue_norm_project` group laid out in `runs` sits in its
@@ -631,12 +632,12 @@ impl CudaResidual<'_> {
                 }
                 htod(at(0), f32_bytes(&stage[..norms]), &sh.stream)?;
             }
-            Staging::Pageable => {
+            Staging::Ring => {
                 let all: Vec<f32> = groups
                     .iter()
                     .flat_map(|gr| gr.norm.iter().copied())
                     .collect();
-                htod(at(0), f32_bytes(&all), &sh.stream)?;
+                sh.upload(at(0), f32_bytes(&all))?;
             }
         }
         let xnp = at(xn_at);
@@ -789,7 +790,7 @@ impl CudaResidual<'_> {
         let mut qkv = [lin(l.q), lin(l.k), lin(l.v)];
         let groups =
             crate::backend::resident::first_half((l.norm, l.eps), next, &mut pred, &mut qkv);
-        let (y, runs, _) = self.queue_norm_project_via(&groups, Staging::Pageable)?;
+        let (y, runs, _) = self.queue_norm_project_via(&groups, Staging::Ring)?;
         drop(groups);
         let rows = projection_rows(n, &runs);
         let (pred_rows, own) = rows.split_at(usize::from(next.is_some()));
@@ -832,7 +833,7 @@ impl CudaResidual<'_> {
             .resident
             .ptr(&sh.stream, (cpu_at + n * hq * (d + 1)) * 4)?;
         let at = |floats: usize| base + (floats * 4) as u64;
-        htod(base, f32_bytes(&consts), &sh.stream)?;
+        sh.upload(base, f32_bytes(&consts))?;
         let opt = |o: Option<usize>| o.map_or(0u64, at);
         // The step's K and V rows, every layer's in place until `resident_kv`.
         if (self.keep_layers, self.keep_width) != (l.num_layers, kw) {
@@ -1024,7 +1025,7 @@ impl CudaResidual<'_> {
             let mut up = Vec::with_capacity(n * hq * (d + 1));
             up.extend(cpu.iter().flatten().flat_map(|p| p.out.iter().copied()));
             up.extend(cpu.iter().flatten().flat_map(|p| p.lse2.iter().copied()));
-            htod(at.cpu, f32_bytes(&up), &sh.stream)?;
+            sh.upload(at.cpu, f32_bytes(&up))?;
             let (heads, dd) = ((n * hq) as i32, d as i32);
             let cpu_lse = at.cpu + (n * hq * d * 4) as u64;
             // SAFETY: attn/lse hold n x hq rows of d and their lse2; the upload as many.
@@ -1043,7 +1044,7 @@ impl CudaResidual<'_> {
         let half =
             g.xh.ptr(&sh.stream, n * attn_w.max(hidden).max(inter) * 2)?;
         let in_work = |floats: usize| work + (floats * 4) as u64;
-        htod(in_work(p.norm), f32_bytes(l.out.post_norm), &sh.stream)?;
+        sh.upload(in_work(p.norm), f32_bytes(l.out.post_norm))?;
         let op = Operands {
             x: self.x,
             attn: at.attn,

@@ -281,7 +281,11 @@ impl CudaKvStore {
             .lock()
             .map_err(|_| BackendError::Device("gather table lock poisoned".into()))?;
         let t = buf.ptr(stream, table.len())?;
-        htod(t, table, stream)?;
+        match lane {
+            Lane::Main => self.shared.upload(t, table)?,
+            // The recall stream waits for nothing of the main stream's here.
+            Lane::Recall => htod(t, table, stream)?,
+        }
         Ok((stream, t))
     }
 
@@ -401,7 +405,7 @@ impl CudaKvStore {
             },
         );
         let io_dev = scratch.io.ptr(&sh.stream, up.bytes.len())?;
-        htod(io_dev, &up.bytes, &sh.stream)?;
+        sh.upload(io_dev, &up.bytes)?;
         let part_floats = hk * split.splits * group * (d + 1);
         let parts_dev = scratch.parts.ptr(&sh.stream, part_floats * 4)?;
         let part_lse = parts_dev + (hk * split.splits * group * d * 4) as u64;
