@@ -643,12 +643,13 @@ impl UploadRing {
             .synchronize()
             .map_err(|e| dev_err("synchronising", e))?;
         self.release();
-        let half = len.max(Self::HALF);
+        // The cursor's halves, which it rounds up, are what is allocated.
+        let cursor = RingCursor::new(len.max(Self::HALF));
         // SAFETY: a fresh allocation; PORTABLE pins it for every context.
-        let p = unsafe { drv::malloc_host(2 * half, sys::CU_MEMHOSTALLOC_PORTABLE) }
+        let p = unsafe { drv::malloc_host(2 * cursor.half, sys::CU_MEMHOSTALLOC_PORTABLE) }
             .map_err(|e| dev_err("pinned upload ring", e))?;
         self.ptr = p.cast();
-        self.cursor = RingCursor::new(half);
+        self.cursor = cursor;
         Ok(())
     }
 
@@ -672,7 +673,7 @@ impl Drop for UploadRing {
     }
 }
 
-/// Copies `src` to device address `dst` on `stream` (asynchronous for page-locked memory)./// Copies `src` to device address `dst` on `stream` (asynchronous for page-locked memory).
+/// Copies `src` to device address `dst` on `stream` (asynchronous for page-locked memory).
 pub(crate) fn htod(dst: u64, src: &[u8], stream: &CudaStream) -> Result<(), BackendError> {
     // SAFETY: callers pass a device range of at least `src.len()` bytes.
     unsafe { drv::memcpy_htod_async(dst, src, stream.cu_stream()) }
