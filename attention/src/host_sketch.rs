@@ -684,20 +684,20 @@ mod avx2 {
                     continue;
                 }
                 let (sc, nib) = blk.split_at(bs * 4);
+                let (sc, t) = ((sc, len), &temps[..gn]);
                 // SAFETY: the caller promises AVX2; `dots_i8` asserts the sizes.
                 unsafe {
                     match gn {
-                        1 => dots_i8::<1>(pairs, zero, nb, bs, nib, acc),
-                        2 => dots_i8::<2>(pairs, zero, nb, bs, nib, acc),
-                        3 => dots_i8::<3>(pairs, zero, nb, bs, nib, acc),
-                        4 => dots_i8::<4>(pairs, zero, nb, bs, nib, acc),
-                        5 => dots_i8::<5>(pairs, zero, nb, bs, nib, acc),
-                        6 => dots_i8::<6>(pairs, zero, nb, bs, nib, acc),
-                        7 => dots_i8::<7>(pairs, zero, nb, bs, nib, acc),
-                        _ => dots_i8::<8>(pairs, zero, nb, bs, nib, acc),
+                        1 => dots_i8::<1>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
+                        2 => dots_i8::<2>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
+                        3 => dots_i8::<3>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
+                        4 => dots_i8::<4>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
+                        5 => dots_i8::<5>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
+                        6 => dots_i8::<6>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
+                        7 => dots_i8::<7>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
+                        _ => dots_i8::<8>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
                     }
                 }
-                scale_block(acc, bs, sc, len, &temps[..gn], &mut top[..gn]);
             }
             for (h, m) in top.iter().take(gn).enumerate() {
                 let m = _mm256_cvtss_f32(all_lanes(*m, |a, b| _mm256_max_ps(a, b)));
@@ -727,43 +727,6 @@ mod avx2 {
                     for (i, l) in lse.iter().take(k).enumerate() {
                         out[(j0 + i) * g + h0 + h] = if m.is_finite() { *l } else { m };
                     }
-                }
-            }
-        }
-    }
-
-    /// Scales one block's sums in place (`acc`: `temps.len()` rows of `bs`), each by its
-    /// head's temperature and its token's key scale (`sc`: `bs` f32 bytes), `-inf` past the
-    /// block's `len` tokens, and raises each head's running maximum `top`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn scale_block(
-        acc: &mut [f32],
-        bs: usize,
-        sc: &[u8],
-        len: usize,
-        temps: &[f32],
-        top: &mut [__m256],
-    ) {
-        assert!(bs.is_multiple_of(8) && sc.len() >= bs * 4 && acc.len() >= temps.len() * bs);
-        let neg = _mm256_set1_ps(f32::NEG_INFINITY);
-        let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
-        for i in 0..bs / 8 {
-            // Lanes at or past `len` are masked (their scales may be stale bytes).
-            let keep = _mm256_cmp_ps::<_CMP_LT_OQ>(
-                lane,
-                _mm256_set1_ps(len.saturating_sub(8 * i).min(8) as f32),
-            );
-            // SAFETY: 32 bytes of scales at 32 i < 4 bs (asserted).
-            let s = unsafe { _mm256_loadu_ps(sc.as_ptr().add(32 * i).cast()) };
-            for (h, (t, m)) in temps.iter().zip(top.iter_mut()).enumerate() {
-                let p = acc[h * bs + 8 * i..][..8].as_mut_ptr();
-                // SAFETY: eight floats of head h's row.
-                unsafe {
-                    let v = _mm256_mul_ps(_mm256_loadu_ps(p), _mm256_mul_ps(_mm256_set1_ps(*t), s));
-                    let v = _mm256_blendv_ps(neg, v, keep);
-                    _mm256_storeu_ps(p, v);
-                    *m = _mm256_max_ps(v, *m);
                 }
             }
         }
@@ -888,15 +851,19 @@ mod avx2 {
         f(v, _mm256_permute_ps::<0b1011_0001>(v))
     }
 
-    /// `acc[h * bs + t] = sum_c q8_h[c] * nibble_t(c) - zero[h]` for `G` heads and every
-    /// token of the block, 16 tokens at a time, exact (in i32, then f32: below 2^24 for any
-    /// head of fewer than 8,800 channels). A token's two nibbles of a byte row sit in the two
-    /// bytes of its 16-bit lane, so `vpmaddubsw` against the head's channel pair sums both
-    /// products (at most `2 * 15 * 127`) into that lane; eight rows fit in 16 bits, then
-    /// `vpmaddwd` against 1 and 0 widens the even and the odd tokens apart.
+    /// `acc[h * bs + t] = temps[h] * scale_t * (sum_c q8_h[c] * nibble_t(c) - zero[h])` for
+    /// `G` heads and the block's first `len` tokens (`-inf` past them), raising each head's
+    /// running maximum `top[h]`, 16 tokens at a time. The sums are exact (in i32, then f32:
+    /// below 2^24 for any head of fewer than 8,800 channels). A token's two nibbles of a byte
+    /// row sit in the two bytes of its 16-bit lane, so `vpmaddubsw` against the head's channel
+    /// pair sums both products (at most `2 * 15 * 127`) into that lane; eight rows fit in 16
+    /// bits, then `vpmaddwd` against 1 and 0 widens the even and the odd tokens apart. The
+    /// scaling rides on the sums while they are in registers (a pass of its own over `acc`
+    /// cost a load and a store per vector, and the maxima went through memory).
     ///
     /// # Safety
     /// AVX2 (the sizes are asserted).
+    #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn dots_i8<const G: usize>(
@@ -905,15 +872,29 @@ mod avx2 {
         nb: usize,
         bs: usize,
         nib: &[u8],
+        (sc, len): (&[u8], usize),
+        temps: &[f32],
         acc: &mut [f32],
+        top: &mut [__m256],
     ) {
         assert!(
             pairs.len() >= G * nb
                 && zero.len() >= G
                 && nib.len() >= nb * bs
+                && sc.len() >= 4 * bs
+                && len <= bs
+                && temps.len() >= G
+                && top.len() >= G
                 && acc.len() >= G * bs
                 && bs.is_multiple_of(16)
         );
+        let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
+        let neg = _mm256_set1_ps(f32::NEG_INFINITY);
+        let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
+        // Lanes at or past `len` are masked (their scales may be stale bytes).
+        let keep = |t: usize| {
+            _mm256_cmp_ps::<_CMP_LT_OQ>(lane, _mm256_set1_ps(len.saturating_sub(t).min(8) as f32))
+        };
         let nibbles = _mm256_set1_epi16(0x0f0f);
         let (even_of, odd_of) = (_mm256_set1_epi32(1), _mm256_set1_epi32(1 << 16));
         let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
@@ -943,12 +924,24 @@ mod avx2 {
                     odd[h] = _mm256_add_epi32(odd[h], _mm256_madd_epi16(sum[h], odd_of));
                 }
             }
+            let (keep_lo, keep_hi) = (keep(t0), keep(t0 + 8));
+            // SAFETY: the scales of tokens t0 .. t0 + 16, inside `sc` (asserted above).
+            let (s_lo, s_hi) = unsafe {
+                (
+                    _mm256_loadu_ps(sc.as_ptr().add(4 * t0).cast()),
+                    _mm256_loadu_ps(sc.as_ptr().add(4 * t0 + 32).cast()),
+                )
+            };
             for h in 0..G {
                 // Lanes [0 1 2 3 | 8 9 10 11] and [4 5 6 7 | 12 13 14 15], then in order.
                 let a = _mm256_unpacklo_epi32(even[h], odd[h]);
                 let b = _mm256_unpackhi_epi32(even[h], odd[h]);
                 let lo = _mm256_cvtepi32_ps(_mm256_permute2x128_si256::<0x20>(a, b));
                 let hi = _mm256_cvtepi32_ps(_mm256_permute2x128_si256::<0x31>(a, b));
+                let t = _mm256_set1_ps(temps[h]);
+                let lo = _mm256_blendv_ps(neg, _mm256_mul_ps(lo, _mm256_mul_ps(t, s_lo)), keep_lo);
+                let hi = _mm256_blendv_ps(neg, _mm256_mul_ps(hi, _mm256_mul_ps(t, s_hi)), keep_hi);
+                maxima[h] = _mm256_max_ps(lo, _mm256_max_ps(hi, maxima[h]));
                 let at = h * bs + t0;
                 // SAFETY: 16 floats of head h's row of `acc`, inside it.
                 unsafe {
@@ -957,6 +950,7 @@ mod avx2 {
                 }
             }
         }
+        top[..G].copy_from_slice(&maxima);
     }
 
     /// `acc[h * bs + t] = bias[h] + sum_c q_h[c] * nibble_t(c)` for `G` heads and every
