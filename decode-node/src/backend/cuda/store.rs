@@ -659,23 +659,30 @@ impl CudaSeq {
         let (hk, bs) = (geom.num_kv_heads, geom.block_size);
         let n = kv.num_tokens();
         let lh = layer * hk + h;
-        for &b in list.iter().filter(|b| b.block * bs < n) {
+        // The blocks placed whole last time need nothing but their slots.
+        let reused = self.table.placed_before(lh, list, n);
+        for &slot in reused {
+            each(slot, bs);
+        }
+        let reused = reused.len();
+        for &b in list[reused..].iter().filter(|b| b.block * bs < n) {
             let len = (n - b.block * bs).min(bs);
             let (slot, fill) = self.slot_for(lh, b, len)?;
-            let (dst, src) = (
-                self.store.slot_addr(slot),
-                head_bytes(kv, &geom, layer, b.block, h),
-            );
-            match fill {
-                Fill::Keep => {}
-                Fill::Whole => copies.whole.push((dst, src)),
-                Fill::Tail { from } => copies.tails.push((dst, src, from, len)),
-            }
             if fill != Fill::Keep {
+                let (dst, src) = (
+                    self.store.slot_addr(slot),
+                    head_bytes(kv, &geom, layer, b.block, h),
+                );
+                match fill {
+                    Fill::Whole => copies.whole.push((dst, src)),
+                    Fill::Tail { from } => copies.tails.push((dst, src, from, len)),
+                    Fill::Keep => {}
+                }
                 self.table.set_valid(lh, b, len);
             }
             each(slot, len);
         }
+        self.table.placed(lh, list, reused, n, bs);
         Ok(())
     }
 
