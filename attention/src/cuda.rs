@@ -74,4 +74,6 @@ pub const SAMPLE_OUT_WORDS: usize = 4 + 2 * SAMPLE_TOP;
 /// Top log-probabilities `sample_rows` reports at most.
 pub const SAMPLE_TOP: usize = 20;
 /// Threads of one `sample_rows` block (its reductions assume this power of two).
-pub const SAMPLE_THREADS: u32 = 256;
+pub const SAMPLE_THREADS: u32 = 1024;
+/// Threads of one `rms_norm`/`rms_norm_half` block, a row's (the most the kernels take).
+pub const NORM_THREADS: u32 = 1024;

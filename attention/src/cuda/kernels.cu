@@ -175,10 +175,13 @@ __device__ __forceinline__ float rms_inv(const float* xr, int dim, float eps, fl
     return rsqrtf(block_sum(s, red) / dim + eps);
 }
 
-// RMSNorm of each row (one CUDA block per row of `dim`, blockDim.x a power of two <= 256), as
-// HF computes it in f32.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int dim, float eps) {
-    __shared__ float red[256];
+// RMSNorm of each row (one CUDA block per row of `dim`, blockDim.x a power of two <=
+// NORM_THREADS), as HF computes it in f32. A row is one block's, so the block is wide: with 256
+// threads a 5120-wide row took 20 us on an H200 (each thread's loads one after another).
+#define NORM_THREADS 1024
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    rms_norm(const float* x, const float* w, float* out, int dim, float eps) {
+    __shared__ float red[NORM_THREADS];
     const float* xr = x + (long long)blockIdx.x * dim;
     float* or_ = out + (long long)blockIdx.x * dim;
     const float inv = rms_inv(xr, dim, eps, red);
@@ -187,9 +190,9 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 
 // `rms_norm` written straight in the next projection's half type (1 = f16, 2 = bf16): the
 // rounding `f32_to_half` would do, without the f32 rows and their pass (#21 item 1).
-extern "C" __global__ void rms_norm_half(const float* x, const float* w, u16* out, int dim, float eps,
-                                         int dtype) {
-    __shared__ float red[256];
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    rms_norm_half(const float* x, const float* w, u16* out, int dim, float eps, int dtype) {
+    __shared__ float red[NORM_THREADS];
     const float* xr = x + (long long)blockIdx.x * dim;
     u16* or_ = out + (long long)blockIdx.x * dim;
     const float inv = rms_inv(xr, dim, eps, red);
@@ -946,7 +949,9 @@ extern "C" __global__ void copy_tokens(const unsigned long long* table, int n, i
 
 // Device sampling (#21 item 2): the token of each row of the LM head's logits, picked where
 // they are, so a step brings back a few words per row instead of the vocabulary's logits.
-// One CUDA block of SAMPLE_THREADS threads per row. The pick is the host's for the same draw
+// One CUDA block of SAMPLE_THREADS threads per row (as many as a block may have: each
+// thread's passes over the vocabulary are chains of dependent loads, 440 us a greedy row of
+// 152k with 256 threads on an H200). The pick is the host's for the same draw
 // (decode-node's `model::pick::pick_row` is the definition): greedy is the first largest
 // logit; a tempered pick walks the SAMPLE_HEAD most likely tokens (by logit, the lower id
 // first on ties) with weights exp((x - max) / T) in f64, under top-k and top-p as the host
@@ -957,7 +962,7 @@ extern "C" __global__ void copy_tokens(const unsigned long long* table, int n, i
 // top logprobs wanted (<= SAMPLE_TOP), the draw (f64, low word then high; ignored unless
 // tempered). out [n][SAMPLE_OUT_WORDS]: status, token, logprob (f32 bits), top count, then
 // (id, logprob bits) per top token, most likely first.
-#define SAMPLE_THREADS 256
+#define SAMPLE_THREADS 1024
 #define SAMPLE_HEAD 256
 #define SAMPLE_TOP 20
 #define SAMPLE_SPEC_WORDS 6
@@ -979,8 +984,8 @@ __device__ __forceinline__ unsigned int sample_id(unsigned long long key) {
     return 0xffffffffu - (unsigned int)(key & 0xffffffffull);
 }
 
-extern "C" __global__ void sample_rows(const float* logits, const unsigned int* spec, unsigned int* out,
-                                       int vocab) {
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_rows(const float* logits, const unsigned int* spec, unsigned int* out, int vocab) {
     __shared__ float best_v[SAMPLE_THREADS];
     __shared__ unsigned int best_i[SAMPLE_THREADS];
     __shared__ double sum_e[SAMPLE_THREADS];

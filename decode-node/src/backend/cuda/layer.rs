@@ -19,6 +19,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use attention::cuda::NORM_THREADS;
 use attention::{DeviceBlock, KvDType, Partial};
 
 use cudarc::driver::{result as drv, sys};
@@ -200,13 +201,18 @@ impl NormRows {
         // floats and `half` for n x dim halves.
         unsafe {
             if dtype == KvDType::F32 {
-                sh.launch(&sh.k.rms_norm, grid, 256, &[&x, &w, &xn, &dim, &eps])?;
+                sh.launch(
+                    &sh.k.rms_norm,
+                    grid,
+                    NORM_THREADS,
+                    &[&x, &w, &xn, &dim, &eps],
+                )?;
                 Ok(xn)
             } else {
                 sh.launch(
                     &sh.k.rms_norm_half,
                     grid,
-                    256,
+                    NORM_THREADS,
                     &[&x, &w, &half, &dim, &eps, &dtype_code(dtype)],
                 )?;
                 Ok(half)

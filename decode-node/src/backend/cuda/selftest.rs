@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use attention::cuda::NORM_THREADS;
 use attention::{
     BlockGeometry, DeviceBlock, Digest, HeadBlock, KvDType, KvSource, Partial, Scratch,
     attend_blocks, decode_to_f32, encode_from_f32,
@@ -769,11 +770,16 @@ fn check_rms_norm(sh: &Shared, bf16: bool) -> Result<f64, BackendError> {
             sh.launch(
                 &sh.k.rms_norm_half,
                 grid,
-                256,
+                NORM_THREADS,
                 &[&xp, &wp, &op, &d, &eps, &code],
             )?
         } else {
-            sh.launch(&sh.k.rms_norm, grid, 256, &[&xp, &wp, &op, &d, &eps])?
+            sh.launch(
+                &sh.k.rms_norm,
+                grid,
+                NORM_THREADS,
+                &[&xp, &wp, &op, &d, &eps],
+            )?
         }
     };
     let got: Vec<f32> = if bf16 {
