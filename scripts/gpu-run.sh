@@ -145,4 +145,12 @@ if [[ -n "$ncu" ]]; then
 else
     echo "== ncu: not installed; no per-kernel profile" | tee -a "$out/summary.txt"
 fi
-echo "results in $out/"
+# The device tool brings back only a few files (2026-11-28: eight), so the results go back as
+# one archive beside the summary; a run cut short leaves them loose, as they were written.
+if tar czf "/tmp/gpu-run-$$.tgz" -C "$out" --exclude summary.txt . 2>/dev/null; then
+    find "$out" -mindepth 1 ! -name summary.txt -delete
+    mv "/tmp/gpu-run-$$.tgz" "$out/results.tgz"
+    echo "results in $out/results.tgz (tar xzf)"
+else
+    echo "results in $out/"
+fi
