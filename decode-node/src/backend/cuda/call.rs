@@ -45,6 +45,13 @@ impl SlotList {
         self.lens.push(len as i32);
     }
 
+    /// Appends whole blocks (`len` tokens each) in these arena slots of `slot_bytes` each.
+    pub fn extend_whole(&mut self, slots: &[u32], slot_bytes: i64, len: usize) {
+        self.offs
+            .extend(slots.iter().map(|&s| i64::from(s) * slot_bytes));
+        self.lens.resize(self.lens.len() + slots.len(), len as i32);
+    }
+
     /// Closes the current head's entries.
     pub fn end_head(&mut self) {
         self.head_start.push(self.offs.len() as i32);
@@ -210,6 +217,21 @@ mod tests {
         assert_eq!(all.offs, [0, 64, 128, 256, 512]);
         assert_eq!(all.lens, [32, 5, 32, 3, 1]);
         assert_eq!(all.longest_head(), 2);
+    }
+
+    #[test]
+    fn whole_blocks_extend_a_list_as_their_pushes_would() {
+        let (mut a, mut b) = (SlotList::new(), SlotList::new());
+        for l in [&mut a, &mut b] {
+            l.push(8192, 7);
+        }
+        a.extend_whole(&[3, 0, u32::MAX], 8192, 32);
+        for s in [3u32, 0, u32::MAX] {
+            b.push(i64::from(s) * 8192, 32);
+        }
+        a.end_head();
+        b.end_head();
+        assert_eq!(a, b);
     }
 
     #[test]

@@ -645,7 +645,8 @@ impl CudaSeq {
 
     /// Finds the arena slot of each block of `list` for `layer`'s KV head `h` (blocks past
     /// the sequence's end skipped), queues the copies of those not yet holding their tokens,
-    /// and calls `each` with every (arena slot, tokens).
+    /// and appends every (slot offset, tokens) to `out` where there is one (an attention's
+    /// list: a recall's copies have none, and leave the head's last placement as it was).
     fn place<'a>(
         &mut self,
         kv: &'a dyn KvSource,
@@ -653,18 +654,21 @@ impl CudaSeq {
         h: usize,
         list: &[DeviceBlock],
         copies: &mut Copies<'a>,
-        mut each: impl FnMut(u32, usize),
+        mut out: Option<&mut SlotList>,
     ) -> Result<(), BackendError> {
         let geom = self.store.geom;
-        let (hk, bs) = (geom.num_kv_heads, geom.block_size);
+        let (hk, bs, hb) = (geom.num_kv_heads, geom.block_size, geom.head_bytes() as i64);
         let n = kv.num_tokens();
         let lh = layer * hk + h;
         // The blocks placed whole last time need nothing but their slots.
-        let reused = self.table.placed_before(lh, list, n);
-        for &slot in reused {
-            each(slot, bs);
-        }
-        let reused = reused.len();
+        let reused = match out.as_deref_mut() {
+            Some(o) => {
+                let whole = self.table.placed_before(lh, list, n);
+                o.extend_whole(whole, hb, bs);
+                whole.len()
+            }
+            None => 0,
+        };
         for &b in list[reused..].iter().filter(|b| b.block * bs < n) {
             let len = (n - b.block * bs).min(bs);
             let (slot, fill) = self.slot_for(lh, b, len)?;
@@ -680,9 +684,13 @@ impl CudaSeq {
                 }
                 self.table.set_valid(lh, b, len);
             }
-            each(slot, len);
+            if let Some(o) = out.as_deref_mut() {
+                o.push(slot as i64 * hb, len);
+            }
         }
-        self.table.placed(lh, list, reused, n, bs);
+        if out.is_some() {
+            self.table.placed(lh, list, reused, n, bs);
+        }
         Ok(())
     }
 
@@ -700,13 +708,10 @@ impl CudaSeq {
         blocks: &[&[DeviceBlock]],
     ) -> Result<(SlotList, Copies<'a>), BackendError> {
         self.after_recall(layer)?;
-        let hb = self.store.geom.head_bytes() as i64;
         let mut list = SlotList::new();
         let mut copies = Copies::default();
         for (h, heads_blocks) in blocks.iter().enumerate() {
-            self.place(kv, layer, h, heads_blocks, &mut copies, |slot, len| {
-                list.push(slot as i64 * hb, len)
-            })?;
+            self.place(kv, layer, h, heads_blocks, &mut copies, Some(&mut list))?;
             list.end_head();
         }
         self.store.copy_in(&copies, Lane::Main)?;
@@ -956,7 +961,7 @@ impl DeviceSeq for CudaSeq {
         sh.bind()?;
         let mut copies = Copies::default();
         for (h, list) in blocks.iter().enumerate() {
-            self.place(kv, layer, h, list, &mut copies, |_, _| {})?;
+            self.place(kv, layer, h, list, &mut copies, None)?;
         }
         if !copies.is_empty() {
             // A resident layer's attention may still be reading the slots these copies
