@@ -22,6 +22,8 @@ static inline double __hiloint2double(int hi, int lo) {
 }
 static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 struct uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+#define __align__(n) __attribute__((aligned(n)))
 using std::max;
 using std::min;
 using std::isfinite;

@@ -1199,7 +1199,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
     sketch_lse(const unsigned long long* pages, int max_pages, int page_tokens, int n_tokens, int block_size,
                int nblocks, const float* q, int G, int D, float temp, float* lse) {
-    __shared__ float qs[8 * MAX_HEAD];
+    // 16-byte aligned: each head's query is read four channels a load (D a multiple of 32).
+    __shared__ __align__(16) float qs[8 * MAX_HEAD];
     const int h = blockIdx.y;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] = q[(long long)h * G * D + i];
     __syncthreads();
@@ -1225,19 +1226,38 @@ extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
             float acc[8];
 #pragma unroll
             for (int g = 0; g < 8; g++) acc[g] = 0.f;
+            // Per head, channels in order: the sum is the same whatever the loads' width.
+            // Nibbles become floats by their bits (2^23 + nibble, less 2^23 + 8: exact), not
+            // by integer conversion, which an SM does at a quarter of the FMA rate; the query
+            // comes four channels a shared load. On an H200 the scalar form read the sketch
+            // at 0.08 of copy bandwidth (109 us a layer at 64k, 8 KV heads).
             for (int w = 0; w < (D >> 5); w++) {
                 const uint4 v = row[w];
                 const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-                for (int k = 0; k < 4; k++)
+                for (int k = 0; k < 4; k++) {
+                    float x[8];
 #pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        const float x = (float)((int)((words[k] >> (4 * j)) & 15u) - 8);
-                        const int c = w * 32 + k * 8 + j;
+                    for (int j = 0; j < 8; j++)
+                        x[j] = __uint_as_float(0x4B000000u | ((words[k] >> (4 * j)) & 15u)) - 8388616.f;
+                    const int c = w * 32 + k * 8;
 #pragma unroll
-                        for (int g = 0; g < 8; g++)
-                            if (g < G) acc[g] = fmaf(qs[g * D + c], x, acc[g]);
-                    }
+                    for (int g = 0; g < 8; g++)
+                        if (g < G) {
+                            const float4 lo = *reinterpret_cast<const float4*>(&qs[g * D + c]);
+                            const float4 hi = *reinterpret_cast<const float4*>(&qs[g * D + c + 4]);
+                            float a = acc[g];
+                            a = fmaf(lo.x, x[0], a);
+                            a = fmaf(lo.y, x[1], a);
+                            a = fmaf(lo.z, x[2], a);
+                            a = fmaf(lo.w, x[3], a);
+                            a = fmaf(hi.x, x[4], a);
+                            a = fmaf(hi.y, x[5], a);
+                            a = fmaf(hi.z, x[6], a);
+                            a = fmaf(hi.w, x[7], a);
+                            acc[g] = a;
+                        }
+                }
             }
 #pragma unroll
             for (int g = 0; g < 8; g++)
