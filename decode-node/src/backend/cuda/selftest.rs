@@ -1059,6 +1059,9 @@ fn check_sketch(
         }
     }
     store.give_back(sketch.take_slots());
+    // Gone before the next arena page-locks the same pool (a second registration of one
+    // range fails, and the node warned of it at every start).
+    drop(store);
     // Two slots: not enough pages for three heads' sketch.
     let small =
         super::store::CudaKvStore::new(Arc::clone(sh), geom, 2 * geom.head_bytes() as u64, &pool)?;

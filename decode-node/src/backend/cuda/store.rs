@@ -131,6 +131,12 @@ impl CudaKvStore {
             .result()
             {
                 Ok(()) => true,
+                // Another arena of this process holds the pool page-locked (and would unlock
+                // it when it goes): this one stages its copies, which is slower, not wrong.
+                Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => {
+                    tracing::info!(bytes = len, "the host KV pool is page-locked by another device KV arena; this arena's copies are staged");
+                    false
+                }
                 Err(e) => {
                     tracing::warn!(error = ?e, bytes = len, "could not page-lock the host KV pool; copies to the device will be staged");
                     false
