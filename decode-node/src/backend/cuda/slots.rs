@@ -27,10 +27,10 @@ struct HeadSlots {
 /// 64k, `full` placed 16k blocks per layer one by one, ~4 ms of a 7.5 ms step on an H200).
 #[derive(Debug, Clone, Default)]
 struct Placed {
-    /// The list as placed.
+    /// The list's leading blocks that were whole (`block_size` tokens) and held them all on
+    /// the device once placed (only these are ever reused).
     blocks: Vec<DeviceBlock>,
-    /// The arena slot of each of its leading blocks that were whole (`block_size` tokens)
-    /// and held them all on the device once placed.
+    /// The arena slot of each of them.
     whole: Vec<u32>,
     /// `HeadSlots::losses` once placed: while it is unchanged, those blocks still hold their
     /// tokens in those slots.
@@ -143,7 +143,6 @@ impl SlotTable {
             .blocks
             .iter()
             .zip(list)
-            .take(p.whole.len())
             .take_while(|(a, b)| a == b)
             .count();
         &p.whole[..same]
@@ -163,15 +162,15 @@ impl SlotTable {
         let hs = &mut self.heads[lh];
         let p = &mut hs.placed;
         p.blocks.truncate(reused);
-        p.blocks.extend_from_slice(&list[reused..]);
         p.whole.truncate(reused);
-        for b in &list[reused..] {
+        for &b in &list[reused..] {
             let s = b.slot as usize;
             let whole = (b.block + 1) * block_size <= tokens
                 && hs.holds.get(s) == Some(&(b.block, block_size as u32));
             if !whole {
                 break;
             }
+            p.blocks.push(b);
             p.whole.push(hs.arena[s]);
         }
         p.losses = hs.losses;
