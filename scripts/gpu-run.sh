@@ -95,6 +95,12 @@ step decode-8k-32k "$bin" bench decode --json --device cuda --model "$model" \
     --context 8k,32k --modes full,hgca,recall,scout --budget-tokens 2048 --tokens 64
 step decode-64k "$bin" bench decode --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
+# Scout layer-ahead on the device (the paper's behaviour, #21 item 5): the next layer's
+# predicted query is scored on the device while it waits for this layer's CPU part
+# (queued without a wait), planned while it runs this layer's second half, and its CPU part
+# attended then with the predicted query. The A/B against decode-64k's real-query scout.
+step scout-layer-ahead "$bin" bench decode --json --device cuda --model "$model" \
+    --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 --guard-predicted-cpu
 # Scout's CPU part on a quarter of the cores (the default until 2026-11-27; now every core
 # but two where the device scores the blocks): what the CPU-attention pool's size is worth.
 step decode-cpu-quarter "$bin" bench decode --json --device cuda --model "$model" \

@@ -323,6 +323,30 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
         Ok(None)
     }
 
+    /// Queues [`DeviceSeq::sketch_scores`] without waiting for them, for
+    /// [`DeviceSeq::take_sketch_scores`] to collect: a layer planned ahead is scored while
+    /// the device would otherwise wait for the host, and its scores are back by the time the
+    /// host plans it. One call is held at a time; a new one drops the one before. `Ok(false)`:
+    /// nothing queued (this device keeps no sketch, or scores only when asked).
+    fn queue_sketch_scores(
+        &mut self,
+        _kv: &dyn KvSource,
+        _layer: usize,
+        _q: &[f32],
+        _scale: f32,
+        _how: attention::GroupScore,
+        _blocks: usize,
+    ) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+
+    /// The scores [`DeviceSeq::queue_sketch_scores`] queued for `layer`, waiting for them
+    /// (what `sketch_scores` would have answered then). `Ok(None)`: none queued for `layer`;
+    /// a call queued for another layer is dropped.
+    fn take_sketch_scores(&mut self, _layer: usize) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
+        Ok(None)
+    }
+
     /// Starts copying, for each KV head `h`, `blocks[h]` of `layer` into their slots on the
     /// recall stream (one batch); they are ready for the next [`DeviceSeq::attend`] of
     /// `layer`, which orders after the copies on the device without waiting on the host.

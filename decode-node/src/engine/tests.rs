@@ -96,6 +96,39 @@ impl Rig {
         max_new: u32,
         tune: impl FnOnce(&mut JobSpec),
     ) -> mpsc::UnboundedReceiver<Event> {
+        let (job, rx) = self.job(id, prompt, max_new, tune);
+        assert!(self.engine.send(Control::Submit(job)));
+        rx
+    }
+
+    /// Greedy jobs for `prompts` (ids `r0`, `r1`, ...), every prefill made before the first is
+    /// sent, so the engine finds them waiting together and steps them as one batch.
+    fn submit_together(
+        &self,
+        prompts: &[Vec<u32>],
+        max_new: u32,
+    ) -> Vec<mpsc::UnboundedReceiver<Event>> {
+        let jobs: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| self.job(&format!("r{i}"), p, max_new, |_| {}))
+            .collect();
+        jobs.into_iter()
+            .map(|(job, rx)| {
+                assert!(self.engine.send(Control::Submit(job)));
+                rx
+            })
+            .collect()
+    }
+
+    /// A greedy job that ignores EOS, tuned by `tune`, and its event stream.
+    fn job(
+        &self,
+        id: &str,
+        prompt: &[u32],
+        max_new: u32,
+        tune: impl FnOnce(&mut JobSpec),
+    ) -> (Job, mpsc::UnboundedReceiver<Event>) {
         let kv = prefill_kv(&self.model, prompt, id, self.layout.geom.dtype).unwrap();
         let committed = ingest_local(&self.layout, &self.pool, &kv).unwrap();
         let (tx, rx) = mpsc::unbounded_channel();
@@ -115,8 +148,7 @@ impl Rig {
             kv: Box::new(committed),
             spec,
         };
-        assert!(self.engine.send(Control::Submit(job)));
-        rx
+        (job, rx)
     }
 
     /// Greedy tokens after `prompt` by full prefills: the token the prefill picks first, then
@@ -654,14 +686,25 @@ fn tokens_picked_where_the_logits_are_equal_the_host_picks() {
 /// Device memory for KV that lives on the host: the engine's device path (submit every
 /// sequence's part, then collect each) without a GPU. Each part is computed at submit from the
 /// blocks the residency table names.
-/// With `sketch`, it scores blocks for `--block-scorer sketch` as a GPU does, from a sketch
-/// of the keys made here (`attention::sketch`), counting the calls in `scored`.
+/// With `sketch.on`, it scores blocks for `--block-scorer sketch` as a GPU does, from a sketch
+/// of the keys made here (`attention::sketch`), counting the calls (see [`SketchSpy`]).
 #[derive(Debug)]
 struct HostDeviceKv {
     geom: attention::BlockGeometry,
     collected: Arc<std::sync::atomic::AtomicUsize>,
-    sketch: bool,
+    sketch: SketchSpy,
+}
+
+/// A test device's sketch scoring: whether it scores, whether it also queues scores without
+/// a wait (`DeviceSeq::queue_sketch_scores`), and the calls counted: scored when asked,
+/// queued, and queued ones taken.
+#[derive(Debug, Clone, Default)]
+struct SketchSpy {
+    on: bool,
+    queue: bool,
     scored: Arc<std::sync::atomic::AtomicUsize>,
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+    taken: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[derive(Debug)]
@@ -669,8 +712,9 @@ struct HostDeviceSeq {
     geom: attention::BlockGeometry,
     pending: Option<Vec<attention::Partial>>,
     collected: Arc<std::sync::atomic::AtomicUsize>,
-    sketch: bool,
-    scored: Arc<std::sync::atomic::AtomicUsize>,
+    sketch: SketchSpy,
+    /// The queued scores and their layer.
+    ahead: Option<(usize, Vec<Vec<f32>>)>,
 }
 
 impl crate::backend::DeviceKv for HostDeviceKv {
@@ -683,13 +727,44 @@ impl crate::backend::DeviceKv for HostDeviceKv {
             geom: self.geom,
             pending: None,
             collected: self.collected.clone(),
-            sketch: self.sketch,
-            scored: self.scored.clone(),
+            sketch: self.sketch.clone(),
+            ahead: None,
         })
     }
 
     fn keeps_sketch(&self, _group: usize) -> bool {
-        self.sketch
+        self.sketch.on
+    }
+}
+
+impl HostDeviceSeq {
+    /// `DeviceSeq::sketch_scores` as a GPU computes them, counted nowhere.
+    fn sketch_scores_here(
+        &self,
+        kv: &dyn attention::KvSource,
+        layer: usize,
+        q: &[f32],
+        scale: f32,
+        how: attention::GroupScore,
+        blocks: usize,
+    ) -> Vec<Vec<f32>> {
+        use attention::sketch::{nibble_bytes, scores_from_sketch, sketch_tokens};
+        let (hk, d, bs) = (
+            self.geom.num_kv_heads,
+            self.geom.head_dim,
+            self.geom.block_size,
+        );
+        let n = kv.num_tokens();
+        let per = q.len() / hk;
+        (0..hk)
+            .map(|h| {
+                let mut nib = vec![0u8; n * nibble_bytes(d)];
+                let mut scales = vec![0f32; n];
+                sketch_tokens(&self.geom, kv, layer, h, 0, n, &mut nib, &mut scales);
+                let qg = &q[h * per..(h + 1) * per];
+                scores_from_sketch(&nib, &scales, n, bs, d, blocks, qg, scale, how)
+            })
+            .collect()
     }
 }
 
@@ -748,7 +823,7 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
     }
 
     fn scores_on_device(&self, _group: usize) -> bool {
-        self.sketch
+        self.sketch.on
     }
 
     fn sketch_scores(
@@ -760,30 +835,50 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
         how: attention::GroupScore,
         blocks: usize,
     ) -> Result<Option<Vec<Vec<f32>>>, crate::backend::BackendError> {
-        use attention::sketch::{nibble_bytes, scores_from_sketch, sketch_tokens};
-        if !self.sketch {
+        if !self.sketch.on {
             return Ok(None);
         }
-        self.scored
+        self.sketch
+            .scored
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (hk, d, bs) = (
-            self.geom.num_kv_heads,
-            self.geom.head_dim,
-            self.geom.block_size,
-        );
-        let n = kv.num_tokens();
-        let per = q.len() / hk;
         Ok(Some(
-            (0..hk)
-                .map(|h| {
-                    let mut nib = vec![0u8; n * nibble_bytes(d)];
-                    let mut scales = vec![0f32; n];
-                    sketch_tokens(&self.geom, kv, layer, h, 0, n, &mut nib, &mut scales);
-                    let qg = &q[h * per..(h + 1) * per];
-                    scores_from_sketch(&nib, &scales, n, bs, d, blocks, qg, scale, how)
-                })
-                .collect(),
+            self.sketch_scores_here(kv, layer, q, scale, how, blocks),
         ))
+    }
+
+    fn queue_sketch_scores(
+        &mut self,
+        kv: &dyn attention::KvSource,
+        layer: usize,
+        q: &[f32],
+        scale: f32,
+        how: attention::GroupScore,
+        blocks: usize,
+    ) -> Result<bool, crate::backend::BackendError> {
+        if !(self.sketch.on && self.sketch.queue) {
+            return Ok(false);
+        }
+        self.sketch
+            .queued
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let scores = self.sketch_scores_here(kv, layer, q, scale, how, blocks);
+        self.ahead = Some((layer, scores));
+        Ok(true)
+    }
+
+    fn take_sketch_scores(
+        &mut self,
+        layer: usize,
+    ) -> Result<Option<Vec<Vec<f32>>>, crate::backend::BackendError> {
+        match self.ahead.take() {
+            Some((l, scores)) if l == layer => {
+                self.sketch
+                    .taken
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(Some(scores))
+            }
+            _ => Ok(None),
+        }
     }
 }
 
@@ -799,8 +894,7 @@ struct TestDevice {
     /// The resident path attends with twice the softmax scale: wrong, for the start check.
     wrong_resident: bool,
     /// Its device memory scores blocks for `--block-scorer sketch` (see [`HostDeviceKv`]).
-    sketch: bool,
-    scored: Arc<std::sync::atomic::AtomicUsize>,
+    sketch: SketchSpy,
     resident_layers: Arc<std::sync::atomic::AtomicUsize>,
     /// Resident layers that brought their query back, and that merged a CPU part.
     resident_queries: Arc<std::sync::atomic::AtomicUsize>,
@@ -881,8 +975,7 @@ impl crate::backend::Backend for TestDevice {
             Arc::new(HostDeviceKv {
                 geom,
                 collected: self.collected.clone(),
-                sketch: self.sketch,
-                scored: self.scored.clone(),
+                sketch: self.sketch.clone(),
             }) as Arc<dyn crate::backend::DeviceKv>
         }))
     }
@@ -1127,17 +1220,25 @@ fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
         ..TestDevice::default()
     });
     let want = run(host.clone(), &exact);
-    assert_eq!(host.scored.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        host.sketch
+            .scored
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
     for resident in [false, true] {
         let dev = Arc::new(TestDevice {
             kv: true,
-            sketch: true,
+            sketch: SketchSpy {
+                on: true,
+                ..SketchSpy::default()
+            },
             resident: resident.into(),
             ..TestDevice::default()
         });
         let got = run(dev.clone(), &flags);
         assert_eq!(got, want, "resident {resident}");
-        let scored = dev.scored.load(std::sync::atomic::Ordering::Relaxed);
+        let scored = dev.sketch.scored.load(std::sync::atomic::Ordering::Relaxed);
         // Every sparse layer of every step of every request, at least.
         assert!(
             scored >= 3 * 5,
@@ -1149,16 +1250,70 @@ fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
     }
 }
 
+/// A layer planned ahead by its predicted query (`--guard-predicted-cpu` makes a device that
+/// scores predict; a GPU node plans ahead by default, the test device is told to) takes the scores its device queued without a wait while it waited for
+/// the CPU part, and plans as with scores asked for then: the same tokens. With layers
+/// resident, where the queue is used, and through the host's layers, where it is not.
+#[test]
+fn a_layer_planned_ahead_takes_the_scores_queued_for_it() {
+    let flags = [
+        "--attention",
+        "scout",
+        "--block-size",
+        "8",
+        "--budget-tokens",
+        "48",
+        "--device-blocks",
+        "2",
+        "--block-scorer",
+        "sketch",
+        "--guard-predicted-cpu",
+        "--guard-real-query-layers",
+        "0",
+        "--guard-min-cosine=-1",
+        "--layer-ahead",
+        "on",
+    ];
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 9 + 70)).collect();
+    let count = |c: &std::sync::atomic::AtomicUsize| c.load(std::sync::atomic::Ordering::Relaxed);
+    for resident in [true, false] {
+        let device = |queue: bool| {
+            Arc::new(TestDevice {
+                kv: true,
+                sketch: SketchSpy {
+                    on: true,
+                    queue,
+                    ..SketchSpy::default()
+                },
+                resident: resident.into(),
+                ..TestDevice::default()
+            })
+        };
+        let (asked, queuing) = (device(false), device(true));
+        let want = greedy_on(asked.clone(), &flags, &prompts, 6);
+        let got = greedy_on(queuing.clone(), &flags, &prompts, 6);
+        assert_eq!(got, want, "resident {resident}");
+        let (queued, taken) = (count(&queuing.sketch.queued), count(&queuing.sketch.taken));
+        let (scored, scored_asked) = (count(&queuing.sketch.scored), count(&asked.sketch.scored));
+        if resident {
+            // Every prediction of every step of every request (the tiny model's second
+            // layer, 5 steps, 3 requests) was queued and taken.
+            assert!(queued >= 3 * 5, "{queued} queued");
+            assert_eq!(taken, queued);
+            assert_eq!(scored + taken, scored_asked, "scorings asked for");
+        } else {
+            assert_eq!((queued, taken), (0, 0));
+            assert_eq!(scored, scored_asked);
+        }
+    }
+}
+
 /// The greedy tokens of `prompts` (`n` each, submitted together) on the tiny model over
 /// `dev`, with `flags`.
 fn greedy_on(dev: Arc<TestDevice>, flags: &[&str], prompts: &[Vec<u32>], n: u32) -> Vec<Vec<u32>> {
     let model = Arc::new(crate::model::load("tiny", dev).unwrap());
     let rig = Rig::start_with(3, 1 << 30, Some(model), flags);
-    let mut streams: Vec<_> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| rig.submit(&format!("r{i}"), p, n))
-        .collect();
+    let mut streams = rig.submit_together(prompts, n);
     let ids = streams.iter_mut().map(|rx| drain(rx).0).collect();
     rig.wait_pool_empty();
     ids

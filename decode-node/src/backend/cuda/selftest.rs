@@ -1005,7 +1005,8 @@ const SKETCH_TOLERANCE: f64 = 1e-5;
 
 /// The device's sketch scores (`--block-scorer sketch`) against `attention::sketch` on the
 /// host, over three calls on one sequence: its prompt (the first fill, many pages), one token
-/// more (a staged fill) and 700 more (new pages, the page table grown). Group max and sum.
+/// more (a staged fill, queued without a wait: `SeqSketch::queue`, a waiting call in
+/// between) and 700 more (new pages, the page table grown). Group max and sum.
 /// Then an arena too small for the sketch: the call fails as device-full, nothing copied.
 fn check_sketch(
     sh: &Arc<Shared>,
@@ -1039,23 +1040,53 @@ fn check_sketch(
         } else {
             GroupScore::Max
         };
-        let got = sketch.scores(&store, &kv, 0, &q, scale, how, blocks)?;
-        for (h, got) in got.iter().enumerate() {
-            let mut nib = vec![0u8; n * nibble_bytes(d)];
-            let mut scales = vec![0f32; n];
-            sketch_tokens(&geom, &kv, 0, h, 0, n, &mut nib, &mut scales);
-            let qg = &q[h * g * d..(h + 1) * g * d];
-            let want = scores_from_sketch(&nib, &scales, n, block_size, d, blocks, qg, scale, how);
-            if got.len() != want.len() {
-                return Err(BackendError::Device(format!(
-                    "{} sketch scores for {} blocks",
-                    got.len(),
-                    want.len()
-                )));
+        let host = |q: &[f32]| -> Vec<Vec<f32>> {
+            (0..hk)
+                .map(|h| {
+                    let mut nib = vec![0u8; n * nibble_bytes(d)];
+                    let mut scales = vec![0f32; n];
+                    sketch_tokens(&geom, &kv, 0, h, 0, n, &mut nib, &mut scales);
+                    let qg = &q[h * g * d..(h + 1) * g * d];
+                    scores_from_sketch(&nib, &scales, n, block_size, d, blocks, qg, scale, how)
+                })
+                .collect()
+        };
+        let mut compare = |got: &[Vec<f32>], want: &[Vec<f32>]| -> Result<(), BackendError> {
+            for (got, want) in got.iter().zip(want) {
+                if got.len() != want.len() {
+                    return Err(BackendError::Device(format!(
+                        "{} sketch scores for {} blocks",
+                        got.len(),
+                        want.len()
+                    )));
+                }
+                for (a, b) in got.iter().zip(want) {
+                    worst = worst.max(f64::from((a - b).abs()));
+                }
             }
-            for (a, b) in got.iter().zip(&want) {
-                worst = worst.max(f64::from((a - b).abs()));
+            Ok(())
+        };
+        if round == 1 {
+            // Queued without a wait (its fill staged through its own buffer), a waiting
+            // call with another query in between, then taken; a take for another layer
+            // finds nothing.
+            sketch.queue(&store, &kv, 0, &q, scale, how, blocks)?;
+            let q2 = random(&mut r, hk * g * d, 2.0);
+            let between = sketch.scores(&store, &kv, 0, &q2, scale, how, blocks)?;
+            compare(&between, &host(&q2))?;
+            let got = sketch.take(0)?.ok_or_else(|| {
+                BackendError::Device("queued sketch scores not found for their layer".into())
+            })?;
+            compare(&got, &host(&q))?;
+            sketch.queue(&store, &kv, 0, &q, scale, how, blocks)?;
+            if sketch.take(1)?.is_some() || sketch.take(0)?.is_some() {
+                return Err(BackendError::Device(
+                    "queued sketch scores taken for another layer, or twice".into(),
+                ));
             }
+        } else {
+            let got = sketch.scores(&store, &kv, 0, &q, scale, how, blocks)?;
+            compare(&got, &host(&q))?;
         }
     }
     store.give_back(sketch.take_slots());

@@ -13,9 +13,11 @@ use attention::sketch::{nibble_bytes, sketch_tokens, tokens_per_slot};
 use attention::{BlockGeometry, GroupScore, KvSource};
 use rayon::prelude::*;
 
+use cudarc::driver::{result as drv, sys};
+
 use super::driver::Pinned;
 use super::store::CudaKvStore;
-use super::{DevBuf, f32_bytes, htod};
+use super::{DevBuf, dev_err, f32_bytes, htod};
 use crate::backend::BackendError;
 
 /// Blocks one `sketch_lse` CUDA block scores (one per warp: the kernels' `SKETCH_WARPS`).
@@ -109,6 +111,31 @@ pub(super) struct SeqSketch {
     staging: Pinned,
     /// Where the staged query lands.
     q: DevBuf,
+    /// The scoring queued without a wait ([`SeqSketch::queue`]): its own staging, which the
+    /// stream reads until it reaches the call, and where its scores come back.
+    ahead: Ahead,
+}
+
+/// [`SeqSketch::queue`]'s buffers, its completion event and what it scored. The device
+/// buffers are shared with the waiting calls: the stream orders their uses.
+#[derive(Debug)]
+struct Ahead {
+    staging: Pinned,
+    back: Pinned,
+    done: Option<sys::CUevent>,
+    pending: Option<Queued>,
+}
+
+// SAFETY: a CUevent is a handle usable from any thread of the context; the buffers are
+// plain memory owned by this value.
+unsafe impl Send for Ahead {}
+
+/// A queued scoring: its layer and the shape of its scores, `[hk][blocks]`.
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    layer: usize,
+    hk: usize,
+    blocks: usize,
 }
 
 impl Default for SeqSketch {
@@ -119,6 +146,39 @@ impl Default for SeqSketch {
             scores: DevBuf::default(),
             staging: Pinned::empty(),
             q: DevBuf::default(),
+            ahead: Ahead {
+                staging: Pinned::empty(),
+                back: Pinned::empty(),
+                done: None,
+                pending: None,
+            },
+        }
+    }
+}
+
+impl Ahead {
+    /// Waits until the stream is past the queued call (its copies up have read the staging
+    /// and its scores are in `back`), and returns what it scored.
+    fn settle(&mut self) -> Result<Option<Queued>, BackendError> {
+        let Some(queued) = self.pending.take() else {
+            return Ok(None);
+        };
+        if let Some(e) = self.done {
+            // SAFETY: a live event, recorded after the call's copy back.
+            unsafe { drv::event::synchronize(e) }
+                .map_err(|e| dev_err("waiting for queued sketch scores", e))?;
+        }
+        Ok(Some(queued))
+    }
+}
+
+impl Drop for Ahead {
+    fn drop(&mut self) {
+        // The stream may still copy into `back` or read `staging`: both are freed after this.
+        let _ = self.settle();
+        if let Some(e) = self.done.take() {
+            // SAFETY: created by `event::create`, destroyed once.
+            let _ = unsafe { drv::event::destroy(e) };
         }
     }
 }
@@ -146,13 +206,14 @@ impl SeqSketch {
     /// Brings `layer`'s sketch up to `kv`'s tokens (pages taken as needed, the tokens not
     /// sketched yet quantized here and copied up) and returns its page table's address and
     /// width. `staged`: floats at the start of the staging buffer already holding this call's
-    /// query.
+    /// query; `ahead`: the queued call's staging, not the waiting calls'.
     fn fill(
         &mut self,
         store: &CudaKvStore,
         kv: &dyn KvSource,
         layer: usize,
         staged: usize,
+        ahead: bool,
     ) -> Result<(u64, usize), BackendError> {
         let geom = *store.geom();
         let sh = store.shared();
@@ -162,8 +223,12 @@ impl SeqSketch {
             self.layers.resize_with(layer + 1, Layer::default);
         }
         let Self {
-            layers, staging, ..
+            layers,
+            staging,
+            ahead: lane,
+            ..
         } = self;
+        let staging = if ahead { &mut lane.staging } else { staging };
         let l = &mut layers[layer];
         l.pages.resize_with(hk, Vec::new);
         let (from, to) = (l.done, kv.num_tokens());
@@ -269,6 +334,97 @@ impl SeqSketch {
         how: GroupScore,
         blocks: usize,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let (out, hk) = self.launch(store, kv, (layer, q, scale, how, blocks), false)?;
+        let mut host = vec![0f32; hk * blocks];
+        store.shared().read_back(&mut host, out)?;
+        Ok(host.chunks_exact(blocks).map(<[f32]>::to_vec).collect())
+    }
+
+    /// [`SeqSketch::scores`] queued without a wait: the scores come back into page-locked
+    /// memory behind an event, for [`SeqSketch::take`]. A call still held is dropped first.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn queue(
+        &mut self,
+        store: &CudaKvStore,
+        kv: &dyn KvSource,
+        layer: usize,
+        q: &[f32],
+        scale: f32,
+        how: GroupScore,
+        blocks: usize,
+    ) -> Result<(), BackendError> {
+        // Its staging is about to be written again.
+        self.ahead.settle()?;
+        let (out, hk) = self.launch(store, kv, (layer, q, scale, how, blocks), true)?;
+        let sh = store.shared();
+        let back = &mut self.ahead.back.get(hk * blocks)?[..hk * blocks];
+        // SAFETY: `out` holds hk x blocks floats (the launch above); `back` is page-locked,
+        // owned by this sketch and not read nor freed before the event below has passed
+        // (`take`, `settle`, and `Ahead`'s drop wait for it).
+        unsafe { drv::memcpy_dtoh_async(back, out, sh.stream.cu_stream()) }
+            .map_err(|e| dev_err("copying sketch scores back", e))?;
+        let ev = match self.ahead.done {
+            Some(e) => e,
+            None => {
+                let e = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|e| dev_err("creating an event", e))?;
+                self.ahead.done = Some(e);
+                e
+            }
+        };
+        // SAFETY: the event and the stream are live.
+        unsafe { drv::event::record(ev, sh.stream.cu_stream()) }
+            .map_err(|e| dev_err("recording queued sketch scores", e))?;
+        self.ahead.pending = Some(Queued { layer, hk, blocks });
+        Ok(())
+    }
+
+    /// The scores [`SeqSketch::queue`] queued for `layer`, waiting for them; `None` where none
+    /// are (a call of another layer is dropped).
+    pub(super) fn take(&mut self, layer: usize) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
+        match self.ahead.settle()? {
+            Some(Queued {
+                layer: l,
+                hk,
+                blocks,
+            }) if l == layer => {
+                let back = self.ahead.back.get(hk * blocks)?;
+                Ok(Some(
+                    back[..hk * blocks]
+                        .chunks_exact(blocks)
+                        .map(<[f32]>::to_vec)
+                        .collect(),
+                ))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Queues the sketch's fill and both kernels for blocks `0 .. blocks` of `layer` by `q`
+    /// (`ahead`: from the queued call's staging) and returns the scores' device address,
+    /// `[hk][blocks]`, and `hk`. On a failure the stream is waited for: a copy queued from the
+    /// staging must not read it once the next call writes it.
+    fn launch(
+        &mut self,
+        store: &CudaKvStore,
+        kv: &dyn KvSource,
+        call: (usize, &[f32], f32, GroupScore, usize),
+        ahead: bool,
+    ) -> Result<(u64, usize), BackendError> {
+        let r = self.launch_unsettled(store, kv, call, ahead);
+        if r.is_err() {
+            let _ = store.shared().stream.synchronize();
+        }
+        r
+    }
+
+    fn launch_unsettled(
+        &mut self,
+        store: &CudaKvStore,
+        kv: &dyn KvSource,
+        (layer, q, scale, how, blocks): (usize, &[f32], f32, GroupScore, usize),
+        ahead: bool,
+    ) -> Result<(u64, usize), BackendError> {
         let geom = *store.geom();
         let sh = store.shared();
         let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
@@ -293,11 +449,16 @@ impl SeqSketch {
         let pg = Pages::new(&geom);
         let most_pages = pg.for_tokens(kv.num_tokens()) + 1;
         let room = q.len() + hk * (run_words(&pg, STAGED_TOKENS) + 2 * most_pages);
-        let staged = &mut self.staging.get(room)?[..q.len()];
+        let staging = if ahead {
+            &mut self.ahead.staging
+        } else {
+            &mut self.staging
+        };
+        let staged = &mut staging.get(room)?[..q.len()];
         staged.copy_from_slice(q);
         let qp = self.q.ptr(&sh.stream, q.len() * 4)?;
         htod(qp, f32_bytes(staged), &sh.stream)?;
-        let (table, table_pages) = self.fill(store, kv, layer, q.len())?;
+        let (table, table_pages) = self.fill(store, kv, layer, q.len(), ahead)?;
         let lse = self.lse.ptr(&sh.stream, hk * blocks * group * 4)?;
         let out = self.scores.ptr(&sh.stream, hk * blocks * 4)?;
         let temp = scale * std::f32::consts::LOG2_E;
@@ -350,9 +511,7 @@ impl SeqSketch {
                 &[&lse, &blocks32, &g32, &how32, &out],
             )?;
         }
-        let mut host = vec![0f32; hk * blocks];
-        sh.read_back(&mut host, out)?;
-        Ok(host.chunks_exact(blocks).map(<[f32]>::to_vec).collect())
+        Ok((out, hk))
     }
 }
 

@@ -948,6 +948,31 @@ impl DeviceSeq for CudaSeq {
             .map(Some)
     }
 
+    fn queue_sketch_scores(
+        &mut self,
+        kv: &dyn KvSource,
+        layer: usize,
+        q: &[f32],
+        scale: f32,
+        how: GroupScore,
+        blocks: usize,
+    ) -> Result<bool, BackendError> {
+        let geom = self.store.geom;
+        let group = q.len() / (geom.num_kv_heads * geom.head_dim).max(1);
+        if !self.scores_on_device(group) || layer >= self.recall_events.len() {
+            return Ok(false);
+        }
+        let store = Arc::clone(&self.store);
+        self.sketch
+            .queue(&store, kv, layer, q, scale, how, blocks)
+            .map(|()| true)
+    }
+
+    fn take_sketch_scores(&mut self, layer: usize) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
+        self.store.shared.bind()?;
+        self.sketch.take(layer)
+    }
+
     fn recall(
         &mut self,
         kv: &dyn KvSource,
