@@ -112,9 +112,9 @@ pub(crate) struct BatchAttention<'a> {
     /// The layer and batch's predicted query handed over last, planned once the current
     /// layer's parts are under way.
     deferred: Option<(usize, Vec<f32>)>,
-    /// Per sequence, the layer whose predicted query its device is scoring without a wait
-    /// (`queue_ahead_scores`), for that layer's plan ahead to take.
-    queued: Vec<Option<usize>>,
+    /// Per sequence, what its device is scoring without a wait (`queue_scores`), for
+    /// `device_scores` to take.
+    queued: Vec<Option<Scoring>>,
     pub(crate) timing: AttnTiming,
     /// This step's guard checks, for the per-layer metrics.
     pub(crate) guard_checks: Vec<GuardCheck>,
@@ -124,6 +124,13 @@ pub(crate) struct BatchAttention<'a> {
     /// resident blocks when the plan was made (a recall after the layer changes them).
     #[cfg(test)]
     plan_log: Vec<PlanRecord>,
+}
+
+/// Block scores a device was asked for: a layer's, by its predicted query or the real one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Scoring {
+    layer: usize,
+    predicted: bool,
 }
 
 /// A sequence's layer as planned: its heads' plans and its CPU part, if any.
@@ -378,19 +385,19 @@ impl<'a> BatchAttention<'a> {
 
     /// Sequence `b`'s block scores of `layer` by `q`, computed on its device where the
     /// scorer is the sketch and the device keeps one (every block, as
-    /// `SeqAttention::block_scores` gives them); `None`: the host scores. `ahead`: `q` is the
-    /// predicted query handed over for `layer`, whose scores the device may have queued
-    /// already (`queue_ahead_scores`).
+    /// `SeqAttention::block_scores` gives them); `None`: the host scores. The ones its device
+    /// queued for this `(layer, predicted)` (`queue_scores`) where there are, else asked for
+    /// now (a wait).
     fn device_scores(
         &mut self,
         b: usize,
         layer: usize,
         q: &[f32],
-        ahead: bool,
+        predicted: bool,
     ) -> Option<Vec<Vec<f32>>> {
         let n = self.scored_blocks(b, layer)?;
         let (scale, how) = (self.shape.scale, self.cfg.group_score);
-        let queued = ahead && self.queued[b] == Some(layer);
+        let queued = self.queued[b] == Some(Scoring { layer, predicted });
         if queued {
             self.queued[b] = None;
         }
@@ -435,6 +442,38 @@ impl<'a> BatchAttention<'a> {
         (n > 1).then_some(n)
     }
 
+    /// Queues sequence `b`'s device scores of `layer` by `q` without a wait, for
+    /// `device_scores` to take (a device holds one such call; this one replaces any other).
+    /// Nothing where the host scores, or these are queued already.
+    fn queue_scores(&mut self, b: usize, layer: usize, q: &[f32], predicted: bool) {
+        let key = Scoring { layer, predicted };
+        if self.queued[b] == Some(key) {
+            return;
+        }
+        let Some(n) = self.scored_blocks(b, layer) else {
+            return;
+        };
+        let (scale, how) = (self.shape.scale, self.cfg.group_score);
+        let slot = &mut self.slots[b];
+        let Some(dev) = slot.dev.as_deref_mut() else {
+            return;
+        };
+        self.queued[b] = match dev.queue_sketch_scores(
+            slot.kv.as_ref(),
+            layer,
+            q,
+            scale,
+            how,
+            n - 1,
+        ) {
+            Ok(queued) => queued.then_some(key),
+            Err(e) => {
+                tracing::warn!(error = %e, layer, "queuing device sketch scores failed; they are asked for when planned");
+                None
+            }
+        };
+    }
+
     /// Queues on each device the scores of the layer whose predicted query arrived last, so
     /// they are back when that layer is planned ahead (`plan_ahead`, once this layer's second
     /// half is queued): called while the device would otherwise wait for the CPU part. Where
@@ -446,28 +485,29 @@ impl<'a> BatchAttention<'a> {
         };
         let t = Instant::now();
         let width = self.shape.num_heads * self.shape.head_dim;
-        let (scale, how) = (self.shape.scale, self.cfg.group_score);
-        for b in 0..self.slots.len() {
-            if self.queued[b] == Some(layer) {
-                continue;
-            }
-            let Some(n) = self.scored_blocks(b, layer) else {
-                continue;
-            };
-            let q = &q_pred[b * width..(b + 1) * width];
-            let slot = &mut self.slots[b];
-            let Some(dev) = slot.dev.as_deref_mut() else {
-                continue;
-            };
-            match dev.queue_sketch_scores(slot.kv.as_ref(), layer, q, scale, how, n - 1) {
-                Ok(queued) => self.queued[b] = queued.then_some(layer),
-                Err(e) => {
-                    tracing::warn!(error = %e, layer, "queuing device sketch scores failed; they are asked for when planned");
-                }
-            }
+        for (b, q) in q_pred.chunks_exact(width).enumerate() {
+            self.queue_scores(b, layer, q, true);
         }
         self.deferred = Some((layer, q_pred));
         self.timing.ahead += t.elapsed().as_secs_f64();
+    }
+
+    /// Queues every sequence's device scores of `layer` by its real query (`q`, the batch's
+    /// rows) where planning will ask for them: a fresh plan, or a plan made ahead whose device
+    /// part is reselected by the real query (or whose prediction is sampled). One wait, at
+    /// the first take, then covers the batch.
+    fn queue_real_scores(&mut self, layer: usize, q: &[f32]) {
+        let width = self.shape.num_heads * self.shape.head_dim;
+        for (b, qb) in q.chunks_exact(width).enumerate().take(self.slots.len()) {
+            let ahead = self.ahead[b].iter().any(|a| a.layer == layer);
+            let sampled = self.slots[b]
+                .seq
+                .step()
+                .is_multiple_of(PREDICTION_SAMPLE_STEPS);
+            if !ahead || sampled || self.cfg.guard.device_real_query {
+                self.queue_scores(b, layer, qb, false);
+            }
+        }
     }
 
     /// Sequence `b`'s `layer` as planned a layer ahead, where there is such a plan and the
@@ -543,20 +583,26 @@ impl<'a> BatchAttention<'a> {
     /// several, the sequences plan in parallel, each its own state: a batch's selections one
     /// after another were most of a sparse step on a GPU host (8 sequences of scout at 8k on
     /// an H200: 120 ms of a 137 ms step).
-    /// `ahead`: the queries are the predicted ones handed over for `layer`.
+    /// `predicted`: the queries are the predicted ones handed over for `layer`.
     fn plan_layers(
         &mut self,
         layer: usize,
         qs: &[Option<&[f32]>],
-        ahead: bool,
+        predicted: bool,
     ) -> Vec<Option<Vec<HeadPlan>>> {
         let (cfg, scale) = (self.cfg, self.shape.scale);
-        // Scores from the devices first (one launch and wait each, or the ones queued
-        // ahead), where they make them.
+        // Scores from the devices first, where they make them: every sequence's queued, then
+        // taken, so one wait covers the batch (a wait each made a batch of 8 at 8k on an
+        // H200 plan for 17.9 ms a step, session 28).
+        for (b, q) in qs.iter().enumerate() {
+            if let Some(q) = q {
+                self.queue_scores(b, layer, q, predicted);
+            }
+        }
         let scored: Vec<Option<Vec<Vec<f32>>>> = qs
             .iter()
             .enumerate()
-            .map(|(b, q)| q.and_then(|q| self.device_scores(b, layer, q, ahead)))
+            .map(|(b, q)| q.and_then(|q| self.device_scores(b, layer, q, predicted)))
             .collect();
         let work: Vec<Planning<'_>> = self
             .slots
@@ -730,6 +776,9 @@ impl DecodeAttention for BatchAttention<'_> {
                 &q[b * width..(b + 1) * width]
             }
         };
+        if !full {
+            self.queue_real_scores(layer, q);
+        }
         // Plans accepted from a layer ahead, then every other sequence's selection at once.
         let mut accepted = Vec::with_capacity(n);
         for b in 0..n {
@@ -849,6 +898,7 @@ impl DecodeAttention for BatchAttention<'_> {
             // A prediction for this very layer (the model hands them over a layer early).
             self.plan_ahead();
         }
+        self.queue_real_scores(layer, q);
         // Every sequence's plan and device part first: the device works through the queued
         // parts while the host plans the next sequence; the first collect below waits.
         let mut planned = Vec::with_capacity(self.slots.len());

@@ -1250,13 +1250,16 @@ fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
     }
 }
 
-/// A layer planned ahead by its predicted query (`--guard-predicted-cpu` makes a device that
-/// scores predict; a GPU node plans ahead by default, the test device is told to) takes the scores its device queued without a wait while it waited for
-/// the CPU part, and plans as with scores asked for then: the same tokens. With layers
-/// resident, where the queue is used, and through the host's layers, where it is not.
+/// Device scores queued without a wait (`DeviceSeq::queue_sketch_scores`) and taken when
+/// planned give the tokens of scores asked for one wait at a time: every scoring goes through
+/// the queue, as many as were asked for. Each sequence of the batch takes its own, with the
+/// real query (a GPU's default) and with a layer planned ahead by its predicted query
+/// (`--guard-predicted-cpu` makes a device that scores predict; a GPU node plans ahead by
+/// default, the test device is told to), whose scores are queued while the device waits for
+/// the CPU part. Through resident layers and the host's.
 #[test]
-fn a_layer_planned_ahead_takes_the_scores_queued_for_it() {
-    let flags = [
+fn device_scores_queued_for_the_batch_plan_as_scores_asked_for() {
+    let base = [
         "--attention",
         "scout",
         "--block-size",
@@ -1267,6 +1270,8 @@ fn a_layer_planned_ahead_takes_the_scores_queued_for_it() {
         "2",
         "--block-scorer",
         "sketch",
+    ];
+    let ahead = [
         "--guard-predicted-cpu",
         "--guard-real-query-layers",
         "0",
@@ -1276,34 +1281,35 @@ fn a_layer_planned_ahead_takes_the_scores_queued_for_it() {
     ];
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 9 + 70)).collect();
     let count = |c: &std::sync::atomic::AtomicUsize| c.load(std::sync::atomic::Ordering::Relaxed);
-    for resident in [true, false] {
-        let device = |queue: bool| {
-            Arc::new(TestDevice {
-                kv: true,
-                sketch: SketchSpy {
-                    on: true,
-                    queue,
-                    ..SketchSpy::default()
-                },
-                resident: resident.into(),
-                ..TestDevice::default()
-            })
-        };
-        let (asked, queuing) = (device(false), device(true));
-        let want = greedy_on(asked.clone(), &flags, &prompts, 6);
-        let got = greedy_on(queuing.clone(), &flags, &prompts, 6);
-        assert_eq!(got, want, "resident {resident}");
-        let (queued, taken) = (count(&queuing.sketch.queued), count(&queuing.sketch.taken));
-        let (scored, scored_asked) = (count(&queuing.sketch.scored), count(&asked.sketch.scored));
-        if resident {
-            // Every prediction of every step of every request (the tiny model's second
-            // layer, 5 steps, 3 requests) was queued and taken.
-            assert!(queued >= 3 * 5, "{queued} queued");
-            assert_eq!(taken, queued);
-            assert_eq!(scored + taken, scored_asked, "scorings asked for");
-        } else {
-            assert_eq!((queued, taken), (0, 0));
-            assert_eq!(scored, scored_asked);
+    for predict in [false, true] {
+        let mut flags = base.to_vec();
+        if predict {
+            flags.extend(ahead);
+        }
+        for resident in [true, false] {
+            let device = |queue: bool| {
+                Arc::new(TestDevice {
+                    kv: true,
+                    sketch: SketchSpy {
+                        on: true,
+                        queue,
+                        ..SketchSpy::default()
+                    },
+                    resident: resident.into(),
+                    ..TestDevice::default()
+                })
+            };
+            let (asked, queuing) = (device(false), device(true));
+            let want = greedy_on(asked.clone(), &flags, &prompts, 6);
+            let got = greedy_on(queuing.clone(), &flags, &prompts, 6);
+            let case = format!("predict {predict}, resident {resident}");
+            assert_eq!(got, want, "{case}");
+            let scorings = count(&asked.sketch.scored);
+            // Every sparse layer of every step of every request, at least.
+            assert!(scorings >= 3 * 5, "{case}: {scorings} scorings");
+            assert_eq!(count(&queuing.sketch.scored), 0, "{case}: waited for");
+            assert_eq!(count(&queuing.sketch.queued), scorings, "{case}: queued");
+            assert_eq!(count(&queuing.sketch.taken), scorings, "{case}: taken");
         }
     }
 }
