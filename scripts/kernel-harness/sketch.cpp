@@ -3,6 +3,7 @@
 // dims 64 and 128, groups 1, 5 and 8, 16- and 32-token blocks, a partial last block, tokens
 // with scale 0, pages of a size that no block divides, scattered and in no order, with room
 // past the tokens, two KV heads, group max and sum. Exit status 1 beyond float rounding.
+// Also `scatter_runs`, which puts a step's new sketch rows in their pages.
 #include "simt.h"
 #include "../../attention/src/cuda/kernels.cu"
 #include <cstdio>
@@ -82,7 +83,38 @@ static void check(int hk, int D, int G, int bs, int n, int page_tokens, int how)
            n, page_tokens, how == 0 ? "max" : "sum", worst);
 }
 
+// `scatter_runs`: runs of 0 to 300 bytes (a token's scale, its nibble row, a page table) from
+// one staged buffer to places in their own allocations, each written exactly, nothing around
+// it touched.
+static void check_scatter() {
+    const int n = 40;
+    std::vector<unsigned char> staged;
+    std::vector<unsigned long long> runs(3 * n);
+    std::vector<std::vector<unsigned char>> dst(n);
+    for (int i = 0; i < n; i++) {
+        const int len = i == 7 ? 0 : (i % 3 == 0 ? 4 : (int)(rng() % 300) + 1);
+        runs[3 * i] = staged.size();
+        for (int b = 0; b < len; b++) staged.push_back((unsigned char)(rng() & 0xff));
+        dst[i].assign(len + 32, 0xA5);
+        runs[3 * i + 1] = (unsigned long long)(dst[i].data() + 16);
+        runs[3 * i + 2] = len;
+    }
+    launch({(unsigned)n, 1, 1}, 128, [&] { scatter_runs(staged.data(), runs.data(), n); });
+    int wrong = 0;
+    for (int i = 0; i < n; i++) {
+        const int len = (int)runs[3 * i + 2];
+        for (int b = 0; b < len + 32; b++) {
+            const bool inside = b >= 16 && b < 16 + len;
+            const unsigned char want = inside ? staged[runs[3 * i] + b - 16] : 0xA5;
+            wrong += dst[i][b] != want;
+        }
+    }
+    if (wrong) bad++;
+    printf("%s scatter_runs n=%d: %d wrong bytes\n", wrong ? "FAIL" : "PASS", n, wrong);
+}
+
 int main() {
+    check_scatter();
     check(2, 128, 5, 32, 32 * 9 + 7, 240, 0);
     check(1, 64, 3, 16, 16 * 5 + 1, 27, 1);
     check(2, 64, 8, 32, 32 * 4, 128, 0);

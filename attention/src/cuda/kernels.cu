@@ -911,6 +911,19 @@ extern "C" __global__ void gather_copy(const unsigned long long* src, const unsi
     for (long long w = threadIdx.x; w < words; w += blockDim.x) d[w] = s[w];
 }
 
+// Writes n byte runs of `staged` (one upload) to their places: run i is `runs[3i]` bytes on
+// from staged's start, to device address `runs[3i + 1]`, `runs[3i + 2]` bytes long. One CUDA
+// block per run. A step's new sketch rows and scales are a few bytes per KV head, each in a
+// page of its own: one upload and this launch replace two copies per head.
+extern "C" __global__ void scatter_runs(const unsigned char* staged, const unsigned long long* runs, int n) {
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    const unsigned char* s = staged + runs[3 * i];
+    unsigned char* d = (unsigned char*)runs[3 * i + 1];
+    const long long bytes = (long long)runs[3 * i + 2];
+    for (long long b = threadIdx.x; b < bytes; b += blockDim.x) d[b] = s[b];
+}
+
 // Copies tokens [from[i], to[i]) of n head blocks from src[i] (the mapped host pool) to dst[i]
 // (arena slots that hold the tokens before them): the K^T column of each token, its V row and,
 // for an 8-bit dtype, its two scales. One CUDA block per head block. The newest block of a

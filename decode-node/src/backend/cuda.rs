@@ -146,6 +146,7 @@ impl CudaBackend {
             silu_mul_stacked_half: f("silu_mul_stacked_half")?,
             sketch_lse: f("sketch_lse")?,
             sketch_shares: f("sketch_shares")?,
+            scatter_runs: f("scatter_runs")?,
             warps: Kernels::warps_names()
                 .map(|n| f(&n))
                 .collect::<Result<_, _>>()?,

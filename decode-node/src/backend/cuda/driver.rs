@@ -180,6 +180,7 @@ pub(crate) struct Kernels {
     pub(crate) silu_mul_stacked_half: CudaFunction,
     pub(crate) sketch_lse: CudaFunction,
     pub(crate) sketch_shares: CudaFunction,
+    pub(crate) scatter_runs: CudaFunction,
     /// `attend_warps_g{G}_d{D}`: [`Kernels::warps`] picks one.
     pub(crate) warps: Vec<CudaFunction>,
     /// `gemv_b{B}`, B = 1 ..= [`GEMV_MAX_BATCH`], in order.
@@ -469,6 +470,14 @@ impl Pinned {
         }
         // SAFETY: `ptr` holds `len >= n` floats owned by us; f32 accepts any bit pattern.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, n) })
+    }
+
+    /// At least `n` bytes (contents undefined until written).
+    pub(crate) fn bytes(&mut self, n: usize) -> Result<&mut [u8], BackendError> {
+        let floats = self.get(n.div_ceil(4))?;
+        // SAFETY: the floats' memory, `4 * len >= n` bytes; u8 has no alignment or validity
+        // requirement.
+        Ok(unsafe { std::slice::from_raw_parts_mut(floats.as_mut_ptr().cast::<u8>(), n) })
     }
 
     fn release(&mut self) {

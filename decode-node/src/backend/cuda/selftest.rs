@@ -1004,9 +1004,10 @@ fn three_heads(dtype: KvDType, head_dim: usize, block_size: usize) -> BlockGeome
 const SKETCH_TOLERANCE: f64 = 1e-5;
 
 /// The device's sketch scores (`--block-scorer sketch`) against `attention::sketch` on the
-/// host, over three calls on one sequence: its prompt (the first fill, many pages), one token
-/// more (a staged fill, queued without a wait: `SeqSketch::queue`, a waiting call in
-/// between) and 700 more (new pages, the page table grown). Group max and sum.
+/// host, over three calls on one sequence: its prompt (the first fill, many pages), 31 tokens
+/// more (a staged fill, one upload and `scatter_runs`, that takes a page and grows the page
+/// table; queued without a wait: `SeqSketch::queue`, a waiting call in between) and 700 more
+/// (copied straight up). Group max and sum.
 /// Then an arena too small for the sketch: the call fails as device-full, nothing copied.
 fn check_sketch(
     sh: &Arc<Shared>,
@@ -1020,7 +1021,11 @@ fn check_sketch(
     let mut r = SplitMix(44);
     let geom = three_heads(dt, d, block_size);
     let hk = geom.num_kv_heads;
-    let last = block_size * 120 + 9 + 1 + 700;
+    // The prompt ends 30 tokens before a sketch page does; the next call's 31 tokens (a
+    // staged fill) take a page and grow the page table.
+    let page = super::sketch::Pages::new(&geom).tokens;
+    let prompt = (block_size * 120).div_ceil(page) * page - 30;
+    let last = prompt + 31 + 700;
     let mut kv = mem_kv(&mut r, &geom, last);
     let scale = 1.0 / (d as f32).sqrt();
     let err = |e: kv_transfer::Error| BackendError::Device(e.to_string());
@@ -1028,7 +1033,7 @@ fn check_sketch(
     let store = super::store::CudaKvStore::new(Arc::clone(sh), geom, 64 << 20, &pool)?;
     let mut sketch = super::sketch::SeqSketch::default();
     let mut worst = 0f64;
-    for (round, n) in [block_size * 120 + 9, block_size * 120 + 10, last]
+    for (round, n) in [prompt, prompt + 31, last]
         .into_iter()
         .enumerate()
     {

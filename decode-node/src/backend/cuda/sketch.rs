@@ -25,9 +25,10 @@ const SKETCH_WARPS: usize = 4;
 /// Tokens sketched per host task when a layer is filled: big enough to amortise a task,
 /// small enough that a long prompt's layer spreads over every core.
 const FILL_TOKENS: usize = 2048;
-/// Fills up to this many tokens a head go up through page-locked staging, so the copy
-/// does not wait for the stream's queued work (a copy from pageable memory may); a longer
-/// fill (a prompt) is a one-off and goes straight from the host buffers.
+/// Fills up to this many tokens a head go up through page-locked staging, in the call's one
+/// upload (then `scatter_runs`), so the copy does not wait for the stream's queued work (a
+/// copy from pageable memory may); a longer fill (a prompt) is a one-off and goes straight
+/// from the host buffers.
 const STAGED_TOKENS: usize = 64;
 
 /// Where a KV head's sketch rows sit in its pages.
@@ -106,11 +107,11 @@ pub(super) struct SeqSketch {
     lse: DevBuf,
     scores: DevBuf,
     /// The query, then a short fill's rows and scales and a grown page table, on their way
-    /// up. Reused once the last call's copy back (which follows every copy up in stream
-    /// order) has finished.
+    /// up in one copy. Reused once the last call's copy back (which follows every copy up in
+    /// stream order) has finished.
     staging: Pinned,
-    /// Where the staged query lands.
-    q: DevBuf,
+    /// Where the staging lands: the query, then a short fill's runs and their bytes.
+    up: DevBuf,
     /// The scoring queued without a wait ([`SeqSketch::queue`]): its own staging, which the
     /// stream reads until it reaches the call, and where its scores come back.
     ahead: Ahead,
@@ -145,7 +146,7 @@ impl Default for SeqSketch {
             lse: DevBuf::default(),
             scores: DevBuf::default(),
             staging: Pinned::empty(),
-            q: DevBuf::default(),
+            up: DevBuf::default(),
             ahead: Ahead {
                 staging: Pinned::empty(),
                 back: Pinned::empty(),
@@ -183,15 +184,25 @@ impl Drop for Ahead {
     }
 }
 
+/// A short fill's copies, for one upload and one `scatter_runs`: each run's offset in
+/// `data`, destination address and length.
+#[derive(Debug, Default)]
+struct Staged {
+    data: Vec<u8>,
+    runs: Vec<[u64; 3]>,
+}
+
+impl Staged {
+    fn push(&mut self, dst: u64, bytes: &[u8]) {
+        self.runs
+            .push([self.data.len() as u64, dst, bytes.len() as u64]);
+        self.data.extend_from_slice(bytes);
+    }
+}
+
 /// True when the sketch kernels take this shape.
 pub(super) fn supported(geom: &BlockGeometry, group: usize) -> bool {
     crate::backend::sketch_fits(geom.head_dim, group)
-}
-
-/// Floats of staging a run of `len` tokens takes (its rows are whole f32 words: head_dim is
-/// a multiple of 32).
-fn run_words(p: &Pages, len: usize) -> usize {
-    len * (p.row / 4 + 1)
 }
 
 impl SeqSketch {
@@ -204,16 +215,15 @@ impl SeqSketch {
     }
 
     /// Brings `layer`'s sketch up to `kv`'s tokens (pages taken as needed, the tokens not
-    /// sketched yet quantized here and copied up) and returns its page table's address and
-    /// width. `staged`: floats at the start of the staging buffer already holding this call's
-    /// query; `ahead`: the queued call's staging, not the waiting calls'.
+    /// sketched yet quantized here) and returns its page table's address and width. A short
+    /// fill's rows and scales, and a grown page table with them, are left in `staged` for
+    /// the call's one upload; a long one (a prompt) is copied up from here at once.
     fn fill(
         &mut self,
         store: &CudaKvStore,
         kv: &dyn KvSource,
         layer: usize,
-        staged: usize,
-        ahead: bool,
+        staged: &mut Staged,
     ) -> Result<(u64, usize), BackendError> {
         let geom = *store.geom();
         let sh = store.shared();
@@ -222,14 +232,7 @@ impl SeqSketch {
         if self.layers.len() <= layer {
             self.layers.resize_with(layer + 1, Layer::default);
         }
-        let Self {
-            layers,
-            staging,
-            ahead: lane,
-            ..
-        } = self;
-        let staging = if ahead { &mut lane.staging } else { staging };
-        let l = &mut layers[layer];
+        let l = &mut self.layers[layer];
         l.pages.resize_with(hk, Vec::new);
         let (from, to) = (l.done, kv.num_tokens());
         // Pages first: a full arena fails the call before anything is copied.
@@ -244,49 +247,38 @@ impl SeqSketch {
         let table_pages = want.max(l.table_pages);
         let table_at = l.table.ptr(&sh.stream, (hk * table_pages).max(1) * 8)?;
         if from < to {
-            // Every head's new tokens, quantized in pieces on the host in parallel.
+            let small = to - from <= STAGED_TOKENS;
+            // Every head's new tokens, quantized in pieces; a prompt's on every core, a
+            // step's token here (a parallel region costs more than its eight rows).
             let pieces: Vec<(usize, usize)> = (0..hk)
                 .flat_map(|h| (from..to).step_by(FILL_TOKENS).map(move |t| (h, t)))
                 .collect();
-            let made: Vec<(usize, usize, Vec<u8>, Vec<f32>)> = pieces
-                .into_par_iter()
-                .map(|(h, t)| {
-                    let end = (t + FILL_TOKENS).min(to);
-                    let mut nib = vec![0u8; (end - t) * pg.row];
-                    let mut scales = vec![0f32; end - t];
-                    sketch_tokens(&geom, kv, layer, h, t, end, &mut nib, &mut scales);
-                    (h, t, nib, scales)
-                })
-                .collect();
-            let small = to - from <= STAGED_TOKENS;
-            let mut at = staged;
+            let quantize = |(h, t): (usize, usize)| {
+                let end = (t + FILL_TOKENS).min(to);
+                let mut nib = vec![0u8; (end - t) * pg.row];
+                let mut scales = vec![0f32; end - t];
+                sketch_tokens(&geom, kv, layer, h, t, end, &mut nib, &mut scales);
+                (h, t, nib, scales)
+            };
+            let made: Vec<(usize, usize, Vec<u8>, Vec<f32>)> = if small {
+                pieces.into_iter().map(quantize).collect()
+            } else {
+                pieces.into_par_iter().map(quantize).collect()
+            };
             for (h, t0, nib, scales) in &made {
                 for run in pg.runs(*t0, t0 + scales.len()) {
                     let page = store.slot_addr(l.pages[*h][run.page]);
                     let i = run.token - t0;
                     let rows = &nib[i * pg.row..(i + run.len) * pg.row];
-                    let sc = &scales[i..i + run.len];
+                    let sc = f32_bytes(&scales[i..i + run.len]);
+                    let (rows_at, scales_at) =
+                        (page + run.rows_at as u64, page + run.scales_at as u64);
                     if small {
-                        let stage = staging.get(at + run_words(&pg, run.len))?;
-                        let w = rows.len() / 4;
-                        for (dst, src) in stage[at..at + w].iter_mut().zip(rows.chunks_exact(4)) {
-                            *dst = f32::from_ne_bytes([src[0], src[1], src[2], src[3]]);
-                        }
-                        stage[at + w..at + w + sc.len()].copy_from_slice(sc);
-                        htod(
-                            page + run.rows_at as u64,
-                            f32_bytes(&stage[at..at + w]),
-                            &sh.stream,
-                        )?;
-                        htod(
-                            page + run.scales_at as u64,
-                            f32_bytes(&stage[at + w..at + w + sc.len()]),
-                            &sh.stream,
-                        )?;
-                        at += w + sc.len();
+                        staged.push(rows_at, rows);
+                        staged.push(scales_at, sc);
                     } else {
-                        htod(page + run.rows_at as u64, rows, &sh.stream)?;
-                        htod(page + run.scales_at as u64, f32_bytes(sc), &sh.stream)?;
+                        htod(rows_at, rows, &sh.stream)?;
+                        htod(scales_at, sc, &sh.stream)?;
                     }
                 }
             }
@@ -304,12 +296,7 @@ impl SeqSketch {
                     .flat_map(u64::to_ne_bytes)
                     .collect();
                 if small {
-                    let words = bytes.len() / 4;
-                    let stage = staging.get(at + words)?;
-                    for (dst, src) in stage[at..at + words].iter_mut().zip(bytes.chunks_exact(4)) {
-                        *dst = f32::from_ne_bytes([src[0], src[1], src[2], src[3]]);
-                    }
-                    htod(table_at, f32_bytes(&stage[at..at + words]), &sh.stream)?;
+                    staged.push(table_at, &bytes);
                 } else {
                     htod(table_at, &bytes, &sh.stream)?;
                 }
@@ -444,21 +431,44 @@ impl SeqSketch {
         }
         sh.bind()?;
         sh.idle.busy();
-        // Room for the query, the longest staged fill and its page table at once: growing
-        // the buffer later would free memory a queued copy still reads.
-        let pg = Pages::new(&geom);
-        let most_pages = pg.for_tokens(kv.num_tokens()) + 1;
-        let room = q.len() + hk * (run_words(&pg, STAGED_TOKENS) + 2 * most_pages);
+        let mut staged = Staged::default();
+        let (table, table_pages) = self.fill(store, kv, layer, &mut staged)?;
+        // One upload: the query, then the table of the fill's runs, then their bytes.
+        let q_bytes = (q.len() * 4).next_multiple_of(8);
+        let runs_at = q_bytes;
+        let data_at = runs_at + staged.runs.len() * 24;
+        let total = data_at + staged.data.len();
         let staging = if ahead {
             &mut self.ahead.staging
         } else {
             &mut self.staging
         };
-        let staged = &mut staging.get(room)?[..q.len()];
-        staged.copy_from_slice(q);
-        let qp = self.q.ptr(&sh.stream, q.len() * 4)?;
-        htod(qp, f32_bytes(staged), &sh.stream)?;
-        let (table, table_pages) = self.fill(store, kv, layer, q.len(), ahead)?;
+        let up = staging.bytes(total)?;
+        up[..q.len() * 4].copy_from_slice(f32_bytes(q));
+        for (dst, run) in up[runs_at..data_at].chunks_exact_mut(24).zip(&staged.runs) {
+            for (d, w) in dst.chunks_exact_mut(8).zip(run) {
+                d.copy_from_slice(&w.to_ne_bytes());
+            }
+        }
+        up[data_at..].copy_from_slice(&staged.data);
+        let qp = self.up.ptr(&sh.stream, total)?;
+        htod(qp, up, &sh.stream)?;
+        if !staged.runs.is_empty() {
+            let n_runs = i32::try_from(staged.runs.len())
+                .map_err(|_| BackendError::Unsupported("sketch fill runs".into()))?;
+            let (data, runs) = (qp + data_at as u64, qp + runs_at as u64);
+            // SAFETY: the upload above holds the run table at `runs` and their bytes at
+            // `data`; each run's destination is a page or page table of this sketch with room
+            // for its bytes (`fill`).
+            unsafe {
+                sh.launch(
+                    &sh.k.scatter_runs,
+                    (n_runs as u32, 1),
+                    128,
+                    &[&data, &runs, &n_runs],
+                )?;
+            }
+        }
         let lse = self.lse.ptr(&sh.stream, hk * blocks * group * 4)?;
         let out = self.scores.ptr(&sh.stream, hk * blocks * 4)?;
         let temp = scale * std::f32::consts::LOG2_E;
@@ -473,7 +483,7 @@ impl SeqSketch {
         let (g32, d32) = (as_i32(group, "group")?, as_i32(d, "head_dim")?);
         let (pages32, page_tokens32) = (
             as_i32(table_pages, "sketch pages")?,
-            as_i32(pg.tokens, "tokens per sketch page")?,
+            as_i32(Pages::new(&geom).tokens, "tokens per sketch page")?,
         );
         let how32: i32 = match how {
             GroupScore::Max => 0,
