@@ -25,6 +25,9 @@ pub const ENTRY_POINTS: &[&str] = &[
     "silu_mul_stacked_half",
     "sketch_lse",
     "sketch_shares",
+    "scatter_runs",
+    "row_max_parts",
+    "row_sum_parts",
     "attend_warps_g1_d64",
     "attend_warps_g2_d64",
     "attend_warps_g3_d64",
@@ -75,5 +78,11 @@ pub const SAMPLE_OUT_WORDS: usize = 4 + 2 * SAMPLE_TOP;
 pub const SAMPLE_TOP: usize = 20;
 /// Threads of one `sample_rows` block (its reductions assume this power of two).
 pub const SAMPLE_THREADS: u32 = 1024;
+/// Logits of a row one `row_max_parts`/`row_sum_parts` CUDA block takes: a row's first two
+/// passes spread over the device, where one `sample_rows` block made them alone.
+pub const PART_LOGITS: usize = 4096;
+/// Threads of one `row_max_parts`/`row_sum_parts` block (their reductions assume a power of
+/// two).
+pub const PART_THREADS: u32 = 256;
 /// Threads of one `rms_norm`/`rms_norm_half` block, a row's (the most the kernels take).
 pub const NORM_THREADS: u32 = 1024;

@@ -3,7 +3,10 @@
 // first in the total order, the lower id on ties), top-k, top-p, the draw's walk, and the
 // log-probabilities. Every pick and every reported number must be bit-equal (one thread sums
 // in the reference's order), and a row may be left to the host only where the head of
-// SAMPLE_HEAD tokens cannot decide it. Exit status 1 on any difference.
+// SAMPLE_HEAD tokens cannot decide it. Then again with the row's first two passes made by
+// `row_max_parts` and `row_sum_parts` (a slice of PART_LOGITS logits each, as on the device):
+// the same picks and the same rows left, log-probabilities within two f32 ulps (their f64 sums
+// add slice by slice). Exit status 1 on any difference.
 #include "shim.h"
 #include "../../attention/src/cuda/kernels.cu"
 #include <cstdio>
@@ -70,13 +73,35 @@ static Want reference(const std::vector<float>& x, float temp, unsigned top_k, f
     return out;
 }
 
+// `sample_rows` after `row_max_parts` and `row_sum_parts`, every part run as its own block.
+static void sample_by_parts(const std::vector<float>& x, const unsigned* spec, unsigned* out) {
+    const int n = (int)x.size(), np = (n + PART_LOGITS - 1) / PART_LOGITS;
+    std::vector<unsigned> parts(3 * (size_t)np);
+    std::vector<double> sums(2 * (size_t)np);
+    blockIdx.y = 0;
+    for (int p = 0; p < np; p++) {
+        blockIdx.x = p;
+        row_max_parts(x.data(), n, np, parts.data());
+    }
+    for (int p = 0; p < np; p++) {
+        blockIdx.x = p;
+        row_sum_parts(x.data(), spec, n, parts.data(), np, sums.data());
+    }
+    blockIdx.x = 0;
+    sample_rows(x.data(), spec, out, n, parts.data(), sums.data(), np);
+}
+
+static bool near(float a, float b) {
+    return a == b || fabsf(a - b) <= 2.f * 1.1920929e-7f * std::max(fabsf(a), fabsf(b));
+}
+
 int main() {
     std::mt19937_64 g(7);
     auto uniform = [&]() { return (g() >> 11) * (1.0 / 9007199254740992.0); };
-    int picked = 0, left = 0, bad = 0;
+    int picked = 0, left = 0, bad = 0, parts_wrong = 0;
     const int cases = 20000;
     for (int c = 0; c < cases; c++) {
-        size_t n = 1 + g() % (c % 10 == 0 ? 5000 : 700);
+        size_t n = 1 + g() % (c % 100 == 0 ? 40000 : c % 10 == 0 ? 5000 : 700);
         float spread = 0.1f + (g() % 3000) / 100.f;
         bool coarse = g() % 3 == 0;  // many ties
         std::vector<float> x(n);
@@ -92,8 +117,24 @@ int main() {
         memcpy(&rb, &r, 8);
         unsigned spec[SAMPLE_SPEC_WORDS] = {__float_as_uint(temp), top_k, __float_as_uint(top_p), ntop,
                                             (unsigned)rb, (unsigned)(rb >> 32)};
-        unsigned out[SAMPLE_OUT_WORDS] = {0};
-        sample_rows(x.data(), spec, out, (int)n);
+        unsigned out[SAMPLE_OUT_WORDS] = {0}, by_parts[SAMPLE_OUT_WORDS] = {0};
+        sample_rows(x.data(), spec, out, (int)n, nullptr, nullptr, 0);
+        sample_by_parts(x, spec, by_parts);
+        bool same = by_parts[0] == out[0];
+        if (same && out[0] == 0) {
+            same = by_parts[1] == out[1] && near(__uint_as_float(by_parts[2]), __uint_as_float(out[2])) &&
+                   by_parts[3] == out[3];
+            for (unsigned j = 0; same && j < out[3]; j++)
+                same = by_parts[4 + 2 * j] == out[4 + 2 * j] &&
+                       near(__uint_as_float(by_parts[5 + 2 * j]), __uint_as_float(out[5 + 2 * j]));
+        }
+        if (!same) {
+            parts_wrong++;
+            if (++bad < 10)
+                printf("by parts differs: n=%zu T=%g k=%u p=%g top=%u: status %u vs %u, token %u vs %u, logprob %g vs %g\n",
+                       n, temp, top_k, top_p, ntop, by_parts[0], out[0], by_parts[1], out[1],
+                       __uint_as_float(by_parts[2]), __uint_as_float(out[2]));
+        }
         bool finite = true;
         for (float v : x) finite = finite && std::isfinite(v);
         size_t keep = top_k > 0 ? std::min((size_t)top_k, n) : n;
@@ -113,6 +154,7 @@ int main() {
             printf("differs: n=%zu T=%g k=%u p=%g top=%u: token %u vs %d, logprob %g vs %g\n", n, temp, top_k,
                    top_p, ntop, out[1], w.tok, __uint_as_float(out[2]), w.lp);
     }
-    printf("sample_rows: %d rows, %d picked, %d left to the host, %d wrong\n", cases, picked, left, bad);
+    printf("sample_rows: %d rows, %d picked, %d left to the host, %d wrong (%d by parts)\n", cases, picked, left,
+           bad, parts_wrong);
     return bad != 0;
 }

@@ -997,8 +997,107 @@ __device__ __forceinline__ unsigned int sample_id(unsigned long long key) {
     return 0xffffffffu - (unsigned int)(key & 0xffffffffull);
 }
 
+// A row's first two passes for `sample_rows`, spread over the device: one CUDA block of
+// PART_THREADS per PART_LOGITS logits of a row (blockIdx.x) and row (blockIdx.y). One block a
+// row made them alone: 1024 threads, and 148 f64 exponentials each, for a greedy row of 152k.
+//
+// Pass 1: the slice's largest logit, its first id, and whether the slice holds a non-finite
+// logit, into parts[row][part][3].
+#define PART_THREADS 256
+#define PART_LOGITS 4096
+
+// Keeps (v, i) in (bv, bi) where it comes first: the larger logit, the lower id on ties; an
+// id of 0xffffffff is no entry.
+__device__ __forceinline__ void keep_best(float& bv, unsigned int& bi, float v, unsigned int i) {
+    if (i != 0xffffffffu && (bi == 0xffffffffu || v > bv || (v == bv && i < bi))) {
+        bv = v;
+        bi = i;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PART_THREADS)
+    row_max_parts(const float* logits, int vocab, int nparts, unsigned int* parts) {
+    __shared__ float best_v[PART_THREADS];
+    __shared__ unsigned int best_i[PART_THREADS];
+    __shared__ int bad;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const unsigned int n = (unsigned int)vocab;
+    const float* x = logits + (long long)blockIdx.y * vocab;
+    const unsigned int from = blockIdx.x * (unsigned int)PART_LOGITS;
+    const unsigned int to = min(from + (unsigned int)PART_LOGITS, n);
+    if (tid == 0) bad = 0;
+    __syncthreads();
+    float bv = NEG_INF;
+    unsigned int bi = 0xffffffffu;
+    for (unsigned int i = from + tid; i < to; i += nt) {
+        float v = x[i];
+        if (!finite_f32(v)) bad = 1;
+        if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }
+    }
+    best_v[tid] = bv;
+    best_i[tid] = bi;
+    __syncthreads();
+    for (int s = nt / 2; s > 0; s >>= 1) {
+        if (tid < s) keep_best(best_v[tid], best_i[tid], best_v[tid + s], best_i[tid + s]);
+        __syncthreads();
+    }
+    if (tid == 0) {
+        unsigned int* o = parts + ((long long)blockIdx.y * nparts + blockIdx.x) * 3;
+        o[0] = __float_as_uint(best_v[0]);
+        o[1] = best_i[0];
+        o[2] = bad;
+    }
+}
+
+// Pass 2: with the row's largest logit m (from every part of pass 1), the slice's sums of
+// exp(x - m) and, for a tempered row, exp((x - m) / T), in f64, into sums[row][part][2]. A
+// row holding a non-finite logit is left to the host: nothing summed.
+extern "C" __global__ void __launch_bounds__(PART_THREADS)
+    row_sum_parts(const float* logits, const unsigned int* spec, int vocab, const unsigned int* parts, int nparts,
+                  double* sums) {
+    __shared__ double sum_e[PART_THREADS];
+    __shared__ double sum_t[PART_THREADS];
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const unsigned int n = (unsigned int)vocab;
+    const long long row = blockIdx.y;
+    const float* x = logits + row * vocab;
+    const unsigned int* pp = parts + row * nparts * 3;
+    const float temp = __uint_as_float(spec[row * SAMPLE_SPEC_WORDS]);
+    const bool tempered = temp > 0.f && finite_f32(temp);
+    float m = NEG_INF;
+    int bad = 0;
+    for (int p = 0; p < nparts; p++) {
+        m = fmaxf(m, __uint_as_float(pp[3 * p]));
+        bad |= (int)pp[3 * p + 2];
+    }
+    const unsigned int from = blockIdx.x * (unsigned int)PART_LOGITS;
+    const unsigned int to = bad ? from : min(from + (unsigned int)PART_LOGITS, n);
+    double se = 0.0, st = 0.0;
+    for (unsigned int i = from + tid; i < to; i += nt) {
+        float v = x[i];
+        se += exp((double)(v - m));
+        if (tempered) st += exp((double)((v - m) / temp));
+    }
+    sum_e[tid] = se;
+    sum_t[tid] = st;
+    __syncthreads();
+    for (int s = nt / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            sum_e[tid] += sum_e[tid + s];
+            sum_t[tid] += sum_t[tid + s];
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        double* o = sums + (row * nparts + blockIdx.x) * 2;
+        o[0] = sum_e[0];
+        o[1] = sum_t[0];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_rows(const float* logits, const unsigned int* spec, unsigned int* out, int vocab) {
+    sample_rows(const float* logits, const unsigned int* spec, unsigned int* out, int vocab,
+                const unsigned int* parts, const double* part_sums, int nparts) {
     __shared__ float best_v[SAMPLE_THREADS];
     __shared__ unsigned int best_i[SAMPLE_THREADS];
     __shared__ double sum_e[SAMPLE_THREADS];
@@ -1027,24 +1126,25 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __syncthreads();
     float bv = NEG_INF;
     unsigned int bi = 0xffffffffu;
-    for (unsigned int i = tid; i < n; i += nt) {
-        float v = x[i];
-        if (!finite_f32(v)) bad = 1;
-        if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }
+    if (nparts > 0) {
+        // From `row_max_parts`.
+        const unsigned int* pp = parts + (long long)blockIdx.x * nparts * 3;
+        for (int p = tid; p < nparts; p += nt) {
+            if (pp[3 * p + 2]) bad = 1;
+            keep_best(bv, bi, __uint_as_float(pp[3 * p]), pp[3 * p + 1]);
+        }
+    } else {
+        for (unsigned int i = tid; i < n; i += nt) {
+            float v = x[i];
+            if (!finite_f32(v)) bad = 1;
+            if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }
+        }
     }
     best_v[tid] = bv;
     best_i[tid] = bi;
     __syncthreads();
     for (int s = nt / 2; s > 0; s >>= 1) {
-        if (tid < s) {
-            float v = best_v[tid + s];
-            unsigned int i = best_i[tid + s];
-            if (i != 0xffffffffu && (best_i[tid] == 0xffffffffu || v > best_v[tid] ||
-                                     (v == best_v[tid] && i < best_i[tid]))) {
-                best_v[tid] = v;
-                best_i[tid] = i;
-            }
-        }
+        if (tid < s) keep_best(best_v[tid], best_i[tid], best_v[tid + s], best_i[tid + s]);
         __syncthreads();
     }
     if (bad || n == 0) {
@@ -1055,10 +1155,19 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 
     // sum exp(x - m) for the log-probabilities, sum exp((x - m) / T) for the draw.
     double se = 0.0, st = 0.0;
-    for (unsigned int i = tid; i < n; i += nt) {
-        float v = x[i];
-        se += exp((double)(v - m));
-        if (tempered) st += exp((double)((v - m) / temp));
+    if (nparts > 0) {
+        // From `row_sum_parts`.
+        const double* ps = part_sums + (long long)blockIdx.x * nparts * 2;
+        for (int p = tid; p < nparts; p += nt) {
+            se += ps[2 * p];
+            st += ps[2 * p + 1];
+        }
+    } else {
+        for (unsigned int i = tid; i < n; i += nt) {
+            float v = x[i];
+            se += exp((double)(v - m));
+            if (tempered) st += exp((double)((v - m) / temp));
+        }
     }
     sum_e[tid] = se;
     sum_t[tid] = st;

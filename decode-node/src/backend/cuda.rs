@@ -140,6 +140,8 @@ impl CudaBackend {
             gather_copy: f("gather_copy")?,
             copy_tokens: f("copy_tokens")?,
             sample_rows: f("sample_rows")?,
+            row_max_parts: f("row_max_parts")?,
+            row_sum_parts: f("row_sum_parts")?,
             qkv_finish: f("qkv_finish")?,
             merge_self: f("merge_self")?,
             rms_norm_half: f("rms_norm_half")?,
@@ -528,6 +530,33 @@ mod tests {
                 assert_eq!(compile_kernels_for(Some((99, 9))).unwrap(), ptx);
             }
         }
+    }
+
+    /// The value `#define name` gives in the kernels' source.
+    fn defined(name: &str) -> usize {
+        let line = attention::cuda::KERNELS_CU
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("no #define {name}"));
+        line.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("#define {name} {line}"))
+    }
+
+    #[test]
+    fn the_launch_constants_are_the_kernels() {
+        use attention::cuda::*;
+        assert_eq!(defined("SAMPLE_THREADS"), SAMPLE_THREADS as usize);
+        assert_eq!(defined("SAMPLE_TOP"), SAMPLE_TOP);
+        assert_eq!(defined("SAMPLE_SPEC_WORDS"), SAMPLE_SPEC_WORDS);
+        assert_eq!(defined("PART_THREADS"), PART_THREADS as usize);
+        assert_eq!(defined("PART_LOGITS"), PART_LOGITS);
+        assert_eq!(defined("NORM_THREADS"), NORM_THREADS as usize);
+        assert_eq!(defined("GEMV_WARPS"), driver::GEMV_WARPS);
+        assert_eq!(defined("SKETCH_WARPS"), sketch::SKETCH_WARPS);
+        assert!(
+            attention::cuda::KERNELS_CU.contains("#define SAMPLE_OUT_WORDS (4 + 2 * SAMPLE_TOP)")
+        );
     }
 
     #[test]

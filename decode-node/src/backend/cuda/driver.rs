@@ -174,6 +174,8 @@ pub(crate) struct Kernels {
     pub(crate) gather_copy: CudaFunction,
     pub(crate) copy_tokens: CudaFunction,
     pub(crate) sample_rows: CudaFunction,
+    pub(crate) row_max_parts: CudaFunction,
+    pub(crate) row_sum_parts: CudaFunction,
     pub(crate) qkv_finish: CudaFunction,
     pub(crate) merge_self: CudaFunction,
     pub(crate) rms_norm_half: CudaFunction,

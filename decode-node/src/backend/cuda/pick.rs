@@ -3,7 +3,9 @@
 //! must meet is `model::pick::pick_row`; `selftest` and the model's check at load compare the
 //! two on the device at hand.
 
-use attention::cuda::{SAMPLE_OUT_WORDS, SAMPLE_SPEC_WORDS, SAMPLE_THREADS, SAMPLE_TOP};
+use attention::cuda::{
+    PART_LOGITS, PART_THREADS, SAMPLE_OUT_WORDS, SAMPLE_SPEC_WORDS, SAMPLE_THREADS, SAMPLE_TOP,
+};
 
 use super::BackendError;
 use super::blas::Blas;
@@ -84,22 +86,45 @@ pub(super) fn sample_rows(
         .map_err(|_| BackendError::Unsupported(format!("a vocabulary of {vocab}")))?;
     let spec = spec_words(picks);
     let out_words = n * SAMPLE_OUT_WORDS;
-    let base = g.pick.ptr(&sh.stream, (spec.len() + out_words) * 4)?;
+    // Each row's first two passes in slices over the device (`row_max_parts`,
+    // `row_sum_parts`): their results follow the spec and the output, the sums 8-aligned.
+    let nparts = vocab.div_ceil(PART_LOGITS);
+    let nparts_i = i32::try_from(nparts)
+        .map_err(|_| BackendError::Unsupported(format!("a vocabulary of {vocab}")))?;
+    let parts_at = (spec.len() + out_words) * 4;
+    let sums_at = (parts_at + n * nparts * 3 * 4).next_multiple_of(8);
+    let base = g.pick.ptr(&sh.stream, sums_at + n * nparts * 2 * 8)?;
     let out = base + (spec.len() * 4) as u64;
+    let (parts, sums) = (base + parts_at as u64, base + sums_at as u64);
     // The pick's own pinned buffer: the residual's staging may still be read by an upload.
     let stage = g.pick_staging.get(spec.len().max(out_words))?;
     for (s, w) in stage.iter_mut().zip(&spec) {
         *s = f32::from_bits(*w);
     }
     htod(base, f32_bytes(&stage[..spec.len()]), &sh.stream)?;
-    // SAFETY: `logits` holds n rows of `vocab` floats (the caller's), `base` the spec and
-    // `out` room for n results; one block of SAMPLE_THREADS per row, as the kernel assumes.
+    let grid = (nparts as u32, n as u32);
+    // SAFETY: `logits` holds n rows of `vocab` floats (the caller's), `base` the spec, `out`
+    // room for n results, `parts` and `sums` for n x nparts of each pass's (3 words; 2
+    // doubles); a block of PART_THREADS per slice of PART_LOGITS and of SAMPLE_THREADS per
+    // row, as the kernels assume.
     unsafe {
+        sh.launch(
+            &sh.k.row_max_parts,
+            grid,
+            PART_THREADS,
+            &[&logits, &vocab_i, &nparts_i, &parts],
+        )?;
+        sh.launch(
+            &sh.k.row_sum_parts,
+            grid,
+            PART_THREADS,
+            &[&logits, &base, &vocab_i, &parts, &nparts_i, &sums],
+        )?;
         sh.launch(
             &sh.k.sample_rows,
             (n as u32, 1),
             SAMPLE_THREADS,
-            &[&logits, &base, &out, &vocab_i],
+            &[&logits, &base, &out, &vocab_i, &parts, &sums, &nparts_i],
         )?;
     }
     let back = &mut g.pick_staging.get(spec.len().max(out_words))?[..out_words];

@@ -1033,10 +1033,7 @@ fn check_sketch(
     let store = super::store::CudaKvStore::new(Arc::clone(sh), geom, 64 << 20, &pool)?;
     let mut sketch = super::sketch::SeqSketch::default();
     let mut worst = 0f64;
-    for (round, n) in [prompt, prompt + 31, last]
-        .into_iter()
-        .enumerate()
-    {
+    for (round, n) in [prompt, prompt + 31, last].into_iter().enumerate() {
         kv.n = n;
         let blocks = geom.blocks_for(n) - 1;
         let q = random(&mut r, hk * g * d, 2.0);

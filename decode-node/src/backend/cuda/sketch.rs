@@ -21,7 +21,7 @@ use super::{DevBuf, dev_err, f32_bytes, htod};
 use crate::backend::BackendError;
 
 /// Blocks one `sketch_lse` CUDA block scores (one per warp: the kernels' `SKETCH_WARPS`).
-const SKETCH_WARPS: usize = 4;
+pub(super) const SKETCH_WARPS: usize = 4;
 /// Tokens sketched per host task when a layer is filled: big enough to amortise a task,
 /// small enough that a long prompt's layer spreads over every core.
 const FILL_TOKENS: usize = 2048;
