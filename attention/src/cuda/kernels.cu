@@ -964,7 +964,10 @@ extern "C" __global__ void copy_tokens(const unsigned long long* table, int n, i
 // they are, so a step brings back a few words per row instead of the vocabulary's logits.
 // One CUDA block of SAMPLE_THREADS threads per row (as many as a block may have: each
 // thread's passes over the vocabulary are chains of dependent loads, 440 us a greedy row of
-// 152k with 256 threads on an H200). The pick is the host's for the same draw
+// 152k with 256 threads on an H200); with `nparts` > 0 the first two passes (the largest
+// logit, the sums of exponentials) come from `row_max_parts` and `row_sum_parts`, and only a
+// row's radix select (tempered rows, top log-probabilities) reads it here. The pick is the
+// host's for the same draw
 // (decode-node's `model::pick::pick_row` is the definition): greedy is the first largest
 // logit; a tempered pick walks the SAMPLE_HEAD most likely tokens (by logit, the lower id
 // first on ties) with weights exp((x - max) / T) in f64, under top-k and top-p as the host
