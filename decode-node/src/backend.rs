@@ -108,11 +108,16 @@ pub trait Residual {
     /// biases, q/k-norm and RoPE, and with `next` the next layer's predicted query from the
     /// same input. With `bring_back` it waits and returns the finished query rows (and the
     /// predicted ones) for the host's planning; else nothing waits and both are empty.
+    ///
+    /// `scores` is handed the query rows where they are, finished, before anything waits
+    /// (a backend's own handle, for [`DeviceSeq::queue_sketch_scores_by`]): blocks scored by
+    /// them come back in the same wait as the rows.
     fn resident_project(
         &mut self,
         l: &ResidentLayer<'_>,
         _next: Option<NextQuery<'_>>,
         _bring_back: bool,
+        _scores: &mut dyn FnMut(&dyn std::any::Any),
     ) -> Result<ResidentQuery, BackendError> {
         Err(not_resident(l.layer))
     }
@@ -333,6 +338,22 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
         _kv: &dyn KvSource,
         _layer: usize,
         _q: &[f32],
+        _scale: f32,
+        _how: attention::GroupScore,
+        _blocks: usize,
+    ) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+
+    /// [`DeviceSeq::queue_sketch_scores`] by row `row` of query rows a residual holds where
+    /// its backend computed them (`rows`: the handle [`Residual::resident_project`] hands
+    /// over; `Ok(false)` for one this device cannot read), so the scores are made before the
+    /// rows come back, in the same wait.
+    fn queue_sketch_scores_by(
+        &mut self,
+        _kv: &dyn KvSource,
+        _layer: usize,
+        _rows: (&dyn std::any::Any, usize),
         _scale: f32,
         _how: attention::GroupScore,
         _blocks: usize,

@@ -362,6 +362,14 @@ pub(crate) mod host {
     use super::*;
     use crate::backend::{LinearOut, Residual};
 
+    /// The finished query rows, `[batch][width]` (`width` = num_heads * head_dim), as
+    /// `project` hands them to its `scores` (a device's handle names device memory).
+    #[derive(Debug, Clone)]
+    pub(crate) struct HostQueryRows {
+        pub(crate) q: Vec<f32>,
+        pub(crate) width: usize,
+    }
+
     /// The layer between its calls.
     #[derive(Debug)]
     struct Layer {
@@ -386,6 +394,7 @@ pub(crate) mod host {
     }
 
     impl HostLayers {
+        #[allow(clippy::too_many_arguments)]
         pub(crate) fn project<R: Residual + ?Sized, B: Backend + ?Sized>(
             &mut self,
             r: &mut R,
@@ -393,6 +402,7 @@ pub(crate) mod host {
             l: &ResidentLayer<'_>,
             next: Option<NextQuery<'_>>,
             bring_back: bool,
+            scores: &mut dyn FnMut(&dyn std::any::Any),
         ) -> Result<ResidentQuery, BackendError> {
             let n = l.rot.positions();
             let (mut q, mut k, mut v) = (
@@ -411,6 +421,10 @@ pub(crate) mod host {
             }
             norm_rope(b, &mut q, l.q_norm, l.eps, l.rot);
             norm_rope(b, &mut k, l.k_norm, l.eps, l.rot);
+            scores(&HostQueryRows {
+                q: q.clone(),
+                width: l.num_heads * l.head_dim,
+            });
             let back = ResidentQuery {
                 q: if bring_back { q.clone() } else { Vec::new() },
                 next: if bring_back { qn } else { Vec::new() },

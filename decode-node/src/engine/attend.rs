@@ -493,21 +493,27 @@ impl<'a> BatchAttention<'a> {
     }
 
     /// Queues every sequence's device scores of `layer` by its real query (`q`, the batch's
-    /// rows) where planning will ask for them: a fresh plan, or a plan made ahead whose device
-    /// part is reselected by the real query (or whose prediction is sampled). One wait, at
-    /// the first take, then covers the batch.
+    /// rows) where planning will ask for them (`wants_real_scores`) and they are not queued
+    /// yet. One wait, at the first take, then covers the batch.
     fn queue_real_scores(&mut self, layer: usize, q: &[f32]) {
         let width = self.shape.num_heads * self.shape.head_dim;
         for (b, qb) in q.chunks_exact(width).enumerate().take(self.slots.len()) {
-            let ahead = self.ahead[b].iter().any(|a| a.layer == layer);
-            let sampled = self.slots[b]
-                .seq
-                .step()
-                .is_multiple_of(PREDICTION_SAMPLE_STEPS);
-            if !ahead || sampled || self.cfg.guard.device_real_query {
+            if self.wants_real_scores(b, layer) {
                 self.queue_scores(b, layer, qb, false);
             }
         }
+    }
+
+    /// True when planning sequence `b`'s `layer` asks for its device's scores by the real
+    /// query: a fresh plan, or a plan made ahead whose device part is reselected by the real
+    /// query (or whose prediction is sampled).
+    fn wants_real_scores(&self, b: usize, layer: usize) -> bool {
+        let ahead = self.ahead[b].iter().any(|a| a.layer == layer);
+        let sampled = self.slots[b]
+            .seq
+            .step()
+            .is_multiple_of(PREDICTION_SAMPLE_STEPS);
+        self.cfg.mode != Mode::Full && (!ahead || sampled || self.cfg.guard.device_real_query)
     }
 
     /// Sequence `b`'s `layer` as planned a layer ahead, where there is such a plan and the
@@ -748,6 +754,43 @@ impl DecodeAttention for BatchAttention<'_> {
     fn needs_query(&self, _layer: usize) -> bool {
         // `full` plans read no query and have no CPU part.
         self.cfg.mode != Mode::Full
+    }
+
+    fn queue_scores_by(&mut self, layer: usize, rows: &dyn std::any::Any) {
+        let t = Instant::now();
+        let (scale, how) = (self.shape.scale, self.cfg.group_score);
+        for b in 0..self.slots.len() {
+            let key = Scoring {
+                layer,
+                predicted: false,
+            };
+            if self.queued[b] == Some(key) || !self.wants_real_scores(b, layer) {
+                continue;
+            }
+            let Some(n) = self.scored_blocks(b, layer) else {
+                continue;
+            };
+            let slot = &mut self.slots[b];
+            let Some(dev) = slot.dev.as_deref_mut() else {
+                continue;
+            };
+            let kv = slot.kv.as_ref();
+            self.queued[b] = match dev.queue_sketch_scores_by(
+                kv,
+                layer,
+                (rows, b),
+                scale,
+                how,
+                n - 1,
+            ) {
+                Ok(queued) => queued.then_some(key),
+                Err(e) => {
+                    tracing::warn!(error = %e, layer, "queuing device sketch scores failed; they are asked for when planned");
+                    None
+                }
+            };
+        }
+        self.timing.plan += t.elapsed().as_secs_f64();
     }
 
     fn plan_resident(

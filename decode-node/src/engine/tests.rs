@@ -696,8 +696,9 @@ struct HostDeviceKv {
 }
 
 /// A test device's sketch scoring: whether it scores, whether it also queues scores without
-/// a wait (`DeviceSeq::queue_sketch_scores`), and the calls counted: scored when asked,
-/// queued, and queued ones taken.
+/// a wait (`DeviceSeq::queue_sketch_scores`, `queue_sketch_scores_by`), and the calls
+/// counted: scored when asked, queued, queued ones taken, and queued by a resident layer's
+/// rows.
 #[derive(Debug, Clone, Default)]
 struct SketchSpy {
     on: bool,
@@ -705,6 +706,8 @@ struct SketchSpy {
     scored: Arc<std::sync::atomic::AtomicUsize>,
     queued: Arc<std::sync::atomic::AtomicUsize>,
     taken: Arc<std::sync::atomic::AtomicUsize>,
+    /// Of the queued, those by the rows a resident layer handed over.
+    by_rows: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[derive(Debug)]
@@ -866,6 +869,30 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
         Ok(true)
     }
 
+    fn queue_sketch_scores_by(
+        &mut self,
+        kv: &dyn attention::KvSource,
+        layer: usize,
+        (rows, row): (&dyn std::any::Any, usize),
+        scale: f32,
+        how: attention::GroupScore,
+        blocks: usize,
+    ) -> Result<bool, crate::backend::BackendError> {
+        let Some(crate::backend::resident::host::HostQueryRows { q, width }) = rows.downcast_ref()
+        else {
+            return Ok(false);
+        };
+        let Some(qb) = q.get(row * width..(row + 1) * width) else {
+            return Ok(false);
+        };
+        if self.sketch.on && self.sketch.queue {
+            self.sketch
+                .by_rows
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.queue_sketch_scores(kv, layer, qb, scale, how, blocks)
+    }
+
     fn take_sketch_scores(
         &mut self,
         layer: usize,
@@ -1022,6 +1049,7 @@ impl<R: crate::backend::Residual> crate::backend::Residual for ResidentResidual<
         l: &crate::backend::ResidentLayer<'_>,
         next: Option<crate::backend::NextQuery<'_>>,
         bring_back: bool,
+        scores: &mut dyn FnMut(&dyn std::any::Any),
     ) -> Result<crate::backend::ResidentQuery, crate::backend::BackendError> {
         self.dev
             .resident_layers
@@ -1032,7 +1060,7 @@ impl<R: crate::backend::Residual> crate::backend::Residual for ResidentResidual<
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         self.layers
-            .project(&mut self.inner, self.dev, l, next, bring_back)
+            .project(&mut self.inner, self.dev, l, next, bring_back, scores)
     }
 
     fn resident_attend(
@@ -1256,7 +1284,8 @@ fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
 /// real query (a GPU's default) and with a layer planned ahead by its predicted query
 /// (`--guard-predicted-cpu` makes a device that scores predict; a GPU node plans ahead by
 /// default, the test device is told to), whose scores are queued while the device waits for
-/// the CPU part. Through resident layers and the host's.
+/// the CPU part. Through resident layers, whose real query is scored by the rows they hand
+/// over before those come back, and the host's.
 #[test]
 fn device_scores_queued_for_the_batch_plan_as_scores_asked_for() {
     let base = [
@@ -1310,6 +1339,13 @@ fn device_scores_queued_for_the_batch_plan_as_scores_asked_for() {
             assert_eq!(count(&queuing.sketch.scored), 0, "{case}: waited for");
             assert_eq!(count(&queuing.sketch.queued), scorings, "{case}: queued");
             assert_eq!(count(&queuing.sketch.taken), scorings, "{case}: taken");
+            // A resident layer's real query scored before its rows came back.
+            let by_rows = count(&queuing.sketch.by_rows);
+            if resident {
+                assert!(by_rows >= 3 * 5, "{case}: {by_rows} by the rows");
+            } else {
+                assert_eq!(by_rows, 0, "{case}");
+            }
         }
     }
 }

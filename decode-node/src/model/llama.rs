@@ -64,6 +64,10 @@ pub trait DecodeAttention: Send {
     fn needs_query(&self, _layer: usize) -> bool {
         true
     }
+    /// Resident layer `layer`'s query rows are finished where the residual holds them
+    /// (`rows`, the backend's handle, for `DeviceSeq::queue_sketch_scores_by`): scores
+    /// queued by them now come back in the wait that brings the rows.
+    fn queue_scores_by(&mut self, _layer: usize, _rows: &dyn std::any::Any) {}
     /// Plans resident layer `layer` by its query rows `q` (`[batch][num_heads*head_dim]`;
     /// empty where [`DecodeAttention::needs_query`] is false) and starts every CPU part: one
     /// [`ResidentSeq`] per row, its device blocks.
@@ -527,7 +531,9 @@ impl Model {
                     out: self.layer_out(layer),
                 };
                 let back = attn.needs_query(i) || next.is_some();
-                let rq = r.resident_project(&l, next_q, back)?;
+                let rq = r.resident_project(&l, next_q, back, &mut |rows| {
+                    attn.queue_scores_by(i, rows)
+                })?;
                 if next.is_some() {
                     attn.predicted(i + 1, &rq.next);
                 }

@@ -769,6 +769,7 @@ impl CudaResidual<'_> {
         l: &ResidentLayer<'_>,
         next: Option<NextQuery<'_>>,
         bring_back: bool,
+        scores: &mut dyn FnMut(&dyn std::any::Any),
     ) -> Result<ResidentQuery, BackendError> {
         let n = self.n;
         let (hq, hk, d) = resident_shape(n, l, n)?;
@@ -902,6 +903,12 @@ impl CudaResidual<'_> {
             k: keep_k,
             v: keep_v,
             cpu: at(cpu_at),
+        });
+        // Blocks scored by the finished rows where they are, before the one wait below.
+        scores(&super::store::DeviceQueryRows {
+            addr: keep_q,
+            width: qw,
+            rows: n,
         });
         if !bring_back {
             return Ok(ResidentQuery::default());
@@ -1143,8 +1150,9 @@ impl Residual for CudaResidual<'_> {
         l: &ResidentLayer<'_>,
         next: Option<NextQuery<'_>>,
         bring_back: bool,
+        scores: &mut dyn FnMut(&dyn std::any::Any),
     ) -> Result<ResidentQuery, BackendError> {
-        self.queue_resident_project(l, next, bring_back)
+        self.queue_resident_project(l, next, bring_back, scores)
     }
 
     fn resident_attend(

@@ -1006,8 +1006,8 @@ const SKETCH_TOLERANCE: f64 = 1e-5;
 /// The device's sketch scores (`--block-scorer sketch`) against `attention::sketch` on the
 /// host, over three calls on one sequence: its prompt (the first fill, many pages), 31 tokens
 /// more (a staged fill, one upload and `scatter_runs`, that takes a page and grows the page
-/// table; queued without a wait: `SeqSketch::queue`, a waiting call in between) and 700 more
-/// (copied straight up). Group max and sum.
+/// table; queued without a wait: `SeqSketch::queue`, a waiting call in between; then by the
+/// query in device memory) and 700 more (copied straight up). Group max and sum.
 /// Then an arena too small for the sketch: the call fails as device-full, nothing copied.
 fn check_sketch(
     sh: &Arc<Shared>,
@@ -1016,6 +1016,8 @@ fn check_sketch(
     d: usize,
     block_size: usize,
 ) -> Result<f64, BackendError> {
+    use super::sketch::SketchQuery;
+    use super::{DevBuf, f32_bytes, htod};
     use attention::GroupScore;
     use attention::sketch::{nibble_bytes, scores_from_sketch, sketch_tokens};
     let mut r = SplitMix(44);
@@ -1072,7 +1074,7 @@ fn check_sketch(
             // Queued without a wait (its fill staged through its own buffer), a waiting
             // call with another query in between, then taken; a take for another layer
             // finds nothing.
-            sketch.queue(&store, &kv, 0, &q, scale, how, blocks)?;
+            sketch.queue(&store, &kv, 0, SketchQuery::Host(&q), scale, how, blocks)?;
             let q2 = random(&mut r, hk * g * d, 2.0);
             let between = sketch.scores(&store, &kv, 0, &q2, scale, how, blocks)?;
             compare(&between, &host(&q2))?;
@@ -1080,7 +1082,20 @@ fn check_sketch(
                 BackendError::Device("queued sketch scores not found for their layer".into())
             })?;
             compare(&got, &host(&q))?;
-            sketch.queue(&store, &kv, 0, &q, scale, how, blocks)?;
+            // By a query already in device memory (a resident layer's rows).
+            let mut rows = DevBuf::default();
+            let at = rows.ptr(&sh.stream, q.len() * 4)?;
+            htod(at, f32_bytes(&q), &sh.stream)?;
+            let q_dev = SketchQuery::Device {
+                addr: at,
+                len: q.len(),
+            };
+            sketch.queue(&store, &kv, 0, q_dev, scale, how, blocks)?;
+            let got = sketch.take(0)?.ok_or_else(|| {
+                BackendError::Device("sketch scores by device rows not found".into())
+            })?;
+            compare(&got, &host(&q))?;
+            sketch.queue(&store, &kv, 0, SketchQuery::Host(&q), scale, how, blocks)?;
             if sketch.take(1)?.is_some() || sketch.take(0)?.is_some() {
                 return Err(BackendError::Device(
                     "queued sketch scores taken for another layer, or twice".into(),

@@ -184,6 +184,23 @@ impl Drop for Ahead {
     }
 }
 
+/// The query a scoring reads: from the host (uploaded with the call), or rows already in
+/// device memory (a resident layer's, before they come back), `len` floats at `addr`.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum SketchQuery<'a> {
+    Host(&'a [f32]),
+    Device { addr: u64, len: usize },
+}
+
+impl SketchQuery<'_> {
+    fn len(&self) -> usize {
+        match self {
+            SketchQuery::Host(q) => q.len(),
+            SketchQuery::Device { len, .. } => *len,
+        }
+    }
+}
+
 /// A short fill's copies, for one upload and one `scatter_runs`: each run's offset in
 /// `data`, destination address and length.
 #[derive(Debug, Default)]
@@ -321,7 +338,12 @@ impl SeqSketch {
         how: GroupScore,
         blocks: usize,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
-        let (out, hk) = self.launch(store, kv, (layer, q, scale, how, blocks), false)?;
+        let (out, hk) = self.launch(
+            store,
+            kv,
+            (layer, SketchQuery::Host(q), scale, how, blocks),
+            false,
+        )?;
         let mut host = vec![0f32; hk * blocks];
         store.shared().read_back(&mut host, out)?;
         Ok(host.chunks_exact(blocks).map(<[f32]>::to_vec).collect())
@@ -335,7 +357,7 @@ impl SeqSketch {
         store: &CudaKvStore,
         kv: &dyn KvSource,
         layer: usize,
-        q: &[f32],
+        q: SketchQuery<'_>,
         scale: f32,
         how: GroupScore,
         blocks: usize,
@@ -395,7 +417,7 @@ impl SeqSketch {
         &mut self,
         store: &CudaKvStore,
         kv: &dyn KvSource,
-        call: (usize, &[f32], f32, GroupScore, usize),
+        call: (usize, SketchQuery<'_>, f32, GroupScore, usize),
         ahead: bool,
     ) -> Result<(u64, usize), BackendError> {
         let r = self.launch_unsettled(store, kv, call, ahead);
@@ -409,7 +431,7 @@ impl SeqSketch {
         &mut self,
         store: &CudaKvStore,
         kv: &dyn KvSource,
-        (layer, q, scale, how, blocks): (usize, &[f32], f32, GroupScore, usize),
+        (layer, q, scale, how, blocks): (usize, SketchQuery<'_>, f32, GroupScore, usize),
         ahead: bool,
     ) -> Result<(u64, usize), BackendError> {
         let geom = *store.geom();
@@ -433,30 +455,42 @@ impl SeqSketch {
         sh.idle.busy();
         let mut staged = Staged::default();
         let (table, table_pages) = self.fill(store, kv, layer, &mut staged)?;
-        // One upload: the query, then the table of the fill's runs, then their bytes.
-        let q_bytes = (q.len() * 4).next_multiple_of(8);
-        let runs_at = q_bytes;
+        // One upload: a host query, then the table of the fill's runs, then their bytes.
+        let host_q = match q {
+            SketchQuery::Host(q) => q,
+            SketchQuery::Device { .. } => &[][..],
+        };
+        let runs_at = (host_q.len() * 4).next_multiple_of(8);
         let data_at = runs_at + staged.runs.len() * 24;
         let total = data_at + staged.data.len();
-        let staging = if ahead {
-            &mut self.ahead.staging
-        } else {
-            &mut self.staging
-        };
-        let up = staging.bytes(total)?;
-        up[..q.len() * 4].copy_from_slice(f32_bytes(q));
-        for (dst, run) in up[runs_at..data_at].chunks_exact_mut(24).zip(&staged.runs) {
-            for (d, w) in dst.chunks_exact_mut(8).zip(run) {
-                d.copy_from_slice(&w.to_ne_bytes());
+        let up_at = if total > 0 {
+            let staging = if ahead {
+                &mut self.ahead.staging
+            } else {
+                &mut self.staging
+            };
+            let up = staging.bytes(total)?;
+            up[..host_q.len() * 4].copy_from_slice(f32_bytes(host_q));
+            for (dst, run) in up[runs_at..data_at].chunks_exact_mut(24).zip(&staged.runs) {
+                for (d, w) in dst.chunks_exact_mut(8).zip(run) {
+                    d.copy_from_slice(&w.to_ne_bytes());
+                }
             }
-        }
-        up[data_at..].copy_from_slice(&staged.data);
-        let qp = self.up.ptr(&sh.stream, total)?;
-        htod(qp, up, &sh.stream)?;
+            up[data_at..].copy_from_slice(&staged.data);
+            let at = self.up.ptr(&sh.stream, total)?;
+            htod(at, up, &sh.stream)?;
+            at
+        } else {
+            0
+        };
+        let qp = match q {
+            SketchQuery::Host(_) => up_at,
+            SketchQuery::Device { addr, .. } => addr,
+        };
         if !staged.runs.is_empty() {
             let n_runs = i32::try_from(staged.runs.len())
                 .map_err(|_| BackendError::Unsupported("sketch fill runs".into()))?;
-            let (data, runs) = (qp + data_at as u64, qp + runs_at as u64);
+            let (data, runs) = (up_at + data_at as u64, up_at + runs_at as u64);
             // SAFETY: the upload above holds the run table at `runs` and their bytes at
             // `data`; each run's destination is a page or page table of this sketch with room
             // for its bytes (`fill`).
@@ -493,7 +527,8 @@ impl SeqSketch {
             .map_err(|_| BackendError::Unsupported(format!("{blocks} blocks")))?;
         let hk32 = hk as u32;
         // SAFETY: the page table lists hk x table_pages pages holding every token below n
-        // (filled above), q holds [hk][G][D] floats, lse [hk][blocks][G] and scores
+        // (filled above), q holds [hk][G][D] floats (uploaded above, or the caller's rows in
+        // device memory, written before this in stream order), lse [hk][blocks][G] and scores
         // [hk][blocks]; the argument types are the kernels'.
         unsafe {
             sh.launch(

@@ -16,7 +16,7 @@ use kv_transfer::HostPool;
 
 use super::call::{SlotList, SplitK, pack, partials};
 use super::driver::WARPS_PER_BLOCK;
-use super::sketch::SeqSketch;
+use super::sketch::{SeqSketch, SketchQuery};
 use super::slots::{Fill, NoSlot, SlotTable};
 use super::{DevBuf, Shared, dev_err, htod};
 use crate::backend::{BackendError, DeviceKv, DeviceSeq};
@@ -574,6 +574,17 @@ impl DeviceKv for CudaKvStore {
     }
 }
 
+/// A resident layer's query rows in device memory (`rows` of `width` floats at `addr`, normed
+/// and rotated), handed to the engine before they come back so each sequence's device scores
+/// its blocks by them in the same wait (`DeviceSeq::queue_sketch_scores_by`). The stream
+/// orders the scoring after the kernels that write them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DeviceQueryRows {
+    pub(crate) addr: u64,
+    pub(crate) width: usize,
+    pub(crate) rows: usize,
+}
+
 /// A recorded event on the recall stream.
 #[derive(Debug, Clone, Copy)]
 struct Event(sys::CUevent);
@@ -962,6 +973,33 @@ impl DeviceSeq for CudaSeq {
         if !self.scores_on_device(group) || layer >= self.recall_events.len() {
             return Ok(false);
         }
+        let store = Arc::clone(&self.store);
+        self.sketch
+            .queue(&store, kv, layer, SketchQuery::Host(q), scale, how, blocks)
+            .map(|()| true)
+    }
+
+    fn queue_sketch_scores_by(
+        &mut self,
+        kv: &dyn KvSource,
+        layer: usize,
+        (rows, row): (&dyn std::any::Any, usize),
+        scale: f32,
+        how: GroupScore,
+        blocks: usize,
+    ) -> Result<bool, BackendError> {
+        let Some(&DeviceQueryRows { addr, width, rows }) = rows.downcast_ref() else {
+            return Ok(false);
+        };
+        let geom = self.store.geom;
+        let group = width / (geom.num_kv_heads * geom.head_dim).max(1);
+        if row >= rows || !self.scores_on_device(group) || layer >= self.recall_events.len() {
+            return Ok(false);
+        }
+        let q = SketchQuery::Device {
+            addr: addr + (row * width * 4) as u64,
+            len: width,
+        };
         let store = Arc::clone(&self.store);
         self.sketch
             .queue(&store, kv, layer, q, scale, how, blocks)
