@@ -388,6 +388,11 @@ impl SeqSketch {
         Ok(())
     }
 
+    /// Waits until the stream is past a queued scoring, if any (dropping its scores).
+    pub(super) fn settle(&mut self) -> Result<(), BackendError> {
+        self.ahead.settle().map(drop)
+    }
+
     /// The scores [`SeqSketch::queue`] queued for `layer`, waiting for them; `None` where none
     /// are (a call of another layer is dropped).
     pub(super) fn take(&mut self, layer: usize) -> Result<Option<Vec<Vec<f32>>>, BackendError> {

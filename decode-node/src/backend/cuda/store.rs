@@ -814,6 +814,9 @@ impl Drop for CudaSeq {
     fn drop(&mut self) {
         let sh = &self.store.shared;
         let _ = sh.bind();
+        // A scoring queued and never taken may still read the sketch's pages, given back
+        // below (a recall into one would race it).
+        let _ = self.sketch.settle();
         // Recall copies may still be writing into our slots.
         if self.recall_events.iter().any(Option::is_some) {
             let _ = sh.recall.synchronize();
