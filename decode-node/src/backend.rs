@@ -312,18 +312,15 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
         false
     }
 
-    /// Block scores of `layer`'s blocks `0 .. blocks` for every KV head by
-    /// `attention::BlockScorer::Sketch` (`q` is `[num_kv_heads][G][head_dim]`, `scale` the
-    /// softmax scale), computed where this sequence keeps a sketch of its keys, brought up to
-    /// `kv`'s tokens first. `Ok(None)`: this device keeps none (the host scores instead).
+    /// Block scores of `call.layer`'s blocks `0 .. call.blocks` for every KV head by
+    /// `attention::BlockScorer::Sketch` (`q` is `[num_kv_heads][G][head_dim]`), computed where
+    /// this sequence keeps a sketch of its keys, brought up to `kv`'s tokens first.
+    /// `Ok(None)`: this device keeps none (the host scores instead).
     fn sketch_scores(
         &mut self,
         _kv: &dyn KvSource,
-        _layer: usize,
         _q: &[f32],
-        _scale: f32,
-        _how: attention::GroupScore,
-        _blocks: usize,
+        _call: SketchCall,
     ) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
         Ok(None)
     }
@@ -336,11 +333,8 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
     fn queue_sketch_scores(
         &mut self,
         _kv: &dyn KvSource,
-        _layer: usize,
         _q: &[f32],
-        _scale: f32,
-        _how: attention::GroupScore,
-        _blocks: usize,
+        _call: SketchCall,
     ) -> Result<bool, BackendError> {
         Ok(false)
     }
@@ -352,11 +346,8 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
     fn queue_sketch_scores_by(
         &mut self,
         _kv: &dyn KvSource,
-        _layer: usize,
         _rows: (&dyn std::any::Any, usize),
-        _scale: f32,
-        _how: attention::GroupScore,
-        _blocks: usize,
+        _call: SketchCall,
     ) -> Result<bool, BackendError> {
         Ok(false)
     }
@@ -377,6 +368,16 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
         layer: usize,
         blocks: &[&[DeviceBlock]],
     ) -> Result<(), BackendError>;
+}
+
+/// What a device's sketch scoring is asked for: `layer`'s blocks `0 .. blocks`, with the
+/// softmax `scale` and how a group's query heads combine (`how`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SketchCall {
+    pub layer: usize,
+    pub scale: f32,
+    pub how: attention::GroupScore,
+    pub blocks: usize,
 }
 
 /// True when a GPU's sketch kernels (`--block-scorer sketch` scored on the device) take heads

@@ -1018,6 +1018,47 @@ __device__ __forceinline__ void keep_best(float& bv, unsigned int& bi, float v, 
     }
 }
 
+// This thread's largest logit of x[from, to) (its first id: the thread's ids increase) by a
+// stride of nt; sets *bad on a non-finite logit.
+__device__ __forceinline__ void thread_best(const float* x, unsigned int from, unsigned int to, int nt,
+                                            int* bad, float& bv, unsigned int& bi) {
+    for (unsigned int i = from; i < to; i += nt) {
+        float v = x[i];
+        if (!finite_f32(v)) *bad = 1;
+        if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }
+    }
+}
+
+// The block's first largest logit into best_v[0], best_i[0] (nt a power of two).
+__device__ __forceinline__ void block_best(float* best_v, unsigned int* best_i, int tid, int nt) {
+    for (int s = nt / 2; s > 0; s >>= 1) {
+        if (tid < s) keep_best(best_v[tid], best_i[tid], best_v[tid + s], best_i[tid + s]);
+        __syncthreads();
+    }
+}
+
+// This thread's sums of exp(x - m) and, tempered, exp((x - m) / T) over x[from, to) by a
+// stride of nt, in f64.
+__device__ __forceinline__ void thread_exp_sums(const float* x, unsigned int from, unsigned int to, int nt,
+                                                float m, float temp, bool tempered, double& se, double& st) {
+    for (unsigned int i = from; i < to; i += nt) {
+        float v = x[i];
+        se += exp((double)(v - m));
+        if (tempered) st += exp((double)((v - m) / temp));
+    }
+}
+
+// Both arrays' block sums into [0] (nt a power of two).
+__device__ __forceinline__ void block_sum2(double* a, double* b, int tid, int nt) {
+    for (int s = nt / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            a[tid] += a[tid + s];
+            b[tid] += b[tid + s];
+        }
+        __syncthreads();
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(PART_THREADS)
     row_max_parts(const float* logits, int vocab, int nparts, unsigned int* parts) {
     __shared__ float best_v[PART_THREADS];
@@ -1032,18 +1073,11 @@ extern "C" __global__ void __launch_bounds__(PART_THREADS)
     __syncthreads();
     float bv = NEG_INF;
     unsigned int bi = 0xffffffffu;
-    for (unsigned int i = from + tid; i < to; i += nt) {
-        float v = x[i];
-        if (!finite_f32(v)) bad = 1;
-        if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }
-    }
+    thread_best(x, from + tid, to, nt, &bad, bv, bi);
     best_v[tid] = bv;
     best_i[tid] = bi;
     __syncthreads();
-    for (int s = nt / 2; s > 0; s >>= 1) {
-        if (tid < s) keep_best(best_v[tid], best_i[tid], best_v[tid + s], best_i[tid + s]);
-        __syncthreads();
-    }
+    block_best(best_v, best_i, tid, nt);
     if (tid == 0) {
         unsigned int* o = parts + ((long long)blockIdx.y * nparts + blockIdx.x) * 3;
         o[0] = __float_as_uint(best_v[0]);
@@ -1076,21 +1110,11 @@ extern "C" __global__ void __launch_bounds__(PART_THREADS)
     const unsigned int from = blockIdx.x * (unsigned int)PART_LOGITS;
     const unsigned int to = bad ? from : min(from + (unsigned int)PART_LOGITS, n);
     double se = 0.0, st = 0.0;
-    for (unsigned int i = from + tid; i < to; i += nt) {
-        float v = x[i];
-        se += exp((double)(v - m));
-        if (tempered) st += exp((double)((v - m) / temp));
-    }
+    thread_exp_sums(x, from + tid, to, nt, m, temp, tempered, se, st);
     sum_e[tid] = se;
     sum_t[tid] = st;
     __syncthreads();
-    for (int s = nt / 2; s > 0; s >>= 1) {
-        if (tid < s) {
-            sum_e[tid] += sum_e[tid + s];
-            sum_t[tid] += sum_t[tid + s];
-        }
-        __syncthreads();
-    }
+    block_sum2(sum_e, sum_t, tid, nt);
     if (tid == 0) {
         double* o = sums + (row * nparts + blockIdx.x) * 2;
         o[0] = sum_e[0];
@@ -1137,19 +1161,12 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             keep_best(bv, bi, __uint_as_float(pp[3 * p]), pp[3 * p + 1]);
         }
     } else {
-        for (unsigned int i = tid; i < n; i += nt) {
-            float v = x[i];
-            if (!finite_f32(v)) bad = 1;
-            if (v > bv || bi == 0xffffffffu) { bv = v; bi = i; }
-        }
+        thread_best(x, tid, n, nt, &bad, bv, bi);
     }
     best_v[tid] = bv;
     best_i[tid] = bi;
     __syncthreads();
-    for (int s = nt / 2; s > 0; s >>= 1) {
-        if (tid < s) keep_best(best_v[tid], best_i[tid], best_v[tid + s], best_i[tid + s]);
-        __syncthreads();
-    }
+    block_best(best_v, best_i, tid, nt);
     if (bad || n == 0) {
         if (tid == 0) o[0] = 1;
         return;
@@ -1166,22 +1183,12 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             st += ps[2 * p + 1];
         }
     } else {
-        for (unsigned int i = tid; i < n; i += nt) {
-            float v = x[i];
-            se += exp((double)(v - m));
-            if (tempered) st += exp((double)((v - m) / temp));
-        }
+        thread_exp_sums(x, tid, n, nt, m, temp, tempered, se, st);
     }
     sum_e[tid] = se;
     sum_t[tid] = st;
     __syncthreads();
-    for (int s = nt / 2; s > 0; s >>= 1) {
-        if (tid < s) {
-            sum_e[tid] += sum_e[tid + s];
-            sum_t[tid] += sum_t[tid + s];
-        }
-        __syncthreads();
-    }
+    block_sum2(sum_e, sum_t, tid, nt);
 
     // The head: the `h` largest keys, by a radix select of the h-th largest (a byte a pass,
     // most significant first), then gathered and sorted.

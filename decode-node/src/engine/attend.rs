@@ -15,7 +15,7 @@ use attention::{
 use kv_transfer::CommittedKv;
 use rayon::prelude::*;
 
-use crate::backend::{DeviceSeq, ResidentSeq};
+use crate::backend::{DeviceSeq, ResidentSeq, SketchCall};
 use crate::model::{DecodeAttention, ModelError};
 
 /// Steps between measurements of the layer-ahead prediction (hit ratio, query cosine).
@@ -396,7 +396,7 @@ impl<'a> BatchAttention<'a> {
         predicted: bool,
     ) -> Option<Vec<Vec<f32>>> {
         let n = self.scored_blocks(b, layer)?;
-        let (scale, how) = (self.shape.scale, self.cfg.group_score);
+        let call = self.sketch_call(layer, n - 1);
         let queued = self.queued[b] == Some(Scoring { layer, predicted });
         if queued {
             self.queued[b] = None;
@@ -410,7 +410,7 @@ impl<'a> BatchAttention<'a> {
         };
         let scores = match taken {
             Ok(Some(s)) => Ok(Some(s)),
-            Ok(None) => dev.sketch_scores(slot.kv.as_ref(), layer, q, scale, how, n - 1),
+            Ok(None) => dev.sketch_scores(slot.kv.as_ref(), q, call),
             Err(e) => Err(e),
         };
         match scores {
@@ -446,29 +446,49 @@ impl<'a> BatchAttention<'a> {
     /// `device_scores` to take (a device holds one such call; this one replaces any other).
     /// Nothing where the host scores, or these are queued already.
     fn queue_scores(&mut self, b: usize, layer: usize, q: &[f32], predicted: bool) {
-        let key = Scoring { layer, predicted };
+        self.queue_with(b, Scoring { layer, predicted }, |dev, kv, call| {
+            dev.queue_sketch_scores(kv, q, call)
+        });
+    }
+
+    /// The device scoring of `layer`'s blocks `0 .. blocks` this attention asks for.
+    fn sketch_call(&self, layer: usize, blocks: usize) -> SketchCall {
+        SketchCall {
+            layer,
+            scale: self.shape.scale,
+            how: self.cfg.group_score,
+            blocks,
+        }
+    }
+
+    /// Queues sequence `b`'s device scores `key` by `queue` (given the device, the KV and the
+    /// call) where its device scores that layer and they are not queued already; records what
+    /// was queued.
+    fn queue_with(
+        &mut self,
+        b: usize,
+        key: Scoring,
+        queue: impl FnOnce(
+            &mut dyn DeviceSeq,
+            &dyn attention::KvSource,
+            SketchCall,
+        ) -> Result<bool, crate::backend::BackendError>,
+    ) {
         if self.queued[b] == Some(key) {
             return;
         }
-        let Some(n) = self.scored_blocks(b, layer) else {
+        let Some(n) = self.scored_blocks(b, key.layer) else {
             return;
         };
-        let (scale, how) = (self.shape.scale, self.cfg.group_score);
+        let call = self.sketch_call(key.layer, n - 1);
         let slot = &mut self.slots[b];
         let Some(dev) = slot.dev.as_deref_mut() else {
             return;
         };
-        self.queued[b] = match dev.queue_sketch_scores(
-            slot.kv.as_ref(),
-            layer,
-            q,
-            scale,
-            how,
-            n - 1,
-        ) {
+        self.queued[b] = match queue(dev.as_mut(), slot.kv.as_ref(), call) {
             Ok(queued) => queued.then_some(key),
             Err(e) => {
-                tracing::warn!(error = %e, layer, "queuing device sketch scores failed; they are asked for when planned");
+                tracing::warn!(error = %e, layer = key.layer, "queuing device sketch scores failed; they are asked for when planned");
                 None
             }
         };
@@ -758,37 +778,16 @@ impl DecodeAttention for BatchAttention<'_> {
 
     fn queue_scores_by(&mut self, layer: usize, rows: &dyn std::any::Any) {
         let t = Instant::now();
-        let (scale, how) = (self.shape.scale, self.cfg.group_score);
+        let key = Scoring {
+            layer,
+            predicted: false,
+        };
         for b in 0..self.slots.len() {
-            let key = Scoring {
-                layer,
-                predicted: false,
-            };
-            if self.queued[b] == Some(key) || !self.wants_real_scores(b, layer) {
-                continue;
+            if self.wants_real_scores(b, layer) {
+                self.queue_with(b, key, |dev, kv, call| {
+                    dev.queue_sketch_scores_by(kv, (rows, b), call)
+                });
             }
-            let Some(n) = self.scored_blocks(b, layer) else {
-                continue;
-            };
-            let slot = &mut self.slots[b];
-            let Some(dev) = slot.dev.as_deref_mut() else {
-                continue;
-            };
-            let kv = slot.kv.as_ref();
-            self.queued[b] = match dev.queue_sketch_scores_by(
-                kv,
-                layer,
-                (rows, b),
-                scale,
-                how,
-                n - 1,
-            ) {
-                Ok(queued) => queued.then_some(key),
-                Err(e) => {
-                    tracing::warn!(error = %e, layer, "queuing device sketch scores failed; they are asked for when planned");
-                    None
-                }
-            };
         }
         self.timing.plan += t.elapsed().as_secs_f64();
     }

@@ -745,12 +745,15 @@ impl HostDeviceSeq {
     fn sketch_scores_here(
         &self,
         kv: &dyn attention::KvSource,
-        layer: usize,
         q: &[f32],
-        scale: f32,
-        how: attention::GroupScore,
-        blocks: usize,
+        call: crate::backend::SketchCall,
     ) -> Vec<Vec<f32>> {
+        let crate::backend::SketchCall {
+            layer,
+            scale,
+            how,
+            blocks,
+        } = call;
         use attention::sketch::{nibble_bytes, scores_from_sketch, sketch_tokens};
         let (hk, d, bs) = (
             self.geom.num_kv_heads,
@@ -832,11 +835,8 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
     fn sketch_scores(
         &mut self,
         kv: &dyn attention::KvSource,
-        layer: usize,
         q: &[f32],
-        scale: f32,
-        how: attention::GroupScore,
-        blocks: usize,
+        call: crate::backend::SketchCall,
     ) -> Result<Option<Vec<Vec<f32>>>, crate::backend::BackendError> {
         if !self.sketch.on {
             return Ok(None);
@@ -844,19 +844,14 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
         self.sketch
             .scored
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(Some(
-            self.sketch_scores_here(kv, layer, q, scale, how, blocks),
-        ))
+        Ok(Some(self.sketch_scores_here(kv, q, call)))
     }
 
     fn queue_sketch_scores(
         &mut self,
         kv: &dyn attention::KvSource,
-        layer: usize,
         q: &[f32],
-        scale: f32,
-        how: attention::GroupScore,
-        blocks: usize,
+        call: crate::backend::SketchCall,
     ) -> Result<bool, crate::backend::BackendError> {
         if !(self.sketch.on && self.sketch.queue) {
             return Ok(false);
@@ -864,19 +859,16 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
         self.sketch
             .queued
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let scores = self.sketch_scores_here(kv, layer, q, scale, how, blocks);
-        self.ahead = Some((layer, scores));
+        let scores = self.sketch_scores_here(kv, q, call);
+        self.ahead = Some((call.layer, scores));
         Ok(true)
     }
 
     fn queue_sketch_scores_by(
         &mut self,
         kv: &dyn attention::KvSource,
-        layer: usize,
         (rows, row): (&dyn std::any::Any, usize),
-        scale: f32,
-        how: attention::GroupScore,
-        blocks: usize,
+        call: crate::backend::SketchCall,
     ) -> Result<bool, crate::backend::BackendError> {
         let Some(crate::backend::resident::host::HostQueryRows { q, width }) = rows.downcast_ref()
         else {
@@ -890,7 +882,7 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
                 .by_rows
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        self.queue_sketch_scores(kv, layer, qb, scale, how, blocks)
+        self.queue_sketch_scores(kv, qb, call)
     }
 
     fn take_sketch_scores(
@@ -1221,24 +1213,28 @@ fn device_parts_submitted_for_the_whole_batch_give_each_sequence_its_own() {
     }
 }
 
+/// Scout on small blocks with the sketch scorer, three requests' worth of prompt: blocks
+/// both on the device and left to the CPU.
+const SKETCH_SCOUT: [&str; 10] = [
+    "--attention",
+    "scout",
+    "--block-size",
+    "8",
+    "--budget-tokens",
+    "48",
+    "--device-blocks",
+    "2",
+    "--block-scorer",
+    "sketch",
+];
+
 /// Selection scored by the device (`--block-scorer sketch` on a device that keeps the sketch)
 /// plans as the host's scores of the same sketch do: the same tokens as a node scoring on the
 /// host with the real query only (`--exact`), since a device that scores makes no
 /// layer-ahead prediction. Through the host's layers and with layers resident.
 #[test]
 fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
-    let flags = [
-        "--attention",
-        "scout",
-        "--block-size",
-        "8",
-        "--budget-tokens",
-        "48",
-        "--device-blocks",
-        "2",
-        "--block-scorer",
-        "sketch",
-    ];
+    let flags = SKETCH_SCOUT;
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 9 + 70)).collect();
     let run = |dev: Arc<TestDevice>, flags: &[&str]| greedy_on(dev, flags, &prompts, 6);
     let mut exact = flags.to_vec();
@@ -1288,18 +1284,7 @@ fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
 /// over before those come back, and the host's.
 #[test]
 fn device_scores_queued_for_the_batch_plan_as_scores_asked_for() {
-    let base = [
-        "--attention",
-        "scout",
-        "--block-size",
-        "8",
-        "--budget-tokens",
-        "48",
-        "--device-blocks",
-        "2",
-        "--block-scorer",
-        "sketch",
-    ];
+    let base = SKETCH_SCOUT;
     let ahead = [
         "--guard-predicted-cpu",
         "--guard-real-query-layers",

@@ -1018,6 +1018,7 @@ fn check_sketch(
 ) -> Result<f64, BackendError> {
     use super::sketch::SketchQuery;
     use super::{DevBuf, f32_bytes, htod};
+    use crate::backend::SketchCall;
     use attention::GroupScore;
     use attention::sketch::{nibble_bytes, scores_from_sketch, sketch_tokens};
     let mut r = SplitMix(44);
@@ -1043,6 +1044,12 @@ fn check_sketch(
             GroupScore::Sum
         } else {
             GroupScore::Max
+        };
+        let call = SketchCall {
+            layer: 0,
+            scale,
+            how,
+            blocks,
         };
         let host = |q: &[f32]| -> Vec<Vec<f32>> {
             (0..hk)
@@ -1074,9 +1081,9 @@ fn check_sketch(
             // Queued without a wait (its fill staged through its own buffer), a waiting
             // call with another query in between, then taken; a take for another layer
             // finds nothing.
-            sketch.queue(&store, &kv, 0, SketchQuery::Host(&q), scale, how, blocks)?;
+            sketch.queue(&store, &kv, SketchQuery::Host(&q), call)?;
             let q2 = random(&mut r, hk * g * d, 2.0);
-            let between = sketch.scores(&store, &kv, 0, &q2, scale, how, blocks)?;
+            let between = sketch.scores(&store, &kv, &q2, call)?;
             compare(&between, &host(&q2))?;
             let got = sketch.take(0)?.ok_or_else(|| {
                 BackendError::Device("queued sketch scores not found for their layer".into())
@@ -1090,19 +1097,19 @@ fn check_sketch(
                 addr: at,
                 len: q.len(),
             };
-            sketch.queue(&store, &kv, 0, q_dev, scale, how, blocks)?;
+            sketch.queue(&store, &kv, q_dev, call)?;
             let got = sketch.take(0)?.ok_or_else(|| {
                 BackendError::Device("sketch scores by device rows not found".into())
             })?;
             compare(&got, &host(&q))?;
-            sketch.queue(&store, &kv, 0, SketchQuery::Host(&q), scale, how, blocks)?;
+            sketch.queue(&store, &kv, SketchQuery::Host(&q), call)?;
             if sketch.take(1)?.is_some() || sketch.take(0)?.is_some() {
                 return Err(BackendError::Device(
                     "queued sketch scores taken for another layer, or twice".into(),
                 ));
             }
         } else {
-            let got = sketch.scores(&store, &kv, 0, &q, scale, how, blocks)?;
+            let got = sketch.scores(&store, &kv, &q, call)?;
             compare(&got, &host(&q))?;
         }
     }
@@ -1116,7 +1123,13 @@ fn check_sketch(
     let q = random(&mut r, hk * g * d, 2.0);
     let blocks = geom.blocks_for(kv.n) - 1;
     let mut starved = super::sketch::SeqSketch::default();
-    match starved.scores(&small, &kv, 0, &q, scale, GroupScore::Max, blocks) {
+    let call = SketchCall {
+        layer: 0,
+        scale,
+        how: GroupScore::Max,
+        blocks,
+    };
+    match starved.scores(&small, &kv, &q, call) {
         Err(BackendError::DeviceFull(_)) => {}
         r => {
             return Err(BackendError::Device(format!(

@@ -18,7 +18,7 @@ use cudarc::driver::{result as drv, sys};
 use super::driver::Pinned;
 use super::store::CudaKvStore;
 use super::{DevBuf, dev_err, f32_bytes, htod};
-use crate::backend::BackendError;
+use crate::backend::{BackendError, SketchCall};
 
 /// Blocks one `sketch_lse` CUDA block scores (one per warp: the kernels' `SKETCH_WARPS`).
 pub(super) const SKETCH_WARPS: usize = 4;
@@ -193,7 +193,7 @@ pub(super) enum SketchQuery<'a> {
 }
 
 impl SketchQuery<'_> {
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         match self {
             SketchQuery::Host(q) => q.len(),
             SketchQuery::Device { len, .. } => *len,
@@ -327,23 +327,15 @@ impl SeqSketch {
     /// Scores of blocks `0 .. blocks` of `layer` for every KV head (`q` is
     /// `[num_kv_heads][G][head_dim]`), as `attention::sketch::scores_from_sketch` gives them
     /// over `kv`'s tokens: one launch of each kernel and one wait for the copy back.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn scores(
         &mut self,
         store: &CudaKvStore,
         kv: &dyn KvSource,
-        layer: usize,
         q: &[f32],
-        scale: f32,
-        how: GroupScore,
-        blocks: usize,
+        call: SketchCall,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
-        let (out, hk) = self.launch(
-            store,
-            kv,
-            (layer, SketchQuery::Host(q), scale, how, blocks),
-            false,
-        )?;
+        let (out, hk) = self.launch(store, kv, SketchQuery::Host(q), call, false)?;
+        let blocks = call.blocks;
         let mut host = vec![0f32; hk * blocks];
         store.shared().read_back(&mut host, out)?;
         Ok(host.chunks_exact(blocks).map(<[f32]>::to_vec).collect())
@@ -351,20 +343,17 @@ impl SeqSketch {
 
     /// [`SeqSketch::scores`] queued without a wait: the scores come back into page-locked
     /// memory behind an event, for [`SeqSketch::take`]. A call still held is dropped first.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn queue(
         &mut self,
         store: &CudaKvStore,
         kv: &dyn KvSource,
-        layer: usize,
         q: SketchQuery<'_>,
-        scale: f32,
-        how: GroupScore,
-        blocks: usize,
+        call: SketchCall,
     ) -> Result<(), BackendError> {
         // Its staging is about to be written again.
         self.ahead.settle()?;
-        let (out, hk) = self.launch(store, kv, (layer, q, scale, how, blocks), true)?;
+        let (out, hk) = self.launch(store, kv, q, call, true)?;
+        let (layer, blocks) = (call.layer, call.blocks);
         let sh = store.shared();
         let back = &mut self.ahead.back.get(hk * blocks)?[..hk * blocks];
         // SAFETY: `out` holds hk x blocks floats (the launch above); `back` is page-locked,
@@ -422,10 +411,11 @@ impl SeqSketch {
         &mut self,
         store: &CudaKvStore,
         kv: &dyn KvSource,
-        call: (usize, SketchQuery<'_>, f32, GroupScore, usize),
+        q: SketchQuery<'_>,
+        call: SketchCall,
         ahead: bool,
     ) -> Result<(u64, usize), BackendError> {
-        let r = self.launch_unsettled(store, kv, call, ahead);
+        let r = self.launch_unsettled(store, kv, q, call, ahead);
         if r.is_err() {
             let _ = store.shared().stream.synchronize();
         }
@@ -436,7 +426,13 @@ impl SeqSketch {
         &mut self,
         store: &CudaKvStore,
         kv: &dyn KvSource,
-        (layer, q, scale, how, blocks): (usize, SketchQuery<'_>, f32, GroupScore, usize),
+        q: SketchQuery<'_>,
+        SketchCall {
+            layer,
+            scale,
+            how,
+            blocks,
+        }: SketchCall,
         ahead: bool,
     ) -> Result<(u64, usize), BackendError> {
         let geom = *store.geom();

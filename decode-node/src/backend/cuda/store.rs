@@ -10,7 +10,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use attention::{BlockGeometry, DeviceBlock, GroupScore, KvSource, Partial};
+use attention::{BlockGeometry, DeviceBlock, KvSource, Partial};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, result as drv, sys};
 use kv_transfer::HostPool;
 
@@ -19,7 +19,7 @@ use super::driver::WARPS_PER_BLOCK;
 use super::sketch::{SeqSketch, SketchQuery};
 use super::slots::{Fill, NoSlot, SlotTable};
 use super::{DevBuf, Shared, dev_err, htod};
-use crate::backend::{BackendError, DeviceKv, DeviceSeq};
+use crate::backend::{BackendError, DeviceKv, DeviceSeq, SketchCall};
 
 /// Largest GQA group and head dimension the attention kernel takes.
 const MAX_GROUP: usize = 8;
@@ -642,6 +642,28 @@ enum Pending {
 }
 
 impl CudaSeq {
+    /// True when this sequence's sketch scores `layer` for a query of `q_len` floats (the
+    /// kernels take its group, and the layer exists).
+    fn sketch_takes(&self, layer: usize, q_len: usize) -> bool {
+        let geom = self.store.geom;
+        let group = q_len / (geom.num_kv_heads * geom.head_dim).max(1);
+        self.scores_on_device(group) && layer < self.recall_events.len()
+    }
+
+    /// `SeqSketch::queue` where the sketch takes the call; `Ok(false)` where it does not.
+    fn queue_sketch(
+        &mut self,
+        kv: &dyn KvSource,
+        q: SketchQuery<'_>,
+        call: SketchCall,
+    ) -> Result<bool, BackendError> {
+        if !self.sketch_takes(call.layer, q.len()) {
+            return Ok(false);
+        }
+        let store = Arc::clone(&self.store);
+        self.sketch.queue(&store, kv, q, call).map(|()| true)
+    }
+
     /// The arena slot of `b` of head `lh` and what it needs to hold `len` tokens.
     fn slot_for(
         &mut self,
@@ -945,68 +967,42 @@ impl DeviceSeq for CudaSeq {
     fn sketch_scores(
         &mut self,
         kv: &dyn KvSource,
-        layer: usize,
         q: &[f32],
-        scale: f32,
-        how: GroupScore,
-        blocks: usize,
+        call: SketchCall,
     ) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
-        let geom = self.store.geom;
-        let group = q.len() / (geom.num_kv_heads * geom.head_dim).max(1);
-        if !self.scores_on_device(group) || layer >= self.recall_events.len() {
+        if !self.sketch_takes(call.layer, q.len()) {
             return Ok(None);
         }
         let store = Arc::clone(&self.store);
-        self.sketch
-            .scores(&store, kv, layer, q, scale, how, blocks)
-            .map(Some)
+        self.sketch.scores(&store, kv, q, call).map(Some)
     }
 
     fn queue_sketch_scores(
         &mut self,
         kv: &dyn KvSource,
-        layer: usize,
         q: &[f32],
-        scale: f32,
-        how: GroupScore,
-        blocks: usize,
+        call: SketchCall,
     ) -> Result<bool, BackendError> {
-        let geom = self.store.geom;
-        let group = q.len() / (geom.num_kv_heads * geom.head_dim).max(1);
-        if !self.scores_on_device(group) || layer >= self.recall_events.len() {
-            return Ok(false);
-        }
-        let store = Arc::clone(&self.store);
-        self.sketch
-            .queue(&store, kv, layer, SketchQuery::Host(q), scale, how, blocks)
-            .map(|()| true)
+        self.queue_sketch(kv, SketchQuery::Host(q), call)
     }
 
     fn queue_sketch_scores_by(
         &mut self,
         kv: &dyn KvSource,
-        layer: usize,
         (rows, row): (&dyn std::any::Any, usize),
-        scale: f32,
-        how: GroupScore,
-        blocks: usize,
+        call: SketchCall,
     ) -> Result<bool, BackendError> {
         let Some(&DeviceQueryRows { addr, width, rows }) = rows.downcast_ref() else {
             return Ok(false);
         };
-        let geom = self.store.geom;
-        let group = width / (geom.num_kv_heads * geom.head_dim).max(1);
-        if row >= rows || !self.scores_on_device(group) || layer >= self.recall_events.len() {
+        if row >= rows {
             return Ok(false);
         }
         let q = SketchQuery::Device {
             addr: addr + (row * width * 4) as u64,
             len: width,
         };
-        let store = Arc::clone(&self.store);
-        self.sketch
-            .queue(&store, kv, layer, q, scale, how, blocks)
-            .map(|()| true)
+        self.queue_sketch(kv, q, call)
     }
 
     fn take_sketch_scores(&mut self, layer: usize) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
