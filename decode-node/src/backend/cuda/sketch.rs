@@ -353,6 +353,23 @@ impl SeqSketch {
         // Its staging is about to be written again.
         self.ahead.settle()?;
         let (out, hk) = self.launch(store, kv, q, call, true)?;
+        let r = self.queue_back(store, out, hk, call);
+        if r.is_err() {
+            // Nothing is held: the next call must find the stream past this one's copies.
+            let _ = store.shared().stream.synchronize();
+        }
+        r
+    }
+
+    /// The copy back and the event of a queued call whose kernels are queued (`out`: its
+    /// scores on the device, `[hk][blocks]`).
+    fn queue_back(
+        &mut self,
+        store: &CudaKvStore,
+        out: u64,
+        hk: usize,
+        call: SketchCall,
+    ) -> Result<(), BackendError> {
         let (layer, blocks) = (call.layer, call.blocks);
         let sh = store.shared();
         let back = &mut self.ahead.back.get(hk * blocks)?[..hk * blocks];
