@@ -109,7 +109,7 @@ pub trait Residual {
     /// same input. With `bring_back` it waits and returns the finished query rows (and the
     /// predicted ones) for the host's planning; else nothing waits and both are empty.
     ///
-    /// `scores` is handed the query rows where they are, finished, before anything waits
+    /// With `bring_back`, `scores` is first handed the query rows where they are, finished
     /// (a backend's own handle, for [`DeviceSeq::queue_sketch_scores_by`]): blocks scored by
     /// them come back in the same wait as the rows.
     fn resident_project(

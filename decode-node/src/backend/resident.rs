@@ -421,10 +421,12 @@ pub(crate) mod host {
             }
             norm_rope(b, &mut q, l.q_norm, l.eps, l.rot);
             norm_rope(b, &mut k, l.k_norm, l.eps, l.rot);
-            scores(&HostQueryRows {
-                q: q.clone(),
-                width: l.num_heads * l.head_dim,
-            });
+            if bring_back {
+                scores(&HostQueryRows {
+                    q: q.clone(),
+                    width: l.num_heads * l.head_dim,
+                });
+            }
             let back = ResidentQuery {
                 q: if bring_back { q.clone() } else { Vec::new() },
                 next: if bring_back { qn } else { Vec::new() },

@@ -904,15 +904,15 @@ impl CudaResidual<'_> {
             v: keep_v,
             cpu: at(cpu_at),
         });
+        if !bring_back {
+            return Ok(ResidentQuery::default());
+        }
         // Blocks scored by the finished rows where they are, before the one wait below.
         scores(&super::store::DeviceQueryRows {
             addr: keep_q,
             width: qw,
             rows: n,
         });
-        if !bring_back {
-            return Ok(ResidentQuery::default());
-        }
         let floats = n * qw * if next.is_some() { 2 } else { 1 };
         let mut back = vec![0f32; floats];
         sh.read_back(&mut back, keep_q)?;
