@@ -178,15 +178,15 @@ impl BlockGeometry {
 }
 
 impl BlockGeometry {
-    /// True when [`BlockGeometry::copy_tokens_digest`] takes this dtype: bf16 (a bf16 value is
-    /// its f32's high half) and f32; f16 keys need a real conversion, done in bulk elsewhere.
+    /// True when [`BlockGeometry::copy_tokens_digest`] takes this dtype: the ones a prefill
+    /// node sends (f32, f16, bf16), not the scaled 8-bit ones, which an ingest converts to.
     pub fn folds_digest_in_copy(&self) -> bool {
-        matches!(self.dtype, KvDType::F32 | KvDType::Bf16)
+        matches!(self.dtype, KvDType::F32 | KvDType::F16 | KvDType::Bf16)
     }
 
     /// As [`BlockGeometry::copy_tokens`], folding the keys into `digest` (the block's minima and
     /// maxima) in the same pass over K, so no f32 copy of the keys is made. Only for dtypes where
-    /// [`BlockGeometry::folds_digest_in_copy`]; an f16 block is left untouched.
+    /// [`BlockGeometry::folds_digest_in_copy`]; an 8-bit block is left untouched.
     pub fn copy_tokens_digest(
         &self,
         block: &mut [u8],
@@ -276,10 +276,7 @@ impl BlockGeometry {
         }
         let shape = (b, d, slot0, n, stride);
         #[cfg(target_arch = "x86_64")]
-        if self.dtype == KvDType::Bf16 && d.is_multiple_of(8) && n >= 8 && simd_bf16_available() {
-            // SAFETY: AVX2 checked; `k` holds n rows of `stride` bytes with d bf16 keys each
-            // (the caller's slices), the block row range was split above.
-            unsafe { fold_bf16_avx2(kt, k, shape, min, max) };
+        if crate::fold_avx2::fold_keys(self.dtype, kt, k, shape, min, max) {
             return;
         }
         match self.dtype {
@@ -291,8 +288,16 @@ impl BlockGeometry {
                 min,
                 max,
             ),
+            KvDType::F16 => fold::<2>(
+                kt,
+                k,
+                shape,
+                |x| half::f16::from_le_bytes(x).to_f32(),
+                min,
+                max,
+            ),
             KvDType::F32 => fold::<4>(kt, k, shape, f32::from_le_bytes, min, max),
-            KvDType::F16 | KvDType::I8 | KvDType::F8E4M3 => {}
+            KvDType::I8 | KvDType::F8E4M3 => {}
         }
     }
 }
@@ -353,161 +358,6 @@ unsafe fn stream_rows_avx(dst: &mut [u8], v: &[u8], row: usize, n: usize, stride
     _mm_sfence();
 }
 
-#[cfg(target_arch = "x86_64")]
-fn simd_bf16_available() -> bool {
-    is_x86_feature_detected!("avx2")
-}
-
-/// The bf16 case of [`BlockGeometry::copy_tokens_digest`] with AVX2: 8 tokens x 8 channels at
-/// a time are transposed in registers (three rounds of unpacks) and stored as 16-byte runs of
-/// each channel's row; the digest takes lane-wise min/max of the untransposed rows, so every
-/// lane is one channel and no horizontal reduction is needed. Tokens past a multiple of 8 go
-/// one by one. Operands of min/max are ordered so a NaN key is skipped, as `f32::min` does.
-///
-/// # Safety
-/// AVX2; `d` a multiple of 8; `k` holds `n` rows `stride` bytes apart of `d` bf16 values; `kt`
-/// holds `d` rows of `b` bf16 slots with `slot0 + n <= b`; `min`/`max` hold `d` values.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn fold_bf16_avx2(
-    kt: &mut [u8],
-    k: &[u8],
-    (b, d, slot0, n, stride): (usize, usize, usize, usize, usize),
-    min: &mut [f32],
-    max: &mut [f32],
-) {
-    use std::arch::x86_64::*;
-    debug_assert!(d % 8 == 0 && slot0 + n <= b && kt.len() >= d * b * 2);
-    debug_assert!(n == 0 || k.len() >= (n - 1) * stride + d * 2);
-    let widen = |v: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)));
-    // A whole block's K (the bulk of an ingest) is written as whole channel rows with
-    // non-temporal stores: transposed 8 channels at a time into `lines`, then streamed, so no
-    // destination line is read first (see `stream_rows_avx`).
-    #[repr(align(32))]
-    struct Lines {
-        _bytes: [u8; 8 * STREAM_MAX_SLOTS * 2],
-    }
-    // Uninitialised: only the bytes the transposes write are read back (2 KiB to zero per
-    // call was 5% of an ingest).
-    let mut lines = std::mem::MaybeUninit::<Lines>::uninit();
-    let stream = slot0 == 0
-        && n == b
-        && b.is_multiple_of(16)
-        && b <= STREAM_MAX_SLOTS
-        && (kt.as_ptr() as usize).is_multiple_of(32);
-    for c0 in (0..d).step_by(8) {
-        // SAFETY: c0 + 8 <= d.
-        let (mut lo, mut hi) = unsafe {
-            (
-                _mm256_loadu_ps(min.as_ptr().add(c0)),
-                _mm256_loadu_ps(max.as_ptr().add(c0)),
-            )
-        };
-        let mut t0 = 0;
-        while t0 + 8 <= n {
-            let mut r = [_mm_setzero_si128(); 8];
-            for (i, ri) in r.iter_mut().enumerate() {
-                // SAFETY: token t0+i < n, channels c0..c0+8 < d.
-                *ri = unsafe { _mm_loadu_si128(k.as_ptr().add((t0 + i) * stride + c0 * 2).cast()) };
-                let f = widen(*ri);
-                lo = _mm256_min_ps(f, lo);
-                hi = _mm256_max_ps(f, hi);
-            }
-            let a = [
-                _mm_unpacklo_epi16(r[0], r[1]),
-                _mm_unpackhi_epi16(r[0], r[1]),
-                _mm_unpacklo_epi16(r[2], r[3]),
-                _mm_unpackhi_epi16(r[2], r[3]),
-                _mm_unpacklo_epi16(r[4], r[5]),
-                _mm_unpackhi_epi16(r[4], r[5]),
-                _mm_unpacklo_epi16(r[6], r[7]),
-                _mm_unpackhi_epi16(r[6], r[7]),
-            ];
-            let bb = [
-                _mm_unpacklo_epi32(a[0], a[2]),
-                _mm_unpackhi_epi32(a[0], a[2]),
-                _mm_unpacklo_epi32(a[1], a[3]),
-                _mm_unpackhi_epi32(a[1], a[3]),
-                _mm_unpacklo_epi32(a[4], a[6]),
-                _mm_unpackhi_epi32(a[4], a[6]),
-                _mm_unpacklo_epi32(a[5], a[7]),
-                _mm_unpackhi_epi32(a[5], a[7]),
-            ];
-            // Channel rows c0..c0+8, each the 8 tokens t0..t0+8.
-            let rows = [
-                _mm_unpacklo_epi64(bb[0], bb[4]),
-                _mm_unpackhi_epi64(bb[0], bb[4]),
-                _mm_unpacklo_epi64(bb[1], bb[5]),
-                _mm_unpackhi_epi64(bb[1], bb[5]),
-                _mm_unpacklo_epi64(bb[2], bb[6]),
-                _mm_unpackhi_epi64(bb[2], bb[6]),
-                _mm_unpacklo_epi64(bb[3], bb[7]),
-                _mm_unpackhi_epi64(bb[3], bb[7]),
-            ];
-            for (j, row) in rows.iter().enumerate() {
-                if stream {
-                    // SAFETY: j < 8 and t0 + 8 <= n = b <= STREAM_MAX_SLOTS: inside `lines`.
-                    unsafe {
-                        _mm_storeu_si128(
-                            lines.as_mut_ptr().cast::<u8>().add((j * b + t0) * 2).cast(),
-                            *row,
-                        )
-                    };
-                    continue;
-                }
-                // SAFETY: row c0+j < d, slots slot0+t0 .. +8 <= slot0 + n <= b.
-                unsafe {
-                    _mm_storeu_si128(
-                        kt.as_mut_ptr().add(((c0 + j) * b + slot0 + t0) * 2).cast(),
-                        *row,
-                    )
-                };
-            }
-            t0 += 8;
-        }
-        if stream {
-            // Eight whole channel rows, streamed out 32 bytes at a time.
-            for j in 0..8 {
-                for off in (0..b * 2).step_by(32) {
-                    // SAFETY: `lines` holds 8 rows of b*2 bytes, 32-aligned (b*2 % 32 == 0),
-                    // all written by the t0 loop above (n = b tokens); the block row
-                    // (c0+j)*b*2 + off + 32 <= d*b*2, 32-aligned (checked).
-                    unsafe {
-                        let src = lines.as_ptr().cast::<u8>().add(j * b * 2 + off);
-                        let x = _mm256_load_si256(src.cast());
-                        _mm256_stream_si256(kt.as_mut_ptr().add((c0 + j) * b * 2 + off).cast(), x);
-                    }
-                }
-            }
-        }
-        for t in t0..n {
-            let at = t * stride + c0 * 2;
-            // SAFETY: token t < n, channels c0..c0+8 < d.
-            let v = unsafe { _mm_loadu_si128(k.as_ptr().add(at).cast()) };
-            let f = widen(v);
-            lo = _mm256_min_ps(f, lo);
-            hi = _mm256_max_ps(f, hi);
-            for j in 0..8 {
-                let dst = ((c0 + j) * b + slot0 + t) * 2;
-                kt[dst..dst + 2].copy_from_slice(&k[at + 2 * j..at + 2 * j + 2]);
-            }
-        }
-        // SAFETY: c0 + 8 <= d.
-        unsafe {
-            _mm256_storeu_ps(min.as_mut_ptr().add(c0), lo);
-            _mm256_storeu_ps(max.as_mut_ptr().add(c0), hi);
-        }
-    }
-    if stream {
-        // Order the streamed stores before anything that publishes the block.
-        _mm_sfence();
-    }
-}
-
-/// Longest block whose K rows are streamed whole by `fold_bf16_avx2`.
-#[cfg(target_arch = "x86_64")]
-const STREAM_MAX_SLOTS: usize = 128;
-
 /// One KV head's part of one block, as the kernels read it.
 #[derive(Debug, Clone, Copy)]
 pub struct HeadBlock<'a> {
@@ -521,6 +371,7 @@ pub struct HeadBlock<'a> {
 mod tests {
     use super::*;
     use crate::dtype::decode_to_f32;
+    use proptest::prelude::*;
 
     #[test]
     fn fused_digest_copy_equals_copy_then_digest() {
@@ -534,6 +385,11 @@ mod tests {
             (KvDType::Bf16, 32, 64, 30, 2),
             (KvDType::Bf16, 64, 16, 60, 0),
             (KvDType::Bf16, 64, 24, 25, 39),
+            // The f16 and f32 SIMD paths: whole groups of 8, single tokens, an offset slot.
+            (KvDType::F16, 32, 64, 30, 2),
+            (KvDType::F16, 64, 24, 25, 39),
+            (KvDType::F32, 32, 64, 30, 2),
+            (KvDType::F32, 64, 24, 25, 39),
         ];
         for (dtype, bs, d, n, slot0) in cases {
             let geom = BlockGeometry {
@@ -579,23 +435,28 @@ mod tests {
     }
 
     #[test]
-    fn whole_bf16_blocks_streamed_at_every_alignment_equal_the_plain_copy() {
-        for (bs, d) in [(32, 128), (16, 64), (32, 8)] {
+    fn whole_blocks_streamed_at_every_alignment_equal_the_plain_copy() {
+        let dtypes = [KvDType::Bf16, KvDType::F16, KvDType::F32];
+        for (dtype, (bs, d)) in dtypes
+            .into_iter()
+            .flat_map(|t| [(32, 128), (16, 64), (32, 8), (8, 16)].map(|s| (t, s)))
+        {
             let geom = BlockGeometry {
                 block_size: bs,
                 num_kv_heads: 2,
                 head_dim: d,
-                dtype: KvDType::Bf16,
+                dtype,
             };
-            let row = geom.num_kv_heads * d * 2;
-            let vals: Vec<f32> = (0..bs * row / 2)
+            let es = dtype.size();
+            let row = geom.num_kv_heads * d * es;
+            let vals: Vec<f32> = (0..bs * row / es)
                 .map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.07)
                 .collect();
-            let mut wire = vec![0u8; vals.len() * 2];
-            encode_from_f32(KvDType::Bf16, &vals, &mut wire);
+            let mut wire = vec![0u8; vals.len() * es];
+            encode_from_f32(dtype, &vals, &mut wire);
             let src = WireTokens {
-                k: &wire[d * 2..],
-                v: &wire[d * 2..],
+                k: &wire[d * es..],
+                v: &wire[d * es..],
                 stride: row,
                 n: bs,
             };
@@ -604,7 +465,7 @@ mod tests {
             let mut want_dg = crate::Digest::new(d);
             for t in 0..bs {
                 let mut k = vec![0f32; d];
-                decode_to_f32(KvDType::Bf16, &wire[d * 2 + t * row..][..d * 2], &mut k);
+                decode_to_f32(dtype, &wire[d * es + t * row..][..d * es], &mut k);
                 want_dg.update(&k);
             }
             let mut buf = vec![0u8; geom.block_bytes() + 64];
@@ -613,9 +474,66 @@ mod tests {
                 let block = &mut buf[shift..shift + geom.block_bytes()];
                 let mut dg = crate::Digest::new(d);
                 geom.copy_tokens_digest(block, 1, 0, src, (&mut dg.min, &mut dg.max));
-                assert_eq!(block, &want[..], "bs {bs} d {d} shift {shift}");
-                assert_eq!(dg, want_dg);
+                assert_eq!(block, &want[..], "{dtype:?} bs {bs} d {d} shift {shift}");
+                assert_eq!(dg, want_dg, "{dtype:?} bs {bs} d {d} shift {shift}");
             }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(17), ..ProptestConfig::default() })]
+        /// The fused copy (SIMD where the CPU has it) writes the bytes of the plain copy and
+        /// the digest of the keys decoded one by one, for random shapes and runs, with NaN,
+        /// infinite and subnormal keys among them.
+        #[test]
+        fn fused_keys_equal_the_scalar_copy_and_digest(
+            dtype in proptest::sample::select(vec![KvDType::Bf16, KvDType::F16, KvDType::F32]),
+            bs in proptest::sample::select(vec![8usize, 16, 32, 64]),
+            d in (1usize..=17).prop_map(|x| 8 * x),
+            hk in 1usize..=3,
+            seed in any::<u64>(),
+            // (slot0, n) as fractions of the block.
+            at in 0f64..1.0,
+            len in 0f64..=1.0,
+        ) {
+            let slot0 = ((at * bs as f64) as usize).min(bs - 1);
+            let n = ((len * (bs - slot0) as f64).ceil() as usize).clamp(1, bs - slot0);
+            let h = (seed % hk as u64) as usize;
+            let geom = BlockGeometry { block_size: bs, num_kv_heads: hk, head_dim: d, dtype };
+            let es = dtype.size();
+            let row = hk * d * es;
+            let mut r = seed;
+            let vals: Vec<f32> = (0..n * row / es)
+                .map(|_| {
+                    r = r.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    match r >> 58 {
+                        0 => f32::NAN,
+                        1 => f32::INFINITY,
+                        2 => f32::NEG_INFINITY,
+                        3 => 1e-41 * (r >> 40 & 0xff) as f32, // subnormal in f32 (zero in f16)
+                        4 => 3e-6,                            // subnormal in f16
+                        _ => ((r >> 32) as u32 as f32 / u32::MAX as f32 - 0.5) * 8.0,
+                    }
+                })
+                .collect();
+            let mut wire = vec![0u8; vals.len() * es];
+            encode_from_f32(dtype, &vals, &mut wire);
+            let src = WireTokens { k: &wire[h * d * es..], v: &wire, stride: row, n };
+            let (mut want, mut got) = (vec![7u8; geom.block_bytes()], vec![7u8; geom.block_bytes()]);
+            geom.copy_tokens(&mut want, h, slot0, src);
+            let mut want_dg = crate::Digest::new(d);
+            let mut k = vec![0f32; d];
+            for t in 0..n {
+                decode_to_f32(dtype, &wire[h * d * es + t * row..][..d * es], &mut k);
+                want_dg.update(&k);
+            }
+            let mut dg = crate::Digest::new(d);
+            geom.copy_tokens_digest(&mut got, h, slot0, src, (&mut dg.min, &mut dg.max));
+            prop_assert_eq!(&got, &want, "{:?} bs {} d {} slot0 {} n {}", dtype, bs, d, slot0, n);
+            // Bitwise, so NaN-free extremes and signed zeros compare exactly.
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&dg.min), bits(&want_dg.min));
+            prop_assert_eq!(bits(&dg.max), bits(&want_dg.max));
         }
     }
 

@@ -44,6 +44,8 @@ mod block;
 pub mod cuda;
 mod digest;
 mod dtype;
+#[cfg(target_arch = "x86_64")]
+mod fold_avx2;
 pub mod host_sketch;
 mod kernel;
 #[cfg(target_arch = "x86_64")]

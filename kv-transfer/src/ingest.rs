@@ -8,7 +8,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use attention::{HeadDigests, KvDType, Rows, WireTokens, decode_to_f32};
+use attention::{HeadDigests, KvDType, Rows, decode_to_f32};
 use decode_node_proto::v1::{DType, KvHeader};
 
 use crate::committed::CommittedKv;
@@ -330,9 +330,9 @@ impl Ingest {
             ))
         };
 
-        let same_dtype = self.info.wire_dtype == geom.dtype;
-        // Same dtype, bf16 or f32: digests fold in while K is transposed, no f32 copy of K.
-        if same_dtype && geom.folds_digest_in_copy() {
+        // Same dtype (a wire dtype, which always folds): digests fold in while K is
+        // transposed, no f32 copy of K.
+        if self.info.wire_dtype == geom.dtype && geom.folds_digest_in_copy() {
             let crc = self.write_fused(c, layer, heads.clone(), start, count);
             if crc != c.crc32c {
                 // Blocks were written before the check (see `write_fused`): unusable now.
@@ -345,7 +345,7 @@ impl Ingest {
             if crc != c.crc32c {
                 return Err(crc_mismatch(crc));
             }
-            self.write_converted(c, layer, heads.clone(), start, count, same_dtype);
+            self.write_converted(c, layer, heads.clone(), start, count);
         }
         for h in heads {
             let cov = &mut self.covered[layer * hk + h];
@@ -406,7 +406,8 @@ impl Ingest {
         crc.value()
     }
 
-    /// Writes a checked chunk that needs a dtype conversion (or an f16 digest).
+    /// Writes a checked chunk whose pool stores another dtype than the wire's: decoded to
+    /// f32 once, then each token encoded into its slot and folded into its block's digest.
     fn write_converted(
         &mut self,
         c: &Chunk,
@@ -414,55 +415,26 @@ impl Ingest {
         heads: Range<usize>,
         start: usize,
         count: usize,
-        same_dtype: bool,
     ) {
         let geom = self.layout.geom;
         let (hk, d) = (geom.num_kv_heads, geom.head_dim);
         let hc = heads.len();
         let want = c.key.len();
         self.scratch_k.resize(count * hc * d, 0.0);
+        self.scratch_v.resize(count * hc * d, 0.0);
         let key = c.key.slice(0..want, &mut self.gather_k);
         decode_to_f32(self.info.wire_dtype, key, &mut self.scratch_k);
-        if !same_dtype {
-            self.scratch_v.resize(count * hc * d, 0.0);
-            let value = c.value.slice(0..want, &mut self.gather_v);
-            decode_to_f32(self.info.wire_dtype, value, &mut self.scratch_v);
-        }
-        let es = self.info.wire_dtype.size();
-        let row = hc * d * es;
+        let value = c.value.slice(0..want, &mut self.gather_v);
+        decode_to_f32(self.info.wire_dtype, value, &mut self.scratch_v);
         for (t, bi, slot, n) in runs(geom.block_size, start, count) {
             let block = self.blocks[layer][bi - self.prefix.len()].bytes_mut();
-            // f16 in an f16 pool: straight copies; the digest from the decoded keys.
-            let rows = t * row..(t + n) * row;
-            let (kr, vr) = if same_dtype {
-                (
-                    c.key.slice(rows.clone(), &mut self.gather_k),
-                    c.value.slice(rows, &mut self.gather_v),
-                )
-            } else {
-                (&[][..], &[][..])
-            };
             for (j, h) in heads.clone().enumerate() {
-                if same_dtype {
-                    let off = j * d * es;
-                    let src = WireTokens {
-                        k: &kr[off..],
-                        v: &vr[off..],
-                        stride: row,
-                        n,
-                    };
-                    geom.copy_tokens(block, h, slot, src);
-                } else {
-                    for i in 0..n {
-                        let at = ((t + i) * hc + j) * d;
-                        let (k, v) = (&self.scratch_k[at..at + d], &self.scratch_v[at..at + d]);
-                        geom.write_token(block, h, slot + i, k, v);
-                    }
-                }
                 let digest = &mut self.digests[layer * hk + h];
                 for i in 0..n {
                     let at = ((t + i) * hc + j) * d;
-                    digest.update(bi, &self.scratch_k[at..at + d]);
+                    let (k, v) = (&self.scratch_k[at..at + d], &self.scratch_v[at..at + d]);
+                    geom.write_token(block, h, slot + i, k, v);
+                    digest.update(bi, k);
                 }
             }
         }
@@ -617,7 +589,7 @@ pub(crate) mod tests {
 
     #[test]
     fn heads_pushed_by_separate_ranks_assemble_to_the_whole_push() {
-        // Fused (f32 into f32), converting (f16 into f32) and copying (f16 into f16) writes.
+        // Fused (f32 into f32, f16 into f16) and converting (f16 into f32) writes.
         for (pool_dtype, wire_f32) in [
             (KvDType::F32, true),
             (KvDType::F32, false),
@@ -776,7 +748,7 @@ pub(crate) mod tests {
 
     #[test]
     fn same_dtype_copy_equals_converting_write() {
-        // An f16 pool fed f16 chunks (copy path) and f32 chunks (convert path).
+        // An f16 pool fed f16 chunks (fused path) and f32 chunks (convert path).
         let mut l = layout();
         l.geom.dtype = KvDType::F16;
         let pool = HostPool::new(l.geom, 64 * l.geom.block_bytes() as u64).unwrap();

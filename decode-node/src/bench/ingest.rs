@@ -36,8 +36,8 @@ fn store_rate(model: &crate::cli::ModelArgs, kv: &PromptKv, rounds: u64) -> anyh
 
 /// Each stage of the store path alone, in bytes/s of the bytes it handles, over the same push
 /// written `rounds` times into blocks of the pool's layout (fresh memory, as a pool's): the
-/// CRC-32C of K and V, the V rows' copy, and the K transpose with the digests folded in (bf16
-/// and f32 pools; an f16 pool converts K for its digests, which this does not time).
+/// CRC-32C of K and V, the V rows' copy, and the K transpose with the digests folded in (pools
+/// of a wire dtype; an 8-bit pool converts every token, which this does not time).
 struct StageRates {
     crc: f64,
     values: f64,
@@ -221,7 +221,10 @@ pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Val
             gb(stages.values),
             stages
                 .keys_digests
-                .map_or("(f16: not timed)".into(), |r| format!("{:.2} GB/s", gb(r))),
+                .map_or("(converted: not timed)".into(), |r| format!(
+                    "{:.2} GB/s",
+                    gb(r)
+                )),
             gb(store),
             store / memcpy
         );
