@@ -101,14 +101,24 @@ impl KernelPath {
         }
     }
 
-    /// The fastest path this CPU has for blocks of `geom`.
+    /// The fastest path this CPU has for blocks of `geom` (the widest it runs, but AVX2 over
+    /// AVX-512 where that measured faster: `kernel_avx512::preferred`).
     pub fn best(geom: &BlockGeometry) -> Self {
         Self::ALL
             .iter()
             .rev()
             .copied()
-            .find(|p| p.runs(geom))
+            .find(|p| p.runs(geom) && p.preferred())
             .unwrap_or(Self::Scalar)
+    }
+
+    /// False for a path [`KernelPath::best`] passes over although it runs.
+    fn preferred(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => crate::kernel_avx512::preferred(),
+            _ => true,
+        }
     }
 }
 

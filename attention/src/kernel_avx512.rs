@@ -34,6 +34,44 @@ pub fn avx512_enabled() -> bool {
     available()
 }
 
+/// Whether [`crate::KernelPath::best`] takes the attention kernel's AVX-512 path: where it
+/// can run, unless the CPU issues each 512-bit operation as two 256-bit halves (AMD Zen 4),
+/// where the AVX2 path measured faster; `DECODE_NODE_AVX512=1` takes it there too. Read once.
+///
+/// `bench kernels`, one thread, bf16 and head dim 128, paths alternated in one run on a 2-core
+/// EPYC (Zen 4), GB/s AVX2 against AVX-512: G=2 24.2-25.0 / 22.5, G=4 17.0 / 16.2, G=5
+/// 14.8-15.0 / 14.0, G=8 10.2-10.3 / 9.9, G=3 19.1-19.3 / 19.5. The model executor's row loops
+/// do not follow this: there the two measured alike.
+pub(crate) fn preferred() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let forced = std::env::var("DECODE_NODE_AVX512").is_ok_and(|v| v.trim() == "1");
+        available() && (forced || !half_width(cpu_id()))
+    })
+}
+
+/// The CPU's vendor string and family/model signature (CPUID leaves 0 and 1).
+fn cpu_id() -> ([u8; 12], u32) {
+    let v = __cpuid(0);
+    let mut vendor = [0u8; 12];
+    for (dst, r) in vendor.chunks_exact_mut(4).zip([v.ebx, v.edx, v.ecx]) {
+        dst.copy_from_slice(&r.to_le_bytes());
+    }
+    (vendor, __cpuid(1).eax)
+}
+
+/// True for a CPU that has AVX-512 but runs it on 256-bit units: AMD family 19h (Zen 4; Zen 3
+/// in the same family has no AVX-512). Zen 5 (family 1Ah) has full-width units.
+fn half_width((vendor, signature): ([u8; 12], u32)) -> bool {
+    let base = (signature >> 8) & 0xf;
+    let family = if base == 0xf {
+        base + ((signature >> 20) & 0xff)
+    } else {
+        base
+    };
+    &vendor == b"AuthenticAMD" && family == 0x19
+}
+
 /// Loads 16 elements at `p` as f32.
 ///
 /// # Safety
@@ -220,4 +258,21 @@ pub(crate) unsafe fn accumulate_v_dyn(
     }
     // SAFETY: forwarded.
     unsafe { dispatch!(g, accumulate_v, dt, vs, d, p, b, acc, pf) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CPUID signatures of real parts: only AMD's family 19h with AVX-512 is half width.
+    #[test]
+    fn half_width_is_amd_family_19h() {
+        let (amd, intel) = (*b"AuthenticAMD", *b"GenuineIntel");
+        assert!(half_width((amd, 0x00A1_0F11))); // EPYC 9004 (Zen 4), family 19h model 11h
+        assert!(half_width((amd, 0x00A6_0F12))); // Ryzen 7040 (Zen 4)
+        assert!(!half_width((amd, 0x00B0_0F21))); // EPYC 9005 (Zen 5), family 1Ah
+        assert!(!half_width((amd, 0x0083_0F10))); // EPYC 7002 (Zen 2), family 17h
+        assert!(!half_width((intel, 0x0008_06F8))); // Xeon Sapphire Rapids, family 6
+        assert!(!half_width((intel, 0x00A1_0F11))); // Zen 4's signature, another vendor
+    }
 }
