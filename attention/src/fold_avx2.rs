@@ -1,8 +1,9 @@
 //! An ingest's keys in AVX2 (x86-64): K rows transposed into a block's channel rows, 8 tokens
 //! x 8 channels in registers at a time, with the block's digest (each channel's minimum and
 //! maximum) taken from the untransposed rows on the way, so every lane is one channel and no
-//! horizontal reduction is needed. One function per element width: bf16 and f16 share the
-//! 16-bit transpose and differ in how a key widens to f32 for the digest (a shift, or F16C).
+//! horizontal reduction is needed. One loop for every wire dtype ([`Keys`]): bf16 and f16
+//! share the 16-bit transpose and differ in how a key widens to f32 for the digest (a shift,
+//! or F16C); f32 has its own transpose.
 //!
 //! Whole blocks leave through non-temporal stores (see [`stream_rows`]); tokens past a multiple
 //! of 8 go one by one. Min/max operands are ordered so a NaN key is skipped, as `f32::min`
@@ -48,9 +49,9 @@ pub(crate) fn fold_keys(
     // SAFETY: the CPU has the features `available` names; the bounds were checked above.
     unsafe {
         match dtype {
-            KvDType::Bf16 => fold_half::<false>(kt, k, shape, min, max),
-            KvDType::F16 => fold_half::<true>(kt, k, shape, min, max),
-            KvDType::F32 => fold_f32(kt, k, shape, min, max),
+            KvDType::Bf16 => fold::<Bf16x8>(kt, k, shape, min, max),
+            KvDType::F16 => fold::<F16x8>(kt, k, shape, min, max),
+            KvDType::F32 => fold::<F32x8>(kt, k, shape, min, max),
             KvDType::I8 | KvDType::F8E4M3 => unreachable!("no SIMD fold for {dtype:?}"),
         }
     }
@@ -191,31 +192,132 @@ fn transpose_8x8_f32(r: &[__m256; 8]) -> [__m256; 8] {
     ]
 }
 
-/// The 16-bit fold: f16 keys when `F16` (widened by F16C), else bf16 (a bf16 value is its
-/// f32's high half).
+/// Eight keys of one token, as [`fold`] loads, widens, transposes and stores them.
+trait Keys: Copy {
+    /// Bytes of one key.
+    const SIZE: usize;
+
+    /// # Safety
+    /// `8 * SIZE` readable bytes at `p`; AVX2 and F16C.
+    unsafe fn load(p: *const u8) -> Self;
+
+    /// # Safety
+    /// AVX2 and F16C.
+    unsafe fn widen(self) -> __m256;
+
+    /// Eight tokens' keys as eight channels' rows.
+    ///
+    /// # Safety
+    /// AVX2.
+    unsafe fn transpose(r: &[Self; 8]) -> [Self; 8];
+
+    /// # Safety
+    /// `8 * SIZE` writable bytes at `p`; AVX2.
+    unsafe fn store(self, p: *mut u8);
+}
+
+/// bf16 keys: a bf16 value is its f32's high half.
+#[derive(Clone, Copy)]
+struct Bf16x8(__m128i);
+
+/// f16 keys, widened by F16C.
+#[derive(Clone, Copy)]
+struct F16x8(__m128i);
+
+/// f32 keys.
+#[derive(Clone, Copy)]
+struct F32x8(__m256);
+
+impl Keys for Bf16x8 {
+    const SIZE: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn load(p: *const u8) -> Self {
+        // SAFETY: 16 readable bytes at `p` (the caller's contract).
+        Self(unsafe { _mm_loadu_si128(p.cast()) })
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn widen(self) -> __m256 {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(self.0)))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn transpose(r: &[Self; 8]) -> [Self; 8] {
+        transpose_8x8_u16(&r.map(|x| x.0)).map(Self)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store(self, p: *mut u8) {
+        // SAFETY: 16 writable bytes at `p` (the caller's contract).
+        unsafe { _mm_storeu_si128(p.cast(), self.0) }
+    }
+}
+
+impl Keys for F16x8 {
+    const SIZE: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn load(p: *const u8) -> Self {
+        // SAFETY: 16 readable bytes at `p` (the caller's contract).
+        Self(unsafe { _mm_loadu_si128(p.cast()) })
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn widen(self) -> __m256 {
+        _mm256_cvtph_ps(self.0)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn transpose(r: &[Self; 8]) -> [Self; 8] {
+        transpose_8x8_u16(&r.map(|x| x.0)).map(Self)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store(self, p: *mut u8) {
+        // SAFETY: 16 writable bytes at `p` (the caller's contract).
+        unsafe { _mm_storeu_si128(p.cast(), self.0) }
+    }
+}
+
+impl Keys for F32x8 {
+    const SIZE: usize = 4;
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn load(p: *const u8) -> Self {
+        // SAFETY: 32 readable bytes at `p` (the caller's contract).
+        Self(unsafe { _mm256_loadu_ps(p.cast()) })
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn widen(self) -> __m256 {
+        self.0
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn transpose(r: &[Self; 8]) -> [Self; 8] {
+        transpose_8x8_f32(&r.map(|x| x.0)).map(Self)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store(self, p: *mut u8) {
+        // SAFETY: 32 writable bytes at `p` (the caller's contract).
+        unsafe { _mm256_storeu_ps(p.cast(), self.0) }
+    }
+}
+
+/// The fold for keys `K`.
 ///
 /// # Safety
 /// AVX2 and F16C; the bounds [`fold_keys`] checks; `d` a multiple of 8.
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn fold_half<const F16: bool>(
-    kt: &mut [u8],
-    k: &[u8],
-    shape: Shape,
-    min: &mut [f32],
-    max: &mut [f32],
-) {
+unsafe fn fold<K: Keys>(kt: &mut [u8], k: &[u8], shape: Shape, min: &mut [f32], max: &mut [f32]) {
     let (b, d, slot0, n, stride) = shape;
-    let widen = |v: __m128i| {
-        if F16 {
-            _mm256_cvtph_ps(v)
-        } else {
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)))
-        }
-    };
+    let es = K::SIZE;
     // Uninitialised: only the bytes the transposes write are read back (zeroing 2 KiB per
     // call was 5% of an ingest).
     let mut lines = std::mem::MaybeUninit::<Lines>::uninit();
-    let stream = streams(kt, shape, 2);
+    let stream = streams(kt, shape, es);
     for c0 in (0..d).step_by(8) {
         // SAFETY: c0 + 8 <= d <= min.len(), max.len() (checked).
         let (mut lo, mut hi) = unsafe {
@@ -224,45 +326,47 @@ unsafe fn fold_half<const F16: bool>(
                 _mm256_loadu_ps(max.as_ptr().add(c0)),
             )
         };
+        // SAFETY (every call below): the features are this function's; each pointer's bytes
+        // lie where its comment says.
         let mut t0 = 0;
         while t0 + 8 <= n {
-            let mut r = [_mm_setzero_si128(); 8];
-            for (i, ri) in r.iter_mut().enumerate() {
-                // SAFETY: token t0+i < n, channels c0..c0+8 <= d: inside `k` (checked).
-                *ri = unsafe { _mm_loadu_si128(k.as_ptr().add((t0 + i) * stride + c0 * 2).cast()) };
-                let f = widen(*ri);
+            // Token t0+i < n, channels c0..c0+8 <= d: inside `k` (checked).
+            let r: [K; 8] = std::array::from_fn(|i| unsafe {
+                K::load(k.as_ptr().add((t0 + i) * stride + c0 * es))
+            });
+            for x in &r {
+                let f = unsafe { x.widen() };
                 lo = _mm256_min_ps(f, lo);
                 hi = _mm256_max_ps(f, hi);
             }
             // Channel rows c0..c0+8, each the 8 tokens t0..t0+8.
-            for (j, row) in transpose_8x8_u16(&r).iter().enumerate() {
+            for (j, row) in unsafe { K::transpose(&r) }.iter().enumerate() {
                 let dst = if stream {
                     // j < 8 and t0 + 8 <= n = b <= STREAM_MAX_SLOTS: inside `lines`.
                     lines
                         .as_mut_ptr()
                         .cast::<u8>()
-                        .wrapping_add((j * b + t0) * 2)
+                        .wrapping_add((j * b + t0) * es)
                 } else {
                     // Row c0+j < d, slots slot0+t0 .. +8 <= slot0 + n <= b.
                     kt.as_mut_ptr()
-                        .wrapping_add(((c0 + j) * b + slot0 + t0) * 2)
+                        .wrapping_add(((c0 + j) * b + slot0 + t0) * es)
                 };
-                // SAFETY: `dst` lies inside `lines` or `kt`, as said above.
-                unsafe { _mm_storeu_si128(dst.cast(), *row) };
+                unsafe { row.store(dst) };
             }
             t0 += 8;
         }
         if stream {
-            // SAFETY: `lines` holds 8 rows of b*2 bytes (a multiple of 32), all written above
-            // (n = b tokens); `kt` is aligned and holds them (checked).
-            unsafe { stream_rows(lines.as_ptr().cast(), kt, c0, b * 2) };
+            // `lines` holds 8 rows of b*es bytes (a multiple of 32), all written above (n = b
+            // tokens); `kt` is aligned and holds them (checked).
+            unsafe { stream_rows(lines.as_ptr().cast(), kt, c0, b * es) };
         }
         for t in t0..n {
-            // SAFETY: token t < n, channels c0..c0+8 <= d.
-            let f = widen(unsafe { _mm_loadu_si128(k.as_ptr().add(t * stride + c0 * 2).cast()) });
+            // Token t < n, channels c0..c0+8 <= d.
+            let f = unsafe { K::load(k.as_ptr().add(t * stride + c0 * es)).widen() };
             lo = _mm256_min_ps(f, lo);
             hi = _mm256_max_ps(f, hi);
-            scatter_one(kt, k, shape, 2, c0, t);
+            scatter_one(kt, k, shape, es, c0, t);
         }
         // SAFETY: as the loads above.
         unsafe {
@@ -272,71 +376,6 @@ unsafe fn fold_half<const F16: bool>(
     }
     if stream {
         // Order the streamed stores before anything that publishes the block.
-        _mm_sfence();
-    }
-}
-
-/// The f32 fold.
-///
-/// # Safety
-/// AVX2; the bounds [`fold_keys`] checks; `d` a multiple of 8.
-#[target_feature(enable = "avx2")]
-unsafe fn fold_f32(kt: &mut [u8], k: &[u8], shape: Shape, min: &mut [f32], max: &mut [f32]) {
-    let (b, d, slot0, n, stride) = shape;
-    let mut lines = std::mem::MaybeUninit::<Lines>::uninit();
-    let stream = streams(kt, shape, 4);
-    for c0 in (0..d).step_by(8) {
-        // SAFETY: c0 + 8 <= d <= min.len(), max.len() (checked).
-        let (mut lo, mut hi) = unsafe {
-            (
-                _mm256_loadu_ps(min.as_ptr().add(c0)),
-                _mm256_loadu_ps(max.as_ptr().add(c0)),
-            )
-        };
-        let mut t0 = 0;
-        while t0 + 8 <= n {
-            let mut r = [_mm256_setzero_ps(); 8];
-            for (i, ri) in r.iter_mut().enumerate() {
-                // SAFETY: token t0+i < n, channels c0..c0+8 <= d: inside `k` (checked).
-                *ri = unsafe { _mm256_loadu_ps(k.as_ptr().add((t0 + i) * stride + c0 * 4).cast()) };
-                lo = _mm256_min_ps(*ri, lo);
-                hi = _mm256_max_ps(*ri, hi);
-            }
-            for (j, row) in transpose_8x8_f32(&r).iter().enumerate() {
-                let dst = if stream {
-                    // j < 8 and t0 + 8 <= n = b <= STREAM_MAX_SLOTS: inside `lines`.
-                    lines
-                        .as_mut_ptr()
-                        .cast::<u8>()
-                        .wrapping_add((j * b + t0) * 4)
-                } else {
-                    // Row c0+j < d, slots slot0+t0 .. +8 <= slot0 + n <= b.
-                    kt.as_mut_ptr()
-                        .wrapping_add(((c0 + j) * b + slot0 + t0) * 4)
-                };
-                // SAFETY: `dst` lies inside `lines` or `kt`, as said above.
-                unsafe { _mm256_storeu_ps(dst.cast(), *row) };
-            }
-            t0 += 8;
-        }
-        if stream {
-            // SAFETY: as in `fold_half`, rows of b*4 bytes.
-            unsafe { stream_rows(lines.as_ptr().cast(), kt, c0, b * 4) };
-        }
-        for t in t0..n {
-            // SAFETY: token t < n, channels c0..c0+8 <= d.
-            let f = unsafe { _mm256_loadu_ps(k.as_ptr().add(t * stride + c0 * 4).cast()) };
-            lo = _mm256_min_ps(f, lo);
-            hi = _mm256_max_ps(f, hi);
-            scatter_one(kt, k, shape, 4, c0, t);
-        }
-        // SAFETY: as the loads above.
-        unsafe {
-            _mm256_storeu_ps(min.as_mut_ptr().add(c0), lo);
-            _mm256_storeu_ps(max.as_mut_ptr().add(c0), hi);
-        }
-    }
-    if stream {
         _mm_sfence();
     }
 }
