@@ -49,8 +49,8 @@ pub(crate) fn fold_keys(
     // SAFETY: the CPU has the features `available` names; the bounds were checked above.
     unsafe {
         match dtype {
-            KvDType::Bf16 => fold::<Bf16x8>(kt, k, shape, min, max),
-            KvDType::F16 => fold::<F16x8>(kt, k, shape, min, max),
+            KvDType::Bf16 => fold::<Half<false>>(kt, k, shape, min, max),
+            KvDType::F16 => fold::<Half<true>>(kt, k, shape, min, max),
             KvDType::F32 => fold::<F32x8>(kt, k, shape, min, max),
             KvDType::I8 | KvDType::F8E4M3 => unreachable!("no SIMD fold for {dtype:?}"),
         }
@@ -216,19 +216,16 @@ trait Keys: Copy {
     unsafe fn store(self, p: *mut u8);
 }
 
-/// bf16 keys: a bf16 value is its f32's high half.
+/// 16-bit keys: f16 when `F16` (widened by F16C), else bf16 (a bf16 value is its f32's high
+/// half).
 #[derive(Clone, Copy)]
-struct Bf16x8(__m128i);
-
-/// f16 keys, widened by F16C.
-#[derive(Clone, Copy)]
-struct F16x8(__m128i);
+struct Half<const F16: bool>(__m128i);
 
 /// f32 keys.
 #[derive(Clone, Copy)]
 struct F32x8(__m256);
 
-impl Keys for Bf16x8 {
+impl<const F16: bool> Keys for Half<F16> {
     const SIZE: usize = 2;
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
@@ -239,33 +236,11 @@ impl Keys for Bf16x8 {
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn widen(self) -> __m256 {
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(self.0)))
-    }
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn transpose(r: &[Self; 8]) -> [Self; 8] {
-        transpose_8x8_u16(&r.map(|x| x.0)).map(Self)
-    }
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn store(self, p: *mut u8) {
-        // SAFETY: 16 writable bytes at `p` (the caller's contract).
-        unsafe { _mm_storeu_si128(p.cast(), self.0) }
-    }
-}
-
-impl Keys for F16x8 {
-    const SIZE: usize = 2;
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn load(p: *const u8) -> Self {
-        // SAFETY: 16 readable bytes at `p` (the caller's contract).
-        Self(unsafe { _mm_loadu_si128(p.cast()) })
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn widen(self) -> __m256 {
-        _mm256_cvtph_ps(self.0)
+        if F16 {
+            _mm256_cvtph_ps(self.0)
+        } else {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(self.0)))
+        }
     }
     #[inline]
     #[target_feature(enable = "avx2")]
