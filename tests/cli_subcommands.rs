@@ -474,6 +474,10 @@ fn bench_decode_reports_traffic_against_read_bandwidth() {
             r["read_gb_per_s"].as_f64().unwrap(),
         );
         assert!((r["ratio_to_read_bandwidth"].as_f64().unwrap() - gbps / bw).abs() < 1e-9);
+        // The median pass of the same probes: no faster than the best, and its own ratio.
+        let median = r["read_median_gb_per_s"].as_f64().unwrap();
+        assert!(median > 0.0 && median <= bw, "{r}");
+        assert!((r["ratio_to_median_read"].as_f64().unwrap() - gbps / median).abs() < 1e-9);
         // The roofline: no faster than streaming the bytes at that bandwidth.
         let roof = r["roofline_tokens_per_s"].as_f64().unwrap();
         let per_token = r["bytes_per_token"].as_f64().unwrap();

@@ -27,7 +27,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
     let cfg = model_config(&args.common.model)?;
     let on_device = args.common.model.device != "cpu";
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut bound: Option<(u64, u64, f64)> = None;
+    let mut bound: Option<(u64, u64, ReadPasses)> = None;
     let fma_peak = (!on_device)
         .then(|| fma_peak_threads(crate::backend::row_fma_path(args.batch as usize), cpus, 0.3));
     let bound_name = if on_device { "device copy" } else { "read" };
@@ -60,14 +60,18 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 args.cpu_attention_threads,
             )
             .await?;
-            let (weights, params, bw_before) = *bound.get_or_insert_with(|| {
+            let (weights, params, passes_before) = *bound.get_or_insert_with(|| {
                 let m = &node.model.model;
-                let bw = m
-                    .backend()
-                    .memory_bandwidth()
-                    .unwrap_or_else(|| host_read_bandwidth(cpus));
-                (m.weight_bytes(), m.weight_params(), bw)
+                let passes = m.backend().memory_bandwidth().map_or_else(
+                    || host_read_passes(cpus),
+                    |bw| ReadPasses {
+                        best: bw,
+                        median: bw,
+                    },
+                );
+                (m.weight_bytes(), m.weight_params(), passes)
             });
+            let bw_before = passes_before.best;
             let target = node.target();
             let info = model_info(&target).await?;
             anyhow::ensure!(
@@ -124,12 +128,16 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             // Every request of the batch counts the same steps' idle time: their mean.
             let device_idle_share = on_device.then(|| idle / args.batch.max(1) as f64 / secs);
             node.stop().await?;
-            let bw = if on_device {
-                bw_before
+            // The larger figure of the probes around the run, for the best pass and the median.
+            let (bw, bw_median) = if on_device {
+                (bw_before, None)
             } else {
-                let after = host_read_bandwidth(cpus);
+                let after = host_read_passes(cpus);
                 bound = Some((weights, params, after));
-                bw_before.max(after)
+                (
+                    bw_before.max(after.best),
+                    Some(passes_before.median.max(after.median)),
+                )
             };
             if mode == "full" {
                 full_tps = Some(tps);
@@ -185,6 +193,8 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 "gb_per_s": traffic.1 / 1e9,
                 "read_gb_per_s": traffic.2 / 1e9, "bound": bound_name,
                 "ratio_to_read_bandwidth": traffic.1 / traffic.2,
+                "read_median_gb_per_s": bw_median.map(|m| m / 1e9),
+                "ratio_to_median_read": bw_median.map(|m| traffic.1 / m),
                 "fits_in_cache": !on_device && cache_note(traffic.0 * nb).is_some(),
                 "fmas_per_token": roofline.map(|r| r.2),
                 "fma_g_per_s": roofline.map(|r| r.3 / 1e9),
@@ -217,11 +227,16 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 }
                 let (per_token, gbps, bw, _) = traffic;
                 eprintln!(
-                    "decode ctx={ctx} {mode:>6}: {:.1} MB moved per token, {:.2} GB/s / {:.2} GB/s {bound_name} = {:.2}",
+                    "decode ctx={ctx} {mode:>6}: {:.1} MB moved per token, {:.2} GB/s / {:.2} GB/s {bound_name} = {:.2}{}",
                     per_token / 1e6,
                     gbps / 1e9,
                     bw / 1e9,
-                    gbps / bw
+                    gbps / bw,
+                    bw_median.map_or(String::new(), |m| format!(
+                        " (median pass {:.2} GB/s: {:.2})",
+                        m / 1e9,
+                        gbps / m
+                    ))
                 );
                 if let Some((roof, bound, _, peak)) = roofline {
                     eprintln!(
