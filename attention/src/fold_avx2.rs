@@ -5,9 +5,9 @@
 //! share the 16-bit transpose and differ in how a key widens to f32 for the digest (a shift,
 //! or F16C); f32 has its own transpose.
 //!
-//! Whole blocks leave through non-temporal stores (see [`stream_rows`]); tokens past a multiple
-//! of 8 go one by one. Min/max operands are ordered so a NaN key is skipped, as `f32::min`
-//! does on the scalar path, which tests compare these with.
+//! Whole blocks leave through non-temporal stores (`block::stream_rows_avx`, as V rows do);
+//! tokens past a multiple of 8 go one by one. Min/max operands are ordered so a NaN key is
+//! skipped, as `f32::min` does on the scalar path, which tests compare these with.
 
 use std::arch::x86_64::*;
 
@@ -80,26 +80,6 @@ fn streams(kt: &[u8], (b, _, slot0, n, _): Shape, es: usize) -> bool {
         && (b * es).is_multiple_of(32)
         && b <= STREAM_MAX_SLOTS
         && (kt.as_ptr() as usize).is_multiple_of(32)
-}
-
-/// Streams channel rows `c0..c0 + 8` (each `row` bytes, a multiple of 32) from `lines` into
-/// `kt`: an ingest writes the pool once and does not read it back soon, so fetching each
-/// destination line first (what a plain store does) only doubles the memory traffic.
-///
-/// # Safety
-/// AVX; `lines` holds 8 rows of `row` bytes; `kt` is 32-byte aligned and holds rows
-/// `c0..c0 + 8`.
-#[target_feature(enable = "avx")]
-unsafe fn stream_rows(lines: *const u8, kt: &mut [u8], c0: usize, row: usize) {
-    for j in 0..8 {
-        for off in (0..row).step_by(32) {
-            // SAFETY: as this function's contract; offsets are multiples of 32.
-            unsafe {
-                let x = _mm256_load_si256(lines.add(j * row + off).cast());
-                _mm256_stream_si256(kt.as_mut_ptr().add((c0 + j) * row + off).cast(), x);
-            }
-        }
-    }
 }
 
 /// Copies token `t`'s 8 keys of channels `c0..c0 + 8` (`es` bytes each) to their rows, one by
@@ -332,9 +312,15 @@ unsafe fn fold<K: Keys>(kt: &mut [u8], k: &[u8], shape: Shape, min: &mut [f32], 
             t0 += 8;
         }
         if stream {
-            // `lines` holds 8 rows of b*es bytes (a multiple of 32), all written above (n = b
-            // tokens); `kt` is aligned and holds them (checked).
-            unsafe { stream_rows(lines.as_ptr().cast(), kt, c0, b * es) };
+            // Eight whole channel rows, streamed out: `lines` holds 8 rows of b*es bytes (a
+            // multiple of 32), all written above (n = b tokens, a multiple of 8); `kt` is
+            // 32-byte aligned and holds rows c0..c0+8 (checked).
+            let row = b * es;
+            unsafe {
+                let staged = std::slice::from_raw_parts(lines.as_ptr().cast::<u8>(), 8 * row);
+                let rows = &mut kt[c0 * row..(c0 + 8) * row];
+                crate::block::stream_rows_avx(rows, staged, row, 8, row);
+            }
         }
         for t in t0..n {
             // Token t < n, channels c0..c0+8 <= d.
