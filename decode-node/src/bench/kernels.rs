@@ -114,9 +114,6 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
     Ok(json!({ "bench": "kernels", "goal_ratio_to_roofline": 0.8, "results": rows }))
 }
 
-/// KV bytes a thread attends at least per timed pass.
-const PASS_BYTES: usize = 32 << 20;
-
 /// The best KV bytes per second over `seconds` of `threads` threads attending their share of
 /// `data` (whole head blocks of `geom`) on `path`, each its share several times a pass where
 /// the share is small (a working set sized to a cache).

@@ -123,6 +123,10 @@ fn read_bandwidth(buf: &[f32], threads: usize, seconds: f64) -> f64 {
     read_passes(buf, threads, seconds).best
 }
 
+/// Bytes a thread reads at least per timed pass of a scan (the read probe, `bench kernels`):
+/// starting the threads took a third of a pass over 1 MiB.
+const PASS_BYTES: usize = 32 << 20;
+
 /// The passes of a read-bandwidth probe, in bytes/s.
 #[derive(Debug, Clone, Copy)]
 struct ReadPasses {
@@ -136,18 +140,23 @@ struct ReadPasses {
 
 /// Passes of reading `buf` with `threads` threads for `seconds` (at least one).
 fn read_passes(buf: &[f32], threads: usize, seconds: f64) -> ReadPasses {
-    let chunk = buf.len().div_ceil(threads);
+    let chunk = buf.len().div_ceil(threads).max(1);
+    // A cache-sized buffer is read several times a pass, as `bench kernels` scans one.
+    let reps = (PASS_BYTES / (chunk * 4)).max(1);
     let mut rates = Vec::new();
     let end = Instant::now() + Duration::from_secs_f64(seconds);
     let mut sink = 0f32;
     while Instant::now() < end || rates.is_empty() {
         let t = Instant::now();
         let sums: Vec<f32> = std::thread::scope(|s| {
-            let hs: Vec<_> = buf.chunks(chunk).map(|c| s.spawn(move || sum(c))).collect();
+            let hs: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| s.spawn(move || (0..reps).map(|_| sum(c)).sum::<f32>()))
+                .collect();
             hs.into_iter().map(|h| h.join().unwrap_or(0.0)).collect()
         });
         sink += sums.iter().sum::<f32>();
-        rates.push((buf.len() * 4) as f64 / t.elapsed().as_secs_f64());
+        rates.push((buf.len() * 4 * reps) as f64 / t.elapsed().as_secs_f64());
     }
     std::hint::black_box(sink);
     rates.sort_by(f64::total_cmp);
