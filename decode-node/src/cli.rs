@@ -535,9 +535,10 @@ pub struct KernelsBench {
     /// Head dims to measure.
     #[arg(long, default_value = "64,128")]
     pub head_dims: String,
-    /// KV bytes scanned per pass, in MiB: well above the last-level cache measures memory,
-    /// a few MiB measures the kernel's own speed. 0: four times this CPU's last-level cache,
-    /// at least 256.
+    /// KV bytes scanned, in MiB: well above the last-level cache measures memory; one that
+    /// fits the threads' L2 (e.g. 1) measures the kernel's own speed, with no memory stream
+    /// to overlap (a small set is scanned again, at least 32 MiB a thread per timed pass).
+    /// 0: four times this CPU's last-level cache, at least 256.
     #[arg(long, default_value_t = 0)]
     pub working_set_mib: usize,
     /// Kernel paths: `best` (what the node runs on this CPU), `scalar` (the portable path,
