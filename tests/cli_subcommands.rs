@@ -289,6 +289,16 @@ fn bench_multiturn_pushes_less_with_reuse() {
 /// `bench kernels --json` on a 1 MiB working set, one thread, head dim 64, for `groups` and
 /// `paths`, with `DECODE_NODE_AVX512` set to `avx512` where given.
 fn kernels_bench(groups: &str, paths: &str, avx512: Option<&str>) -> serde_json::Value {
+    kernels_bench_with(groups, paths, avx512, &[])
+}
+
+/// [`kernels_bench`] with `extra` arguments.
+fn kernels_bench_with(
+    groups: &str,
+    paths: &str,
+    avx512: Option<&str>,
+    extra: &[&str],
+) -> serde_json::Value {
     let mut cmd = bin();
     cmd.args([
         "bench",
@@ -307,6 +317,7 @@ fn kernels_bench(groups: &str, paths: &str, avx512: Option<&str>) -> serde_json:
         "--paths",
         paths,
     ]);
+    cmd.args(extra);
     if let Some(v) = avx512 {
         cmd.env("DECODE_NODE_AVX512", v);
     }
@@ -317,6 +328,21 @@ fn kernels_bench(groups: &str, paths: &str, avx512: Option<&str>) -> serde_json:
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `bench kernels --kv-dtype` measures that dtype alone, 8-bit ones with their scales, on
+/// the SIMD path as on the scalar one.
+#[test]
+fn bench_kernels_measures_the_kv_dtype_asked_for() {
+    for dtype in ["int8", "fp8", "f32"] {
+        let v = kernels_bench_with("4", "best,scalar", None, &["--kv-dtype", dtype]);
+        let rows = v["results"].as_array().unwrap();
+        assert_eq!(rows.len(), 2, "{v}");
+        for r in rows {
+            assert_eq!(r["dtype"], dtype, "{r}");
+            assert!(r["kv_gb_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
 }
 
 /// `bench kernels` measures every path asked for against a roofline from the same run.

@@ -477,7 +477,8 @@ pub struct BenchArgs {
 /// The benches. Each prints its figures as ratios against a bound measured in the same run.
 #[derive(Debug, Clone, Subcommand)]
 pub enum Bench {
-    /// Sparse attention kernels against this machine's memory bandwidth, per thread count.
+    /// Sparse attention kernels against this machine's memory bandwidth, per thread count
+    /// (f16 and bf16 KV, or the one `--kv-dtype` names).
     Kernels(KernelsBench),
     /// Loopback PushKv throughput against memcpy, one or several concurrent pushes.
     Ingest(IngestBench),

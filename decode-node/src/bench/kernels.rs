@@ -34,13 +34,18 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
             .all(|p| p == "best" || KernelPath::ALL.iter().any(|k| k.name() == p)),
         "--paths takes `best`, `scalar`, `avx2` and/or `avx512`"
     );
+    // The two dtypes unless `--kv-dtype` names one.
+    let dtypes = match args.common.model.kv_dtype.as_str() {
+        "auto" => vec![KvDType::F16, KvDType::Bf16],
+        flag => vec![crate::node::kv_dtype(flag, "")?],
+    };
     let buf: Vec<f32> = (0..working_set / 4).map(|i| (i % 7) as f32).collect();
     let mut rows = Vec::new();
     for &t in &threads {
         let bw = read_bandwidth(&buf, t, args.seconds.min(1.0));
         // Per path: the AVX2 path is held to AVX2's FMA rate, the others to the widest.
         let mut peaks: Vec<(KernelPath, f64)> = Vec::new();
-        for dtype in [KvDType::F16, KvDType::Bf16] {
+        for &dtype in &dtypes {
             for &g in &groups {
                 for &d in &head_dims {
                     let geom = BlockGeometry {
@@ -52,14 +57,26 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                     let hb = geom.head_bytes();
                     let nblocks = (working_set / hb).max(1);
                     let mut data = vec![0u8; nblocks * hb];
+                    // K and V in [-0.5, 0.5); int8 and fp8 codes of 100x that, each token's
+                    // scale 0.01 (the bytes after the codes).
+                    let codes = 2 * geom.block_size * d * dtype.size();
+                    let (amp, scale) = if dtype.scaled() {
+                        (100.0, 0.01f32)
+                    } else {
+                        (1.0, 1.0)
+                    };
                     let vals: Vec<f32> = {
                         let mut r = SplitMix(7);
-                        (0..hb / dtype.size())
-                            .map(|_| (r.next_f64() as f32) - 0.5)
+                        (0..codes / dtype.size())
+                            .map(|_| ((r.next_f64() as f32) - 0.5) * amp)
                             .collect()
                     };
                     for blk in data.chunks_exact_mut(hb) {
-                        encode_from_f32(dtype, &vals, blk);
+                        let (c, scales) = blk.split_at_mut(codes);
+                        encode_from_f32(dtype, &vals, c);
+                        for sc in scales.chunks_exact_mut(4) {
+                            sc.copy_from_slice(&scale.to_le_bytes());
+                        }
                     }
                     let q: Vec<f32> = (0..g * d).map(|i| (i % 5) as f32 * 0.1).collect();
                     for name in &paths {
