@@ -34,7 +34,7 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
             .all(|p| p == "best" || KernelPath::ALL.iter().any(|k| k.name() == p)),
         "--paths takes `best`, `scalar`, `avx2` and/or `avx512`"
     );
-    // The two dtypes unless `--kv-dtype` names one.
+    // f16 and bf16 (most models' KV) unless `--kv-dtype` names one.
     let dtypes = match args.common.model.kv_dtype.as_str() {
         "auto" => vec![KvDType::F16, KvDType::Bf16],
         flag => vec![crate::node::kv_dtype(flag, "")?],
@@ -144,9 +144,7 @@ fn scan_rate(
 ) -> f64 {
     let hb = geom.head_bytes();
     let per = (data.len() / hb).div_ceil(threads.max(1)).max(1);
-    // Each thread scans its part this many times a pass: a pass over a cache-sized working set
-    // took ~100 us, of which starting the threads was a third.
-    let reps = (PASS_BYTES / (per * hb)).max(1);
+    let reps = scans_per_pass(per * hb);
     let mut best = 0f64;
     let end = Instant::now() + Duration::from_secs_f64(seconds);
     while Instant::now() < end || best == 0.0 {

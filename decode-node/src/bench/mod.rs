@@ -123,9 +123,12 @@ fn read_bandwidth(buf: &[f32], threads: usize, seconds: f64) -> f64 {
     read_passes(buf, threads, seconds).best
 }
 
-/// Bytes a thread reads at least per timed pass of a scan (the read probe, `bench kernels`):
-/// starting the threads took a third of a pass over 1 MiB.
-const PASS_BYTES: usize = 32 << 20;
+/// Times a thread scans its `part_bytes` in one timed pass (the read probe, `bench kernels`):
+/// once where the part is memory-sized; where it fits a cache, until the thread has read at
+/// least 32 MiB, as starting the threads took a third of a pass over 1 MiB.
+fn scans_per_pass(part_bytes: usize) -> usize {
+    ((32 << 20) / part_bytes.max(1)).max(1)
+}
 
 /// The passes of a read-bandwidth probe, in bytes/s.
 #[derive(Debug, Clone, Copy)]
@@ -141,8 +144,7 @@ struct ReadPasses {
 /// Passes of reading `buf` with `threads` threads for `seconds` (at least one).
 fn read_passes(buf: &[f32], threads: usize, seconds: f64) -> ReadPasses {
     let chunk = buf.len().div_ceil(threads).max(1);
-    // A cache-sized buffer is read several times a pass, as `bench kernels` scans one.
-    let reps = (PASS_BYTES / (chunk * 4)).max(1);
+    let reps = scans_per_pass(chunk * 4);
     let mut rates = Vec::new();
     let end = Instant::now() + Duration::from_secs_f64(seconds);
     let mut sink = 0f32;
