@@ -89,11 +89,13 @@ step dense-step-b4-gemv env DECODE_NODE_GEMV_MAX_BATCH=8 "$bin" bench step --jso
     --device cuda --model "$model" --batch 4 --seconds 2
 step dense-step-b4-cublas "$bin" bench step --json --device cuda --model "$model" --batch 4 \
     --seconds 2
+# One round per `bench decode` (its default is 3): the device's bound is one figure, and
+# the device time is short.
 # Each step's per-layer phases (selection, device, CPU waits) as debug lines in its log.
 export RUST_LOG=${RUST_LOG:-info,decode_node::engine::step=debug}
-step decode-8k-32k "$bin" bench decode --json --device cuda --model "$model" \
+step decode-8k-32k "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 8k,32k --modes full,hgca,recall,scout --budget-tokens 2048 --tokens 64
-step decode-64k "$bin" bench decode --json --device cuda --model "$model" \
+step decode-64k "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
 # Scout layer-ahead on the device (the paper's behaviour, #21 item 5): the next layer's
 # predicted query is scored on the device while it waits for this layer's CPU part
@@ -104,41 +106,41 @@ step decode-64k "$bin" bench decode --json --device cuda --model "$model" \
 # wait a layer and nothing planned between it and the attention's launch. Accuracy on
 # SmolLM2-135M (7.8k, budget 1024, sketch, guard on, CPU, session 40), top-1 agreement with
 # full / KL: 0.914 / 0.044 and 0.914 / 0.046; the real-query default: 0.9805 / 0.0074.
-step scout-layer-ahead "$bin" bench decode --json --device cuda --model "$model" \
+step scout-layer-ahead "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 --guard-predicted-cpu
-step scout-layer-ahead-device "$bin" bench decode --json --device cuda --model "$model" \
+step scout-layer-ahead-device "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 --guard-predicted-cpu \
     --guard-predicted-device
 # Scout's CPU part on a quarter of the cores (the default until 2026-11-27; now every core
 # but two where the device scores the blocks): what the CPU-attention pool's size is worth.
-step decode-cpu-quarter "$bin" bench decode --json --device cuda --model "$model" \
+step decode-cpu-quarter "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 \
     --cpu-attention-threads "$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))"
 # Each KV head its own budget (the default until session 32): what a layer's shared budget
 # costs on a device, whose slots are per head (a head's blocks past them go to the CPU part).
-step decode-head-budgets "$bin" bench decode --json --device cuda --model "$model" \
+step decode-head-budgets "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 --budget-split head
 # The sparse modes' selection as it was before the sketch scorer became the default on a
 # GPU: sparq on the host (reading host KV), with a layer-ahead prediction.
-step decode-sparq "$bin" bench decode --json --device cuda --model "$model" \
+step decode-sparq "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer sparq
 # The general attention kernel instead of `attend_warps`: full attention's A/B.
 step decode-full-split-kernel env DECODE_NODE_ATTENTION_KERNEL=split "$bin" bench decode \
-    --json --device cuda --model "$model" --context 8k,32k,64k --modes full --tokens 64
+    --rounds 1 --json --device cuda --model "$model" --context 8k,32k,64k --modes full --tokens 64
 # Scout's host selection on the critical path (sparq): the device part by the predicted query
 # (no second selection with the real one); Quest's bound alone (no key reads).
-step scout-32k-predicted-device "$bin" bench decode --json --device cuda --model "$model" \
+step scout-32k-predicted-device "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 32k --modes scout --budget-tokens 2048 --tokens 64 --guard-predicted-device \
     --block-scorer sparq
-step scout-32k-quest "$bin" bench decode --json --device cuda --model "$model" \
+step scout-32k-quest "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 32k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer quest
 # 16-token blocks (more of full's answers on SmolLM2 at 7.8k): `attend_warps_*_b16`.
-step decode-32k-block16 "$bin" bench decode --json --device cuda --model "$model" \
+step decode-32k-block16 "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 32k --modes full,scout --budget-tokens 2048 --tokens 64 --block-size 16
-step decode-8k-batch8 "$bin" bench decode --json --device cuda --model "$model" \
+step decode-8k-batch8 "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 8k --modes full,scout --batch 8 --tokens 64
 # The same rows with every layer driven from the host (resident layers off): #21's A/B.
-step decode-8k-host-layers env DECODE_NODE_RESIDENT_LAYERS=0 "$bin" bench decode --json \
+step decode-8k-host-layers env DECODE_NODE_RESIDENT_LAYERS=0 "$bin" bench decode --rounds 1 --json \
     --device cuda --model "$model" --context 8k --modes full,scout --budget-tokens 2048 \
     --tokens 64
 step capacity-64k "$bin" bench capacity --json --device cuda --model "$model" \

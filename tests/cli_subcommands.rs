@@ -475,7 +475,8 @@ fn bench_select_times_the_hosts_part_of_a_device_scored_plan() {
     assert!(r["ms_per_layer"].as_f64().unwrap() > 0.0, "{r}");
 }
 
-/// `bench decode` on the CPU reports the bytes a step moves against read bandwidth.
+/// `bench decode` on the CPU reports the bytes a step moves against read bandwidth, per
+/// round against the probes around that round, and the middle round as the row.
 #[test]
 fn bench_decode_reports_traffic_against_read_bandwidth() {
     let v = run_json(&[
@@ -488,10 +489,26 @@ fn bench_decode_reports_traffic_against_read_bandwidth() {
         "full,scout",
         "--tokens",
         "4",
+        "--rounds",
+        "3",
     ]);
     let rows = v["results"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{v}");
     for r in rows {
+        // Three rounds; the row is the middle one by its ratio to the median pass.
+        let rounds = r["rounds"].as_array().unwrap();
+        assert_eq!(rounds.len(), 3, "{r}");
+        let ratio = |x: &serde_json::Value| {
+            x["gb_per_s"].as_f64().unwrap() / x["read_median_gb_per_s"].as_f64().unwrap()
+        };
+        let mut ratios: Vec<f64> = rounds.iter().map(ratio).collect();
+        ratios.sort_by(f64::total_cmp);
+        assert!((ratio(r) - ratios[1]).abs() < 1e-9, "{r}");
+        assert!(
+            rounds.iter().any(|x| x["tokens_per_s"] == r["tokens_per_s"]
+                && x["read_gb_per_s"] == r["read_gb_per_s"]),
+            "{r}"
+        );
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0, "{r}");
         // The weights plus the KV the step attends.
         assert!(r["bytes_per_token"].as_f64().unwrap() > 0.0, "{r}");

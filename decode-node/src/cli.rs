@@ -628,6 +628,13 @@ pub struct DecodeBench {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 32)]
     pub tokens: u32,
+    /// Rounds per mode: each pushes the batch again, decodes it and then measures the bound
+    /// (read bandwidth on the CPU), so each round's rate is divided by the probes just before
+    /// and after it. The row is the middle round by that ratio, and every round is listed.
+    /// On a shared VM bandwidth moves by a third over minutes (a 2-core EPYC: best read pass
+    /// 32-46 GB/s across runs), so one round's ratio says little on its own.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub rounds: u32,
     /// Threads of the node's CPU-attention pool (0: `serve`'s default; see its
     /// `--cpu-attention-threads`).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]

@@ -71,7 +71,8 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 );
                 (m.weight_bytes(), m.weight_params(), passes)
             });
-            let bw_before = passes_before.best;
+            let mut bw_before = passes_before.best;
+            let mut passes_before = passes_before;
             let target = node.target();
             let info = model_info(&target).await?;
             anyhow::ensure!(
@@ -85,67 +86,33 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                     prompts.push(synthetic_kv(&info, &format!("d{b}"), ctx, b as u64 + 1));
                 }
             }
-            for kv in &prompts {
-                client::push(ch.clone(), kv, None, |_| {}).await?;
+            // Rounds of push, decode and probe: each round's rate is divided by the probes
+            // just before and after it, so a VM whose bandwidth moves between rounds moves
+            // both; the row is the middle round by that ratio.
+            let mut rounds = Vec::new();
+            for _ in 0..args.rounds.max(1) {
+                for kv in &prompts {
+                    client::push(ch.clone(), kv, None, |_| {}).await?;
+                }
+                let mut round = run_round(&ch, args).await?;
+                // The larger figure of the probes around the round, for the best pass and
+                // the median.
+                if !on_device {
+                    let after = host_read_passes(cpus);
+                    round.bw = bw_before.max(after.best);
+                    round.bw_median = Some(passes_before.median.max(after.median));
+                    bound = Some((weights, params, after));
+                    (bw_before, passes_before) = (after.best, after);
+                } else {
+                    round.bw = bw_before;
+                }
+                rounds.push(round);
             }
-            let t = Instant::now();
-            let mut gens = Vec::new();
-            for b in 0..args.batch.max(1) {
-                gens.push(spawn_generate(
-                    ch.clone(),
-                    format!("d{b}"),
-                    args.tokens.max(1),
-                ));
-            }
-            let mut tokens = 0u64;
-            let mut cpu = 0f64;
-            let mut hit = 0f64;
-            let mut wait = 0f64;
-            let mut idle = 0f64;
-            let (mut recalled, mut recalled_bytes, mut recalled_used) = (0u64, 0u64, 0u64);
-            let mut last_first = t;
-            for g in gens {
-                let (out, first, _) = g.await??;
-                last_first = last_first.max(first.unwrap_or(t));
-                tokens += out.ids.len() as u64;
-                let s = out.finish.and_then(|f| f.stats).unwrap_or_default();
-                cpu += s.cpu_attention_ratio;
-                hit += s.prediction_hit_ratio;
-                wait += s.device_wait_seconds;
-                idle += s.device_idle_seconds;
-                recalled += s.recalled_blocks;
-                recalled_bytes += s.recalled_bytes;
-                recalled_used += s.recalled_blocks_used;
-            }
-            let secs = t.elapsed().as_secs_f64();
-            // Steady decode: tokens after every request's first, over the time after it. The
-            // first token carries the one-off fill of the device (all of it in `full`).
-            let first_token_s = last_first.duration_since(t).as_secs_f64();
-            let after = (secs - first_token_s).max(1e-9);
-            let tps = tokens.saturating_sub(u64::from(args.batch.max(1))) as f64 / after;
-            // The step thread serves the whole batch: its waits add up against wall time.
-            let device_wait_share = wait / secs;
-            // Every request of the batch counts the same steps' idle time: their mean.
-            let device_idle_share = on_device.then(|| idle / args.batch.max(1) as f64 / secs);
             node.stop().await?;
-            // The larger figure of the probes around the run, for the best pass and the median.
-            let (bw, bw_median) = if on_device {
-                (bw_before, None)
-            } else {
-                let after = host_read_passes(cpus);
-                bound = Some((weights, params, after));
-                (
-                    bw_before.max(after.best),
-                    Some(passes_before.median.max(after.median)),
-                )
-            };
-            if mode == "full" {
-                full_tps = Some(tps);
-            }
             let nb = args.batch.max(1) as f64;
             // Bytes a step moves: the weights once for the batch, and each request's KV over
             // the tokens it attends (its mean context in `full`, at most the budget otherwise).
-            let traffic = {
+            let (step_bytes, attended) = {
                 let mean_ctx = ctx as f64 + f64::from(args.tokens) / 2.0;
                 let attended = if mode == "full" {
                     mean_ctx
@@ -161,10 +128,20 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 };
                 let kv_per_token =
                     (geom.block_bytes() * info.num_layers as usize) as f64 / geom.block_size as f64;
-                let step_bytes = weights as f64 + nb * attended * kv_per_token;
-                let gbps = step_bytes * tps / nb;
-                (step_bytes / nb, gbps, bw, attended)
+                (weights as f64 + nb * attended * kv_per_token, attended)
             };
+            let gbps_of = |r: &Round| step_bytes * r.tps / nb;
+            // The middle round by its rate against the median pass around it (the best pass
+            // on a device, whose bound is one figure).
+            let key = |r: &Round| gbps_of(r) / r.bw_median.unwrap_or(r.bw);
+            let mut order: Vec<usize> = (0..rounds.len()).collect();
+            order.sort_by(|&a, &b| key(&rounds[a]).total_cmp(&key(&rounds[b])));
+            let r = &rounds[order[order.len() / 2]];
+            let (tps, bw, bw_median) = (r.tps, r.bw, r.bw_median);
+            if mode == "full" {
+                full_tps = Some(tps);
+            }
+            let traffic = (step_bytes / nb, gbps_of(r), bw, attended);
             // The roofline: the slower of streaming the step's bytes and issuing its FMAs
             // (every weight once per row; q·k and p·v per attended token and query head).
             let roofline = fma_peak.map(|peak| {
@@ -180,13 +157,28 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             });
             // Recall's traffic per generated token, and the share of recalled blocks that their
             // layer selected at its next step (what the copies were worth).
-            let recall_per_token = recalled_bytes as f64 / tokens.max(1) as f64;
-            let recall_used_share = (recalled > 0).then(|| recalled_used as f64 / recalled as f64);
+            let recall_per_token = r.recalled_bytes as f64 / r.tokens.max(1) as f64;
+            let recall_used_share =
+                (r.recalled > 0).then(|| r.recalled_used as f64 / r.recalled as f64);
+            let (first_token_s, device_wait_share) = (r.first_token_s, r.device_wait_share);
+            let (cpu, hit) = (r.cpu_share, r.hit);
+            // Every request of the batch counts the same steps' idle time: their mean.
+            let device_idle_share = on_device.then_some(r.device_idle_share);
+            let round_rows: Vec<serde_json::Value> = rounds
+                .iter()
+                .map(|r| {
+                    json!({
+                        "tokens_per_s": r.tps, "gb_per_s": gbps_of(r) / 1e9,
+                        "read_gb_per_s": r.bw / 1e9,
+                        "read_median_gb_per_s": r.bw_median.map(|m| m / 1e9),
+                    })
+                })
+                .collect();
             let row = json!({
                 "context": ctx, "mode": mode, "batch": args.batch, "tokens_per_s": tps,
                 "first_token_s": first_token_s, "device": node_device,
                 "ratio_to_full": full_tps.map(|f| tps / f),
-                "cpu_share": cpu / nb, "prediction_hit_ratio": hit / nb, "device_wait_share": device_wait_share,
+                "cpu_share": cpu, "prediction_hit_ratio": hit, "device_wait_share": device_wait_share,
                 "device_idle_share": device_idle_share,
                 "recall_bytes_per_token": recall_per_token, "recall_used_share": recall_used_share,
                 "bytes_per_token": traffic.0,
@@ -201,15 +193,30 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 "roofline_tokens_per_s": roofline.map(|r| r.0),
                 "roofline_bound": roofline.map(|r| r.1),
                 "ratio_to_roofline": roofline.map(|r| tps / r.0),
+                "rounds": round_rows,
             });
             if !args.common.json {
+                if rounds.len() > 1 {
+                    let ratios: Vec<String> =
+                        rounds.iter().map(|r| format!("{:.2}", key(r))).collect();
+                    eprintln!(
+                        "decode ctx={ctx} {mode:>6}: {} rounds, each against the {} around it: {}; the middle one below",
+                        rounds.len(),
+                        if on_device {
+                            "device's copy bandwidth"
+                        } else {
+                            "median read pass"
+                        },
+                        ratios.join(" ")
+                    );
+                }
                 eprintln!(
                     "decode ctx={ctx} {mode:>6}: {tps:8.1} tok/s, x{} of full, first token {:.3} s, CPU share {:.1}%, hit {:.1}%, device waits {:.1}%",
                     // Without `full` among the modes there is nothing to divide by.
                     full_tps.map_or("-".to_string(), |f| format!("{:.2}", tps / f)),
                     first_token_s,
-                    cpu / nb * 100.0,
-                    hit / nb * 100.0,
+                    cpu * 100.0,
+                    hit * 100.0,
                     device_wait_share * 100.0
                 );
                 if let Some(idle) = device_idle_share {
@@ -218,7 +225,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                         idle * 100.0
                     );
                 }
-                if recalled > 0 {
+                if r.recalled > 0 {
                     eprintln!(
                         "decode ctx={ctx} {mode:>6}: recall {:.2} MB per token, {:.1}% of recalled blocks used at the next step",
                         recall_per_token / 1e6,
@@ -253,4 +260,74 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
         }
     }
     Ok(json!({ "bench": "decode", "results": rows }))
+}
+
+/// One round of a mode: its decode and the bounds measured around it.
+struct Round {
+    /// Steady tokens/s of the batch (after every request's first token).
+    tps: f64,
+    /// When the batch's last first token came, from the start.
+    first_token_s: f64,
+    /// Tokens generated, all requests.
+    tokens: u64,
+    /// Per request, means over the batch.
+    cpu_share: f64,
+    hit: f64,
+    /// The step thread's waits on the device, and its idle time, as shares of the round.
+    device_wait_share: f64,
+    device_idle_share: f64,
+    recalled: u64,
+    recalled_bytes: u64,
+    recalled_used: u64,
+    /// The bound around the round: the best pass (or the device's copy bandwidth) and, on
+    /// the host, the median pass.
+    bw: f64,
+    bw_median: Option<f64>,
+}
+
+/// Generates `args.tokens` for each of the batch's pushed requests at once and times it.
+async fn run_round(ch: &tonic::transport::Channel, args: &DecodeBench) -> anyhow::Result<Round> {
+    let batch = args.batch.max(1);
+    let t = Instant::now();
+    let gens: Vec<_> = (0..batch)
+        .map(|b| spawn_generate(ch.clone(), format!("d{b}"), args.tokens.max(1)))
+        .collect();
+    let mut tokens = 0u64;
+    let (mut cpu, mut hit, mut wait, mut idle) = (0f64, 0f64, 0f64, 0f64);
+    let (mut recalled, mut recalled_bytes, mut recalled_used) = (0u64, 0u64, 0u64);
+    let mut last_first = t;
+    for g in gens {
+        let (out, first, _) = g.await??;
+        last_first = last_first.max(first.unwrap_or(t));
+        tokens += out.ids.len() as u64;
+        let s = out.finish.and_then(|f| f.stats).unwrap_or_default();
+        cpu += s.cpu_attention_ratio;
+        hit += s.prediction_hit_ratio;
+        wait += s.device_wait_seconds;
+        idle += s.device_idle_seconds;
+        recalled += s.recalled_blocks;
+        recalled_bytes += s.recalled_bytes;
+        recalled_used += s.recalled_blocks_used;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    // Steady decode: tokens after every request's first, over the time after it. The first
+    // token carries the one-off fill of the device (all of it in `full`).
+    let first_token_s = last_first.duration_since(t).as_secs_f64();
+    let after = (secs - first_token_s).max(1e-9);
+    let nb = f64::from(batch);
+    Ok(Round {
+        tps: tokens.saturating_sub(u64::from(batch)) as f64 / after,
+        first_token_s,
+        tokens,
+        cpu_share: cpu / nb,
+        hit: hit / nb,
+        // The step thread serves the whole batch: its waits add up against wall time.
+        device_wait_share: wait / secs,
+        device_idle_share: idle / nb / secs,
+        recalled,
+        recalled_bytes,
+        recalled_used,
+        bw: 0.0,
+        bw_median: None,
+    })
 }
