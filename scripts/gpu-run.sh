@@ -17,7 +17,7 @@
 #   the unstripped one is over the 64 MiB a call may carry). The whole run took 6 minutes on
 #   an H200 (2026-11-26), capacity the longest step (2 minutes); with SKIP="selftest-int8
 #   host-kernels host-select dense-step-b4-gemv dense-step-b4-cublas decode-full-split-kernel
-#   scout-32k-predicted-device scout-32k-quest decode-32k-block16 decode-8k-host-layers",
+#   scout-64k-sketch-f32 scout-32k-predicted-device scout-32k-quest decode-32k-block16 decode-8k-host-layers",
 #   5 minutes (2026-11-27).
 set -euo pipefail
 bin=${1:-target/release/decode-node}
@@ -97,6 +97,12 @@ step decode-8k-32k "$bin" bench decode --rounds 1 --json --device cuda --model "
     --context 8k,32k --modes full,hgca,recall,scout --budget-tokens 2048 --tokens 64
 step decode-64k "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
+# The sketch's block scores summed in floats (before 2026-11-28: `sketch_lse` now sums in
+# integers, __dp4a against the query rounded to int8 as the host does): the kernel's A/B at
+# 64k, where it scores 2048 blocks a KV head and layer. Its time is in the engine's step
+# lines (debug log) and the device idle share.
+step scout-64k-sketch-f32 env DECODE_NODE_SKETCH_SUMS=f32 "$bin" bench decode --rounds 1 --json \
+    --device cuda --model "$model" --context 64k --modes scout --budget-tokens 2048 --tokens 64
 # Scout layer-ahead on the device (the paper's behaviour, #21 item 5): the next layer's
 # predicted query is scored on the device while it waits for this layer's CPU part
 # (queued without a wait), planned while it runs this layer's second half, and its CPU part

@@ -391,13 +391,7 @@ impl QueryI8 {
             zero: Vec::with_capacity(g),
         };
         for q in q_group.chunks_exact(d) {
-            let amax = q.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let step = amax / 127.0;
-            let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
-            let q8: Vec<i8> = q
-                .iter()
-                .map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8)
-                .collect();
+            let (step, q8) = crate::sketch::round_query_i8(q)?;
             me.step.push(step);
             me.zero
                 .push(8 * q8.iter().map(|&x| i32::from(x)).sum::<i32>());
@@ -1118,6 +1112,20 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_host_and_a_device_round_the_query_alike() {
+        // Where this CPU takes the integer path, it scores the query a device's integer
+        // `sketch_lse` scores: `sketch::query_as_rounded`, whatever the CPU.
+        let mut seed = 12;
+        let q: Vec<f32> = (0..5 * 64).map(|_| 3.0 * lcg(&mut seed)).collect();
+        if QueryI8::for_blocks(&q, 64, 32).is_some() {
+            assert_eq!(
+                query_scored(&q, 64, 32),
+                crate::sketch::query_as_rounded(&q, 64)
+            );
         }
     }
 

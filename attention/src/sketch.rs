@@ -32,6 +32,44 @@ pub const fn nibble_bytes(head_dim: usize) -> usize {
     head_dim.div_ceil(2)
 }
 
+/// A query head rounded to int8 as the integer scorers score it (the host sketch's AVX2 path
+/// and the device's `sketch_lse`): `step = max |q| / 127`, each channel `round(q * (1 /
+/// step))` clamped to ±127 (0 for an all-zero head). Both take `q8 · nibbles` exactly in
+/// integers; the rounding moves a token's score by at most `step / 2` a channel times the
+/// key's level, far below the keys' own 4 bits. `None` where a channel is NaN or infinite:
+/// such a query is scored in floats.
+pub fn round_query_i8(q: &[f32]) -> Option<(f32, Vec<i8>)> {
+    if q.iter().any(|x| !x.is_finite()) {
+        return None;
+    }
+    let amax = q.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let step = amax / 127.0;
+    let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
+    let q8 = q
+        .iter()
+        .map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8)
+        .collect();
+    Some((step, q8))
+}
+
+/// The query an integer scorer scores for `q_group` (`[G][head_dim]`): each head as `step *
+/// q8` ([`round_query_i8`]), or the group itself where any channel is not finite (the
+/// scorers then take floats for the whole group). What a device's integer `sketch_lse` must
+/// agree with through [`scores_from_sketch`].
+pub fn query_as_rounded(q_group: &[f32], head_dim: usize) -> Vec<f32> {
+    let heads: Option<Vec<(f32, Vec<i8>)>> = q_group
+        .chunks(head_dim.max(1))
+        .map(round_query_i8)
+        .collect();
+    match heads {
+        Some(heads) => heads
+            .into_iter()
+            .flat_map(|(step, q8)| q8.into_iter().map(move |x| step * f32::from(x)))
+            .collect(),
+        None => q_group.to_vec(),
+    }
+}
+
 /// Tokens of one KV head's sketch that fit in `slot_bytes` (a device keeps its sketch in
 /// the slots of its KV arena, a head block each): their nibble rows, then their f32 scales.
 pub const fn tokens_per_slot(slot_bytes: usize, head_dim: usize) -> usize {
@@ -314,6 +352,47 @@ pub(crate) mod tests {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn a_query_rounds_to_int8_within_half_a_step() {
+        let mut seed = 17;
+        for scale in [1e-3f32, 1.0, 3.0e4] {
+            let q: Vec<f32> = (0..67).map(|_| scale * lcg(&mut seed)).collect();
+            let (step, q8) = round_query_i8(&q).unwrap();
+            let amax = q.iter().fold(0f32, |m, x| m.max(x.abs()));
+            assert_eq!(step, amax / 127.0);
+            // The largest channel takes the whole range; every channel lands within half a
+            // step (and a rounding of the reciprocal) of itself.
+            assert_eq!(q8.iter().map(|x| x.unsigned_abs()).max(), Some(127));
+            for (&x, &r) in q.iter().zip(&q8) {
+                assert!(
+                    (x - step * f32::from(r)).abs() <= step * 0.5001,
+                    "{x} vs {r} x {step}"
+                );
+            }
+        }
+        assert_eq!(round_query_i8(&[0.0; 8]), Some((0.0, vec![0; 8])));
+        assert_eq!(round_query_i8(&[1.0, f32::NAN]), None);
+        assert_eq!(round_query_i8(&[f32::INFINITY, 1.0]), None);
+    }
+
+    #[test]
+    fn a_group_with_a_broken_channel_is_scored_as_it_is() {
+        let mut seed = 5;
+        let mut q: Vec<f32> = (0..3 * 16).map(|_| lcg(&mut seed)).collect();
+        let rounded = query_as_rounded(&q, 16);
+        assert_eq!(rounded.len(), q.len());
+        assert!(rounded.iter().zip(&q).any(|(a, b)| a != b));
+        for (h, head) in rounded.chunks(16).enumerate() {
+            let (step, q8) = round_query_i8(&q[h * 16..(h + 1) * 16]).unwrap();
+            let want: Vec<f32> = q8.iter().map(|&x| step * f32::from(x)).collect();
+            assert_eq!(head, &want[..]);
+        }
+        // One NaN anywhere in the group: every head as it is (the scorers take floats).
+        q[40] = f32::NAN;
+        let same = query_as_rounded(&q, 16);
+        assert!(same.iter().zip(&q).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     #[test]

@@ -22,6 +22,12 @@ static inline double __hiloint2double(int hi, int lo) {
 }
 static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 struct uint4 { unsigned x, y, z, w; };
+struct alignas(8) int2 { int x, y; };
+// c plus the products of a's and b's bytes as signed 8-bit integers.
+static inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+    return c;
+}
 struct alignas(16) float4 { float x, y, z, w; };
 #define __align__(n) __attribute__((aligned(n)))
 using std::max;

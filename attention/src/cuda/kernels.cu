@@ -1327,8 +1327,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     }
 }
 
-// Block scores from a 4-bit sketch of every key (attention::sketch), step 1: each query head's
-// log2-sum-exp2 over each block's tokens of temp * scale_t * sum_c q[c] * (nibble_c - 8).
+// Block scores from a 4-bit sketch of every key (attention::sketch), step 1: each query
+// head's log2-sum-exp2 over each block's tokens of temp * scale_t * sum_c q[c] * (nibble_c - 8).
 // The sketch lives in pages (arena slots of the KV store): pages[h * max_pages + p] is the
 // address of KV head h's page p, holding tokens p * page_tokens onwards: page_tokens rows of
 // D/2 bytes (channel 2j in the low nibble of byte j), then their f32 scales. q: [hk][G][D] f32,
@@ -1336,16 +1336,69 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // head); each lane takes tokens lane, lane + 32, ... of the block and keeps a running (max,
 // sum) per query head, merged across the warp at the end. D a multiple of 32 (whole 16-byte
 // loads), at most MAX_HEAD; G at most 8; pages 16-byte aligned.
+//
+// With int8 = 1 the sums are taken in integers, as the host sketch's AVX2 path takes them
+// (attention::sketch::round_query_i8): each query head rounded to int8 (step = max |q| / 127,
+// q8 = round(q * (1 / step)) clamped to 127), each token's sum_c q8[c] * nibble_c exact by
+// __dp4a, four channels an instruction (a row word's low nibbles against the even channels'
+// bytes, its high nibbles against the odd ones'), then temp * step * scale_t * (sum - 8 sum
+// q8) in the host's order of products. Against the float loop that is a quarter of the
+// multiply-adds, no nibble conversions, and a quarter of the shared-memory loads of the query.
+// A KV head whose query has a NaN or infinite channel is scored by the float loop, as the
+// host scores it.
 #define SKETCH_WARPS 4
 extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
     sketch_lse(const unsigned long long* pages, int max_pages, int page_tokens, int n_tokens, int block_size,
-               int nblocks, const float* q, int G, int D, float temp, float* lse) {
+               int nblocks, const float* q, int G, int D, float temp, int int8, float* lse) {
     // 16-byte aligned: each head's query is read four channels a load (D a multiple of 32).
     __shared__ __align__(16) float qs[8 * MAX_HEAD];
+    // int8: per head, D / 8 pairs of words (even channels' bytes, odd channels' bytes) of
+    // channels 8k .. 8k + 7; temp * step; 8 sum(q8); and whether any channel is not finite.
+    __shared__ __align__(16) int q8w[8 * (MAX_HEAD / 4)];
+    __shared__ float q8t[8];
+    __shared__ int q8z[8];
+    __shared__ float q8bad;
     const int h = blockIdx.y;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] = q[(long long)h * G * D + i];
+    if (threadIdx.x == 0) q8bad = 0.f;
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (int8) {
+        for (int g = warp; g < G; g += SKETCH_WARPS) {
+            float amax = 0.f, bad = 0.f;
+            for (int c = lane; c < D; c += 32) {
+                const float x = qs[g * D + c];
+                if (!isfinite(x)) bad = 1.f;
+                amax = fmaxf(amax, fabsf(x));
+            }
+            amax = warp_max(amax);
+            bad = warp_max(bad);
+            const float step = amax / 127.f;
+            const float inv = step > 0.f ? 1.f / step : 0.f;
+            float zero = 0.f;  // sums of at most 127 D: exact in floats
+            for (int k = lane; k < (D >> 3); k += 32) {
+                unsigned even = 0, odd = 0;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const int a = (int)fminf(fmaxf(roundf(qs[g * D + 8 * k + 2 * j] * inv), -127.f), 127.f);
+                    const int b = (int)fminf(fmaxf(roundf(qs[g * D + 8 * k + 2 * j + 1] * inv), -127.f), 127.f);
+                    even |= ((unsigned)a & 0xffu) << (8 * j);
+                    odd |= ((unsigned)b & 0xffu) << (8 * j);
+                    zero += (float)(a + b);
+                }
+                q8w[g * (D >> 2) + 2 * k] = (int)even;
+                q8w[g * (D >> 2) + 2 * k + 1] = (int)odd;
+            }
+            zero = warp_sum(zero);
+            if (lane == 0) {
+                q8t[g] = temp * step;
+                q8z[g] = 8 * (int)zero;
+                if (bad > 0.f) q8bad = 1.f;
+            }
+        }
+        __syncthreads();
+    }
+    const bool ints = int8 && q8bad == 0.f;
     const int b = blockIdx.x * SKETCH_WARPS + warp;
     if (b >= nblocks) return;  // a whole warp
     const int nb = D >> 1;
@@ -1363,49 +1416,77 @@ extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
             const int p = t / page_tokens, r = t - p * page_tokens;
             const unsigned char* page = (const unsigned char*)pages[(long long)h * max_pages + p];
             const uint4* row = (const uint4*)(page + (long long)r * nb);
-            const float ts = temp * ((const float*)(page + (long long)page_tokens * nb))[r];
-            float acc[8];
+            const float scale = ((const float*)(page + (long long)page_tokens * nb))[r];
+            float v[8];
+            if (ints) {
+                int acc[8];
 #pragma unroll
-            for (int g = 0; g < 8; g++) acc[g] = 0.f;
-            // Per head, channels in order: the sum is the same whatever the loads' width.
-            // Nibbles become floats by their bits (2^23 + nibble, less 2^23 + 8: exact), not
-            // by integer conversion, which an SM does at a quarter of the FMA rate; the query
-            // comes four channels a shared load. On an H200 the scalar form read the sketch
-            // at 0.08 of copy bandwidth (109 us a layer at 64k, 8 KV heads).
-            for (int w = 0; w < (D >> 5); w++) {
-                const uint4 v = row[w];
-                const unsigned words[4] = {v.x, v.y, v.z, v.w};
+                for (int g = 0; g < 8; g++) acc[g] = 0;
+                for (int w = 0; w < (D >> 5); w++) {
+                    const uint4 x = row[w];
+                    const unsigned words[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    float x[8];
+                    for (int k = 0; k < 4; k++) {
+                        const int lo = (int)(words[k] & 0x0f0f0f0fu);
+                        const int hi = (int)((words[k] >> 4) & 0x0f0f0f0fu);
+                        const int at = 2 * (w * 4 + k);
 #pragma unroll
-                    for (int j = 0; j < 8; j++)
-                        x[j] = __uint_as_float(0x4B000000u | ((words[k] >> (4 * j)) & 15u)) - 8388616.f;
-                    const int c = w * 32 + k * 8;
-#pragma unroll
-                    for (int g = 0; g < 8; g++)
-                        if (g < G) {
-                            const float4 lo = *reinterpret_cast<const float4*>(&qs[g * D + c]);
-                            const float4 hi = *reinterpret_cast<const float4*>(&qs[g * D + c + 4]);
-                            float a = acc[g];
-                            a = fmaf(lo.x, x[0], a);
-                            a = fmaf(lo.y, x[1], a);
-                            a = fmaf(lo.z, x[2], a);
-                            a = fmaf(lo.w, x[3], a);
-                            a = fmaf(hi.x, x[4], a);
-                            a = fmaf(hi.y, x[5], a);
-                            a = fmaf(hi.z, x[6], a);
-                            a = fmaf(hi.w, x[7], a);
-                            acc[g] = a;
-                        }
+                        for (int g = 0; g < 8; g++)
+                            if (g < G) {
+                                const int2 pair = *reinterpret_cast<const int2*>(&q8w[g * (D >> 2) + at]);
+                                acc[g] = __dp4a(lo, pair.x, acc[g]);
+                                acc[g] = __dp4a(hi, pair.y, acc[g]);
+                            }
+                    }
                 }
+#pragma unroll
+                for (int g = 0; g < 8; g++) v[g] = g < G ? (float)(acc[g] - q8z[g]) * (q8t[g] * scale) : 0.f;
+            } else {
+                const float ts = temp * scale;
+                float acc[8];
+#pragma unroll
+                for (int g = 0; g < 8; g++) acc[g] = 0.f;
+                // Per head, channels in order: the sum is the same whatever the loads' width.
+                // Nibbles become floats by their bits (2^23 + nibble, less 2^23 + 8: exact), not
+                // by integer conversion, which an SM does at a quarter of the FMA rate; the query
+                // comes four channels a shared load. On an H200 the scalar form read the sketch
+                // at 0.08 of copy bandwidth (109 us a layer at 64k, 8 KV heads).
+                for (int w = 0; w < (D >> 5); w++) {
+                    const uint4 x4 = row[w];
+                    const unsigned words[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        float x[8];
+#pragma unroll
+                        for (int j = 0; j < 8; j++)
+                            x[j] = __uint_as_float(0x4B000000u | ((words[k] >> (4 * j)) & 15u)) - 8388616.f;
+                        const int c = w * 32 + k * 8;
+#pragma unroll
+                        for (int g = 0; g < 8; g++)
+                            if (g < G) {
+                                const float4 lo = *reinterpret_cast<const float4*>(&qs[g * D + c]);
+                                const float4 hi = *reinterpret_cast<const float4*>(&qs[g * D + c + 4]);
+                                float a = acc[g];
+                                a = fmaf(lo.x, x[0], a);
+                                a = fmaf(lo.y, x[1], a);
+                                a = fmaf(lo.z, x[2], a);
+                                a = fmaf(lo.w, x[3], a);
+                                a = fmaf(hi.x, x[4], a);
+                                a = fmaf(hi.y, x[5], a);
+                                a = fmaf(hi.z, x[6], a);
+                                a = fmaf(hi.w, x[7], a);
+                                acc[g] = a;
+                            }
+                    }
+                }
+#pragma unroll
+                for (int g = 0; g < 8; g++) v[g] = ts * acc[g];
             }
 #pragma unroll
             for (int g = 0; g < 8; g++)
                 if (g < G) {
-                    const float v = ts * acc[g];
-                    const float mn = fmaxf(m[g], v);
-                    s[g] = s[g] * exp2f(m[g] - mn) + exp2f(v - mn);
+                    const float mn = fmaxf(m[g], v[g]);
+                    s[g] = s[g] * exp2f(m[g] - mn) + exp2f(v[g] - mn);
                     m[g] = mn;
                 }
         }

@@ -187,6 +187,7 @@ impl CudaBackend {
                 sketch_on: std::sync::atomic::AtomicBool::new(
                     std::env::var("DECODE_NODE_DEVICE_SKETCH").map_or(true, |v| v != "0"),
                 ),
+                sketch_int8: std::env::var("DECODE_NODE_SKETCH_SUMS").map_or(true, |v| v != "f32"),
                 attention_ctas: std::sync::atomic::AtomicUsize::new(attention_ctas(info.sms)),
                 idle: Default::default(),
             }),

@@ -268,6 +268,10 @@ pub(crate) struct Shared {
     /// off: the host scores (`DECODE_NODE_DEVICE_SKETCH=0`, or a start-up check that found
     /// the device's scores disagreeing with the host's).
     pub(crate) sketch_on: std::sync::atomic::AtomicBool,
+    /// `sketch_lse` sums in integers against the query rounded to int8, as the host sketch's
+    /// AVX2 path does (`attention::sketch::round_query_i8`); off: in floats against the
+    /// query itself (`DECODE_NODE_SKETCH_SUMS=f32`, the A/B of `scripts/gpu-run.sh`).
+    pub(crate) sketch_int8: bool,
     /// CUDA blocks an attention call's split-K launch aims for (`DECODE_NODE_ATTENTION_CTAS`;
     /// `bench kernels --device cuda` sweeps it).
     pub(crate) attention_ctas: std::sync::atomic::AtomicUsize,

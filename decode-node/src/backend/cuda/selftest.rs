@@ -1007,8 +1007,9 @@ const SKETCH_TOLERANCE: f64 = 1e-5;
 /// host, over three calls on one sequence: its prompt (the first fill, many pages), 31 tokens
 /// more (a staged fill, one upload and `scatter_runs`, that takes a page and grows the page
 /// table; queued without a wait: `SeqSketch::queue`, a waiting call in between; then by the
-/// query in device memory) and 700 more (copied straight up). Group max and sum.
-/// Then an arena too small for the sketch: the call fails as device-full, nothing copied.
+/// query in device memory) and 700 more (copied straight up). Group max and sum. The host
+/// scores the query the device's sums see: rounded to int8 (`query_as_rounded`) unless
+/// `DECODE_NODE_SKETCH_SUMS=f32`. Then an arena too small for the sketch: the call fails as device-full, nothing copied.
 fn check_sketch(
     sh: &Arc<Shared>,
     dt: KvDType,
@@ -1020,7 +1021,7 @@ fn check_sketch(
     use super::{DevBuf, f32_bytes, htod};
     use crate::backend::SketchCall;
     use attention::GroupScore;
-    use attention::sketch::{nibble_bytes, scores_from_sketch, sketch_tokens};
+    use attention::sketch::{nibble_bytes, query_as_rounded, scores_from_sketch, sketch_tokens};
     let mut r = SplitMix(44);
     let geom = three_heads(dt, d, block_size);
     let hk = geom.num_kv_heads;
@@ -1058,7 +1059,13 @@ fn check_sketch(
                     let mut scales = vec![0f32; n];
                     sketch_tokens(&geom, &kv, 0, h, 0, n, &mut nib, &mut scales);
                     let qg = &q[h * g * d..(h + 1) * g * d];
-                    scores_from_sketch(&nib, &scales, n, block_size, d, blocks, qg, scale, how)
+                    // The query the device's sums see: rounded to int8 unless they are floats.
+                    let qg = if sh.sketch_int8 {
+                        query_as_rounded(qg, d)
+                    } else {
+                        qg.to_vec()
+                    };
+                    scores_from_sketch(&nib, &scales, n, block_size, d, blocks, &qg, scale, how)
                 })
                 .collect()
         };

@@ -544,6 +544,7 @@ impl SeqSketch {
         let grid_x = u32::try_from(blocks.div_ceil(SKETCH_WARPS))
             .map_err(|_| BackendError::Unsupported(format!("{blocks} blocks")))?;
         let hk32 = hk as u32;
+        let int8 = i32::from(sh.sketch_int8);
         // SAFETY: the page table lists hk x table_pages pages holding every token below n
         // (filled above), q holds [hk][G][D] floats (uploaded above, or the caller's rows in
         // device memory, written before this in stream order), lse [hk][blocks][G] and scores
@@ -564,6 +565,7 @@ impl SeqSketch {
                     &g32,
                     &d32,
                     &temp,
+                    &int8,
                     &lse,
                 ],
             )?;
