@@ -1346,6 +1346,77 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // multiply-adds, no nibble conversions, and a quarter of the shared-memory loads of the query.
 // A KV head whose query has a NaN or infinite channel is scored by the float loop, as the
 // host scores it.
+// One token's score by each of G query heads in integers (sketch_lse's int8 mode): row holds
+// its D / 2 nibble bytes; q8w each head's D / 8 pairs of words (even channels' bytes, odd
+// channels' bytes), q8z its 8 sum(q8), q8t its temp * step; scale the token's key scale.
+__device__ __forceinline__ void sketch_token_i8(const uint4* row, int D, int G, const int* q8w, const int* q8z,
+                                                const float* q8t, float scale, float v[8]) {
+    int acc[8];
+#pragma unroll
+    for (int g = 0; g < 8; g++) acc[g] = 0;
+    for (int w = 0; w < (D >> 5); w++) {
+        const uint4 x = row[w];
+        const unsigned words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int lo = (int)(words[k] & 0x0f0f0f0fu);
+            const int hi = (int)((words[k] >> 4) & 0x0f0f0f0fu);
+            const int at = 2 * (w * 4 + k);
+#pragma unroll
+            for (int g = 0; g < 8; g++)
+                if (g < G) {
+                    const int2 pair = *reinterpret_cast<const int2*>(&q8w[g * (D >> 2) + at]);
+                    acc[g] = __dp4a(lo, pair.x, acc[g]);
+                    acc[g] = __dp4a(hi, pair.y, acc[g]);
+                }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < 8; g++) v[g] = g < G ? (float)(acc[g] - q8z[g]) * (q8t[g] * scale) : 0.f;
+}
+
+// The same in floats against the query itself (qs: [G][D], 16-byte aligned); ts is temp times
+// the token's key scale. Per head, channels in order: the sum is the same whatever the loads'
+// width. Nibbles become floats by their bits (2^23 + nibble, less 2^23 + 8: exact), not by
+// integer conversion, which an SM does at a quarter of the FMA rate; the query comes four
+// channels a shared load. On an H200 the scalar form read the sketch at 0.08 of copy
+// bandwidth (109 us a layer at 64k, 8 KV heads).
+__device__ __forceinline__ void sketch_token_f32(const uint4* row, int D, int G, const float* qs, float ts,
+                                                 float v[8]) {
+    float acc[8];
+#pragma unroll
+    for (int g = 0; g < 8; g++) acc[g] = 0.f;
+    for (int w = 0; w < (D >> 5); w++) {
+        const uint4 x4 = row[w];
+        const unsigned words[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            float x[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) x[j] = __uint_as_float(0x4B000000u | ((words[k] >> (4 * j)) & 15u)) - 8388616.f;
+            const int c = w * 32 + k * 8;
+#pragma unroll
+            for (int g = 0; g < 8; g++)
+                if (g < G) {
+                    const float4 lo = *reinterpret_cast<const float4*>(&qs[g * D + c]);
+                    const float4 hi = *reinterpret_cast<const float4*>(&qs[g * D + c + 4]);
+                    float a = acc[g];
+                    a = fmaf(lo.x, x[0], a);
+                    a = fmaf(lo.y, x[1], a);
+                    a = fmaf(lo.z, x[2], a);
+                    a = fmaf(lo.w, x[3], a);
+                    a = fmaf(hi.x, x[4], a);
+                    a = fmaf(hi.y, x[5], a);
+                    a = fmaf(hi.z, x[6], a);
+                    a = fmaf(hi.w, x[7], a);
+                    acc[g] = a;
+                }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < 8; g++) v[g] = ts * acc[g];
+}
+
 #define SKETCH_WARPS 4
 extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
     sketch_lse(const unsigned long long* pages, int max_pages, int page_tokens, int n_tokens, int block_size,
@@ -1418,70 +1489,10 @@ extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
             const uint4* row = (const uint4*)(page + (long long)r * nb);
             const float scale = ((const float*)(page + (long long)page_tokens * nb))[r];
             float v[8];
-            if (ints) {
-                int acc[8];
-#pragma unroll
-                for (int g = 0; g < 8; g++) acc[g] = 0;
-                for (int w = 0; w < (D >> 5); w++) {
-                    const uint4 x = row[w];
-                    const unsigned words[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        const int lo = (int)(words[k] & 0x0f0f0f0fu);
-                        const int hi = (int)((words[k] >> 4) & 0x0f0f0f0fu);
-                        const int at = 2 * (w * 4 + k);
-#pragma unroll
-                        for (int g = 0; g < 8; g++)
-                            if (g < G) {
-                                const int2 pair = *reinterpret_cast<const int2*>(&q8w[g * (D >> 2) + at]);
-                                acc[g] = __dp4a(lo, pair.x, acc[g]);
-                                acc[g] = __dp4a(hi, pair.y, acc[g]);
-                            }
-                    }
-                }
-#pragma unroll
-                for (int g = 0; g < 8; g++) v[g] = g < G ? (float)(acc[g] - q8z[g]) * (q8t[g] * scale) : 0.f;
-            } else {
-                const float ts = temp * scale;
-                float acc[8];
-#pragma unroll
-                for (int g = 0; g < 8; g++) acc[g] = 0.f;
-                // Per head, channels in order: the sum is the same whatever the loads' width.
-                // Nibbles become floats by their bits (2^23 + nibble, less 2^23 + 8: exact), not
-                // by integer conversion, which an SM does at a quarter of the FMA rate; the query
-                // comes four channels a shared load. On an H200 the scalar form read the sketch
-                // at 0.08 of copy bandwidth (109 us a layer at 64k, 8 KV heads).
-                for (int w = 0; w < (D >> 5); w++) {
-                    const uint4 x4 = row[w];
-                    const unsigned words[4] = {x4.x, x4.y, x4.z, x4.w};
-#pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        float x[8];
-#pragma unroll
-                        for (int j = 0; j < 8; j++)
-                            x[j] = __uint_as_float(0x4B000000u | ((words[k] >> (4 * j)) & 15u)) - 8388616.f;
-                        const int c = w * 32 + k * 8;
-#pragma unroll
-                        for (int g = 0; g < 8; g++)
-                            if (g < G) {
-                                const float4 lo = *reinterpret_cast<const float4*>(&qs[g * D + c]);
-                                const float4 hi = *reinterpret_cast<const float4*>(&qs[g * D + c + 4]);
-                                float a = acc[g];
-                                a = fmaf(lo.x, x[0], a);
-                                a = fmaf(lo.y, x[1], a);
-                                a = fmaf(lo.z, x[2], a);
-                                a = fmaf(lo.w, x[3], a);
-                                a = fmaf(hi.x, x[4], a);
-                                a = fmaf(hi.y, x[5], a);
-                                a = fmaf(hi.z, x[6], a);
-                                a = fmaf(hi.w, x[7], a);
-                                acc[g] = a;
-                            }
-                    }
-                }
-#pragma unroll
-                for (int g = 0; g < 8; g++) v[g] = ts * acc[g];
-            }
+            if (ints)
+                sketch_token_i8(row, D, G, q8w, q8z, q8t, scale, v);
+            else
+                sketch_token_f32(row, D, G, qs, temp * scale, v);
 #pragma unroll
             for (int g = 0; g < 8; g++)
                 if (g < G) {

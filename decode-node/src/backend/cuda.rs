@@ -528,6 +528,10 @@ mod tests {
                 }
                 let hopper = hopper.unwrap();
                 assert!(hopper.contains(".target sm_90"), "not built for sm_90");
+                // The sketch's integer sums as the instruction itself, not an emulation.
+                for p in [&ptx, &hopper] {
+                    assert!(p.contains("dp4a.s32.s32"), "sketch_lse without dp4a");
+                }
                 assert_eq!(compile_kernels_for(Some((99, 9))).unwrap(), ptx);
             }
         }
