@@ -1,7 +1,8 @@
 //! `bench decode`: tokens/s per attention mode and context length through a node on
 //! loopback, as a ratio to `full` in the same run, with the bytes a step moves (weights + KV
 //! attended) per second as a ratio to a bound measured in the same run: host read bandwidth
-//! on the CPU, the device's copy bandwidth on a GPU.
+//! on the CPU, the device's copy bandwidth on a GPU. Each mode decodes in rounds, each
+//! divided by the probes around it (`--rounds`); a row is the middle round.
 
 use super::*; // the shared helpers and imports of `bench`
 
@@ -20,8 +21,8 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
     // A step streams the weights and the KV it attends: on the CPU from host memory, whose
     // bound is the read bandwidth of all cores; on a device from its own memory, whose copy
     // bandwidth the backend measures. Both are read off the first node started, while it is
-    // idle; on the CPU, read bandwidth again after each mode (a VM's moves by half over
-    // minutes), and each row divides by the larger of the two around it. A CPU step also
+    // idle; on the CPU, read bandwidth again after each round (a VM's moves by half over
+    // minutes), and each round divides by the larger of the two around it. A CPU step also
     // multiplies every weight by each row of the batch: from a few rows on, the FMA rate of
     // the row kernels' SIMD bounds it before memory does.
     let cfg = model_config(&args.common.model)?;
@@ -60,7 +61,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 args.cpu_attention_threads,
             )
             .await?;
-            let (weights, params, passes_before) = *bound.get_or_insert_with(|| {
+            let (weights, params, mut passes_before) = *bound.get_or_insert_with(|| {
                 let m = &node.model.model;
                 let passes = m.backend().memory_bandwidth().map_or_else(
                     || host_read_passes(cpus),
@@ -71,8 +72,6 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 );
                 (m.weight_bytes(), m.weight_params(), passes)
             });
-            let mut bw_before = passes_before.best;
-            let mut passes_before = passes_before;
             let target = node.target();
             let info = model_info(&target).await?;
             anyhow::ensure!(
@@ -99,12 +98,12 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 // the median.
                 if !on_device {
                     let after = host_read_passes(cpus);
-                    round.bw = bw_before.max(after.best);
+                    round.bw = passes_before.best.max(after.best);
                     round.bw_median = Some(passes_before.median.max(after.median));
                     bound = Some((weights, params, after));
-                    (bw_before, passes_before) = (after.best, after);
+                    passes_before = after;
                 } else {
-                    round.bw = bw_before;
+                    round.bw = passes_before.best;
                 }
                 rounds.push(round);
             }
