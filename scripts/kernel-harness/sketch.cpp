@@ -58,7 +58,7 @@ static void check(int hk, int D, int G, int bs, int n, int page_tokens, int how,
     launch({(unsigned)((nblocks + SKETCH_WARPS - 1) / SKETCH_WARPS), (unsigned)hk, 1}, SKETCH_WARPS * 32, [&] {
         sketch_lse(pages.data(), max_pages, page_tokens, n, bs, nblocks, q.data(), G, D, temp, int8, lse.data());
     });
-    launch({(unsigned)hk, 1, 1}, 256, [&] { sketch_shares(lse.data(), nblocks, G, how, scores.data()); });
+    launch({(unsigned)hk, 1, 1}, SHARES_THREADS, [&] { sketch_shares(lse.data(), nblocks, G, how, scores.data()); });
     // The integer loop's worst against the unrounded query too: it must show the rounding.
     double moved = 0;
     for (int pass = int8; pass >= 0; pass--) {
@@ -190,6 +190,9 @@ int main() {
         check(2, 64, 8, 32, 32 * 4, 128, 0, int8);
         check(1, 128, 1, 16, 16 * 9 + 15, 61, 1, int8);
     }
+    // More blocks than sketch_shares has threads: each thread takes several.
+    check(1, 64, 3, 16, 16 * 600 + 3, 200, 0, 1);
+    check(1, 32, 2, 32, 32 * 300, 96, 1, 0);
     check_nan_query();
     return bad ? 1 : 0;
 }

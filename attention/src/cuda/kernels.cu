@@ -1515,41 +1515,69 @@ extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
 // Step 2: each KV head's block scores from step 1's lse: per query head, its share of every
 // block (exp2(lse - total), total the log2-sum-exp2 over the blocks; 0 where it is not
 // finite), combined over the group by max (how 0) or sum (how 1). One CUDA block of 256
-// threads per KV head (blockIdx.x); scores: [hk][nblocks].
-extern "C" __global__ void __launch_bounds__(256)
+// threads per KV head (blockIdx.x); scores: [hk][nblocks]. Every head of the group in one
+// pass over the blocks for the maxima, one for the sums and one for the shares, each thread's
+// figures reduced across its warp by shuffles and across the 8 warps in shared memory: two
+// barriers in all, where a tree per head and figure took 16 per head (80 for a group of 5).
+#define SHARES_THREADS 256
+extern "C" __global__ void __launch_bounds__(SHARES_THREADS)
     sketch_shares(const float* lse, int nblocks, int G, int how, float* scores) {
-    __shared__ float red[256];
+    __shared__ float red[2][SHARES_THREADS / 32][8];
     const int h = blockIdx.x;
     const float* l = lse + (long long)h * nblocks * G;
     float* out = scores + (long long)h * nblocks;
-    for (int g = 0; g < G; g++) {
-        float mx = NEG_INF;
-        for (int b = threadIdx.x; b < nblocks; b += blockDim.x) mx = fmaxf(mx, l[(long long)b * G + g]);
-        red[threadIdx.x] = mx;
-        __syncthreads();
-        for (int o = blockDim.x / 2; o > 0; o >>= 1) {
-            if ((int)threadIdx.x < o) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + o]);
-            __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float mx[8], sum[8];
+#pragma unroll
+    for (int g = 0; g < 8; g++) {
+        mx[g] = NEG_INF;
+        sum[g] = 0.f;
+    }
+    for (int b = threadIdx.x; b < nblocks; b += SHARES_THREADS)
+#pragma unroll
+        for (int g = 0; g < 8; g++)
+            if (g < G) mx[g] = fmaxf(mx[g], l[(long long)b * G + g]);
+#pragma unroll
+    for (int g = 0; g < 8; g++)
+        if (g < G) {
+            const float m = warp_max(mx[g]);
+            if (lane == 0) red[0][warp][g] = m;
         }
-        mx = red[0];
-        __syncthreads();
-        float sum = 0.f;
-        if (mx != NEG_INF)
-            for (int b = threadIdx.x; b < nblocks; b += blockDim.x) sum += exp2f(l[(long long)b * G + g] - mx);
-        red[threadIdx.x] = sum;
-        __syncthreads();
-        for (int o = blockDim.x / 2; o > 0; o >>= 1) {
-            if ((int)threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
-            __syncthreads();
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < 8; g++)
+        if (g < G) {
+            float m = NEG_INF;
+            for (int w = 0; w < SHARES_THREADS / 32; w++) m = fmaxf(m, red[0][w][g]);
+            mx[g] = m;
         }
-        const float total = mx + log2f(red[0]);
-        __syncthreads();
-        for (int b = threadIdx.x; b < nblocks; b += blockDim.x) {
-            const float share = isfinite(total) ? exp2f(l[(long long)b * G + g] - total) : 0.f;
-            if (g == 0)
-                out[b] = how == 0 ? fmaxf(NEG_INF, share) : share;
-            else
-                out[b] = how == 0 ? fmaxf(out[b], share) : out[b] + share;
+    for (int b = threadIdx.x; b < nblocks; b += SHARES_THREADS)
+#pragma unroll
+        for (int g = 0; g < 8; g++)
+            if (g < G && mx[g] != NEG_INF) sum[g] += exp2f(l[(long long)b * G + g] - mx[g]);
+#pragma unroll
+    for (int g = 0; g < 8; g++)
+        if (g < G) {
+            const float s = warp_sum(sum[g]);
+            if (lane == 0) red[1][warp][g] = s;
         }
+    __syncthreads();
+    float total[8];
+#pragma unroll
+    for (int g = 0; g < 8; g++) {
+        float s = 0.f;
+        if (g < G)
+            for (int w = 0; w < SHARES_THREADS / 32; w++) s += red[1][w][g];
+        total[g] = mx[g] + log2f(s);
+    }
+    for (int b = threadIdx.x; b < nblocks; b += SHARES_THREADS) {
+        float o = how == 0 ? NEG_INF : 0.f;
+#pragma unroll
+        for (int g = 0; g < 8; g++)
+            if (g < G) {
+                const float share = isfinite(total[g]) ? exp2f(l[(long long)b * G + g] - total[g]) : 0.f;
+                o = how == 0 ? fmaxf(o, share) : o + share;
+            }
+        out[b] = o;
     }
 }

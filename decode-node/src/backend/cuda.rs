@@ -559,6 +559,7 @@ mod tests {
         assert_eq!(defined("NORM_THREADS"), NORM_THREADS as usize);
         assert_eq!(defined("GEMV_WARPS"), driver::GEMV_WARPS);
         assert_eq!(defined("SKETCH_WARPS"), sketch::SKETCH_WARPS);
+        assert_eq!(defined("SHARES_THREADS"), sketch::SHARES_THREADS as usize);
         assert!(
             attention::cuda::KERNELS_CU.contains("#define SAMPLE_OUT_WORDS (4 + 2 * SAMPLE_TOP)")
         );

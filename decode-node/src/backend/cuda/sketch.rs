@@ -22,6 +22,8 @@ use crate::backend::{BackendError, SketchCall};
 
 /// Blocks one `sketch_lse` CUDA block scores (one per warp: the kernels' `SKETCH_WARPS`).
 pub(super) const SKETCH_WARPS: usize = 4;
+/// Threads of `sketch_shares`' one CUDA block per KV head (the kernels' `SHARES_THREADS`).
+pub(super) const SHARES_THREADS: u32 = 256;
 /// Tokens sketched per host task when a layer is filled: big enough to amortise a task,
 /// small enough that a long prompt's layer spreads over every core.
 const FILL_TOKENS: usize = 2048;
@@ -572,7 +574,7 @@ impl SeqSketch {
             sh.launch(
                 &sh.k.sketch_shares,
                 (hk32, 1),
-                256,
+                SHARES_THREADS,
                 &[&lse, &blocks32, &g32, &how32, &out],
             )?;
         }
