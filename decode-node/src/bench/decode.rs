@@ -93,19 +93,25 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 for kv in &prompts {
                     client::push(ch.clone(), kv, None, |_| {}).await?;
                 }
-                let mut round = run_round(&ch, args).await?;
+                let round = run_round(&ch, args).await?;
                 // The larger figure of the probes around the round, for the best pass and
                 // the median.
-                if !on_device {
+                let around = if on_device {
+                    Bound {
+                        best: passes_before.best,
+                        median: None,
+                    }
+                } else {
                     let after = host_read_passes(cpus);
-                    round.bw = passes_before.best.max(after.best);
-                    round.bw_median = Some(passes_before.median.max(after.median));
+                    let b = Bound {
+                        best: passes_before.best.max(after.best),
+                        median: Some(passes_before.median.max(after.median)),
+                    };
                     bound = Some((weights, params, after));
                     passes_before = after;
-                } else {
-                    round.bw = passes_before.best;
-                }
-                rounds.push(round);
+                    b
+                };
+                rounds.push((round, around));
             }
             node.stop().await?;
             let nb = args.batch.max(1) as f64;
@@ -132,11 +138,11 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let gbps_of = |r: &Round| step_bytes * r.tps / nb;
             // The middle round by its rate against the median pass around it (the best pass
             // on a device, whose bound is one figure).
-            let key = |r: &Round| gbps_of(r) / r.bw_median.unwrap_or(r.bw);
+            let key = |(r, b): &(Round, Bound)| gbps_of(r) / b.median.unwrap_or(b.best);
             let mut order: Vec<usize> = (0..rounds.len()).collect();
             order.sort_by(|&a, &b| key(&rounds[a]).total_cmp(&key(&rounds[b])));
-            let r = &rounds[order[order.len() / 2]];
-            let (tps, bw, bw_median) = (r.tps, r.bw, r.bw_median);
+            let (r, around) = &rounds[order[order.len() / 2]];
+            let (tps, bw, bw_median) = (r.tps, around.best, around.median);
             if mode == "full" {
                 full_tps = Some(tps);
             }
@@ -165,11 +171,11 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let device_idle_share = on_device.then_some(r.device_idle_share);
             let round_rows: Vec<serde_json::Value> = rounds
                 .iter()
-                .map(|r| {
+                .map(|(r, b)| {
                     json!({
                         "tokens_per_s": r.tps, "gb_per_s": gbps_of(r) / 1e9,
-                        "read_gb_per_s": r.bw / 1e9,
-                        "read_median_gb_per_s": r.bw_median.map(|m| m / 1e9),
+                        "read_gb_per_s": b.best / 1e9,
+                        "read_median_gb_per_s": b.median.map(|m| m / 1e9),
                     })
                 })
                 .collect();
@@ -261,7 +267,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
     Ok(json!({ "bench": "decode", "results": rows }))
 }
 
-/// One round of a mode: its decode and the bounds measured around it.
+/// One round of a mode: its decode.
 struct Round {
     /// Steady tokens/s of the batch (after every request's first token).
     tps: f64,
@@ -278,10 +284,13 @@ struct Round {
     recalled: u64,
     recalled_bytes: u64,
     recalled_used: u64,
-    /// The bound around the round: the best pass (or the device's copy bandwidth) and, on
-    /// the host, the median pass.
-    bw: f64,
-    bw_median: Option<f64>,
+}
+
+/// The bound around a round: the best pass (or the device's copy bandwidth) and, on the
+/// host, the median pass, each the larger of the probes before and after it.
+struct Bound {
+    best: f64,
+    median: Option<f64>,
 }
 
 /// Generates `args.tokens` for each of the batch's pushed requests at once and times it.
@@ -326,7 +335,5 @@ async fn run_round(ch: &tonic::transport::Channel, args: &DecodeBench) -> anyhow
         recalled,
         recalled_bytes,
         recalled_used,
-        bw: 0.0,
-        bw_median: None,
     })
 }
