@@ -1,6 +1,6 @@
 // `sketch_lse` then `sketch_shares` run with a thread per CUDA thread (see simt.h) against the
 // scores of attention::sketch computed here in double precision from its definition: head
-// dims 64 and 128, groups 1, 5 and 8, 16- and 32-token blocks, a partial last block, tokens
+// dims 64 and 128, groups 1, 5 and 8, 16-, 32- and 64-token blocks, a partial last block, tokens
 // with scale 0, pages of a size that no block divides, scattered and in no order, with room
 // past the tokens, two KV heads, group max and sum. Exit status 1 beyond float rounding.
 // Each shape in floats and in integers (int8 = 1: against the definition with the query
@@ -193,6 +193,9 @@ int main() {
     // More blocks than sketch_shares has threads: each thread takes several.
     check(1, 64, 3, 16, 16 * 600 + 3, 200, 0, 1);
     check(1, 32, 2, 32, 32 * 300, 96, 1, 0);
+    // 64-token blocks: two tokens a lane, the second through the running (max, sum).
+    check(2, 64, 5, 64, 64 * 7 + 40, 100, 0, 1);
+    check(1, 128, 3, 64, 64 * 5 + 1, 130, 1, 0);
     check_nan_query();
     return bad ? 1 : 0;
 }

@@ -1493,12 +1493,21 @@ extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
                 sketch_token_i8(row, D, G, q8w, q8z, q8t, scale, v);
             else
                 sketch_token_f32(row, D, G, qs, temp * scale, v);
+            // A lane's first token starts its (max, sum) as (v, 1): with 32-token blocks it is
+            // the lane's only one, and the update's two exp2f (the SFU's, an eighth of the
+            // FMA rate) would be two of the three a token and head costs.
+            const bool first_here = t0 == first;
 #pragma unroll
             for (int g = 0; g < 8; g++)
                 if (g < G) {
-                    const float mn = fmaxf(m[g], v[g]);
-                    s[g] = s[g] * exp2f(m[g] - mn) + exp2f(v[g] - mn);
-                    m[g] = mn;
+                    if (first_here) {
+                        m[g] = v[g];
+                        s[g] = 1.f;
+                    } else {
+                        const float mn = fmaxf(m[g], v[g]);
+                        s[g] = s[g] * exp2f(m[g] - mn) + exp2f(v[g] - mn);
+                        m[g] = mn;
+                    }
                 }
         }
     }
