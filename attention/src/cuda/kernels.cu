@@ -1343,7 +1343,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // __dp4a, four channels an instruction (a row word's low nibbles against the even channels'
 // bytes, its high nibbles against the odd ones'), then temp * step * scale_t * (sum - 8 sum
 // q8) in the host's order of products. Against the float loop that is a quarter of the
-// multiply-adds, no nibble conversions, and a quarter of the shared-memory loads of the query.
+// multiply-adds, no nibble conversions, and half the shared-memory loads of the query (a
+// quarter of its bytes).
 // A KV head whose query has a NaN or infinite channel is scored by the float loop, as the
 // host scores it.
 // One token's score by each of G query heads in integers (sketch_lse's int8 mode): row holds
