@@ -73,6 +73,15 @@ fi
 # layer) against the copy bandwidth, per CUDA-block target: the kernel apart from the step.
 step device-kernels "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 \
     --context 8k,32k,64k --ctas 0,1024 --seconds 0.3
+# attend_warps' compile-time tunables (`DECODE_NODE_KERNEL_DEFINES`), A/B in one run: at the
+# default it takes 255 registers a thread at G = 5 (ptxas for sm_90), so an SM holds two CUDA
+# blocks (8 warps; ncu: 12% of warps active); held to three blocks an SM it gets 168, with 8
+# loads in flight a lane (LOADS=8) and no spills. With three an SM, 396 CUDA blocks on 132 SMs.
+for defs in ATTEND_WARPS_MIN_BLOCKS=3,ATTEND_WARPS_LOADS=8 ATTEND_WARPS_MIN_BLOCKS=3; do
+    step "device-kernels-${defs//[=,]/-}" env DECODE_NODE_KERNEL_DEFINES="$defs" "$bin" bench \
+        kernels --json --device cuda --groups 5 --head-dims 128 --context 32k,64k --ctas 0,396 \
+        --seconds 0.3
+done
 # The host's side: its read bandwidth and the CPU attention kernel per thread count. Scout's
 # CPU part and its selection (SparQ reads most of 4x the budget's keys) share that bandwidth.
 step host-kernels "$bin" bench kernels --json --threads 1,4,8,16 --groups 5 --head-dims 128 \
@@ -164,6 +173,11 @@ if [[ -n "$ncu" ]]; then
     step ncu-attention "$ncu" --csv --metrics "$metrics" -k "regex:attend_warps|combine_splits" \
         --launch-count 6 "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 \
         --context 64k --seconds 0.05
+    # The device's block scoring in a scout step at 64k (past the start-up checks and the
+    # first steps, which fill the sketch): its two kernels' time against the sketch's bytes.
+    step ncu-sketch "$ncu" --csv --metrics "$metrics" -k "regex:sketch_lse|sketch_shares" \
+        --launch-skip 200 --launch-count 6 "$bin" bench decode --rounds 1 --json --device cuda \
+        --model "$model" --context 64k --modes scout --budget-tokens 2048 --tokens 32
 else
     echo "== ncu: not installed; no per-kernel profile" | tee -a "$out/summary.txt"
 fi

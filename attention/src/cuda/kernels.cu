@@ -594,6 +594,18 @@ __device__ __forceinline__ void all_loaded(const uint4 (&r)[N], int len, float& 
     if (len < 0) sink = __uint_as_float(x);
 }
 
+// Compile-time tunables of `attend_warps`, set through NVRTC (`DECODE_NODE_KERNEL_DEFINES`) to
+// A/B them on a device in one run. MIN_BLOCKS: CUDA blocks an SM must hold at once (its
+// `__launch_bounds__` minimum; 1 lets the compiler take every register it wants: 254 a thread
+// at G = 5, D = 128 on an H200, so two blocks, 8 warps, an SM). LOADS: 16-byte loads a lane
+// keeps in flight per tile batch where G <= 5 (half that above).
+#ifndef ATTEND_WARPS_MIN_BLOCKS
+#define ATTEND_WARPS_MIN_BLOCKS 1
+#endif
+#ifndef ATTEND_WARPS_LOADS
+#define ATTEND_WARPS_LOADS 16
+#endif
+
 // The shared memory of one `attend_warps` CUDA block, declared once by its entry (each dtype's
 // body would otherwise get its own copy).
 template <int G, int D, int BS>
@@ -635,7 +647,7 @@ __device__ __forceinline__ void attend_warps(WarpsShared<G, D, BS>& sm, const un
     constexpr int NW = 4;          // warps per CUDA block
     constexpr int KI = D / RPS;    // K^T rows per lane
     constexpr int VI = BS / TPS;   // V rows per lane
-    constexpr int LB = G <= 5 ? 16 : 8;
+    constexpr int LB = G <= 5 ? ATTEND_WARPS_LOADS : ATTEND_WARPS_LOADS / 2;
     constexpr int KB = KI < LB ? KI : LB;  // loads in flight per batch
     constexpr int VB = VI < LB ? VI : LB;
     static_assert(KI % KB == 0 && VI % VB == 0, "whole load batches");
@@ -791,7 +803,7 @@ __device__ __forceinline__ void attend_warps(WarpsShared<G, D, BS>& sm, const un
 // head_dim and block_size are the name's; dtype 1 = f16, anything else bf16, as the caller
 // only launches these for 16-bit KV).
 #define ATTEND_WARPS_ENTRY(NAME, G, D, BS)                                                          \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
+    extern "C" __global__ void __launch_bounds__(128, ATTEND_WARPS_MIN_BLOCKS) NAME(                \
         const unsigned char* arena, const long long* offs, const int* lens, const int* head_start, \
         const float* q, int group, int head_dim, int block_size, int dtype, float scale,           \
         int chunk, int splits, float* part_out, float* part_lse) {                                 \

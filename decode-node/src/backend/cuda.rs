@@ -504,9 +504,12 @@ mod tests {
     #[test]
     fn kernels_compile_to_ptx_where_nvrtc_exists() {
         // For no device and for an H100's 9.0 at once (each compile takes NVRTC ~20 s on CI's
-        // two cores), then for one this NVRTC cannot know: the first's PTX again.
+        // two cores), then for one this NVRTC cannot know: the first's PTX again. The 9.0
+        // compile also sets a tunable (`DECODE_NODE_KERNEL_DEFINES`), which must take.
         let (default, hopper) = std::thread::scope(|s| {
-            let hopper = s.spawn(|| compile_kernels_for(Some((9, 0))));
+            let hopper = s.spawn(|| {
+                driver::compile_cached(Some((9, 0)), &["-DATTEND_WARPS_MIN_BLOCKS=3".into()])
+            });
             (
                 compile_kernels(),
                 hopper.join().expect("the compile thread"),
@@ -528,6 +531,10 @@ mod tests {
                 }
                 let hopper = hopper.unwrap();
                 assert!(hopper.contains(".target sm_90"), "not built for sm_90");
+                assert!(
+                    hopper.contains(".minnctapersm 3") && !ptx.contains(".minnctapersm 3"),
+                    "ATTEND_WARPS_MIN_BLOCKS did not reach attend_warps' launch bounds"
+                );
                 // The sketch's integer sums as the instruction itself, not an emulation.
                 for p in [&ptx, &hopper] {
                     assert!(p.contains("dp4a.s32.s32"), "sketch_lse without dp4a");

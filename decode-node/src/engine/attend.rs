@@ -49,8 +49,8 @@ struct Ahead {
 /// A CPU part running on the CPU pool.
 #[derive(Debug)]
 struct CpuJob {
-    /// The partials and the seconds the part took.
-    rx: mpsc::Receiver<(Vec<Partial>, f64)>,
+    /// The partials, the seconds the part took and the seconds it waited for a thread.
+    rx: mpsc::Receiver<(Vec<Partial>, f64, f64)>,
     /// Set when the result is no longer wanted: heads not started yet are skipped.
     cancel: Arc<AtomicBool>,
 }
@@ -86,6 +86,13 @@ pub(crate) struct AttnTiming {
     pub(crate) finish: f64,
     /// CPU parts, on the CPU pool (not the step thread), redone ones included.
     pub(crate) cpu: f64,
+    /// Of `plan` and `ahead`: waiting for block scores from a device (its sketch kernels and
+    /// their copy back, where they were not done when asked for).
+    pub(crate) scores: f64,
+    /// Of `plan` and `ahead`: choosing blocks from their scores and planning residency.
+    pub(crate) select: f64,
+    /// CPU parts' waits for a thread of the pool, from being started to running.
+    pub(crate) cpu_start: f64,
 }
 
 impl AttnTiming {
@@ -96,6 +103,9 @@ impl AttnTiming {
         self.device += o.device;
         self.finish += o.finish;
         self.cpu += o.cpu;
+        self.scores += o.scores;
+        self.select += o.select;
+        self.cpu_start += o.cpu_start;
     }
 }
 
@@ -312,10 +322,11 @@ impl<'a> BatchAttention<'a> {
         let q = q.to_vec();
         let shape = self.shape;
         let flag = Arc::clone(&cancel);
+        let queued = Instant::now();
         self.cpu_pool.spawn(move || {
             let t = Instant::now();
             let out = cpu_part(&kv, shape, layer, &plans, &q, &flag);
-            let out = (out, t.elapsed().as_secs_f64());
+            let out = (out, t.elapsed().as_secs_f64(), (t - queued).as_secs_f64());
             // Let go of the KV before answering: the step appends to it right after the last
             // answer, which needs it unshared.
             drop(kv);
@@ -337,8 +348,9 @@ impl<'a> BatchAttention<'a> {
             ModelError::Attention("the CPU part of attention was lost (its task failed)".into())
         });
         self.slots[b].device_wait += t.elapsed().as_secs_f64();
-        let (parts, secs) = r?;
+        let (parts, secs, start) = r?;
         self.timing.cpu += secs;
+        self.timing.cpu_start += start;
         Ok(parts)
     }
 
@@ -418,6 +430,7 @@ impl<'a> BatchAttention<'a> {
         if queued {
             self.queued[b] = None;
         }
+        let t = Instant::now();
         let slot = &mut self.slots[b];
         let dev = slot.dev.as_deref_mut()?;
         let taken = if queued {
@@ -430,6 +443,7 @@ impl<'a> BatchAttention<'a> {
             Ok(None) => dev.sketch_scores(slot.kv.as_ref(), q, call),
             Err(e) => Err(e),
         };
+        self.timing.scores += t.elapsed().as_secs_f64();
         match scores {
             Ok(Some(mut scores)) => {
                 for s in &mut scores {
@@ -654,17 +668,20 @@ impl<'a> BatchAttention<'a> {
             .zip(scored)
             .map(|((slot, q), s)| (&mut *slot.seq, &**slot.kv, *q, s))
             .collect();
+        let t = Instant::now();
         let plan = |(seq, kv, q, scored): Planning<'_>| {
             q.map(|q| match scored {
                 Some(s) => seq.plan_layer_scored(cfg, layer, &s),
                 None => seq.plan_layer(cfg, layer, q, BlockKeys { src: kv, scale }),
             })
         };
-        if qs.iter().flatten().count() > 1 {
+        let plans = if qs.iter().flatten().count() > 1 {
             work.into_par_iter().map(plan).collect()
         } else {
             work.into_iter().map(plan).collect()
-        }
+        };
+        self.timing.select += t.elapsed().as_secs_f64();
+        plans
     }
 
     /// The CPU part of `plans` with `q`, started now; `None` where no head has CPU blocks.

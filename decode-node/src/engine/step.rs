@@ -293,6 +293,10 @@ impl StepLoop {
             attn_device_s = t.device,
             attn_cpu_wait_s = device_wait,
             attn_finish_s = t.finish,
+            attn_scores_s = t.scores,
+            attn_select_s = t.select,
+            attn_cpu_s = t.cpu,
+            attn_cpu_start_s = t.cpu_start,
             projections_s = fwd.model_s - attn_s,
             "step"
         );

@@ -82,27 +82,68 @@ pub fn compile_kernels() -> Result<String, CudaError> {
 /// per process and architecture: NVRTC takes seconds over these kernels, and every backend a
 /// process opens (each bench row's node, each selftest model) needs them.
 pub fn compile_kernels_for(compute: Option<(i32, i32)>) -> Result<String, CudaError> {
+    let defines = kernel_defines(&std::env::var(KERNEL_DEFINES_ENV).unwrap_or_default())
+        .map_err(|e| CudaError::Compile(format!("{KERNEL_DEFINES_ENV}: {e}")))?;
+    compile_cached(compute, &defines)
+}
+
+/// [`compile_kernels_for`] with `defines` (NVRTC options, see `kernel_defines`).
+pub(crate) fn compile_cached(
+    compute: Option<(i32, i32)>,
+    defines: &[String],
+) -> Result<String, CudaError> {
     static PTX: std::sync::OnceLock<Mutex<PtxCache>> = std::sync::OnceLock::new();
     let cache = PTX.get_or_init(Default::default);
-    if let Some(ptx) = cache.lock().ok().and_then(|c| c.get(&compute).cloned()) {
+    let key = (compute, defines.to_vec());
+    if let Some(ptx) = cache.lock().ok().and_then(|c| c.get(&key).cloned()) {
         return Ok(ptx);
     }
-    let ptx = compile_uncached(compute)?;
+    let ptx = compile_uncached(compute, defines)?;
     if let Ok(mut c) = cache.lock() {
-        c.insert(compute, ptx.clone());
+        c.insert(key, ptx.clone());
     }
     Ok(ptx)
 }
 
-/// PTX by the architecture it was compiled for.
-type PtxCache = std::collections::HashMap<Option<(i32, i32)>, String>;
+/// PTX by the architecture and the defines it was compiled with.
+type PtxCache = std::collections::HashMap<(Option<(i32, i32)>, Vec<String>), String>;
 
-fn compile_uncached(compute: Option<(i32, i32)>) -> Result<String, CudaError> {
+/// Names the kernels' compile-time tunables to set, as `NAME=VALUE[,NAME=VALUE...]` (integer
+/// values): what `scripts/gpu-run.sh` A/Bs on a device in one run, e.g.
+/// `ATTEND_WARPS_MIN_BLOCKS=3` (see `kernels.cu`). Unset: the kernels' defaults.
+pub const KERNEL_DEFINES_ENV: &str = "DECODE_NODE_KERNEL_DEFINES";
+
+/// NVRTC's `-D` options for `spec` (`NAME=VALUE` pairs split by commas or whitespace; a name
+/// in upper case, digits and `_`, an integer value), or what is wrong with it.
+fn kernel_defines(spec: &str) -> Result<Vec<String>, String> {
+    spec.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|p| !p.is_empty())
+        .map(|pair| {
+            let (name, value) = pair
+                .split_once('=')
+                .ok_or_else(|| format!("`{pair}` is not NAME=VALUE"))?;
+            let name_ok = name.starts_with(|c: char| c.is_ascii_uppercase())
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+            if !name_ok {
+                return Err(format!("`{name}` is not a tunable's name (A-Z, 0-9, _)"));
+            }
+            value
+                .parse::<i64>()
+                .map_err(|_| format!("`{value}` (for {name}) is not an integer"))?;
+            Ok(format!("-D{name}={value}"))
+        })
+        .collect()
+}
+
+fn compile_uncached(compute: Option<(i32, i32)>, defines: &[String]) -> Result<String, CudaError> {
     // SAFETY: only tries to dlopen libnvrtc.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaError::NoNvrtc);
     }
-    let compile = |options: Vec<String>| {
+    let compile = |mut options: Vec<String>| {
+        options.extend(defines.iter().cloned());
         let opts = cudarc::nvrtc::CompileOptions {
             options,
             ..Default::default()
@@ -121,7 +162,7 @@ fn compile_uncached(compute: Option<(i32, i32)>) -> Result<String, CudaError> {
                 "NVRTC could not compile for this device's architecture; compiling for none in particular"
             ),
         }
-        return compile_kernels_for(None);
+        return compile_cached(None, defines);
     }
     compile(Vec::new())
 }
@@ -849,5 +890,30 @@ mod tests {
         assert!(after >= during);
         std::thread::sleep(std::time::Duration::from_millis(20));
         assert_eq!(c.seconds(), after);
+    }
+
+    #[test]
+    fn kernel_defines_become_nvrtc_options_and_refuse_anything_else() {
+        assert_eq!(kernel_defines(""), Ok(vec![]));
+        assert_eq!(
+            kernel_defines("ATTEND_WARPS_MIN_BLOCKS=3, ATTEND_WARPS_LOADS=8"),
+            Ok(vec![
+                "-DATTEND_WARPS_MIN_BLOCKS=3".to_string(),
+                "-DATTEND_WARPS_LOADS=8".to_string()
+            ])
+        );
+        assert_eq!(kernel_defines("X=-1"), Ok(vec!["-DX=-1".to_string()]));
+        // Anything that could smuggle another NVRTC option in, or is no integer, is refused.
+        for bad in [
+            "MIN",
+            "min=3",
+            "A=3 --use_fast_math",
+            "A=3;B",
+            "A=x",
+            "_A=1",
+            "A=1.5",
+        ] {
+            assert!(kernel_defines(bad).is_err(), "{bad}");
+        }
     }
 }
