@@ -564,8 +564,9 @@ fn bench_ingest_reports_the_store_path_stage_by_stage() {
 fn bench_capacity_bounds_full_by_the_device_and_scout_by_the_host() {
     // tiny: 4 layers, 2 KV heads of 16 dims in f32, so 1 KiB of KV per token. A request of
     // 256 tokens with 32 to generate may hold 289 positions: 19 blocks of 16 tokens, 304 KiB
-    // on the device in `full`; 4 blocks (the 64-token budget), 64 KiB, in `scout`. In the
-    // host pool it takes 19 blocks of each layer (76 x 4 KiB): 2 MiB holds 6 of them. The 32
+    // on the device in `full`; 8 blocks (by default twice the 64-token budget's 4), 128 KiB,
+    // in `scout`: 920000 bytes hold 2 of the first, 7 of the second. In the host pool it
+    // takes 19 blocks of each layer (76 x 4 KiB): 2 MiB holds 6 of them. The 32
     // tokens keep every admitted request running until the last one's first token, however
     // late a loaded machine starts its Generate (with 4, one came after the first had ended
     // and counted as queued).
@@ -584,7 +585,7 @@ fn bench_capacity_bounds_full_by_the_device_and_scout_by_the_host() {
         "--budget-tokens",
         "64",
         "--device-kv-bytes",
-        "640000",
+        "920000",
         "--host-kv-bytes",
         "2Mi",
     ]);
@@ -592,7 +593,7 @@ fn bench_capacity_bounds_full_by_the_device_and_scout_by_the_host() {
     assert_eq!(rows.len(), 2, "{v}");
     let want = [
         ("full", 2, "device KV", 304 << 10),
-        ("scout", 6, "host KV", 64 << 10),
+        ("scout", 6, "host KV", 128 << 10),
     ];
     for (r, (mode, n, bound, device)) in rows.iter().zip(want) {
         assert_eq!(r["mode"], mode, "{r}");

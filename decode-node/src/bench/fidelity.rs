@@ -87,11 +87,12 @@ fn cases(args: &FidelityBench, base: &AttentionConfig, block: usize) -> anyhow::
                 let mut cfg = AttentionConfig {
                     mode,
                     budget_tokens: b.max(2 * block),
-                    device_blocks_per_head: if base.device_blocks_per_head == 0 {
-                        b.div_ceil(block)
-                    } else {
-                        base.device_blocks_per_head
-                    },
+                    // At this budget, where `--device-blocks` leaves it to the budget.
+                    device_blocks_per_head: crate::node::device_blocks_per_head(
+                        args.common.model.device_blocks,
+                        b.max(2 * block),
+                        block,
+                    ),
                     ..base.clone()
                 };
                 if !g {
@@ -587,6 +588,49 @@ fn quantiles(v: &[f64]) -> [f64; 3] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_budget_gets_its_own_device_blocks_unless_they_are_given() {
+        #[derive(clap::Parser)]
+        struct Args {
+            #[command(flatten)]
+            bench: FidelityBench,
+        }
+        let device_blocks = |flags: &[&str]| -> Vec<(String, usize)> {
+            use clap::Parser;
+            let args = Args::parse_from(
+                ["t", "--modes", "scout", "--guard", "on"]
+                    .iter()
+                    .chain(flags),
+            );
+            let geom = attention::BlockGeometry {
+                block_size: 32,
+                num_kv_heads: 2,
+                head_dim: 64,
+                dtype: KvDType::Bf16,
+            };
+            let base = crate::node::attention_config(&args.bench.common.model, geom, 4, 2).unwrap();
+            cases(&args.bench, &base, 32)
+                .unwrap()
+                .into_iter()
+                .map(|c| (c.label, c.cfg.resident_blocks_per_head()))
+                .collect()
+        };
+        // `full` holds everything; the node's own budget (2048) does not size the cases'.
+        let got = device_blocks(&["--budgets", "512,1024"]);
+        assert_eq!(got[0].1, usize::MAX);
+        assert_eq!(
+            got[1..].iter().map(|c| c.1).collect::<Vec<_>>(),
+            [32, 64],
+            "{got:?}"
+        );
+        let got = device_blocks(&["--budgets", "512,1024", "--device-blocks", "40"]);
+        assert_eq!(
+            got[1..].iter().map(|c| c.1).collect::<Vec<_>>(),
+            [40, 40],
+            "{got:?}"
+        );
+    }
 
     #[test]
     fn generated_tokens_count_apart_where_the_reference_missed_the_key() {
