@@ -297,8 +297,10 @@ impl Node {
 mod tests {
     use super::*;
 
-    #[test]
-    fn heads_share_a_layers_budget_by_default_where_scores_are_shares() {
+    /// The attention config `flags` give SmolLM2's shape (30 layers, 3 KV heads of 64 in
+    /// groups of 3, 32-token blocks).
+    fn config_of(flags: &[&str]) -> AttentionConfig {
+        use clap::Parser;
         #[derive(clap::Parser)]
         struct Args {
             #[command(flatten)]
@@ -310,13 +312,13 @@ mod tests {
             head_dim: 64,
             dtype: KvDType::Bf16,
         };
-        let shared = |flags: &[&str]| -> bool {
-            use clap::Parser;
-            let args = Args::parse_from(["t"].iter().chain(flags));
-            attention_config(&args.model, geom, 30, 3)
-                .unwrap()
-                .shared_budget
-        };
+        let args = Args::parse_from(["t"].iter().chain(flags));
+        attention_config(&args.model, geom, 30, 3).unwrap()
+    }
+
+    #[test]
+    fn heads_share_a_layers_budget_by_default_where_scores_are_shares() {
+        let shared = |flags: &[&str]| config_of(flags).shared_budget;
         assert!(shared(&[]));
         assert!(shared(&["--block-scorer", "sparq"]));
         assert!(!shared(&["--budget-split", "head"]));
@@ -332,24 +334,7 @@ mod tests {
 
     #[test]
     fn the_device_holds_twice_the_budgets_blocks_unless_told() {
-        #[derive(clap::Parser)]
-        struct Args {
-            #[command(flatten)]
-            model: ModelArgs,
-        }
-        let geom = BlockGeometry {
-            block_size: 32,
-            num_kv_heads: 3,
-            head_dim: 64,
-            dtype: KvDType::Bf16,
-        };
-        let blocks = |flags: &[&str]| -> usize {
-            use clap::Parser;
-            let args = Args::parse_from(["t"].iter().chain(flags));
-            attention_config(&args.model, geom, 30, 3)
-                .unwrap()
-                .resident_blocks_per_head()
-        };
+        let blocks = |flags: &[&str]| config_of(flags).resident_blocks_per_head();
         assert_eq!(blocks(&[]), 2 * 2048 / 32);
         assert_eq!(blocks(&["--budget-tokens", "1000"]), 2 * 32);
         assert_eq!(
