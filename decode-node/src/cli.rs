@@ -109,8 +109,12 @@ pub struct ModelArgs {
     /// Device-resident blocks per layer and KV head in sparse modes (0 = twice the budget's:
     /// blocks dropped from the selection a few steps ago are often selected again, and a
     /// device that kept them need not send them to the CPU part. SmolLM2-135M at 7.8k tokens,
-    /// budget 2048, real text: CPU share 0.106 where as many as the budget gave 0.297, with
-    /// the same attention).
+    /// budget 2048, real text: CPU share 0.106 where as many as the budget gave 0.297 and
+    /// 1.5 times 0.152, with the same attention). Admission reserves them on the device for
+    /// each request: at twice a 2048-token budget, Qwen3-14B takes 671 MB a request (the
+    /// budget alone 335 MB; `full` at 64k, 10.7 GB). Where device memory bounds how many
+    /// requests run, the budget's blocks (`--device-blocks` = budget / block size) admit twice
+    /// as many.
     #[arg(long, env = "DECODE_NODE_DEVICE_BLOCKS", default_value_t = 0)]
     pub device_blocks: u32,
     /// Per-layer recall intervals from `bench recall-profile` (a JSON file); without it,
