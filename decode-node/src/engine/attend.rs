@@ -89,7 +89,8 @@ pub(crate) struct AttnTiming {
     /// Of `plan` and `ahead`: waiting for block scores from a device (its sketch kernels and
     /// their copy back, where they were not done when asked for).
     pub(crate) scores: f64,
-    /// Of `plan` and `ahead`: choosing blocks from their scores and planning residency.
+    /// Of `plan` and `ahead`: choosing the blocks (scoring them too where the host scores)
+    /// and planning their residency.
     pub(crate) select: f64,
     /// CPU parts' waits for a thread of the pool, from being started to running.
     pub(crate) cpu_start: f64,
@@ -382,7 +383,9 @@ impl<'a> BatchAttention<'a> {
         if let Some((plans, job)) = self.accepted(b, layer, qb)? {
             return Ok((plans, job, true));
         }
-        let plans = match self.device_scores(b, layer, qb, false) {
+        let scores = self.device_scores(b, layer, qb, false);
+        let t = Instant::now();
+        let plans = match scores {
             Some(scores) => self.slots[b]
                 .seq
                 .plan_layer_scored(self.cfg, layer, &scores),
@@ -391,6 +394,7 @@ impl<'a> BatchAttention<'a> {
                 self.slots[b].seq.plan_layer(self.cfg, layer, qb, keys)
             }
         };
+        self.timing.select += t.elapsed().as_secs_f64();
         let job = self.spawn_cpu_if_any(b, layer, &plans, qb);
         Ok((plans, job, false))
     }
@@ -619,6 +623,7 @@ impl<'a> BatchAttention<'a> {
         }
         let Ahead { mut plans, job, .. } = a;
         if self.cfg.guard.device_real_query {
+            let t = Instant::now();
             let seq = &mut self.slots[b].seq;
             match &real {
                 Some(scores) => seq.reselect_device_scored(self.cfg, layer, scores, &mut plans),
@@ -629,6 +634,7 @@ impl<'a> BatchAttention<'a> {
                         .reselect_device(self.cfg, layer, qb, keys, &mut plans);
                 }
             }
+            self.timing.select += t.elapsed().as_secs_f64();
         }
         // The predicted blocks, attended with the real query unless the predicted query's
         // part was started ahead.
