@@ -164,6 +164,20 @@ step decode-8k-batch8 "$bin" bench decode --rounds 1 --json --device cuda --mode
 step decode-8k-host-layers env DECODE_NODE_RESIDENT_LAYERS=0 "$bin" bench decode --rounds 1 --json \
     --device cuda --model "$model" --context 8k --modes full,scout --budget-tokens 2048 \
     --tokens 64
+# A trained model, where there is one (SMOLLM2: the GGUF of scripts/fetch-smollm2.sh; 98 MB,
+# more than a device call carries beside the binary, so split it: `split -b 40M FILE
+# smollm2.part.`, put part aa in dist (with the binary) and ab, ac in dist2, carry `dist` in one
+# call and `dist2` in the next, then `cat dist*/smollm2.part.* > /tmp/smollm2.gguf` and
+# SMOLLM2=/tmp/smollm2.gguf). Random weights have no locality, so their
+# CPU share (0.92 at 64k) is scout's worst case; on real text the CPU measured 0.106 at 7.8k,
+# budget 2048. `bench decode` gives the node's speed and CPU share on the device; `bench
+# fidelity` the answers against full with the device's projections (it attends on the host).
+if [[ -n "${SMOLLM2:-}" && -f "$SMOLLM2" ]]; then
+    step decode-smollm2 "$bin" bench decode --rounds 1 --json --device cuda --model "$SMOLLM2" \
+        --context 7800 --modes full,scout --budget-tokens 1024 --tokens 64
+    step fidelity-smollm2 "$bin" bench fidelity --json --device cuda --model "$SMOLLM2" \
+        --context 7800 --modes scout --budgets 1024,2048 --prompts 2 --forced 64
+fi
 step capacity-64k "$bin" bench capacity --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 32 \
     --device-kv-bytes 40Gi --host-kv-bytes 48Gi
