@@ -185,8 +185,8 @@ pub(crate) fn device_blocks_per_head(arg: u32, budget_tokens: usize, block_size:
 /// for twice as many, SmolLM2-135M at 7.8k tokens (real text, `bench fidelity`, scout,
 /// recall at its 12% threshold) sent 0.106 of the selected tokens to the CPU where the budget
 /// alone sent 0.297 (budget 2048), with the same attention (KL from full 0.0015 both).
-/// Device memory per sequence doubles, still a small share of its KV: the budget is
-/// usually a few percent of the context.
+/// Admission reserves them, so a request's device memory doubles (Qwen3-14B at a 2048
+/// budget: 671 MB), still a small share of its KV at long contexts (10.7 GB at 64k).
 pub(crate) const DEVICE_BLOCKS_PER_BUDGET: usize = 2;
 
 /// The block scorer `--block-scorer` names on `device` for heads of `head_dim` in groups of
