@@ -18,7 +18,7 @@
 #   an H200 (2026-11-26), capacity the longest step (2 minutes); with SKIP="selftest-int8
 #   host-kernels host-select dense-step-b4-gemv dense-step-b4-cublas decode-full-split-kernel
 #   scout-64k-sketch-f32 scout-32k-predicted-device scout-32k-quest decode-32k-block16 decode-8k-host-layers",
-#   5 minutes (2026-11-27). On 2026-11-28 (H200) selftest took 45 s, make-model 18, a
+#   5 minutes (2026-11-27). (dense-step-b4-* became dense-step-b8-{cublas,gemv,tc}.) On 2026-11-28 (H200) selftest took 45 s, make-model 18, a
 #   `bench decode` of one mode and context about 10, and capacity over 100 (cut there: give
 #   it STEP_TIMEOUT=200); the lease's start about 30.
 set -euo pipefail
@@ -97,13 +97,17 @@ step host-kernels "$bin" bench kernels --json --threads 1,4,8,16 --groups 5 --he
 # device scores (the default): top-k and residency plan, 0.05 ms a layer at 64k on an EPYC VM.
 step host-select "$bin" bench select --json --context 32k,64k --threads 1,4,8,16 --seconds 1 \
     --scorers quest,sparq,device
-# The dense step alone against the weights' bound, batch 1 and 8 (`gemv_b1`, then cuBLAS),
-# and batch 4 both ways (`gemv_b{B}` is used up to batch 1 by default: at 8 it lost to cuBLAS).
+# The dense step alone against the weights' bound, batch 1 and 8. By default each product
+# shape's first call times cuBLAS, `gemv_b{B}` and `gemv_tc` (tensor cores, new 2026-11-28,
+# never run on a GPU) and keeps the fastest: the log's "small-batch GEMM timed" lines give
+# each kernel's microseconds per shape. Then batch 8 with each one forced, for the A/B.
 step dense-step "$bin" bench step --json --device cuda --model "$model" --batch 8 --seconds 3
-step dense-step-b4-gemv env DECODE_NODE_GEMV_MAX_BATCH=8 "$bin" bench step --json \
-    --device cuda --model "$model" --batch 4 --seconds 2
-step dense-step-b4-cublas "$bin" bench step --json --device cuda --model "$model" --batch 4 \
-    --seconds 2
+grep -h "small-batch GEMM timed" "$out/dense-step.log" | sed 's/^.*INFO //' | head -20 |
+    tee -a "$out/summary.txt" || true
+for tactic in cublas gemv tc; do
+    step "dense-step-b8-$tactic" env DECODE_NODE_GEMV_TACTIC=$tactic "$bin" bench step --json \
+        --device cuda --model "$model" --batch 8 --seconds 2
+done
 # One round per `bench decode` (its default is 3): the device's bound is one figure, and
 # the device time is short.
 # Each step's per-layer phases (selection, device, CPU waits) as debug lines in its log.

@@ -68,6 +68,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gemv_b6",
     "gemv_b7",
     "gemv_b8",
+    "gemv_tc",
 ];
 
 /// Words of one row's spec for `sample_rows`.

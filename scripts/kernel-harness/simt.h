@@ -16,6 +16,7 @@ struct Simt {
     std::unique_ptr<std::barrier<>> block;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     std::vector<float> mailbox;  // [warp][lane]
+    std::vector<unsigned> fragments;  // [warp][lane][6]: an MMA's a0..a3, b0, b1
 };
 static Simt simt;
 
@@ -29,6 +30,47 @@ static inline float __shfl_xor_sync(unsigned, float v, int o) {
     __syncwarp();
     return r;
 }
+// kernels.cu's, defined after this.
+inline float f16_to_f32(unsigned short h);
+inline float bf16_to_f32(unsigned short h);
+
+// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}` as the PTX ISA lays out its fragments, for
+// lane (g = lane / 4, t = lane % 4): A's register j holds row g + 8 (j & 1), k 2t + 8 (j >> 1)
+// and the next k (low half first); B's register j holds k 2t + 8j and the next, column g; C's
+// c[i] is row g + 8 (i >> 1), column 2t + (i & 1). Each lane posts its registers, then
+// computes its four sums from the warp's (in double: the device's rounding order is its own).
+#define HAVE_MMA 1
+static inline void mma_m16n8k16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                unsigned b1, int dtype) {
+    const unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    unsigned* box = &simt.fragments[w * 32 * 6];
+    const unsigned mine[6] = {a0, a1, a2, a3, b0, b1};
+    for (int i = 0; i < 6; i++) box[lane * 6 + i] = mine[i];
+    __syncwarp();
+    auto half = [&](unsigned reg, int k) {
+        const unsigned short h = (k & 1) ? (unsigned short)(reg >> 16) : (unsigned short)(reg & 0xffffu);
+        return (double)(dtype == 2 ? bf16_to_f32(h) : f16_to_f32(h));
+    };
+    auto a = [&](int row, int k) {
+        const int l = (row % 8) * 4 + (k % 8) / 2, reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+        return half(box[l * 6 + reg], k);
+    };
+    auto b = [&](int k, int n) {
+        const int l = n * 4 + (k % 8) / 2, reg = 4 + (k >= 8 ? 1 : 0);
+        return half(box[l * 6 + reg], k);
+    };
+    const int g = lane / 4, t = lane % 4;
+    float out[4];
+    for (int i = 0; i < 4; i++) {
+        const int row = g + (i >= 2 ? 8 : 0), n = 2 * t + (i & 1);
+        double s = c[i];
+        for (int k = 0; k < 16; k++) s += a(row, k) * b(k, n);
+        out[i] = (float)s;
+    }
+    __syncwarp();
+    for (int i = 0; i < 4; i++) c[i] = out[i];
+}
+
 static inline unsigned atomicAdd(unsigned* p, unsigned v) {
     return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
 }
@@ -42,6 +84,7 @@ static void launch(D3 grid, unsigned threads, F kernel) {
     simt.warps.clear();
     for (unsigned w = 0; w < threads / 32; w++) simt.warps.push_back(std::make_unique<std::barrier<>>(32));
     simt.mailbox.assign(threads, 0.f);
+    simt.fragments.assign(threads * 6, 0u);
     for (unsigned y = 0; y < grid.y; y++)
         for (unsigned x = 0; x < grid.x; x++) {
             blockIdx = {x, y, 0};

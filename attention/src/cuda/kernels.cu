@@ -909,6 +909,115 @@ GEMV(6)
 GEMV(7)
 GEMV(8)
 
+// `gemv_b{B}` on the tensor cores, for a batch of 1 to 8 rows of x (sm_80 and later):
+// y[b][r] = sum_c w[r][c] x[b][c] (+ beta y[b][r]). At batch 8 `gemv_b8` loads and widens
+// eight x chunks per w chunk and issues 64 FMAs on them: it ran at 0.6 of cuBLAS on an H200.
+// Here each 32 columns of 16 rows of w are two m16n8k16 MMAs whose n is the batch (rows of
+// x past it are zeros), so a w byte costs the same at batch 8 as at batch 1.
+//
+// Where a lane's registers sit in k is the MMA's business, but a sum over k is the same sum
+// in any order of k, as long as A and B agree on it. So lane (g = lane / 4, t = lane % 4)
+// loads 16 contiguous bytes, columns 8t .. 8t + 7 of a 32-column chunk, of w's rows g and
+// g + 8 and of x's row g, and hands the first half of each to one MMA and the second half to
+// the other, in the places where the MMA's A (row, k) and B (k, n) fragments meet at the
+// same k: every byte is loaded once, 16 at a time, with no shuffles nor shared memory.
+//
+// One CUDA block per 16 rows of w; its GEMV_TC_WARPS warps take a contiguous share of the
+// chunks each, GEMV_TC_CHUNKS chunks' loads in flight per lane, and add their sums through
+// shared memory in a fixed order (the result does not depend on timing). w and x 16-byte
+// aligned, cols a multiple of 8, dtype 1 = f16, 2 = bf16. Built for an older device (or for
+// none in particular), the kernel writes NaN: the start-up check against cuBLAS then keeps
+// it out.
+#ifndef GEMV_TC_WARPS
+#define GEMV_TC_WARPS 8
+#endif
+#ifndef GEMV_TC_CHUNKS
+#define GEMV_TC_CHUNKS 4
+#endif
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define HAVE_MMA 1
+// c += A (16 x 16, row-major fragments a0..a3) . B (16 x 8, column fragments b0, b1), f32 sums.
+__device__ __forceinline__ void mma_m16n8k16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                             unsigned b0, unsigned b1, int dtype) {
+    if (dtype == 2)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
+    gemv_tc(const unsigned char* w, const unsigned char* x, float* y, int rows, int cols, int batch, int dtype,
+            float beta) {
+    __shared__ float part[GEMV_TC_WARPS][32][4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#ifdef HAVE_MMA
+    const int g = lane >> 2, t = lane & 3;
+    const long long r_lo = (long long)blockIdx.x * 16 + g, r_hi = r_lo + 8;
+    const bool has_lo = r_lo < rows, has_hi = r_hi < rows, has_x = g < batch;
+    const uint4* w_lo = (const uint4*)(w + (has_lo ? r_lo : 0) * cols * 2);
+    const uint4* w_hi = (const uint4*)(w + (has_hi ? r_hi : 0) * cols * 2);
+    const uint4* xr = (const uint4*)(x + (has_x ? (long long)g : 0) * cols * 2);
+    const int units = cols >> 3;  // 16-byte units of a row; chunk c holds units 4c .. 4c + 3
+    const int chunks = (units + 3) >> 2;
+    const int per = (chunks + GEMV_TC_WARPS - 1) / GEMV_TC_WARPS;
+    const int c0 = warp * per, c1 = min(chunks, c0 + per);
+    const uint4 zero = {0u, 0u, 0u, 0u};
+    for (int c = c0; c < c1; c += GEMV_TC_CHUNKS) {
+        uint4 lo[GEMV_TC_CHUNKS], hi[GEMV_TC_CHUNKS], xv[GEMV_TC_CHUNKS];
+#pragma unroll
+        for (int u = 0; u < GEMV_TC_CHUNKS; u++) {
+            const int unit = (c + u) * 4 + t;
+            const bool in = c + u < c1 && unit < units;
+            lo[u] = in && has_lo ? w_lo[unit] : zero;
+            hi[u] = in && has_hi ? w_hi[unit] : zero;
+            xv[u] = in && has_x ? xr[unit] : zero;
+        }
+        // Every load issued before the first MMA waits (as the compiler had it, one chunk's
+        // loads were in flight at a time).
+        all_loaded(lo, cols, acc[0]);
+        all_loaded(hi, cols, acc[1]);
+        all_loaded(xv, cols, acc[2]);
+#pragma unroll
+        for (int u = 0; u < GEMV_TC_CHUNKS; u++) {
+            // A: (row g, k 2t..2t+1), (row g+8, same k), (row g, k 2t+8..), (row g+8, k 2t+8..);
+            // B: (k 2t.., n g), (k 2t+8.., n g). Columns 8t, 8t+1 are k 2t, 2t+1 of the first
+            // MMA and columns 8t+2, 8t+3 its k 2t+8, 2t+9; the second MMA takes 8t+4 .. 8t+7.
+            mma_m16n8k16(acc, lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y, dtype);
+            mma_m16n8k16(acc, lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w, dtype);
+        }
+    }
+#else
+    acc[0] = acc[1] = acc[2] = acc[3] = NEG_INF - NEG_INF;  // NaN: no MMA here
+#endif
+#pragma unroll
+    for (int i = 0; i < 4; i++) part[warp][lane][i] = acc[i];
+    __syncthreads();
+    // C: (row g, n 2t, 2t+1), (row g+8, n 2t, 2t+1) of lane g * 4 + t.
+    if (threadIdx.x < 128) {
+        const int l = threadIdx.x >> 2, i = threadIdx.x & 3;
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < GEMV_TC_WARPS; k++) s += part[k][l][i];
+        const long long r = (long long)blockIdx.x * 16 + (l >> 2) + (i >= 2 ? 8 : 0);
+        const int b = (l & 3) * 2 + (i & 1);
+        if (r < rows && b < batch) {
+            float* yb = y + (long long)b * rows + r;
+            *yb = beta != 0.f ? s + beta * *yb : s;
+        }
+    }
+}
+
 // Copies n ranges of `bytes` bytes (a multiple of 16) from src[i] to dst[i]; one CUDA block
 // per range. Sources are page-locked host memory mapped into the device's address space:
 // one launch gathers scattered KV blocks over PCIe, where one DMA call per 16 KiB block

@@ -20,6 +20,9 @@ pub mod selftest;
 mod sketch;
 mod slots;
 mod store;
+mod tactic;
+
+use tactic::Tactic;
 
 pub use attn_bench::{AttnBenchSpec, AttnTiming};
 use blas::{Blas, upload};
@@ -155,21 +158,28 @@ impl CudaBackend {
             gemv: Kernels::gemv_names()
                 .map(|n| f(&n))
                 .collect::<Result<_, _>>()?,
+            gemv_tc: f("gemv_tc")?,
         };
-        let mut blas_state = Blas::new(&stream, k.gemv.clone())?;
-        // The small-batch kernel replaces cuBLAS only where it gives cuBLAS's products here.
-        if blas_state.gemv_up_to > 0 {
-            match selftest::gemv_vs_cublas(&mut blas_state) {
-                Ok(err) if err <= selftest::GEMV_TOLERANCE => {
-                    tracing::info!(
-                        err,
-                        up_to = blas_state.gemv_up_to,
-                        "gemv agrees with cuBLAS on this device; batches up to `up_to` use it"
-                    );
+        let mut blas_state = Blas::new(&stream, k.gemv.clone(), k.gemv_tc.clone())?;
+        // A small-batch kernel may replace cuBLAS only where it gives cuBLAS's products here;
+        // `gemv_tc` needs the MMAs of sm_80 on.
+        blas_state.tactics.mma = info.compute.is_some_and(|(major, _)| major >= 8);
+        if blas_state.tactics.up_to > 0 {
+            let mma = blas_state.tactics.mma;
+            let kernels = [Tactic::Gemv]
+                .into_iter()
+                .chain(mma.then_some(Tactic::GemvTc));
+            for t in kernels {
+                let r = selftest::gemv_vs_cublas(&blas_state, t);
+                let ok = matches!(r, Ok(err) if err <= selftest::GEMV_TOLERANCE);
+                if ok {
+                    tracing::info!(kernel = t.name(), result = ?r, "agrees with cuBLAS on this device; small batches may take it");
+                } else {
+                    tracing::error!(kernel = t.name(), result = ?r, "disagrees with cuBLAS on this device; not used");
                 }
-                r => {
-                    tracing::error!(result = ?r, "gemv disagrees with cuBLAS on this device; every projection takes cuBLAS");
-                    blas_state.gemv_up_to = 0;
+                match t {
+                    Tactic::GemvTc => blas_state.tactics.tc_ok = ok,
+                    _ => blas_state.tactics.gemv_ok = ok,
                 }
             }
         }
@@ -539,6 +549,14 @@ mod tests {
                 for p in [&ptx, &hopper] {
                     assert!(p.contains("dp4a.s32.s32"), "sketch_lse without dp4a");
                 }
+                // `gemv_tc`'s MMAs where the architecture has them (both types), and none
+                // where it does not: there the kernel writes NaN and the start-up check
+                // keeps it out.
+                for ty in ["bf16.bf16", "f16.f16"] {
+                    let mma = format!("mma.sync.aligned.m16n8k16.row.col.f32.{ty}.f32");
+                    assert!(hopper.contains(&mma), "gemv_tc without {mma}");
+                }
+                assert!(!ptx.contains("mma.sync"), "MMAs in the PTX for any device");
                 assert_eq!(compile_kernels_for(Some((99, 9))).unwrap(), ptx);
             }
         }
@@ -565,6 +583,7 @@ mod tests {
         assert_eq!(defined("PART_LOGITS"), PART_LOGITS);
         assert_eq!(defined("NORM_THREADS"), NORM_THREADS as usize);
         assert_eq!(defined("GEMV_WARPS"), driver::GEMV_WARPS);
+        assert_eq!(defined("GEMV_TC_WARPS"), driver::GEMV_TC_WARPS);
         assert_eq!(defined("SKETCH_WARPS"), sketch::SKETCH_WARPS);
         assert_eq!(defined("SHARES_THREADS"), sketch::SHARES_THREADS as usize);
         assert!(

@@ -8,11 +8,13 @@ use attention::KvDType;
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, result as drv, sys};
 
 use super::driver::{
-    DevBuf, GEMV_MAX_BATCH, GEMV_WARPS, Pinned, Shared, dev_err, dtype_code, launch_on, lib_err,
+    DevBuf, GEMV_MAX_BATCH, GEMV_TC_ROWS, GEMV_TC_WARPS, GEMV_WARPS, Pinned, Shared, dev_err,
+    dtype_code, launch_on, lib_err,
 };
+use super::tactic::{Choice, Shape, Tactic, Tactics};
 use super::{BackendError, CudaError, Tensor};
 
 /// The state of the projections, behind one lock (one main stream).
@@ -41,13 +43,14 @@ pub(crate) struct Blas {
     /// Device picks' spec and results, and their host side (`pick::sample_rows`).
     pub(crate) pick: DevBuf,
     pub(crate) pick_staging: Pinned,
-    /// `gemv_b{B}` (the stream the handle issues on): a batch of at most `gemv_up_to` rows
-    /// of 16-bit activations takes it instead of cuBLAS.
+    /// `gemv_b{B}` and `gemv_tc` (on the stream the handle issues on), and which products
+    /// take them.
     gemv: Vec<CudaFunction>,
+    gemv_tc: CudaFunction,
+    pub(crate) tactics: Tactics,
+    /// Where a shape's first product times the kernels: a scratch output.
+    trial: DevBuf,
     stream: Arc<CudaStream>,
-    /// The largest batch `gemv_b{B}` takes; 0 = none (`DECODE_NODE_GEMV=0`, or a start-up
-    /// check that found it disagreeing with cuBLAS).
-    pub(crate) gemv_up_to: usize,
 }
 
 // SAFETY: the cuBLAS handle is only used under the backend's mutex, from one thread at a time.
@@ -67,6 +70,7 @@ impl Blas {
     pub(crate) fn new(
         sh_stream: &Arc<CudaStream>,
         gemv: Vec<CudaFunction>,
+        gemv_tc: CudaFunction,
     ) -> Result<Self, CudaError> {
         let handle = blas::create_handle().map_err(|e| CudaError::Driver(format!("{e:?}")))?;
         let b = Self {
@@ -86,11 +90,14 @@ impl Blas {
             pick: DevBuf::default(),
             pick_staging: Pinned::empty(),
             gemv,
-            stream: Arc::clone(sh_stream),
-            gemv_up_to: gemv_up_to(
+            gemv_tc,
+            tactics: Tactics::from_env(
                 std::env::var("DECODE_NODE_GEMV").ok().as_deref(),
                 std::env::var("DECODE_NODE_GEMV_MAX_BATCH").ok().as_deref(),
+                std::env::var("DECODE_NODE_GEMV_TACTIC").ok().as_deref(),
             ),
+            trial: DevBuf::default(),
+            stream: Arc::clone(sh_stream),
         };
         // SAFETY: the handle is valid and the stream outlives it (both owned by the backend).
         unsafe { blas::set_stream(handle, sh_stream.cu_stream() as _) }
@@ -136,20 +143,143 @@ impl Blas {
         y: u64,
         beta: f32,
     ) -> Result<(), BackendError> {
-        if let Some(f) = self.gemv_for(dtype, (rows, batch, cols), w, x) {
-            let (r, c, d) = (rows as i32, cols as i32, dtype_code(dtype));
-            // SAFETY: the caller's ranges; `gemv_for` checked the type, width and alignment the
-            // kernel reads with.
-            return unsafe {
-                launch_on(
-                    &self.stream,
-                    f,
-                    (rows.div_ceil(GEMV_WARPS) as u32, 1),
-                    (GEMV_WARPS * 32) as u32,
-                    &[&w, &x, &y, &r, &c, &d, &beta],
-                )
-            };
+        let shape = (dtype, rows, batch, cols);
+        let tactic = match self.tactics.choose(shape, small_fits(shape, w, x)) {
+            Choice::Use(t) => t,
+            // SAFETY: the caller's ranges (x is read; only the scratch output is written).
+            Choice::Time(candidates) => unsafe { self.time_shape(shape, w, x, &candidates)? },
+        };
+        // SAFETY: forwarded; `choose` took the small-batch kernels only where they fit.
+        unsafe { self.gemm_with(tactic, shape, w, x, y, beta) }
+    }
+
+    /// [`Blas::gemm_beta`] by `tactic`.
+    ///
+    /// # Safety
+    /// As [`Blas::gemm_beta`]; a small-batch tactic only where [`small_fits`] holds.
+    pub(crate) unsafe fn gemm_with(
+        &self,
+        tactic: Tactic,
+        (dtype, rows, batch, cols): Shape,
+        w: u64,
+        x: u64,
+        y: u64,
+        beta: f32,
+    ) -> Result<(), BackendError> {
+        let (r, c, d) = (rows as i32, cols as i32, dtype_code(dtype));
+        match tactic {
+            Tactic::Gemv => {
+                let f = self.gemv.get(batch.wrapping_sub(1)).ok_or_else(|| {
+                    BackendError::Unsupported(format!("gemv for a batch of {batch}"))
+                })?;
+                // SAFETY: the caller's ranges, of a shape the kernel takes.
+                unsafe {
+                    launch_on(
+                        &self.stream,
+                        f,
+                        (rows.div_ceil(GEMV_WARPS) as u32, 1),
+                        (GEMV_WARPS * 32) as u32,
+                        &[&w, &x, &y, &r, &c, &d, &beta],
+                    )
+                }
+            }
+            Tactic::GemvTc => {
+                let b = batch as i32;
+                // SAFETY: as above.
+                unsafe {
+                    launch_on(
+                        &self.stream,
+                        &self.gemv_tc,
+                        (rows.div_ceil(GEMV_TC_ROWS) as u32, 1),
+                        (GEMV_TC_WARPS * 32) as u32,
+                        &[&w, &x, &y, &r, &c, &b, &d, &beta],
+                    )
+                }
+            }
+            // SAFETY: forwarded.
+            Tactic::Cublas => unsafe { self.cublas(dtype, rows, batch, cols, w, x, y, beta) },
         }
+    }
+
+    /// Times each of `candidates` on a product of `shape` into scratch (the real one follows),
+    /// keeps the fastest for the shape and returns it. The wait for the timings is a stream
+    /// sync, once per shape. A tactic whose launch fails is not kept; the timing itself
+    /// failing is an error.
+    ///
+    /// # Safety
+    /// `w` and `x` as [`Blas::gemm_beta`] says.
+    unsafe fn time_shape(
+        &mut self,
+        shape: Shape,
+        w: u64,
+        x: u64,
+        candidates: &[Tactic],
+    ) -> Result<Tactic, BackendError> {
+        let (_, rows, batch, _) = shape;
+        let y = self.trial.ptr(&self.stream, rows * batch * 4)?;
+        let timer = Timer::new()?;
+        let mut timed = Vec::with_capacity(candidates.len());
+        for &t in candidates {
+            // One untimed run first: a kernel's first launch loads its code.
+            // SAFETY: the caller's w and x; y is scratch of batch x rows floats.
+            let run = |n: usize| -> Result<(), BackendError> {
+                for _ in 0..n {
+                    unsafe { self.gemm_with(t, shape, w, x, y, 0.0)? };
+                }
+                Ok(())
+            };
+            let secs = match run(1) {
+                Ok(()) => {
+                    timer.start(&self.stream)?;
+                    run(TIMED_RUNS)?;
+                    Some(timer.stop(&self.stream)? / TIMED_RUNS as f64)
+                }
+                Err(e) => {
+                    tracing::warn!(tactic = t.name(), error = %e, "a small-batch GEMM kernel failed; not used for this shape");
+                    None
+                }
+            };
+            timed.push((t, secs));
+        }
+        let kept = self.tactics.keep_fastest(shape, &timed);
+        let us = |t: Tactic| {
+            timed
+                .iter()
+                .find(|x| x.0 == t)
+                .and_then(|x| x.1)
+                .map(|s| (s * 1e6 * 10.0).round() / 10.0)
+        };
+        let (dtype, rows, batch, cols) = shape;
+        tracing::info!(
+            ?dtype,
+            rows,
+            batch,
+            cols,
+            cublas_us = ?us(Tactic::Cublas),
+            gemv_us = ?us(Tactic::Gemv),
+            tc_us = ?us(Tactic::GemvTc),
+            kept = kept.name(),
+            "small-batch GEMM timed"
+        );
+        Ok(kept)
+    }
+
+    /// cuBLAS GemmEx: row-major `y = x · wᵀ + beta y`.
+    ///
+    /// # Safety
+    /// As [`Blas::gemm_beta`].
+    #[allow(clippy::too_many_arguments)] // the GEMM's shape and operands, spelled out
+    unsafe fn cublas(
+        &self,
+        dtype: KvDType,
+        rows: usize,
+        batch: usize,
+        cols: usize,
+        w: u64,
+        x: u64,
+        y: u64,
+        beta: f32,
+    ) -> Result<(), BackendError> {
         let alpha = 1f32;
         let ty = half_type(dtype);
         // Row-major y = x · wᵀ is, column-major, Y(rows×batch) = Wᵀ(rows×cols) · X(cols×batch)
@@ -187,38 +317,72 @@ impl Blas {
     pub(crate) fn stream_handle(&self) -> Arc<CudaStream> {
         Arc::clone(&self.stream)
     }
+}
 
-    /// `gemv_b{batch}` where it takes this product: on, 16-bit operands, a batch it is built
-    /// for, rows of whole 16-byte chunks at 16-byte aligned addresses.
-    fn gemv_for(
-        &self,
-        dtype: KvDType,
-        (rows, batch, cols): (usize, usize, usize),
-        w: u64,
-        x: u64,
-    ) -> Option<&CudaFunction> {
-        let fits = matches!(dtype, KvDType::F16 | KvDType::Bf16)
-            && (1..=self.gemv_up_to.min(GEMV_MAX_BATCH)).contains(&batch)
-            && cols.is_multiple_of(8)
-            && i32::try_from(cols).is_ok()
-            && i32::try_from(rows).is_ok()
-            && (w | x).is_multiple_of(16);
-        fits.then(|| self.gemv.get(batch - 1)).flatten()
+/// Products each timed candidate runs, after one untimed.
+const TIMED_RUNS: usize = 3;
+
+/// True where the small-batch kernels take a product of `shape`: 16-bit operands, rows of
+/// whole 16-byte chunks at 16-byte aligned addresses, sizes an i32 holds.
+fn small_fits((dtype, rows, batch, cols): Shape, w: u64, x: u64) -> bool {
+    matches!(dtype, KvDType::F16 | KvDType::Bf16)
+        && (1..=GEMV_MAX_BATCH).contains(&batch)
+        && cols.is_multiple_of(8)
+        && i32::try_from(cols).is_ok()
+        && i32::try_from(rows).is_ok()
+        && (w | x).is_multiple_of(16)
+}
+
+/// Two timing events around queued work.
+struct Timer {
+    start: sys::CUevent,
+    end: sys::CUevent,
+}
+
+impl Timer {
+    fn new() -> Result<Self, BackendError> {
+        let create = || {
+            drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                .map_err(|e| dev_err("creating a timing event", e))
+        };
+        let start = create()?;
+        match create() {
+            Ok(end) => Ok(Self { start, end }),
+            Err(e) => {
+                // SAFETY: created above, destroyed once.
+                let _ = unsafe { drv::event::destroy(start) };
+                Err(e)
+            }
+        }
+    }
+
+    fn start(&self, stream: &CudaStream) -> Result<(), BackendError> {
+        // SAFETY: a live event and stream.
+        unsafe { drv::event::record(self.start, stream.cu_stream()) }
+            .map_err(|e| dev_err("recording a timing event", e))
+    }
+
+    /// Seconds from `start` to what is queued now, waiting for it.
+    fn stop(&self, stream: &CudaStream) -> Result<f64, BackendError> {
+        // SAFETY: live events and stream; `start` was recorded before `end`.
+        unsafe {
+            drv::event::record(self.end, stream.cu_stream())
+                .and_then(|()| drv::event::synchronize(self.end))
+                .and_then(|()| drv::event::elapsed(self.start, self.end))
+        }
+        .map(|ms| f64::from(ms) / 1e3)
+        .map_err(|e| dev_err("timing a kernel", e))
     }
 }
 
-/// The largest batch `gemv_b{B}` is used for. One by default: on an H200 (Qwen3-14B shape,
-/// 10 layers, bf16) `bench step` gave 333 tokens/s with it at batch 1 against cuBLAS's 310,
-/// but 912 against 1485 at batch 8, where each weight chunk's eight x loads and unpacks
-/// outweigh the saved bandwidth. `DECODE_NODE_GEMV=0` turns it off, and
-/// `DECODE_NODE_GEMV_MAX_BATCH` (up to 8) sets the limit, to measure the batches between.
-fn gemv_up_to(gemv: Option<&str>, max_batch: Option<&str>) -> usize {
-    if gemv == Some("0") {
-        return 0;
+impl Drop for Timer {
+    fn drop(&mut self) {
+        // SAFETY: created by `event::create`, destroyed once; nothing waits on them after.
+        unsafe {
+            let _ = drv::event::destroy(self.start);
+            let _ = drv::event::destroy(self.end);
+        }
     }
-    max_batch
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .map_or(1, |b| b.min(GEMV_MAX_BATCH))
 }
 
 /// The device address of `w`, uploaded on first use.
@@ -294,21 +458,5 @@ fn half_type(d: KvDType) -> blas_sys::cudaDataType {
         // Weights are never int8 or fp8 (loaders make f32, f16 or bf16 tensors).
         KvDType::I8 => blas_sys::cudaDataType::CUDA_R_8I,
         KvDType::F8E4M3 => blas_sys::cudaDataType::CUDA_R_8F_E4M3,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gemv_takes_batch_one_unless_told() {
-        assert_eq!(gemv_up_to(None, None), 1);
-        assert_eq!(gemv_up_to(Some("1"), None), 1);
-        assert_eq!(gemv_up_to(Some("0"), Some("4")), 0);
-        assert_eq!(gemv_up_to(None, Some("4")), 4);
-        assert_eq!(gemv_up_to(None, Some("0")), 0);
-        assert_eq!(gemv_up_to(None, Some("99")), GEMV_MAX_BATCH);
-        assert_eq!(gemv_up_to(None, Some("x")), 1);
     }
 }

@@ -228,10 +228,14 @@ pub(crate) struct Kernels {
     pub(crate) warps: Vec<CudaFunction>,
     /// `gemv_b{B}`, B = 1 ..= [`GEMV_MAX_BATCH`], in order.
     pub(crate) gemv: Vec<CudaFunction>,
+    pub(crate) gemv_tc: CudaFunction,
 }
 
-/// Largest batch `gemv_b{B}` is built for.
+/// Largest batch `gemv_b{B}` is built for, and `gemv_tc` takes (its MMA's 8 columns).
 pub(crate) const GEMV_MAX_BATCH: usize = 8;
+/// Warps of a `gemv_tc` CUDA block (the kernels' `GEMV_TC_WARPS`), and rows of w it takes.
+pub(crate) const GEMV_TC_WARPS: usize = 8;
+pub(crate) const GEMV_TC_ROWS: usize = 16;
 /// Rows of w per `gemv_b{B}` CUDA block (one per warp; the kernels' `GEMV_WARPS`).
 pub(crate) const GEMV_WARPS: usize = 8;
 

@@ -14,6 +14,7 @@ use kv_transfer::HostPool;
 
 use super::blas::Blas;
 use super::driver::GEMV_MAX_BATCH;
+use super::tactic::Tactic;
 use super::{CudaBackend, Shared, dtype_code};
 use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv, LayerOut, LinearOut};
 use crate::model::pick::{PickSpec, pick_row};
@@ -182,8 +183,19 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
     add(
         "gemv vs cuBLAS (batch 1-8, f16 and bf16, beta 0 and 1)",
         GEMV_TOLERANCE,
-        backend.lock().and_then(|mut g| gemv_vs_cublas(&mut g)),
+        backend
+            .lock()
+            .and_then(|g| gemv_vs_cublas(&g, Tactic::Gemv)),
     );
+    if backend.lock().is_ok_and(|g| g.tactics.mma) {
+        add(
+            "gemv_tc (tensor cores) vs cuBLAS (batch 1-8, f16 and bf16, beta 0 and 1)",
+            GEMV_TOLERANCE,
+            backend
+                .lock()
+                .and_then(|g| gemv_vs_cublas(&g, Tactic::GemvTc)),
+        );
+    }
     for dt in [KvDType::F32, KvDType::F16, KvDType::Bf16] {
         add(
             &format!("linear (cuBLAS) {dt:?}"),
@@ -655,21 +667,15 @@ fn check_linear(b: &CudaBackend, dt: KvDType) -> Result<f64, BackendError> {
     Ok(rel_err(&got, &want))
 }
 
-/// How far `gemv_b{B}` may be from cuBLAS (relative to the product's scale): both sum in
-/// f32, in different orders.
+/// How far `gemv_b{B}` and `gemv_tc` may be from cuBLAS (relative to the product's scale):
+/// all sum in f32, in different orders.
 pub(super) const GEMV_TOLERANCE: f64 = 1e-4;
 
-/// Largest difference of `gemv_b{B}` from cuBLAS GemmEx (relative to the reference's
-/// scale) over batches 1 ..= 8, f16 and bf16, beta 0 and 1, on random data with a width that
-/// leaves the kernel a tail. Leaves `b.gemv_up_to` as it found it.
-pub(super) fn gemv_vs_cublas(b: &mut Blas) -> Result<f64, BackendError> {
-    let up_to = b.gemv_up_to;
-    let r = gemv_vs_cublas_each(b);
-    b.gemv_up_to = up_to;
-    r
-}
-
-fn gemv_vs_cublas_each(b: &mut Blas) -> Result<f64, BackendError> {
+/// Largest difference of the small-batch kernel `tactic` from cuBLAS GemmEx (relative to the
+/// reference's scale) over batches 1 ..= 8, f16 and bf16, beta 0 and 1, on random data with a
+/// width that leaves the kernels a tail (`gemv_tc`: part of a 32-column chunk) and rows that
+/// leave `gemv_tc` half a tile.
+pub(super) fn gemv_vs_cublas(b: &Blas, tactic: Tactic) -> Result<f64, BackendError> {
     let mut r = SplitMix(31);
     let (rows, cols) = (72, 1064);
     let stream = b.stream_handle();
@@ -697,11 +703,11 @@ fn gemv_vs_cublas_each(b: &mut Blas) -> Result<f64, BackendError> {
         for batch in 1..=GEMV_MAX_BATCH {
             for beta in [0f32, 1.0] {
                 let mut got = [vec![0f32; batch * rows], vec![0f32; batch * rows]];
-                for (use_gemv, out) in [false, true].into_iter().zip(got.iter_mut()) {
-                    b.gemv_up_to = if use_gemv { GEMV_MAX_BATCH } else { 0 };
+                for (t, out) in [Tactic::Cublas, tactic].into_iter().zip(got.iter_mut()) {
                     super::driver::htod(yp, super::driver::f32_bytes(&y0), &stream)?;
-                    // SAFETY: w, x and y hold rows x cols, 8 x cols and 8 x rows elements.
-                    unsafe { b.gemm_beta(dt, rows, batch, cols, wp, xp, yp, beta)? };
+                    // SAFETY: w, x and y hold rows x cols, 8 x cols and 8 x rows elements, 16-byte
+                    // aligned (fresh allocations), cols a multiple of 8.
+                    unsafe { b.gemm_with(t, (dt, rows, batch, cols), wp, xp, yp, beta)? };
                     super::driver::dtoh_f32(out, yp, &stream)?;
                 }
                 worst = worst.max(rel_err(&got[1], &got[0]));
