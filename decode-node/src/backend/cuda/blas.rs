@@ -147,7 +147,16 @@ impl Blas {
         let tactic = match self.tactics.choose(shape, small_fits(shape, w, x)) {
             Choice::Use(t) => t,
             // SAFETY: the caller's ranges (x is read; only the scratch output is written).
-            Choice::Time(candidates) => unsafe { self.time_shape(shape, w, x, &candidates)? },
+            Choice::Time(candidates) => {
+                match unsafe { self.time_shape(shape, w, x, &candidates) } {
+                    Ok(t) => t,
+                    // Not timed: cuBLAS for the shape. A lost device fails the product below.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "timing the small-batch GEMM kernels failed; cuBLAS");
+                        self.tactics.keep_fastest(shape, &[])
+                    }
+                }
+            }
         };
         // SAFETY: forwarded; `choose` took the small-batch kernels only where they fit.
         unsafe { self.gemm_with(tactic, shape, w, x, y, beta) }
@@ -204,7 +213,7 @@ impl Blas {
     /// Times each of `candidates` on a product of `shape` into scratch (the real one follows),
     /// keeps the fastest for the shape and returns it. The wait for the timings is a stream
     /// sync, once per shape. A tactic whose launch fails is not kept; the timing itself
-    /// failing is an error.
+    /// failing is an error (the caller then keeps cuBLAS).
     ///
     /// # Safety
     /// `w` and `x` as [`Blas::gemm_beta`] says.
