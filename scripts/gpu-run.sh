@@ -38,7 +38,7 @@ step() {
     fi
     echo "== $name: $*" | tee -a "$out/summary.txt"
     local t0=$SECONDS
-    if timeout -k 5 "$step_timeout" "$@" >"$out/$name.json" 2>"$out/$name.log"; then
+    if timeout -k 5 "${step_limit:-$step_timeout}" "$@" >"$out/$name.json" 2>"$out/$name.log"; then
         echo "   ok in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
     else
         echo "   FAILED (rc $?) in $((SECONDS - t0)) s; tail of its log:" | tee -a "$out/summary.txt"
@@ -182,7 +182,9 @@ if [[ -n "${SMOLLM2:-}" && -f "$SMOLLM2" ]]; then
     step fidelity-smollm2 "$bin" bench fidelity --json --device cuda --model "$SMOLLM2" \
         --context 7800 --modes scout --budgets 1024,2048 --prompts 2 --forced 64
 fi
-step capacity-64k "$bin" bench capacity --json --device cuda --model "$model" \
+# Its own limit (CAPACITY_TIMEOUT, default 240 s): on 2026-11-28 it was cut at 100 s, after
+# scout's 17 pushes, before scout decoded.
+step_limit=${CAPACITY_TIMEOUT:-240} step capacity-64k "$bin" bench capacity --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 32 \
     --device-kv-bytes 40Gi --host-kv-bytes 48Gi
 # Per-kernel figures where Nsight Compute is installed (the lent machines have ncu in
