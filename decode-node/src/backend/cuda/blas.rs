@@ -205,8 +205,37 @@ impl Blas {
                     )
                 }
             }
-            // SAFETY: forwarded.
-            Tactic::Cublas => unsafe { self.cublas(dtype, rows, batch, cols, w, x, y, beta) },
+            Tactic::Cublas => {
+                let alpha = 1f32;
+                let ty = half_type(dtype);
+                // Row-major y = x · wᵀ is, column-major, Y(rows×batch) =
+                // Wᵀ(rows×cols) · X(cols×batch) with W stored as (cols×rows).
+                // SAFETY: the caller's ranges; alpha and beta live across the call.
+                unsafe {
+                    blas::gemm_ex(
+                        self.handle,
+                        blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                        blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                        r,
+                        batch as i32,
+                        c,
+                        (&alpha as *const f32).cast::<c_void>(),
+                        w as *const c_void,
+                        ty,
+                        c,
+                        x as *const c_void,
+                        ty,
+                        c,
+                        (&beta as *const f32).cast::<c_void>(),
+                        y as *mut c_void,
+                        blas_sys::cudaDataType::CUDA_R_32F,
+                        r,
+                        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+                    )
+                }
+                .map_err(|e| lib_err("cuBLAS GemmEx", e))
+            }
         }
     }
 
@@ -271,53 +300,6 @@ impl Blas {
             "small-batch GEMM timed"
         );
         Ok(kept)
-    }
-
-    /// cuBLAS GemmEx: row-major `y = x · wᵀ + beta y`.
-    ///
-    /// # Safety
-    /// As [`Blas::gemm_beta`].
-    #[allow(clippy::too_many_arguments)] // the GEMM's shape and operands, spelled out
-    unsafe fn cublas(
-        &self,
-        dtype: KvDType,
-        rows: usize,
-        batch: usize,
-        cols: usize,
-        w: u64,
-        x: u64,
-        y: u64,
-        beta: f32,
-    ) -> Result<(), BackendError> {
-        let alpha = 1f32;
-        let ty = half_type(dtype);
-        // Row-major y = x · wᵀ is, column-major, Y(rows×batch) = Wᵀ(rows×cols) · X(cols×batch)
-        // with W stored as (cols×rows).
-        // SAFETY: the caller's ranges; alpha and beta live across the call.
-        unsafe {
-            blas::gemm_ex(
-                self.handle,
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                rows as i32,
-                batch as i32,
-                cols as i32,
-                (&alpha as *const f32).cast::<c_void>(),
-                w as *const c_void,
-                ty,
-                cols as i32,
-                x as *const c_void,
-                ty,
-                cols as i32,
-                (&beta as *const f32).cast::<c_void>(),
-                y as *mut c_void,
-                blas_sys::cudaDataType::CUDA_R_32F,
-                rows as i32,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-            )
-        }
-        .map_err(|e| lib_err("cuBLAS GemmEx", e))
     }
 }
 
