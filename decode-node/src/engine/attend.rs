@@ -94,6 +94,10 @@ pub(crate) struct AttnTiming {
     pub(crate) select: f64,
     /// CPU parts' waits for a thread of the pool, from being started to running.
     pub(crate) cpu_start: f64,
+    /// Queuing a device's block scoring of a resident layer's query rows (the sketch's new
+    /// tokens, its upload and launches, the copy back): host time while the device runs the
+    /// projections, so not in `plan`, which the device waits through.
+    pub(crate) queue: f64,
 }
 
 impl AttnTiming {
@@ -107,6 +111,7 @@ impl AttnTiming {
         self.scores += o.scores;
         self.select += o.select;
         self.cpu_start += o.cpu_start;
+        self.queue += o.queue;
     }
 }
 
@@ -829,7 +834,7 @@ impl DecodeAttention for BatchAttention<'_> {
                 });
             }
         }
-        self.timing.plan += t.elapsed().as_secs_f64();
+        self.timing.queue += t.elapsed().as_secs_f64();
     }
 
     fn plan_resident(

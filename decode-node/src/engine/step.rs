@@ -283,7 +283,7 @@ impl StepLoop {
         let device_wait: f64 = fwd.new_kv.iter().map(|x| x.2).sum();
         self.metrics.device_wait_seconds.inc_by(device_wait);
         let t = &fwd.timing;
-        let attn_s = t.ahead + t.plan + t.device + t.finish;
+        let attn_s = t.ahead + t.plan + t.device + t.finish + t.queue;
         tracing::debug!(
             batch = self.running.len(),
             step_s,
@@ -297,6 +297,7 @@ impl StepLoop {
             attn_select_s = t.select,
             attn_cpu_s = t.cpu,
             attn_cpu_start_s = t.cpu_start,
+            attn_queue_scores_s = t.queue,
             projections_s = fwd.model_s - attn_s,
             "step"
         );
