@@ -91,9 +91,8 @@ pub fn select_shared(
 }
 
 /// The `k` best of `cands` (block, score), unordered. NaN scores (from NaN KV) rank last
-/// instead of poisoning the order; of equal scores the earlier candidate wins. With
-/// `spans: Some(next_ok)`, each pick `b` also takes `b + 1` when `next_ok(b)`, it is not yet
-/// taken, and `k` has room.
+/// instead of poisoning the order. With `spans: Some(next_ok)`, each pick `b` also takes
+/// `b + 1` when `next_ok(b)`, it is not yet taken, and `k` has room.
 pub(crate) fn best_blocks(
     cands: &mut [(usize, f32)],
     k: usize,
@@ -125,13 +124,13 @@ pub(crate) fn best_blocks(
 }
 
 /// The `k` best of blocks `range` of every row of `rows` (a head's scores each, all as long),
-/// as (row, block), unordered: by score, NaN last, of equal scores the lower (row, block)
-/// first, as [`best_blocks`] ranks. A layer's shared budget picks ~500 of ~16k candidates at
-/// 64k tokens (8 KV heads, blocks of 32), on a GPU host for every layer of every step. Each
+/// as (row, block), unordered: by score, NaN last (as [`best_blocks`] ranks), and of equal
+/// scores the lower (row, block) first. A layer's shared budget picks ~500 of ~16k candidates
+/// at 64k tokens (8 KV heads, blocks of 32), on a GPU host for every layer of every step. Each
 /// candidate is packed into one `u64` whose ascending order is the ranking; a sample of them
-/// bounds the `k`-th, so one pass keeps the few above the bound and the selection runs on
-/// those: 13 µs where a `select_nth_unstable_by` on (block, score) pairs took 43 (Zen 4, AVX2
-/// build, 8 x 2047 candidates, k = 496).
+/// bounds the `k`-th, so one pass keeps the ~1,500 at or above the bound and the selection
+/// runs on those: 15 µs where a `select_nth_unstable_by` on (block, score) pairs took 43 (Zen
+/// 4, AVX2 build, 8 x 2047 candidates, k = 496).
 fn best_of_rows(rows: &[&[f32]], range: std::ops::Range<usize>, k: usize) -> Vec<(usize, usize)> {
     let n = rows.first().map_or(0, |r| r.len());
     let per = range.len();
@@ -146,7 +145,8 @@ fn best_of_rows(rows: &[&[f32]], range: std::ops::Range<usize>, k: usize) -> Vec
             .collect();
     }
     if u32::try_from(rows.len() * n).is_err() {
-        // Beyond a packed place's 32 bits (never at today's contexts): the pairs themselves.
+        // Beyond a packed place's 32 bits (never at today's contexts): the pairs themselves
+        // (equal scores then in no particular order).
         let mut c: Vec<(usize, f32)> = (0..rows.len())
             .flat_map(|h| range.clone().map(move |b| (h * n + b, rows[h][b])))
             .collect();
