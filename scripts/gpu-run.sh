@@ -209,6 +209,12 @@ if [[ -n "$ncu" ]]; then
 else
     echo "== ncu: not installed; no per-kernel profile" | tee -a "$out/summary.txt"
 fi
+# Each decode's step phases (medians per batch size) into the summary, which comes back even
+# when the archive does not.
+if command -v python3 >/dev/null; then
+    python3 "$(dirname "$0")/step-log-summary.py" "$out"/*.log 2>/dev/null |
+        sed "s|$out/||" >>"$out/summary.txt" || true
+fi
 # The device tool brings back only a few files (2026-11-28: eight), so the results go back as
 # one archive beside the summary; a run cut short leaves them loose, as they were written.
 if tar czf "/tmp/gpu-run-$$.tgz" -C "$out" --exclude summary.txt . 2>/dev/null; then
