@@ -962,6 +962,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #ifdef HAVE_MMA
+    float acc2[4] = {0.f, 0.f, 0.f, 0.f};
     const int g = lane >> 2, t = lane & 3;
     const long long r_lo = (long long)blockIdx.x * 16 + g, r_hi = r_lo + 8;
     const bool has_lo = r_lo < rows, has_hi = r_hi < rows, has_x = g < batch;
@@ -993,10 +994,13 @@ extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
             // A: (row g, k 2t..2t+1), (row g+8, same k), (row g, k 2t+8..), (row g+8, k 2t+8..);
             // B: (k 2t.., n g), (k 2t+8.., n g). Columns 8t, 8t+1 are k 2t, 2t+1 of the first
             // MMA and columns 8t+2, 8t+3 its k 2t+8, 2t+9; the second MMA takes 8t+4 .. 8t+7.
+            // Two accumulators: each MMA waits for the one before it on the same sums.
             mma_m16n8k16(acc, lo[u].x, hi[u].x, lo[u].y, hi[u].y, xv[u].x, xv[u].y, dtype);
-            mma_m16n8k16(acc, lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w, dtype);
+            mma_m16n8k16(acc2, lo[u].z, hi[u].z, lo[u].w, hi[u].w, xv[u].z, xv[u].w, dtype);
         }
     }
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[i] += acc2[i];
 #else
     acc[0] = acc[1] = acc[2] = acc[3] = NEG_INF - NEG_INF;  // NaN: no MMA here
 #endif
