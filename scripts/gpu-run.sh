@@ -110,6 +110,10 @@ for tactic in cublas gemv tc; do
     step "dense-step-b8-$tactic" env DECODE_NODE_GEMV_TACTIC=$tactic "$bin" bench step --json \
         --device cuda --model "$model" --batch 8 --seconds 2
 done
+# gemv_tc with 8 chunks' loads in flight a lane instead of 4 (ptxas: 128 registers, so two
+# CUDA blocks an SM where the default has three).
+step dense-step-b8-tc-chunks8 env DECODE_NODE_GEMV_TACTIC=tc DECODE_NODE_KERNEL_DEFINES=GEMV_TC_CHUNKS=8 \
+    "$bin" bench step --json --device cuda --model "$model" --batch 8 --seconds 2
 # One round per `bench decode` (its default is 3): the device's bound is one figure, and
 # the device time is short.
 # Each step's per-layer phases (selection, device, CPU waits) as debug lines in its log.
