@@ -163,9 +163,11 @@ fn best_of_rows(rows: &[&[f32]], range: std::ops::Range<usize>, k: usize) -> Vec
             .collect()
     };
     let mut kept = match sampled_bound(total, k, |i| pack(i / per, range.start + i % per)) {
-        // Every candidate whose score is at least the bound's (a float compare the compiler
-        // vectorizes, 16 at a time into a mask): ties with the bound's score and -0 against
-        // +0 may keep a few more, never fewer. A bound among NaNs cuts nothing.
+        // Every candidate whose score is at least the bound's (one float compare a score, 16
+        // into a mask, whose set bits alone are packed): ties with the bound's score and -0
+        // against +0 may keep a few more, never fewer. A bound among NaNs cuts nothing. (An
+        // AVX compare for the mask, which the compiler does not make of this loop, measured
+        // within the noise: 27 against 29 µs a layer at 64k.)
         Some(bound) if bound >> 32 != u64::from(u32::MAX) => {
             let least = score_of_key(!((bound >> 32) as u32));
             let mut kept = Vec::with_capacity(4 * k);
