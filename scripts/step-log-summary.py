@@ -27,7 +27,7 @@ def steps(path):
     with open(path, errors="replace") as f:
         for line in f:
             line = ANSI.sub("", line)
-            if "engine::step" not in line or " step " not in line + " ":
+            if "engine::step" not in line or " step " not in line:
                 continue
             fields = {k: float(v) for k, v in FIELD.findall(line)}
             if "step_s" in fields and "batch" in fields:

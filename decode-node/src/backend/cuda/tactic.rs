@@ -96,26 +96,26 @@ impl Tactics {
         if !fits || batch == 0 || batch > self.up_to {
             return Choice::Use(Tactic::Cublas);
         }
-        let mut candidates = vec![Tactic::Cublas];
-        if self.gemv_ok {
-            candidates.push(Tactic::Gemv);
-        }
-        if self.tc_ok {
-            candidates.push(Tactic::GemvTc);
-        }
+        // Every product of a step asks: nothing is built before a shape's choice is known.
+        let passed = |t: Tactic| match t {
+            Tactic::Cublas => true,
+            Tactic::Gemv => self.gemv_ok,
+            Tactic::GemvTc => self.tc_ok,
+        };
         if let Some(t) = self.forced {
-            return Choice::Use(if candidates.contains(&t) {
-                t
-            } else {
-                Tactic::Cublas
-            });
+            return Choice::Use(if passed(t) { t } else { Tactic::Cublas });
         }
-        if candidates.len() == 1 {
+        if !self.gemv_ok && !self.tc_ok {
             return Choice::Use(Tactic::Cublas);
         }
         match self.chosen.get(&shape) {
             Some(&t) => Choice::Use(t),
-            None => Choice::Time(candidates),
+            None => Choice::Time(
+                [Tactic::Cublas, Tactic::Gemv, Tactic::GemvTc]
+                    .into_iter()
+                    .filter(|&t| passed(t))
+                    .collect(),
+            ),
         }
     }
 
