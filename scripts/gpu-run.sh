@@ -79,14 +79,29 @@ if grep -q "^FAIL gemv vs" "$out/selftest.json" 2>/dev/null; then
 fi
 # The device part of attention alone over every block of a context (what `full` reads per
 # layer) against the copy bandwidth, per CUDA-block target: the kernel apart from the step.
+# By default the node times `attend_tc` (tensor cores, new 2026-11-29, never run on a GPU)
+# against `attend_warps` at start and keeps the faster per group ("attention kernel timed at
+# start" in the log); then each forced, for the A/B. Each row's `kernel` says which ran.
 step device-kernels "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 \
     --context 8k,32k,64k --ctas 0,1024 --seconds 0.3
+grep -h "attention kernel timed at start" "$out/device-kernels.log" | sed 's/^.*INFO //' |
+    head -4 | tee -a "$out/summary.txt" || true
+for kernel in warps tc; do
+    step "device-kernels-$kernel" env DECODE_NODE_ATTENTION_KERNEL=$kernel "$bin" bench kernels \
+        --json --device cuda --groups 5,8 --head-dims 128 --context 8k,32k,64k --seconds 0.3
+done
+# attend_tc with four CUDA blocks an SM (ptxas for sm_90: 128 registers, one 16-dim step of K's
+# loads at a time) where the default holds three (158 registers, two steps' loads).
+step device-kernels-tc-min4 env DECODE_NODE_ATTENTION_KERNEL=tc \
+    DECODE_NODE_KERNEL_DEFINES=ATTEND_TC_MIN_BLOCKS=4,ATTEND_TC_KSTEPS=1 "$bin" bench kernels \
+    --json --device cuda --groups 5 --head-dims 128 --context 8k,32k,64k --seconds 0.3
 # attend_warps' compile-time tunables (`DECODE_NODE_KERNEL_DEFINES`), A/B in one run: at the
 # default it takes 255 registers a thread at G = 5 (ptxas for sm_90), so an SM holds two CUDA
 # blocks (8 warps; ncu: 12% of warps active); held to three blocks an SM it gets 168, with 8
 # loads in flight a lane (LOADS=8) and no spills. With three an SM, 396 CUDA blocks on 132 SMs.
 for defs in ATTEND_WARPS_MIN_BLOCKS=3,ATTEND_WARPS_LOADS=8 ATTEND_WARPS_MIN_BLOCKS=3; do
-    step "device-kernels-${defs//[=,]/-}" env DECODE_NODE_KERNEL_DEFINES="$defs" "$bin" bench \
+    step "device-kernels-${defs//[=,]/-}" env DECODE_NODE_ATTENTION_KERNEL=warps \
+        DECODE_NODE_KERNEL_DEFINES="$defs" "$bin" bench \
         kernels --json --device cuda --groups 5 --head-dims 128 --context 32k,64k --ctas 0,396 \
         --seconds 0.3
 done
@@ -155,7 +170,10 @@ step decode-head-budgets "$bin" bench decode --rounds 1 --json --device cuda --m
 # GPU: sparq on the host (reading host KV), with a layer-ahead prediction.
 step decode-sparq "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64 --block-scorer sparq
-# The general attention kernel instead of `attend_warps`: full attention's A/B.
+# Full attention's A/B of attention kernels: `attend_warps` alone (no tensor cores), and the
+# general kernel.
+step decode-full-warps-kernel env DECODE_NODE_ATTENTION_KERNEL=warps "$bin" bench decode \
+    --rounds 1 --json --device cuda --model "$model" --context 8k,32k,64k --modes full --tokens 64
 step decode-full-split-kernel env DECODE_NODE_ATTENTION_KERNEL=split "$bin" bench decode \
     --rounds 1 --json --device cuda --model "$model" --context 8k,32k,64k --modes full --tokens 64
 # Scout's host selection on the critical path (sparq): the device part by the predicted query
@@ -202,7 +220,7 @@ metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapse
 if [[ -n "$ncu" ]]; then
     step ncu-step "$ncu" --csv --metrics "$metrics" "$bin" bench step --json --device cuda \
         --model "$model" --batch 1 --seconds 0
-    step ncu-attention "$ncu" --csv --metrics "$metrics" -k "regex:attend_warps|combine_splits" \
+    step ncu-attention "$ncu" --csv --metrics "$metrics" -k "regex:attend_warps|attend_tc|combine_splits" \
         --launch-count 6 "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 \
         --context 64k --seconds 0.05
     # The device's block scoring in a scout step at 64k (past the start-up checks and the

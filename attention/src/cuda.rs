@@ -69,6 +69,10 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gemv_b7",
     "gemv_b8",
     "gemv_tc",
+    "attend_tc_d64",
+    "attend_tc_d128",
+    "attend_tc_d64_b16",
+    "attend_tc_d128_b16",
 ];
 
 /// Words of one row's spec for `sample_rows`.

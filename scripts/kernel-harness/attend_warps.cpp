@@ -15,7 +15,7 @@ static int bad = 0;
 typedef void (*Attend)(const unsigned char*, const long long*, const int*, const int*, const float*, int,
                        int, int, int, float, int, int, float*, float*);
 
-static void check(const char* name, Attend kernel, int G, int D, int dtype, int BS = 32) {
+static void check(const char* name, Attend kernel, int G, int D, int dtype, int BS = 32, int chunk = 4) {
     const int hk = 3;
     const int head_bytes = 2 * BS * D * 2;
     // Per head: its blocks' tokens. Head 0 ends in a partial block, head 2 has none.
@@ -55,7 +55,8 @@ static void check(const char* name, Attend kernel, int G, int D, int dtype, int 
     std::vector<float> q((size_t)hk * G * D);
     for (auto& x : q) x = u(rng);
     const float scale = 1.f / sqrtf((float)D);
-    const int chunk = 4, splits = 3;  // head 0: 3 splits, head 1: 1 (+2 empty), head 2: none
+    // chunk 4: head 0 in 3 splits, head 1 in 1 (+2 empty), head 2 none; 9: one split each.
+    const int splits = (9 + chunk - 1) / chunk;
     std::vector<float> part_out((size_t)hk * splits * G * D), part_lse((size_t)hk * splits * G);
     launch({(unsigned)splits, (unsigned)hk, 1}, 128, [&] {
         kernel(arena, offs.data(), blens.data(), head_start.data(), q.data(), G, D, BS, dtype, scale, chunk,
@@ -97,8 +98,8 @@ static void check(const char* name, Attend kernel, int G, int D, int dtype, int 
         }
     const bool ok = worst < 1e-5 && !std::isnan(worst);
     if (!ok) bad++;
-    printf("%s %s G=%d D=%d BS=%d %s: max rel err %.2e\n", ok ? "PASS" : "FAIL", name, G, D, BS,
-           dtype == 2 ? "bf16" : "f16", worst);
+    printf("%s %s G=%d D=%d BS=%d %s chunk %d: max rel err %.2e\n", ok ? "PASS" : "FAIL", name, G, D, BS,
+           dtype == 2 ? "bf16" : "f16", chunk, worst);
 }
 
 static void split(const unsigned char* a, const long long* o, const int* l, const int* hs, const float* q, int g,
@@ -170,5 +171,14 @@ int main() {
     check("attend_warps_b16", attend_warps_g3_d64_b16, 3, 64, 1, 16);
     check("attend_warps_b16", attend_warps_g8_d128_b16, 8, 128, 1, 16);
     check("attend_warps_b16", attend_warps_g1_d64_b16, 1, 64, 2, 16);
+    // The tensor-core kernel: every group it takes, both dtypes, head dims and block sizes, and
+    // a warp taking more than one step (chunk 9).
+    const Attend tc[2][2] = {{attend_tc_d64, attend_tc_d128}, {attend_tc_d64_b16, attend_tc_d128_b16}};
+    for (int bs = 0; bs < 2; bs++)
+        for (int d = 0; d < 2; d++)
+            for (int G = 1; G <= 8; G++)
+                for (int chunk : {4, 9})
+                    check(bs ? "attend_tc_b16" : "attend_tc", tc[bs][d], G, d ? 128 : 64, 1 + (G + d + chunk) % 2,
+                          bs ? 16 : 32, chunk);
     return bad ? 1 : 0;
 }

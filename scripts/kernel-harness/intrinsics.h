@@ -22,6 +22,16 @@ static inline double __hiloint2double(int hi, int lo) {
 }
 static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+static inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+// Byte i of the result is byte (s >> 4i) & 7 of the eight bytes y:x (x's lowest first).
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long b = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; i++) r |= (unsigned)((b >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    return r;
+}
 struct alignas(8) int2 { int x, y; };
 // c plus the products of a's and b's bytes as signed 8-bit integers.
 static inline int __dp4a(int a, int b, int c) {

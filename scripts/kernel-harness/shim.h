@@ -8,3 +8,4 @@ static inline void __syncthreads() {}
 static inline void __syncwarp() {}
 static inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p += v; return o; }
 static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
+static inline float __shfl_sync(unsigned, float v, int) { return v; }

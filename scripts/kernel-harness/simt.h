@@ -30,6 +30,14 @@ static inline float __shfl_xor_sync(unsigned, float v, int o) {
     __syncwarp();
     return r;
 }
+static inline float __shfl_sync(unsigned, float v, int src) {
+    const unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    simt.mailbox[w * 32 + lane] = v;
+    __syncwarp();
+    const float r = simt.mailbox[w * 32 + ((unsigned)src & 31)];
+    __syncwarp();
+    return r;
+}
 // kernels.cu's, defined after this.
 inline float f16_to_f32(unsigned short h);
 inline float bf16_to_f32(unsigned short h);

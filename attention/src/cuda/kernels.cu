@@ -594,6 +594,31 @@ __device__ __forceinline__ void all_loaded(const uint4 (&r)[N], int len, float& 
     if (len < 0) sink = __uint_as_float(x);
 }
 
+// The partial of a split from its 4 warps' running (max, sum, output), held in shared memory
+// as m[w * GS + g], l[w * GS + g] and o[(w * GS + g) * D + c] for the first `group` of GS heads:
+// `part_out[base + g][c]` and its base-2 log-sum-exp `part_lse[base + g]`, as
+// `sparse_attention_split` writes them. After a barrier; every thread of the block takes part.
+template <int GS, int D, int G>
+__device__ __forceinline__ void merge_warps(const float* m, const float* l, const float* o, int group,
+                                            long long base, float* part_out, float* part_lse) {
+    constexpr int NW = 4;
+    const int heads = G > 0 ? G : group;
+    for (int i = threadIdx.x; i < heads * D; i += NW * 32) {
+        const int g = i / D, c = i % D;
+        float mx = NEG_INF;
+        for (int w = 0; w < NW; w++) mx = fmaxf(mx, m[w * GS + g]);
+        float sum = 0.f, out = 0.f;
+        if (mx != NEG_INF)
+            for (int w = 0; w < NW; w++) {
+                const float e = m[w * GS + g] == NEG_INF ? 0.f : exp2f(m[w * GS + g] - mx);
+                sum += l[w * GS + g] * e;
+                out += o[(w * GS + g) * D + c] * e;
+            }
+        part_out[(base + g) * D + c] = sum > 0.f ? out / sum : 0.f;
+        if (c == 0) part_lse[base + g] = sum > 0.f ? mx + log2f(sum) : NEG_INF;
+    }
+}
+
 // Compile-time tunables of `attend_warps`, set through NVRTC (`DECODE_NODE_KERNEL_DEFINES`) to
 // A/B them on a device in one run. MIN_BLOCKS: CUDA blocks an SM must hold at once (its
 // `__launch_bounds__` minimum; 1 lets the compiler take every register it wants: 254 a thread
@@ -781,21 +806,8 @@ __device__ __forceinline__ void attend_warps(WarpsShared<G, D, BS>& sm, const un
             sm.l[warp][g] = l[g];
         }
     __syncthreads();
-    const long long base = ((long long)h * splits + s) * G;
-    for (int i = tid; i < G * D; i += NW * 32) {
-        const int g = i / D, c = i % D;
-        float mx = NEG_INF;
-        for (int w = 0; w < NW; w++) mx = fmaxf(mx, sm.m[w][g]);
-        float sum = 0.f, o = 0.f;
-        if (mx != NEG_INF)
-            for (int w = 0; w < NW; w++) {
-                const float e = sm.m[w][g] == NEG_INF ? 0.f : exp2f(sm.m[w][g] - mx);
-                sum += sm.l[w][g] * e;
-                o += sm.o[w][g][c] * e;
-            }
-        part_out[(base + g) * D + c] = sum > 0.f ? o / sum : 0.f;
-        if (c == 0) part_lse[base + g] = sum > 0.f ? mx + log2f(sum) : NEG_INF;
-    }
+    merge_warps<G, D, G>(&sm.m[0][0], &sm.l[0][0], &sm.o[0][0][0], G, ((long long)h * splits + s) * G, part_out,
+                         part_lse);
 }
 
 // The entry points of `attend_warps`, `attend_warps_g{G}_d{D}` for 32-token blocks and
@@ -1021,6 +1033,296 @@ extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
         }
     }
 }
+
+// Compile-time tunables of `attend_tc` (as `attend_warps`'): MIN_BLOCKS, the CUDA blocks an SM
+// must hold at once; KSTEPS, the 16-dim steps of K whose loads (four 16-byte loads a lane each)
+// are issued together.
+#ifndef ATTEND_TC_MIN_BLOCKS
+#define ATTEND_TC_MIN_BLOCKS 3
+#endif
+#ifndef ATTEND_TC_KSTEPS
+#define ATTEND_TC_KSTEPS 2
+#endif
+
+// Two floats as a pair of 16-bit values of dtype DT (1 = f16, 2 = bf16), `lo` in the low half,
+// each rounded to nearest even.
+template <int DT>
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+#ifdef __CUDACC_RTC__
+    unsigned r;
+    if (DT == 2)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    const unsigned a = DT == 2 ? f32_to_bf16(lo) : f32_to_f16(lo);
+    const unsigned b = DT == 2 ? f32_to_bf16(hi) : f32_to_f16(hi);
+    return a | (b << 16);
+#endif
+}
+
+// The low and the high value of a pair of 16-bit values of dtype DT, as f32.
+template <int DT>
+__device__ __forceinline__ float half2_lo(unsigned u) {
+    return DT == 2 ? __uint_as_float(u << 16) : half_bits_to_f32((u16)(u & 0xffffu));
+}
+template <int DT>
+__device__ __forceinline__ float half2_hi(unsigned u) {
+    return DT == 2 ? __uint_as_float(u & 0xffff0000u) : half_bits_to_f32((u16)(u >> 16));
+}
+
+// (a, b) as two pairs of 16-bit values whose sum is (a, b) to about 16 significant bits (bf16)
+// or 22 (f16): the first rounded, the second what the first missed, rounded. An MMA takes its
+// operands in 16 bits; the query and the softmax weights are f32, so each goes in as two.
+template <int DT>
+__device__ __forceinline__ uint2 split_half2(float a, float b) {
+    const unsigned hi = pack_half2<DT>(a, b);
+    return make_uint2(hi, pack_half2<DT>(a - half2_lo<DT>(hi), b - half2_hi<DT>(hi)));
+}
+
+// The shared memory of one `attend_tc` CUDA block.
+template <int D>
+struct TcShared {
+    // Per 16-dim step of the query and lane: its A fragment (rows 8-15 are zero) as rounded
+    // pairs (x: a0, y: a2) and the remainders (z, w).
+    uint4 qf[D / 16][32];
+    // Per warp, P.V step and lane: the weights' B fragments, rounded (x, y) and remainders.
+    uint4 pf[4][4][32];
+    float m[4][8], l[4][8];
+    float o[4][8][D];
+};
+
+// `attend_warps` on the tensor cores (sm_80 on), for up to 8 query heads per KV head (`group`),
+// 16-bit KV of dtype DT in blocks of BS = 16 or 32 tokens, head_dim D = 64 or 128: the same
+// grid, arguments and partials, so `combine_splits` merges either. Each of the 4 warps takes 64
+// tokens at a time (64 / BS blocks of its split) and computes, per 16 dims, S = Q K^T with
+// m16n8k16 MMAs (the heads, padded to 16 rows, as A; K^T as B, eight MMAs for the 64 tokens),
+// then O^T += V^T P^T (V^T as A, 16 dims a row tile; the weights as B). What the FMA kernel
+// spends on unpacking, FMAs and shuffles of partial scores is here four MMAs and a byte
+// permute per 32 KV bytes a lane.
+//
+// No shared memory or shuffles carry K or V: a sum over k does not depend on which k is which,
+// and an MMA's rows and columns may stand for any tokens and dims as long as every lane agrees
+// (as in `gemv_tc`). Lane (g, t) loads 16 bytes of K^T rows 16e + 4t .. + 3 at tokens 8g .. 8g+7
+// and `__byte_perm` pairs two rows' values of one token into the B fragment: MMA j's column g
+// is token 8g + j, k 2t and 2t + 1 are dims 16e + 4t and + 1, k 2t + 8 and 2t + 9 the next
+// two (the query's A fragment is laid out to match). So lane (g, t) ends with head g's scores
+// of tokens 16t .. 16t + 15 (C's columns 2t and 2t + 1 of the eight MMAs): the softmax runs
+// over four lanes, and the weights are already where the P.V MMAs take them as B (k 2t, 2t + 1
+// as tokens 16t + 4f, + 1; k 2t + 8, 2t + 9 as + 2, + 3, for f = 0 .. 3). For V, the same lane
+// loads those four tokens' dims 8g .. 8g+7 (and 64 + 8g .. for D = 128); a row tile's rows g and
+// g + 8 are dims 8g + 2i and 8g + 2i + 1.
+//
+// The query and the weights are f32: each enters as a rounded 16-bit part and the remainder
+// (two MMAs where one would round them to 8 or 11 bits), so the result stays within the f32
+// kernels' tolerance. Tokens past a block's `len` (the newest block's unwritten tail, which may
+// hold NaN) are masked in the scores and loaded as zeros for V; a missing block, as zeros.
+// Built for a device without MMAs (or for none in particular), the kernel writes NaN: the
+// start-up check keeps it out.
+template <int D, int BS, int DT>
+__device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* arena, const long long* offs,
+                                          const int* lens, const int* head_start, const float* q, int group,
+                                          float scale, int chunk, int splits, float* part_out, float* part_lse) {
+    static_assert(BS == 16 || BS == 32, "blocks of 16 or 32 tokens");
+    static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+    constexpr int NW = 4;          // warps per CUDA block
+    constexpr int KS = D / 16;     // 16-dim steps of S = Q K^T
+    constexpr int VH = D / 64;     // 16-byte V loads a lane per token
+    constexpr int MT = 4 * VH;     // row tiles of O^T
+    constexpr int BPS = 64 / BS;   // blocks a warp takes at a time
+    constexpr int KB = ATTEND_TC_KSTEPS < KS ? ATTEND_TC_KSTEPS : KS;
+    static_assert(KS % KB == 0, "whole load batches");
+    const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+#ifdef HAVE_MMA
+    const float qscale = scale * 1.4426950408889634f;  // log2(e): exp becomes exp2
+    const float* qh = q + (long long)h * group * D;
+    for (int i = tid; i < KS * 32; i += NW * 32) {
+        const int e = i >> 5, l = i & 31, hg = l >> 2, c = 16 * e + 4 * (l & 3);
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) v[j] = hg < group ? qh[hg * D + c + j] * qscale : 0.f;
+        const uint2 a0 = split_half2<DT>(v[0], v[1]), a2 = split_half2<DT>(v[2], v[3]);
+        sm.qf[e][l] = make_uint4(a0.x, a2.x, a0.y, a2.y);
+    }
+    __syncthreads();
+    const int b0 = head_start[h] + s * chunk;
+    const int b1 = min(b0 + chunk, head_start[h + 1]);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    float m = NEG_INF, l = 0.f;  // head g's running max and sum
+    float acc[MT][4];            // O^T: rows dims, columns heads 2t, 2t + 1
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.f;
+    for (int bi = b0 + BPS * warp; bi < b1; bi += NW * BPS) {
+        // This lane's K tokens 8g .. 8g + 7, and its score tokens 16t .. 16t + 15 (one block).
+        const int kb = bi + 8 * g / BS, sb = bi + 16 * t / BS;
+        const bool k_in = kb < b1;
+        const unsigned char* kt = arena + offs[k_in ? kb : bi] + (8 * g % BS) * 2;
+        const int slen = sb < b1 ? lens[sb] : 0, stok = 16 * t % BS;
+        float sc[8][4];  // MMA j: c0 = token 16t + j, c1 = 16t + 8 + j (rows 8-15: padding)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) sc[j][i] = 0.f;
+        // One batch of loads at a time: unrolled, the compiler issued every batch's loads first
+        // (255 registers and spills at D = 128).
+#pragma unroll 1
+        for (int e0 = 0; e0 < KS; e0 += KB) {
+            uint4 kr[KB * 4];
+#pragma unroll
+            for (int i = 0; i < KB * 4; i++)
+                kr[i] = k_in ? *(const uint4*)(kt + (16 * (e0 + i / 4) + 4 * t + i % 4) * BS * 2) : zero;
+            all_loaded(kr, slen, sc[0][2]);
+#pragma unroll
+            for (int e = 0; e < KB; e++) {
+                const uint4 qa = sm.qf[e0 + e][lane];
+                const unsigned w[4][4] = {
+                    {kr[4 * e].x, kr[4 * e].y, kr[4 * e].z, kr[4 * e].w},
+                    {kr[4 * e + 1].x, kr[4 * e + 1].y, kr[4 * e + 1].z, kr[4 * e + 1].w},
+                    {kr[4 * e + 2].x, kr[4 * e + 2].y, kr[4 * e + 2].z, kr[4 * e + 2].w},
+                    {kr[4 * e + 3].x, kr[4 * e + 3].y, kr[4 * e + 3].z, kr[4 * e + 3].w}};
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    // Token 8g + j is word j / 2 of each row's load, low half where j is even.
+                    const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
+                    const unsigned kb0 = __byte_perm(w[0][j / 2], w[1][j / 2], sel);
+                    const unsigned kb1 = __byte_perm(w[2][j / 2], w[3][j / 2], sel);
+                    mma_m16n8k16(sc[j], qa.x, 0u, qa.y, 0u, kb0, kb1, DT);
+                    mma_m16n8k16(sc[j], qa.z, 0u, qa.w, 0u, kb0, kb1, DT);
+                }
+            }
+        }
+        // Online softmax of head g over the four lanes that hold its 64 scores. Tokens past
+        // `len` are masked before anything reads them.
+        float bm = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                if (stok + 8 * c + j >= slen) sc[j][c] = NEG_INF;
+                bm = fmaxf(bm, sc[j][c]);
+            }
+        bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
+        bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
+        const float mn = fmaxf(m, bm);
+        float ps = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const float p = (mn == NEG_INF || sc[j][c] == NEG_INF) ? 0.f : exp2f(sc[j][c] - mn);
+                sc[j][c] = p;
+                ps += p;
+            }
+        ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+        ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+        const float alpha = m == NEG_INF ? 0.f : exp2f(m - mn);
+        l = l * alpha + ps;
+        m = mn;
+        // O^T's columns are heads 2t and 2t + 1, whose factors lanes 8t and 8t + 4 hold.
+        const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
+        const float al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+        for (int i = 0; i < MT; i++) {
+            acc[i][0] *= al0;
+            acc[i][1] *= al1;
+            acc[i][2] *= al0;
+            acc[i][3] *= al1;
+        }
+        // The weights of tokens 16t + 4f .. + 3 (scores c0 of MMAs 4f .. 4f + 3, then c1) as
+        // the B fragments of P.V step f, kept by the lane in shared memory: the steps then run
+        // one at a time, each with only its own loads in registers.
+#pragma unroll
+        for (int f = 0; f < 4; f++) {
+            const int j = (4 * f) % 8, c = f / 2;
+            const uint2 p0 = split_half2<DT>(sc[j][c], sc[j + 1][c]);
+            const uint2 p1 = split_half2<DT>(sc[j + 2][c], sc[j + 3][c]);
+            sm.pf[warp][f][lane] = make_uint4(p0.x, p1.x, p0.y, p1.y);
+        }
+        const unsigned char* vs = arena + offs[sb < b1 ? sb : bi] + BS * D * 2;
+#pragma unroll 1
+        for (int f = 0; f < 4; f++) {
+            // Tokens 16t + 4f + u, u = 0 .. 3: rows past `len` (or of a missing block) as zeros,
+            // whatever the slot holds.
+            uint4 vr[4 * VH];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int tok = stok + 4 * f + u;
+#pragma unroll
+                for (int x = 0; x < VH; x++)
+                    vr[u * VH + x] = tok < slen ? *(const uint4*)(vs + (tok * D + 8 * (g + 8 * x)) * 2) : zero;
+            }
+            all_loaded(vr, slen, acc[0][0]);
+            const uint4 pb = sm.pf[warp][f][lane];
+#pragma unroll
+            for (int x = 0; x < VH; x++) {
+                const uint4 v0 = vr[x], v1 = vr[VH + x], v2 = vr[2 * VH + x], v3 = vr[3 * VH + x];
+                const unsigned w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
+                const unsigned w2[4] = {v2.x, v2.y, v2.z, v2.w}, w3[4] = {v3.x, v3.y, v3.z, v3.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    // Rows g and g + 8 of tile 4x + i: dims 8(g + 8x) + 2i and the next.
+                    const unsigned a0 = __byte_perm(w0[i], w1[i], 0x5410u);
+                    const unsigned a1 = __byte_perm(w0[i], w1[i], 0x7632u);
+                    const unsigned a2 = __byte_perm(w2[i], w3[i], 0x5410u);
+                    const unsigned a3 = __byte_perm(w2[i], w3[i], 0x7632u);
+                    mma_m16n8k16(acc[4 * x + i], a0, a1, a2, a3, pb.x, pb.y, DT);
+                    mma_m16n8k16(acc[4 * x + i], a0, a1, a2, a3, pb.z, pb.w, DT);
+                }
+            }
+        }
+    }
+    // O^T tile 4x + i: c0, c1 = dim 8(g + 8x) + 2i of heads 2t, 2t + 1; c2, c3 the next dim.
+#pragma unroll
+    for (int x = 0; x < VH; x++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = 8 * (g + 8 * x) + 2 * i;
+            sm.o[warp][2 * t][c] = acc[4 * x + i][0];
+            sm.o[warp][2 * t + 1][c] = acc[4 * x + i][1];
+            sm.o[warp][2 * t][c + 1] = acc[4 * x + i][2];
+            sm.o[warp][2 * t + 1][c + 1] = acc[4 * x + i][3];
+        }
+    if (t == 0) {
+        sm.m[warp][g] = m;
+        sm.l[warp][g] = l;
+    }
+#else
+    // NaN: no MMA here.
+    for (int i = tid; i < 4 * 8 * D; i += NW * 32) (&sm.o[0][0][0])[i] = NEG_INF - NEG_INF;
+    if (tid < 4 * 8) {
+        (&sm.m[0][0])[tid] = 0.f;
+        (&sm.l[0][0])[tid] = 1.f;
+    }
+#endif
+    __syncthreads();
+    merge_warps<8, D, 0>(&sm.m[0][0], &sm.l[0][0], &sm.o[0][0][0], group, ((long long)h * splits + s) * group,
+                         part_out, part_lse);
+}
+
+// The entry points of `attend_tc`, `attend_tc_d{D}` for 32-token blocks and `attend_tc_d{D}_b16`
+// for 16: the arguments of `sparse_attention_split` (group at most 8; head_dim and block_size
+// are the name's; dtype 1 = f16, anything else bf16).
+#define ATTEND_TC_ENTRY(NAME, D, BS)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128, ATTEND_TC_MIN_BLOCKS) NAME(                        \
+        const unsigned char* arena, const long long* offs, const int* lens, const int* head_start,     \
+        const float* q, int group, int head_dim, int block_size, int dtype, float scale, int chunk,    \
+        int splits, float* part_out, float* part_lse) {                                                \
+        __shared__ TcShared<D> sm;                                                                      \
+        if (dtype == 1)                                                                                 \
+            attend_tc<D, BS, 1>(sm, arena, offs, lens, head_start, q, group, scale, chunk, splits,     \
+                                part_out, part_lse);                                                    \
+        else                                                                                            \
+            attend_tc<D, BS, 2>(sm, arena, offs, lens, head_start, q, group, scale, chunk, splits,     \
+                                part_out, part_lse);                                                    \
+    }
+ATTEND_TC_ENTRY(attend_tc_d64, 64, 32)
+ATTEND_TC_ENTRY(attend_tc_d128, 128, 32)
+ATTEND_TC_ENTRY(attend_tc_d64_b16, 64, 16)
+ATTEND_TC_ENTRY(attend_tc_d128_b16, 128, 16)
 
 // Copies n ranges of `bytes` bytes (a multiple of 16) from src[i] to dst[i]; one CUDA block
 // per range. Sources are page-locked host memory mapped into the device's address space:

@@ -10,6 +10,7 @@
 //! and the LM head's tokens are picked there ([`pick`]); q, k and v cross PCIe for the host's
 //! q/k-norm, RoPE and selection, and the attention output comes back.
 
+mod attend_pick;
 mod attn_bench;
 mod blas;
 mod call;
@@ -83,6 +84,9 @@ pub enum CudaError {
     /// A kernel failed to compile.
     #[error("NVRTC compile error: {0}")]
     Compile(String),
+    /// An environment setting of the backend names no choice it has.
+    #[error("{0}")]
+    Setting(String),
 }
 
 /// The CUDA backend of one device.
@@ -112,6 +116,12 @@ impl CudaBackend {
     /// Opens device `ordinal`: probes the driver, loads cuBLAS and compiles the kernels.
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
         let info = probe(ordinal)?;
+        let attend_choice = driver::AttendChoice::parse(
+            std::env::var("DECODE_NODE_ATTENTION_KERNEL")
+                .ok()
+                .as_deref(),
+        )
+        .map_err(CudaError::Setting)?;
         // SAFETY: only tries to dlopen libcublas.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::NoCublas);
@@ -159,13 +169,16 @@ impl CudaBackend {
                 .map(|n| f(&n))
                 .collect::<Result<_, _>>()?,
             gemv_tc: f("gemv_tc")?,
+            tc: Kernels::tc_names()
+                .map(|n| f(&n))
+                .collect::<Result<_, _>>()?,
         };
         let mut blas_state = Blas::new(&stream, k.gemv.clone(), k.gemv_tc.clone())?;
         // A small-batch kernel may replace cuBLAS only where it gives cuBLAS's products here;
         // `gemv_tc` needs the MMAs of sm_80 on.
-        blas_state.tactics.mma = info.compute.is_some_and(|(major, _)| major >= 8);
+        let mma = info.compute.is_some_and(|(major, _)| major >= 8);
+        blas_state.tactics.mma = mma;
         if blas_state.tactics.up_to > 0 {
-            let mma = blas_state.tactics.mma;
             let kernels = [Tactic::Gemv]
                 .into_iter()
                 .chain(mma.then_some(Tactic::GemvTc));
@@ -192,8 +205,12 @@ impl CudaBackend {
                 recall,
                 k,
                 warps_on: std::sync::atomic::AtomicBool::new(
-                    std::env::var("DECODE_NODE_ATTENTION_KERNEL").map_or(true, |v| v != "split"),
+                    attend_choice != driver::AttendChoice::Split,
                 ),
+                tc_groups: std::sync::atomic::AtomicU16::new(0),
+                tc_picked_for: Mutex::new(None),
+                attend_choice,
+                mma,
                 sketch_on: std::sync::atomic::AtomicBool::new(
                     std::env::var("DECODE_NODE_DEVICE_SKETCH").map_or(true, |v| v != "0"),
                 ),
@@ -480,6 +497,7 @@ impl Backend for CudaBackend {
         pool: &HostPool,
     ) -> Result<Option<Arc<dyn DeviceKv>>, BackendError> {
         selftest::check_warps_or_off(&self.shared, geom.dtype, geom.block_size, geom.head_dim);
+        attend_pick::pick(&self.shared, &geom);
         selftest::check_sketch_or_off(&self.shared, &geom);
         // Int8 and fp8 blocks go to the device as the pool holds them (codes and per-token
         // scales, about half of f16's bytes to copy and keep); the attention kernel applies
@@ -518,7 +536,7 @@ mod tests {
         // compile also sets a tunable (`DECODE_NODE_KERNEL_DEFINES`), which must take.
         let (default, hopper) = std::thread::scope(|s| {
             let hopper = s.spawn(|| {
-                driver::compile_cached(Some((9, 0)), &["-DATTEND_WARPS_MIN_BLOCKS=3".into()])
+                driver::compile_cached(Some((9, 0)), &["-DATTEND_WARPS_MIN_BLOCKS=2".into()])
             });
             (
                 compile_kernels(),
@@ -542,7 +560,7 @@ mod tests {
                 let hopper = hopper.unwrap();
                 assert!(hopper.contains(".target sm_90"), "not built for sm_90");
                 assert!(
-                    hopper.contains(".minnctapersm 3") && !ptx.contains(".minnctapersm 3"),
+                    hopper.contains(".minnctapersm 2") && !ptx.contains(".minnctapersm 2"),
                     "ATTEND_WARPS_MIN_BLOCKS did not reach attend_warps' launch bounds"
                 );
                 // The sketch's integer sums as the instruction itself, not an emulation.
@@ -557,6 +575,13 @@ mod tests {
                     assert!(hopper.contains(&mma), "gemv_tc without {mma}");
                 }
                 assert!(!ptx.contains("mma.sync"), "MMAs in the PTX for any device");
+                // `attend_tc`'s operands packed on the device by the conversion instruction.
+                for ty in ["bf16x2", "f16x2"] {
+                    assert!(
+                        hopper.contains(&format!("cvt.rn.{ty}.f32")),
+                        "no {ty} packing"
+                    );
+                }
                 assert_eq!(compile_kernels_for(Some((99, 9))).unwrap(), ptx);
             }
         }
@@ -600,7 +625,12 @@ mod tests {
                 * driver::WARPS_HEAD_DIMS.len()
                 * driver::WARPS_MAX_GROUP
         );
-        for n in warps.iter().cloned().chain(Kernels::gemv_names()) {
+        let tc: Vec<String> = Kernels::tc_names().collect();
+        assert_eq!(
+            tc.len(),
+            driver::WARPS_BLOCK_SIZES.len() * driver::WARPS_HEAD_DIMS.len()
+        );
+        for n in warps.iter().cloned().chain(Kernels::gemv_names()).chain(tc) {
             assert!(
                 attention::cuda::ENTRY_POINTS.contains(&n.as_str()),
                 "{n} not listed"

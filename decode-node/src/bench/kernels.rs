@@ -222,7 +222,7 @@ fn device_kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
                     };
                     let t = backend.bench_attention(&spec)?;
                     let gbps = t.kv_bytes as f64 / t.call_s;
-                    let kernel = if t.warps { "attend_warps" } else { "split" };
+                    let kernel = t.kernel;
                     if !args.common.json {
                         eprintln!(
                             "device {:>4} G={g} D={d:>3} ctx={context:>6} {kernel} ctas={:>5} (splits {:>4}): call {:7.1} us, {:7.1} GB/s of KV / {:.0} GB/s copy = {:.2}; combine {:5.1} us, host pack {:5.1} us, list upload queued behind 8 calls {:5.1} us (pinned ring {:5.1} us)",

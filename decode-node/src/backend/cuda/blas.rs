@@ -325,13 +325,13 @@ fn small_fits((dtype, rows, batch, cols): Shape, w: u64, x: u64) -> bool {
 }
 
 /// Two timing events around queued work.
-struct Timer {
+pub(super) struct Timer {
     start: sys::CUevent,
     end: sys::CUevent,
 }
 
 impl Timer {
-    fn new() -> Result<Self, BackendError> {
+    pub(super) fn new() -> Result<Self, BackendError> {
         let create = || {
             drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
                 .map_err(|e| dev_err("creating a timing event", e))
@@ -347,14 +347,14 @@ impl Timer {
         }
     }
 
-    fn start(&self, stream: &CudaStream) -> Result<(), BackendError> {
+    pub(super) fn start(&self, stream: &CudaStream) -> Result<(), BackendError> {
         // SAFETY: a live event and stream.
         unsafe { drv::event::record(self.start, stream.cu_stream()) }
             .map_err(|e| dev_err("recording a timing event", e))
     }
 
     /// Seconds from `start` to what is queued now, waiting for it.
-    fn stop(&self, stream: &CudaStream) -> Result<f64, BackendError> {
+    pub(super) fn stop(&self, stream: &CudaStream) -> Result<f64, BackendError> {
         // SAFETY: live events and stream; `start` was recorded before `end`.
         unsafe {
             drv::event::record(self.end, stream.cu_stream())

@@ -229,6 +229,8 @@ pub(crate) struct Kernels {
     /// `gemv_b{B}`, B = 1 ..= [`GEMV_MAX_BATCH`], in order.
     pub(crate) gemv: Vec<CudaFunction>,
     pub(crate) gemv_tc: CudaFunction,
+    /// `attend_tc_d{D}` (and `_b16`): [`Kernels::tc`] picks one.
+    pub(crate) tc: Vec<CudaFunction>,
 }
 
 /// Largest batch `gemv_b{B}` is built for, and `gemv_tc` takes (its MMA's 8 columns).
@@ -258,6 +260,45 @@ fn warps_index(dtype: KvDType, block_size: usize, group: usize, d: usize) -> Opt
 /// Blocks one `attend_warps` CUDA block takes at least: one per warp.
 pub(crate) const WARPS_PER_BLOCK: usize = 4;
 
+/// Tokens an `attend_tc` warp takes at a time (its eight MMAs of 8 columns).
+pub(crate) const TC_WARP_TOKENS: usize = 64;
+
+/// Where `attend_tc` for this shape sits in [`Kernels::tc`] (the same block sizes and head
+/// dims as `attend_warps`, any group up to [`WARPS_MAX_GROUP`]); `None`: no such entry.
+fn tc_index(dtype: KvDType, block_size: usize, group: usize, d: usize) -> Option<usize> {
+    let half = matches!(dtype, KvDType::F16 | KvDType::Bf16);
+    let bi = WARPS_BLOCK_SIZES.iter().position(|&x| x == block_size)?;
+    let di = WARPS_HEAD_DIMS.iter().position(|&x| x == d)?;
+    (half && (1..=WARPS_MAX_GROUP).contains(&group)).then_some(bi * WARPS_HEAD_DIMS.len() + di)
+}
+
+/// Which kernel attention takes, as `DECODE_NODE_ATTENTION_KERNEL` says: `split` (the general
+/// kernel only), `warps` (`attend_warps`, not the tensor cores), `tc` (`attend_tc` wherever it
+/// passed the start-up check), or unset: `attend_tc` for the groups where it passed the check
+/// and was the faster of the two at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AttendChoice {
+    Timed,
+    Split,
+    Warps,
+    Tc,
+}
+
+impl AttendChoice {
+    /// The choice `value` names (unset: [`AttendChoice::Timed`]); `Err`: an unknown name.
+    pub(crate) fn parse(value: Option<&str>) -> Result<Self, String> {
+        match value {
+            None | Some("") => Ok(Self::Timed),
+            Some("split") => Ok(Self::Split),
+            Some("warps") => Ok(Self::Warps),
+            Some("tc") => Ok(Self::Tc),
+            Some(other) => Err(format!(
+                "DECODE_NODE_ATTENTION_KERNEL={other}: expected split, warps or tc"
+            )),
+        }
+    }
+}
+
 impl Kernels {
     /// The `attend_warps` entry for this shape, where there is one (16-bit KV in 16- or 32-token
     /// blocks, head_dim 64 or 128, at most 8 query heads per KV head).
@@ -269,6 +310,27 @@ impl Kernels {
         d: usize,
     ) -> Option<&CudaFunction> {
         self.warps.get(warps_index(dtype, block_size, group, d)?)
+    }
+
+    /// The `attend_tc` entry for this shape, where there is one.
+    pub(crate) fn tc(
+        &self,
+        dtype: KvDType,
+        block_size: usize,
+        group: usize,
+        d: usize,
+    ) -> Option<&CudaFunction> {
+        self.tc.get(tc_index(dtype, block_size, group, d)?)
+    }
+
+    /// Entry names of [`Kernels::tc`], in its order.
+    pub(crate) fn tc_names() -> impl Iterator<Item = String> {
+        WARPS_BLOCK_SIZES.iter().flat_map(|&bs| {
+            let tail = if bs == 32 { "" } else { "_b16" };
+            WARPS_HEAD_DIMS
+                .iter()
+                .map(move |d| format!("attend_tc_d{d}{tail}"))
+        })
     }
 
     /// Entry names of [`Kernels::gemv`], in its order.
@@ -309,6 +371,17 @@ pub(crate) struct Shared {
     /// `sparse_attention_split` (`DECODE_NODE_ATTENTION_KERNEL=split`, or a start-up check
     /// that found it disagreeing).
     pub(crate) warps_on: std::sync::atomic::AtomicBool,
+    /// Bit `g` set: attention calls of `g` query heads per KV head take `attend_tc` where the
+    /// shape has one (before `attend_warps`). Set at start where it passed the check (and,
+    /// unless forced, measured faster): `attend_pick`.
+    pub(crate) tc_groups: std::sync::atomic::AtomicU16,
+    /// What `DECODE_NODE_ATTENTION_KERNEL` asked for.
+    pub(crate) attend_choice: AttendChoice,
+    /// The block shape [`Shared::tc_groups`] was last chosen for (a second store or bench
+    /// call of that shape does not check and time again).
+    pub(crate) tc_picked_for: Mutex<Option<attention::BlockGeometry>>,
+    /// The device has the MMAs of sm_80 on (`attend_tc`, `gemv_tc`).
+    pub(crate) mma: bool,
     /// Sequences keep their key sketch here and `--block-scorer sketch` scores on the device;
     /// off: the host scores (`DECODE_NODE_DEVICE_SKETCH=0`, or a start-up check that found
     /// the device's scores disagreeing with the host's).
@@ -866,6 +939,30 @@ mod tests {
             (KvDType::I8, 32, 4, 128),
             (KvDType::F8E4M3, 32, 4, 128),
             (KvDType::F32, 16, 4, 128),
+            (KvDType::Bf16, 8, 4, 128),
+            (KvDType::Bf16, 64, 4, 128),
+            (KvDType::Bf16, 32, 9, 128),
+            (KvDType::Bf16, 32, 0, 128),
+            (KvDType::Bf16, 32, 4, 96),
+        ] {
+            assert_eq!(name(dt, bs, g, d), None, "{dt:?} {bs} {g} {d}");
+        }
+    }
+
+    #[test]
+    fn attend_tc_is_picked_only_for_the_shapes_it_is_built_for() {
+        let names: Vec<String> = Kernels::tc_names().collect();
+        let name = |dt, bs, g, d| tc_index(dt, bs, g, d).map(|i| names[i].as_str());
+        for g in 1..=WARPS_MAX_GROUP {
+            assert_eq!(name(KvDType::Bf16, 32, g, 128), Some("attend_tc_d128"));
+            assert_eq!(name(KvDType::F16, 32, g, 64), Some("attend_tc_d64"));
+            assert_eq!(name(KvDType::Bf16, 16, g, 128), Some("attend_tc_d128_b16"));
+            assert_eq!(name(KvDType::F16, 16, g, 64), Some("attend_tc_d64_b16"));
+        }
+        for (dt, bs, g, d) in [
+            (KvDType::F32, 32, 4, 128),
+            (KvDType::I8, 32, 4, 128),
+            (KvDType::F8E4M3, 32, 4, 128),
             (KvDType::Bf16, 8, 4, 128),
             (KvDType::Bf16, 64, 4, 128),
             (KvDType::Bf16, 32, 9, 128),

@@ -257,8 +257,10 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         (KvDType::Bf16, 5, 128, 16),
         (KvDType::F16, 3, 64, 16),
     ] {
-        // Each shape through the general kernel, then through `attend_warps` where it has one.
+        // Each shape through the general kernel, then through `attend_warps` and `attend_tc`
+        // where it has them.
         let on = sh.warps_on.swap(false, Ordering::AcqRel);
+        let tc_on = sh.tc_groups.swap(0, Ordering::AcqRel);
         add(
             &format!("sparse_attention_split+combine {dt:?} G={g} D={d} block {bs}"),
             ATTENTION_TOLERANCE,
@@ -272,7 +274,16 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
                 check_split_attention(sh, dt, g, d, bs),
             );
         }
+        if sh.mma && sh.k.tc(dt, bs, g, d).is_some() {
+            sh.tc_groups.store(1 << g, Ordering::Release);
+            add(
+                &format!("attend_tc (tensor cores)+combine {dt:?} G={g} D={d} block {bs}"),
+                ATTENTION_TOLERANCE,
+                check_split_attention(sh, dt, g, d, bs),
+            );
+        }
         sh.warps_on.store(on, Ordering::Release);
+        sh.tc_groups.store(tc_on, Ordering::Release);
     }
     out
 }

@@ -341,15 +341,27 @@ impl CudaKvStore {
 }
 
 impl CudaKvStore {
-    /// `attend_warps` for this store's blocks and `group`, where the shape has one and it is
-    /// on ([`Shared::warps_on`]).
-    fn warps_kernel(&self, group: usize) -> Option<&CudaFunction> {
+    /// The kernel attention calls of `group` take over this store's blocks, the fewest blocks
+    /// one of its CUDA blocks should take (a warp's share each) and its name; `None`: the
+    /// general kernel. `attend_tc` where the group takes it ([`Shared::tc_groups`]), else
+    /// `attend_warps` where it is on ([`Shared::warps_on`]); either only where built for the
+    /// shape.
+    fn fast_kernel(&self, group: usize) -> Option<(&CudaFunction, usize, &'static str)> {
         let sh = &*self.shared;
-        if !sh.warps_on.load(std::sync::atomic::Ordering::Acquire) {
+        let g = &self.geom;
+        let tc = group < 16 && sh.tc_groups.load(Ordering::Acquire) & (1 << group) != 0;
+        if let Some(f) = tc
+            .then(|| sh.k.tc(g.dtype, g.block_size, group, g.head_dim))
+            .flatten()
+        {
+            let per_warp = (super::driver::TC_WARP_TOKENS / g.block_size).max(1);
+            return Some((f, WARPS_PER_BLOCK * per_warp, "attend_tc"));
+        }
+        if !sh.warps_on.load(Ordering::Acquire) {
             return None;
         }
-        let g = &self.geom;
-        sh.k.warps(g.dtype, g.block_size, group, g.head_dim)
+        let f = sh.k.warps(g.dtype, g.block_size, group, g.head_dim)?;
+        Some((f, WARPS_PER_BLOCK, "attend_warps"))
     }
 
     /// Queues the split-K attention over `list` with the query `q` (`[hk][group][d]`) and its
@@ -373,9 +385,9 @@ impl CudaKvStore {
         Ok(parts)
     }
 
-    /// Attention calls of `group` take `attend_warps`.
-    pub(super) fn takes_warps(&self, group: usize) -> bool {
-        self.warps_kernel(group).is_some()
+    /// The kernel attention calls of `group` take: `attend_tc`, `attend_warps` or `split`.
+    pub(super) fn kernel_name(&self, group: usize) -> &'static str {
+        self.fast_kernel(group).map_or("split", |(_, _, name)| name)
     }
 
     /// Slots in the arena.
@@ -396,10 +408,10 @@ impl CudaKvStore {
         // Every KV head of the list, a sequence's or (resident) a batch's.
         let (hk, d) = (list.heads(), self.geom.head_dim);
         let target = sh.attention_ctas.load(Ordering::Relaxed);
-        let (kernel, split) = match self.warps_kernel(group) {
-            Some(f) => (
+        let (kernel, split) = match self.fast_kernel(group) {
+            Some((f, min_chunk, _)) => (
                 f,
-                SplitK::at_least(target, hk, list.longest_head(), WARPS_PER_BLOCK),
+                SplitK::at_least(target, hk, list.longest_head(), min_chunk),
             ),
             None => (&sh.k.split, SplitK::new(target, hk, list.longest_head())),
         };

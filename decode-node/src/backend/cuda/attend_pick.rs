@@ -1,0 +1,143 @@
+//! Which kernel attention takes on this device, per group size (#21 item 3): `attend_tc`
+//! (tensor cores) where it gives the CPU's results here and, unless forced, took less time than
+//! the kernel it would replace (`attend_warps`, or the general one) on a synthetic call at
+//! start. Chosen once, when the device's KV store is made.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use attention::BlockGeometry;
+
+use super::attn_bench::Synthetic;
+use super::blas::Timer;
+use super::driver::{AttendChoice, Shared, WARPS_MAX_GROUP};
+use super::selftest::{ATTENTION_TOLERANCE, check_split_attention};
+use crate::backend::BackendError;
+
+/// Tokens of each KV head the timed call attends.
+const TIMED_CONTEXT: usize = 8192;
+/// Timed calls of each kernel (after one untimed).
+const TIMED_CALLS: usize = 10;
+
+/// Sets [`Shared::tc_groups`] for `geom`'s blocks: for each group size `attend_tc` is built
+/// for, on where it agrees with the CPU and (unless `DECODE_NODE_ATTENTION_KERNEL=tc`) was the
+/// faster of the two. Off everywhere on a device without MMAs, or where asked for `split` or
+/// `warps`.
+pub(super) fn pick(sh: &Arc<Shared>, geom: &BlockGeometry) {
+    {
+        let Ok(mut last) = sh.tc_picked_for.lock() else {
+            return;
+        };
+        if *last == Some(*geom) {
+            return;
+        }
+        *last = Some(*geom);
+    }
+    sh.tc_groups.store(0, Ordering::Release);
+    if matches!(sh.attend_choice, AttendChoice::Split | AttendChoice::Warps) || !sh.mma {
+        return;
+    }
+    let (dt, bs, d) = (geom.dtype, geom.block_size, geom.head_dim);
+    let groups: Vec<usize> = (1..=WARPS_MAX_GROUP)
+        .filter(|&g| sh.k.tc(dt, bs, g, d).is_some())
+        .collect();
+    if groups.is_empty() {
+        return;
+    }
+    let mut timed = match sh.attend_choice {
+        AttendChoice::Tc => None,
+        _ => match Synthetic::new(sh, *geom, WARPS_MAX_GROUP, TIMED_CONTEXT) {
+            Ok(call) => Some(call),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not time attend_tc at start; attention keeps attend_warps");
+                return;
+            }
+        },
+    };
+    let mut on = 0u16;
+    for g in groups {
+        sh.tc_groups.store(1 << g, Ordering::Release);
+        let r = check_split_attention(sh, dt, g, d, bs);
+        if !matches!(r, Ok(err) if err <= ATTENTION_TOLERANCE) {
+            tracing::error!(group = g, head_dim = d, block_size = bs, result = ?r, "attend_tc disagrees with the CPU on this device; not used");
+            continue;
+        }
+        let Some(call) = timed.as_mut() else {
+            on |= 1 << g;
+            continue;
+        };
+        call.set_group(g);
+        let tc = time_calls(call);
+        sh.tc_groups.store(0, Ordering::Release);
+        let other = time_calls(call);
+        let other_name = call.store.kernel_name(g);
+        match (tc, other) {
+            (Ok(tc), Ok(other)) => {
+                tracing::info!(
+                    group = g,
+                    head_dim = d,
+                    block_size = bs,
+                    attend_tc_us = tc * 1e6,
+                    other_us = other * 1e6,
+                    other = other_name,
+                    "attention kernel timed at start"
+                );
+                if takes_tc(tc, other) {
+                    on |= 1 << g;
+                }
+            }
+            (tc, other) => {
+                tracing::warn!(
+                    group = g,
+                    ?tc,
+                    ?other,
+                    "timing attend_tc failed; the group keeps {other_name}"
+                );
+            }
+        }
+    }
+    sh.tc_groups.store(on, Ordering::Release);
+}
+
+/// The tensor-core kernel replaces the other only where it took less time (a tie keeps the
+/// kernel in place).
+fn takes_tc(tc_s: f64, other_s: f64) -> bool {
+    tc_s < other_s
+}
+
+/// Seconds of one call as the device runs it, over [`TIMED_CALLS`] queued back to back.
+fn time_calls(call: &Synthetic) -> Result<f64, BackendError> {
+    let stream = &call.store.shared().stream;
+    // One untimed call first: a kernel's first launch loads its code.
+    call.call()?;
+    let timer = Timer::new()?;
+    timer.start(stream)?;
+    for _ in 0..TIMED_CALLS {
+        call.call()?;
+    }
+    Ok(timer.stop(stream)? / TIMED_CALLS as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_environment_names_the_kernel() {
+        assert_eq!(AttendChoice::parse(None), Ok(AttendChoice::Timed));
+        assert_eq!(AttendChoice::parse(Some("")), Ok(AttendChoice::Timed));
+        assert_eq!(AttendChoice::parse(Some("split")), Ok(AttendChoice::Split));
+        assert_eq!(AttendChoice::parse(Some("warps")), Ok(AttendChoice::Warps));
+        assert_eq!(AttendChoice::parse(Some("tc")), Ok(AttendChoice::Tc));
+        let e = AttendChoice::parse(Some("tensor")).unwrap_err();
+        assert!(e.contains("split, warps or tc"), "{e}");
+    }
+
+    #[test]
+    fn only_a_faster_tensor_core_kernel_replaces_the_other() {
+        assert!(takes_tc(20e-6, 30e-6));
+        assert!(!takes_tc(30e-6, 30e-6));
+        assert!(!takes_tc(40e-6, 30e-6));
+        assert!(!takes_tc(f64::NAN, 30e-6));
+    }
+}
