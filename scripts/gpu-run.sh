@@ -91,9 +91,11 @@ for kernel in warps tc; do
         --json --device cuda --groups 5,8 --head-dims 128 --context 8k,32k,64k --seconds 0.3
 done
 # attend_tc with four CUDA blocks an SM (ptxas for sm_90: 128 registers, one 16-dim step of K's
-# loads at a time) where the default holds three (158 registers, two steps' loads).
+# and one 16-token step of V's loads at a time) where the default holds three (162 registers,
+# two steps' loads of each).
 step device-kernels-tc-min4 env DECODE_NODE_ATTENTION_KERNEL=tc \
-    DECODE_NODE_KERNEL_DEFINES=ATTEND_TC_MIN_BLOCKS=4,ATTEND_TC_KSTEPS=1 "$bin" bench kernels \
+    DECODE_NODE_KERNEL_DEFINES=ATTEND_TC_MIN_BLOCKS=4,ATTEND_TC_KSTEPS=1,ATTEND_TC_VSTEPS=1 \
+    "$bin" bench kernels \
     --json --device cuda --groups 5 --head-dims 128 --context 8k,32k,64k --seconds 0.3
 # attend_warps' compile-time tunables (`DECODE_NODE_KERNEL_DEFINES`), A/B in one run: at the
 # default it takes 255 registers a thread at G = 5 (ptxas for sm_90), so an SM holds two CUDA

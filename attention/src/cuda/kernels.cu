@@ -1036,12 +1036,15 @@ extern "C" __global__ void __launch_bounds__(GEMV_TC_WARPS * 32)
 
 // Compile-time tunables of `attend_tc` (as `attend_warps`'): MIN_BLOCKS, the CUDA blocks an SM
 // must hold at once; KSTEPS, the 16-dim steps of K whose loads (four 16-byte loads a lane each)
-// are issued together.
+// are issued together; VSTEPS, the same for the 16-token steps of P.V (4 or 8 loads each).
 #ifndef ATTEND_TC_MIN_BLOCKS
 #define ATTEND_TC_MIN_BLOCKS 3
 #endif
 #ifndef ATTEND_TC_KSTEPS
 #define ATTEND_TC_KSTEPS 2
+#endif
+#ifndef ATTEND_TC_VSTEPS
+#define ATTEND_TC_VSTEPS 2
 #endif
 
 // Two floats as a pair of 16-bit values of dtype DT (1 = f16, 2 = bf16), `lo` in the low half,
@@ -1119,7 +1122,8 @@ struct TcShared {
 // kernels' tolerance. Tokens past a block's `len` (the newest block's unwritten tail, which may
 // hold NaN) are masked in the scores and loaded as zeros for V; a missing block, as zeros.
 // Built for a device without MMAs (or for none in particular), the kernel writes NaN: the
-// start-up check keeps it out.
+// start-up check keeps it out. ptxas for sm_90 at the defaults: 162 registers a thread at
+// D = 128, no spills (three CUDA blocks, 12 warps, an SM; `attend_warps_g5_d128` takes 255).
 template <int D, int BS, int DT>
 __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* arena, const long long* offs,
                                           const int* lens, const int* head_start, const float* q, int group,
@@ -1132,7 +1136,8 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
     constexpr int MT = 4 * VH;     // row tiles of O^T
     constexpr int BPS = 64 / BS;   // blocks a warp takes at a time
     constexpr int KB = ATTEND_TC_KSTEPS < KS ? ATTEND_TC_KSTEPS : KS;
-    static_assert(KS % KB == 0, "whole load batches");
+    constexpr int VB = ATTEND_TC_VSTEPS < 4 ? ATTEND_TC_VSTEPS : 4;
+    static_assert(KS % KB == 0 && 4 % VB == 0, "whole load batches");
     const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 #ifdef HAVE_MMA
@@ -1244,33 +1249,40 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
         }
         const unsigned char* vs = arena + offs[sb < b1 ? sb : bi] + BS * D * 2;
 #pragma unroll 1
-        for (int f = 0; f < 4; f++) {
-            // Tokens 16t + 4f + u, u = 0 .. 3: rows past `len` (or of a missing block) as zeros,
-            // whatever the slot holds.
-            uint4 vr[4 * VH];
+        for (int f0 = 0; f0 < 4; f0 += VB) {
+            // Tokens 16t + 4f + u, u = 0 .. 3, of VB steps f: rows past `len` (or of a missing
+            // block) as zeros, whatever the slot holds.
+            uint4 vr[VB][4 * VH];
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int tok = stok + 4 * f + u;
+            for (int e = 0; e < VB; e++)
 #pragma unroll
-                for (int x = 0; x < VH; x++)
-                    vr[u * VH + x] = tok < slen ? *(const uint4*)(vs + (tok * D + 8 * (g + 8 * x)) * 2) : zero;
-            }
-            all_loaded(vr, slen, acc[0][0]);
-            const uint4 pb = sm.pf[warp][f][lane];
+                for (int u = 0; u < 4; u++) {
+                    const int tok = stok + 4 * (f0 + e) + u;
 #pragma unroll
-            for (int x = 0; x < VH; x++) {
-                const uint4 v0 = vr[x], v1 = vr[VH + x], v2 = vr[2 * VH + x], v3 = vr[3 * VH + x];
-                const unsigned w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
-                const unsigned w2[4] = {v2.x, v2.y, v2.z, v2.w}, w3[4] = {v3.x, v3.y, v3.z, v3.w};
+                    for (int x = 0; x < VH; x++)
+                        vr[e][u * VH + x] =
+                            tok < slen ? *(const uint4*)(vs + (tok * D + 8 * (g + 8 * x)) * 2) : zero;
+                }
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    // Rows g and g + 8 of tile 4x + i: dims 8(g + 8x) + 2i and the next.
-                    const unsigned a0 = __byte_perm(w0[i], w1[i], 0x5410u);
-                    const unsigned a1 = __byte_perm(w0[i], w1[i], 0x7632u);
-                    const unsigned a2 = __byte_perm(w2[i], w3[i], 0x5410u);
-                    const unsigned a3 = __byte_perm(w2[i], w3[i], 0x7632u);
-                    mma_m16n8k16(acc[4 * x + i], a0, a1, a2, a3, pb.x, pb.y, DT);
-                    mma_m16n8k16(acc[4 * x + i], a0, a1, a2, a3, pb.z, pb.w, DT);
+            for (int e = 0; e < VB; e++) all_loaded(vr[e], slen, acc[0][0]);
+#pragma unroll
+            for (int e = 0; e < VB; e++) {
+                const uint4 pb = sm.pf[warp][f0 + e][lane];
+#pragma unroll
+                for (int x = 0; x < VH; x++) {
+                    const uint4 v0 = vr[e][x], v1 = vr[e][VH + x], v2 = vr[e][2 * VH + x], v3 = vr[e][3 * VH + x];
+                    const unsigned w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
+                    const unsigned w2[4] = {v2.x, v2.y, v2.z, v2.w}, w3[4] = {v3.x, v3.y, v3.z, v3.w};
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        // Rows g and g + 8 of tile 4x + i: dims 8(g + 8x) + 2i and the next.
+                        const unsigned a0 = __byte_perm(w0[i], w1[i], 0x5410u);
+                        const unsigned a1 = __byte_perm(w0[i], w1[i], 0x7632u);
+                        const unsigned a2 = __byte_perm(w2[i], w3[i], 0x5410u);
+                        const unsigned a3 = __byte_perm(w2[i], w3[i], 0x7632u);
+                        mma_m16n8k16(acc[4 * x + i], a0, a1, a2, a3, pb.x, pb.y, DT);
+                        mma_m16n8k16(acc[4 * x + i], a0, a1, a2, a3, pb.z, pb.w, DT);
+                    }
                 }
             }
         }
