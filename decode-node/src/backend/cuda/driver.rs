@@ -260,9 +260,6 @@ fn warps_index(dtype: KvDType, block_size: usize, group: usize, d: usize) -> Opt
 /// Blocks one `attend_warps` CUDA block takes at least: one per warp.
 pub(crate) const WARPS_PER_BLOCK: usize = 4;
 
-/// Tokens an `attend_tc` warp takes at a time (its eight MMAs of 8 columns).
-pub(crate) const TC_WARP_TOKENS: usize = 64;
-
 /// Where `attend_tc` for this shape sits in [`Kernels::tc`] (the same block sizes and head
 /// dims as `attend_warps`, any group up to [`WARPS_MAX_GROUP`]); `None`: no such entry.
 fn tc_index(dtype: KvDType, block_size: usize, group: usize, d: usize) -> Option<usize> {

@@ -342,8 +342,7 @@ impl CudaKvStore {
 
 impl CudaKvStore {
     /// The kernel attention calls of `group` take over this store's blocks, the fewest blocks
-    /// one of its CUDA blocks should take (a warp's share each) and its name; `None`: the
-    /// general kernel. `attend_tc` where the group takes it ([`Shared::tc_groups`]), else
+    /// one of its CUDA blocks should take and its name; `None`: the general kernel. `attend_tc` where the group takes it ([`Shared::tc_groups`]), else
     /// `attend_warps` where it is on ([`Shared::warps_on`]); either only where built for the
     /// shape.
     fn fast_kernel(&self, group: usize) -> Option<(&CudaFunction, usize, &'static str)> {
@@ -354,8 +353,10 @@ impl CudaKvStore {
             .then(|| sh.k.tc(g.dtype, g.block_size, group, g.head_dim))
             .flatten()
         {
-            let per_warp = (super::driver::TC_WARP_TOKENS / g.block_size).max(1);
-            return Some((f, WARPS_PER_BLOCK * per_warp, "attend_tc"));
+            // As few as `attend_warps`' blocks a CUDA block, though a warp takes 64 tokens at a
+            // time: a short list (scout's device part) then runs in twice the CUDA blocks with
+            // half their warps idle, where a whole share per warp would halve its parallelism.
+            return Some((f, WARPS_PER_BLOCK, "attend_tc"));
         }
         if !sh.warps_on.load(Ordering::Acquire) {
             return None;
