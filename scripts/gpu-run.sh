@@ -91,7 +91,7 @@ for kernel in warps tc; do
         --json --device cuda --groups 5,8 --head-dims 128 --context 8k,32k,64k --seconds 0.3
 done
 # attend_tc with four CUDA blocks an SM (ptxas for sm_90: 128 registers, one 16-dim step of K's
-# and one 16-token step of V's loads at a time) where the default holds three (162 registers,
+# and one 16-token step of V's loads at a time) where the default holds three (164 registers,
 # two steps' loads of each).
 step device-kernels-tc-min4 env DECODE_NODE_ATTENTION_KERNEL=tc \
     DECODE_NODE_KERNEL_DEFINES=ATTEND_TC_MIN_BLOCKS=4,ATTEND_TC_KSTEPS=1,ATTEND_TC_VSTEPS=1 \

@@ -15,7 +15,8 @@ static int bad = 0;
 typedef void (*Attend)(const unsigned char*, const long long*, const int*, const int*, const float*, int,
                        int, int, int, float, int, int, float*, float*);
 
-static void check(const char* name, Attend kernel, int G, int D, int dtype, int BS = 32, int chunk = 4) {
+static void check(const char* name, Attend kernel, int G, int D, int dtype, int BS = 32, int chunk = 4,
+                  double tol = 1e-5) {
     const int hk = 3;
     const int head_bytes = 2 * BS * D * 2;
     // Per head: its blocks' tokens. Head 0 ends in a partial block, head 2 has none.
@@ -98,7 +99,7 @@ static void check(const char* name, Attend kernel, int G, int D, int dtype, int 
             for (int c = 0; c < D; c++) err = std::max(err, fabs(got[c] - o[c] / l) / (1.0 + fabs(o[c] / l)));
             worst = std::max(worst, err);
         }
-    const bool ok = worst < 1e-5 && !std::isnan(worst);
+    const bool ok = worst < tol && !std::isnan(worst);
     if (!ok) bad++;
     printf("%s %s G=%d D=%d BS=%d %s chunk %d: max rel err %.2e\n", ok ? "PASS" : "FAIL", name, G, D, BS,
            dtype == 2 ? "bf16" : "f16", chunk, worst);
@@ -180,7 +181,9 @@ int main() {
         for (int d = 0; d < 2; d++)
             for (int G : {1, 2, 3, 5, 8})
                 for (int chunk : {4, 9})
+                    // Half the others' tolerance: what the MMAs' split operands keep (a bf16
+                    // query in two parts, not three, reached 9e-6 here).
                     check(bs ? "attend_tc_b16" : "attend_tc", tc[bs][d], G, d ? 128 : 64, 1 + (G + d + chunk) % 2,
-                          bs ? 16 : 32, chunk);
+                          bs ? 16 : 32, chunk, 5e-6);
     return bad ? 1 : 0;
 }

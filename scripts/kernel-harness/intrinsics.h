@@ -23,6 +23,8 @@ static inline double __hiloint2double(int hi, int lo) {
 static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
+struct uint3 { unsigned x, y, z; };
+static inline uint3 make_uint3(unsigned x, unsigned y, unsigned z) { return {x, y, z}; }
 static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 static inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 // Byte i of the result is byte (s >> 4i) & 7 of the eight bytes y:x (x's lowest first).

@@ -1084,12 +1084,23 @@ __device__ __forceinline__ uint2 split_half2(float a, float b) {
     return make_uint2(hi, pack_half2<DT>(a - half2_lo<DT>(hi), b - half2_hi<DT>(hi)));
 }
 
+// (a, b) as three such pairs (about 24 significant bits for bf16): the last rounds what the
+// first two missed.
+template <int DT>
+__device__ __forceinline__ uint3 split3_half2(float a, float b) {
+    const uint2 two = split_half2<DT>(a, b);
+    const float ra = a - half2_lo<DT>(two.x) - half2_lo<DT>(two.y);
+    const float rb = b - half2_hi<DT>(two.x) - half2_hi<DT>(two.y);
+    return make_uint3(two.x, two.y, pack_half2<DT>(ra, rb));
+}
+
 // The shared memory of one `attend_tc` CUDA block.
 template <int D>
 struct TcShared {
     // Per 16-dim step of the query and lane: its A fragment (rows 8-15 are zero) as rounded
     // pairs (x: a0, y: a2) and the remainders (z, w).
     uint4 qf[D / 16][32];
+    uint2 qf3[D / 16][32];  // what those two missed, rounded
     // Per warp, P.V step and lane: the weights' B fragments, rounded (x, y) and remainders.
     uint4 pf[4][4][32];
     float m[4][8], l[4][8];
@@ -1101,9 +1112,9 @@ struct TcShared {
 // grid, arguments and partials, so `combine_splits` merges either. Each of the 4 warps takes 64
 // tokens at a time (64 / BS blocks of its split) and computes, per 16 dims, S = Q K^T with
 // m16n8k16 MMAs (the heads, padded to 16 rows, as A; K^T as B, eight MMAs for the 64 tokens),
-// then O^T += V^T P^T (V^T as A, 16 dims a row tile; the weights as B). What the FMA kernel
-// spends on unpacking, FMAs and shuffles of partial scores is here four MMAs and a byte
-// permute per 32 KV bytes a lane.
+// then O^T += V^T P^T (V^T as A, 16 dims a row tile; the weights as B). Per 64 tokens at
+// D = 128 a lane issues 256 MMAs (192 for f16), 256 byte permutes and 64 16-byte loads: about
+// a fifth of what `attend_warps` spends on FMAs, unpacking and shuffles of partial scores.
 //
 // No shared memory or shuffles carry K or V: a sum over k does not depend on which k is which,
 // and an MMA's rows and columns may stand for any tokens and dims as long as every lane agrees
@@ -1118,11 +1129,13 @@ struct TcShared {
 // g + 8 are dims 8g + 2i and 8g + 2i + 1.
 //
 // The query and the weights are f32: each enters as a rounded 16-bit part and the remainder
-// (two MMAs where one would round them to 8 or 11 bits), so the result stays within the f32
+// (two MMAs where one would round them to 8 or 11 bits), and a bf16 query as three parts (the
+// third rounds what two missed: with two, scores of large keys drifted to 9e-6 of the output in
+// the harness, near the 1e-5 tolerance; with three, 2.8e-6), so the result stays within the f32
 // kernels' tolerance. Tokens past a block's `len` (the newest block's unwritten tail, which may
 // hold NaN) are masked in the scores and loaded as zeros for V; a missing block, as zeros.
 // Built for a device without MMAs (or for none in particular), the kernel writes NaN: the
-// start-up check keeps it out. ptxas for sm_90 at the defaults: 162 registers a thread at
+// start-up check keeps it out. ptxas for sm_90 at the defaults: 164 registers a thread at
 // D = 128, no spills (three CUDA blocks, 12 warps, an SM; `attend_warps_g5_d128` takes 255).
 template <int D, int BS, int DT>
 __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* arena, const long long* offs,
@@ -1148,8 +1161,9 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
         float v[4];
 #pragma unroll
         for (int j = 0; j < 4; j++) v[j] = hg < group ? qh[hg * D + c + j] * qscale : 0.f;
-        const uint2 a0 = split_half2<DT>(v[0], v[1]), a2 = split_half2<DT>(v[2], v[3]);
+        const uint3 a0 = split3_half2<DT>(v[0], v[1]), a2 = split3_half2<DT>(v[2], v[3]);
         sm.qf[e][l] = make_uint4(a0.x, a2.x, a0.y, a2.y);
+        sm.qf3[e][l] = make_uint2(a0.z, a2.z);
     }
     __syncthreads();
     const int b0 = head_start[h] + s * chunk;
@@ -1184,6 +1198,7 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
 #pragma unroll
             for (int e = 0; e < KB; e++) {
                 const uint4 qa = sm.qf[e0 + e][lane];
+                const uint2 qa3 = sm.qf3[e0 + e][lane];
                 const unsigned w[4][4] = {
                     {kr[4 * e].x, kr[4 * e].y, kr[4 * e].z, kr[4 * e].w},
                     {kr[4 * e + 1].x, kr[4 * e + 1].y, kr[4 * e + 1].z, kr[4 * e + 1].w},
@@ -1197,6 +1212,8 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
                     const unsigned kb1 = __byte_perm(w[2][j / 2], w[3][j / 2], sel);
                     mma_m16n8k16(sc[j], qa.x, 0u, qa.y, 0u, kb0, kb1, DT);
                     mma_m16n8k16(sc[j], qa.z, 0u, qa.w, 0u, kb0, kb1, DT);
+                    // bf16's two parts keep 16 bits of the query; f16's keep 22.
+                    if (DT == 2) mma_m16n8k16(sc[j], qa3.x, 0u, qa3.y, 0u, kb0, kb1, DT);
                 }
             }
         }
