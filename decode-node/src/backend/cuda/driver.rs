@@ -250,18 +250,15 @@ pub(crate) const WARPS_HEAD_DIMS: [usize; 2] = [64, 128];
 pub(crate) const WARPS_MAX_GROUP: usize = 8;
 /// Where `attend_warps` for this shape sits in [`Kernels::warps`]; `None`: no such entry.
 fn warps_index(dtype: KvDType, block_size: usize, group: usize, d: usize) -> Option<usize> {
-    let half = matches!(dtype, KvDType::F16 | KvDType::Bf16);
-    let bi = WARPS_BLOCK_SIZES.iter().position(|&x| x == block_size)?;
-    let di = WARPS_HEAD_DIMS.iter().position(|&x| x == d)?;
-    (half && (1..=WARPS_MAX_GROUP).contains(&group))
-        .then(|| (bi * WARPS_HEAD_DIMS.len() + di) * WARPS_MAX_GROUP + group - 1)
+    tc_index(dtype, block_size, group, d).map(|shape| shape * WARPS_MAX_GROUP + group - 1)
 }
 
 /// Blocks one `attend_warps` CUDA block takes at least: one per warp.
 pub(crate) const WARPS_PER_BLOCK: usize = 4;
 
 /// Where `attend_tc` for this shape sits in [`Kernels::tc`] (the same block sizes and head
-/// dims as `attend_warps`, any group up to [`WARPS_MAX_GROUP`]); `None`: no such entry.
+/// dims as `attend_warps`, any group up to [`WARPS_MAX_GROUP`]); `None`: no such entry. Also
+/// the shape's place among `attend_warps`' entries, a group's run of them each.
 fn tc_index(dtype: KvDType, block_size: usize, group: usize, d: usize) -> Option<usize> {
     let half = matches!(dtype, KvDType::F16 | KvDType::Bf16);
     let bi = WARPS_BLOCK_SIZES.iter().position(|&x| x == block_size)?;
@@ -931,20 +928,24 @@ mod tests {
             name(KvDType::F16, 16, 1, 64),
             Some("attend_warps_g1_d64_b16")
         );
-        for (dt, bs, g, d) in [
-            (KvDType::F32, 32, 4, 128),
-            (KvDType::I8, 32, 4, 128),
-            (KvDType::F8E4M3, 32, 4, 128),
-            (KvDType::F32, 16, 4, 128),
-            (KvDType::Bf16, 8, 4, 128),
-            (KvDType::Bf16, 64, 4, 128),
-            (KvDType::Bf16, 32, 9, 128),
-            (KvDType::Bf16, 32, 0, 128),
-            (KvDType::Bf16, 32, 4, 96),
-        ] {
+        for &(dt, bs, g, d) in UNBUILT {
             assert_eq!(name(dt, bs, g, d), None, "{dt:?} {bs} {g} {d}");
         }
     }
+
+    /// (dtype, block size, group, head dim) that neither `attend_warps` nor `attend_tc` is
+    /// built for.
+    const UNBUILT: &[(KvDType, usize, usize, usize)] = &[
+        (KvDType::F32, 32, 4, 128),
+        (KvDType::I8, 32, 4, 128),
+        (KvDType::F8E4M3, 32, 4, 128),
+        (KvDType::F32, 16, 4, 128),
+        (KvDType::Bf16, 8, 4, 128),
+        (KvDType::Bf16, 64, 4, 128),
+        (KvDType::Bf16, 32, 9, 128),
+        (KvDType::Bf16, 32, 0, 128),
+        (KvDType::Bf16, 32, 4, 96),
+    ];
 
     #[test]
     fn attend_tc_is_picked_only_for_the_shapes_it_is_built_for() {
@@ -956,16 +957,7 @@ mod tests {
             assert_eq!(name(KvDType::Bf16, 16, g, 128), Some("attend_tc_d128_b16"));
             assert_eq!(name(KvDType::F16, 16, g, 64), Some("attend_tc_d64_b16"));
         }
-        for (dt, bs, g, d) in [
-            (KvDType::F32, 32, 4, 128),
-            (KvDType::I8, 32, 4, 128),
-            (KvDType::F8E4M3, 32, 4, 128),
-            (KvDType::Bf16, 8, 4, 128),
-            (KvDType::Bf16, 64, 4, 128),
-            (KvDType::Bf16, 32, 9, 128),
-            (KvDType::Bf16, 32, 0, 128),
-            (KvDType::Bf16, 32, 4, 96),
-        ] {
+        for &(dt, bs, g, d) in UNBUILT {
             assert_eq!(name(dt, bs, g, d), None, "{dt:?} {bs} {g} {d}");
         }
     }
