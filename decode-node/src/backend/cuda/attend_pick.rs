@@ -34,7 +34,15 @@ pub(super) fn pick(sh: &Arc<Shared>, geom: &BlockGeometry) {
         *last = Some(*geom);
     }
     sh.tc_groups.store(0, Ordering::Release);
-    if matches!(sh.attend_choice, AttendChoice::Split | AttendChoice::Warps) || !sh.mma {
+    if matches!(sh.attend_choice, AttendChoice::Split | AttendChoice::Warps) {
+        return;
+    }
+    if !sh.mma {
+        if sh.attend_choice == AttendChoice::Tc {
+            tracing::warn!(
+                "DECODE_NODE_ATTENTION_KERNEL=tc: this device has no tensor-core MMAs (sm_80 on); attention keeps attend_warps"
+            );
+        }
         return;
     }
     let (dt, bs, d) = (geom.dtype, geom.block_size, geom.head_dim);
