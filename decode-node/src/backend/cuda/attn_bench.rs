@@ -66,7 +66,6 @@ pub(super) struct Synthetic {
     q: CudaSlice<f32>,
     out: CudaSlice<f32>,
     group: usize,
-    made_for: usize,
     scale: f32,
 }
 
@@ -129,7 +128,6 @@ impl Synthetic {
             q,
             out,
             group,
-            made_for: group,
             scale: 1.0 / (geom.head_dim as f32).sqrt(),
         })
     }
@@ -137,7 +135,8 @@ impl Synthetic {
     /// Calls from now on as of `group` query heads a KV head (at most the one it was made
     /// for: the query and output are that large).
     pub(super) fn set_group(&mut self, group: usize) {
-        self.group = group.min(self.made_for);
+        let made_for = self.q.len() / (self.list.heads() * self.store.geom().head_dim).max(1);
+        self.group = group.min(made_for);
     }
 
     /// Where the outputs and their log-sum-exps go.
