@@ -52,7 +52,7 @@ pub use group::MAX_PUSH_STREAMS;
 pub use ingest::{Ingest, MAX_REQUEST_ID_LEN, PromptInfo, validate_header};
 pub use metrics::{CodeLabel, IngestMetrics, OutcomeLabel};
 pub use payload::Payload;
-pub use pool::{Block, HostPool, PoolUsage, Reclaimer, Reservation};
+pub use pool::{Block, HostPool, PoolUsage, Reclaimer, Reservation, map_huge};
 pub use prefix::{CachedBlock, KvEvent, PrefixCache, PrefixUsage};
 pub use registry::{Dropped, PushSlot, Registry, StopReason, StopSignal};
 pub use route::KvTransferRoute;

@@ -61,17 +61,22 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 args.cpu_attention_threads,
             )
             .await?;
-            let (weights, params, mut passes_before) = *bound.get_or_insert_with(|| {
-                let m = &node.model.model;
-                let passes = m.backend().memory_bandwidth().map_or_else(
-                    || host_read_passes(cpus),
-                    |bw| ReadPasses {
-                        best: bw,
-                        median: bw,
-                    },
-                );
-                (m.weight_bytes(), m.weight_params(), passes)
-            });
+            let (weights, params, mut passes_before) = match bound {
+                Some(b) => b,
+                None => {
+                    let m = &node.model.model;
+                    let passes = match m.backend().memory_bandwidth() {
+                        Some(bw) => ReadPasses {
+                            best: bw,
+                            median: bw,
+                        },
+                        None => host_read_passes(cpus)?,
+                    };
+                    let b = (m.weight_bytes(), m.weight_params(), passes);
+                    bound = Some(b);
+                    b
+                }
+            };
             let target = node.target();
             let info = model_info(&target).await?;
             anyhow::ensure!(
@@ -102,7 +107,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                         median: None,
                     }
                 } else {
-                    let after = host_read_passes(cpus);
+                    let after = host_read_passes(cpus)?;
                     let b = Bound {
                         best: passes_before.best.max(after.best),
                         median: Some(passes_before.median.max(after.median)),

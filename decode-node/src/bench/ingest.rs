@@ -133,7 +133,7 @@ fn stage_rates(
 
 /// Loopback ingest: bytes/s ÷ single-thread memcpy bytes/s in the same run.
 pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Value> {
-    let memcpy = memcpy_bandwidth(256 << 20, 1.0);
+    let memcpy = memcpy_bandwidth(256 << 20, 1.0)?;
     let node = start_node(
         args.common.model.clone(),
         2 << 30,

@@ -39,10 +39,10 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
         "auto" => vec![KvDType::F16, KvDType::Bf16],
         flag => vec![crate::node::kv_dtype(flag, "")?],
     };
-    let buf: Vec<f32> = (0..working_set / 4).map(|i| (i % 7) as f32).collect();
+    let buf = HugeBuf::probe(working_set / 4)?;
     let mut rows = Vec::new();
     for &t in &threads {
-        let bw = read_bandwidth(&buf, t, args.seconds.min(1.0));
+        let bw = read_bandwidth(buf.floats(), t, args.seconds.min(1.0));
         // Per path: the AVX2 path is held to AVX2's FMA rate, the others to the widest.
         let mut peaks: Vec<(KernelPath, f64)> = Vec::new();
         for &dtype in &dtypes {
@@ -56,7 +56,8 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                     };
                     let hb = geom.head_bytes();
                     let nblocks = (working_set / hb).max(1);
-                    let mut data = vec![0u8; nblocks * hb];
+                    // On huge pages, as the pool's blocks are.
+                    let mut data = HugeBuf::zeroed(nblocks * hb)?;
                     // K and V in [-0.5, 0.5); int8 and fp8 codes of 100x that, each token's
                     // scale 0.01 (the bytes after the codes).
                     let codes = 2 * geom.block_size * d * dtype.size();
@@ -71,7 +72,7 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                             .map(|_| ((r.next_f64() as f32) - 0.5) * amp)
                             .collect()
                     };
-                    for blk in data.chunks_exact_mut(hb) {
+                    for blk in data.bytes_mut().chunks_exact_mut(hb) {
                         let (c, scales) = blk.split_at_mut(codes);
                         encode_from_f32(dtype, &vals, c);
                         for sc in scales.chunks_exact_mut(4) {
@@ -97,7 +98,8 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                                 peak
                             }
                         };
-                        let best = scan_rate(&geom, path, &q, &data, t, args.seconds);
+                        let best =
+                            scan_rate(&geom, path, &q, &data.0[..nblocks * hb], t, args.seconds);
                         // Each KV byte costs G/size FMAs (every K and V element once per
                         // query head).
                         let fmas_per_byte = g as f64 / dtype.size() as f64;

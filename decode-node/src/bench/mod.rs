@@ -81,17 +81,56 @@ fn beyond_cache(floor: usize) -> usize {
     last_level_cache_bytes().map_or(floor, |c| floor.max(4 * c))
 }
 
+/// A bench's buffer on huge pages ([`kv_transfer::map_huge`]), as the pool's KV and the CPU
+/// backend's weights are: a bound measured on 4 KiB pages would sit below what their reads
+/// get (one thread of a 2-core EPYC VM: 20-23 GB/s against 29-31), and a kernel timed over
+/// one would be slower than it runs in a node.
+struct HugeBuf(memmap2::MmapMut);
+
+impl HugeBuf {
+    /// `bytes` zeroed bytes.
+    fn zeroed(bytes: usize) -> anyhow::Result<Self> {
+        // A zero-length mapping is an error; one page stands for an empty buffer.
+        let map = kv_transfer::map_huge(bytes.max(1))
+            .with_context(|| format!("mapping a {bytes}-byte bench buffer"))?;
+        Ok(Self(map))
+    }
+
+    /// `n` floats, value `i % 7` at `i`: what the read probes scan.
+    fn probe(n: usize) -> anyhow::Result<Self> {
+        let mut b = Self::zeroed(n * 4)?;
+        for (i, v) in b.floats_mut().iter_mut().enumerate() {
+            *v = (i % 7) as f32;
+        }
+        Ok(b)
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let n = self.0.len();
+        &mut self.0[..n]
+    }
+
+    /// The buffer as floats (a mapping starts page-aligned).
+    fn floats(&self) -> &[f32] {
+        let whole = self.0.len() / 4 * 4;
+        bytemuck::cast_slice(&self.0[..whole])
+    }
+
+    fn floats_mut(&mut self) -> &mut [f32] {
+        let whole = self.0.len() / 4 * 4;
+        bytemuck::cast_slice_mut(&mut self.0[..whole])
+    }
+}
+
 /// Host read bandwidth of `threads` threads over a buffer beyond the last-level cache.
-fn host_read_bandwidth(threads: usize) -> f64 {
-    host_read_passes(threads).best
+fn host_read_bandwidth(threads: usize) -> anyhow::Result<f64> {
+    Ok(host_read_passes(threads)?.best)
 }
 
 /// As [`host_read_bandwidth`], with the median pass beside the best.
-fn host_read_passes(threads: usize) -> ReadPasses {
-    let buf: Vec<f32> = (0..beyond_cache(512 << 20) / 4)
-        .map(|i| (i % 7) as f32)
-        .collect();
-    read_passes(&buf, threads, 1.0)
+fn host_read_passes(threads: usize) -> anyhow::Result<ReadPasses> {
+    let buf = HugeBuf::probe(beyond_cache(512 << 20) / 4)?;
+    Ok(read_passes(buf.floats(), threads, 1.0))
 }
 
 /// Scalar FMAs per second of `threads` threads issuing at once, at `path`'s vector width.
@@ -200,18 +239,20 @@ fn prefetch_ahead(c: &[f32], i: usize) {
 }
 
 /// Bytes/s of single-thread memcpy (best of a few passes).
-fn memcpy_bandwidth(bytes: usize, seconds: f64) -> f64 {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
+fn memcpy_bandwidth(bytes: usize, seconds: f64) -> anyhow::Result<f64> {
+    let mut src = HugeBuf::zeroed(bytes)?;
+    src.bytes_mut().fill(1);
+    let mut dst = HugeBuf::zeroed(bytes)?;
     let mut best = 0f64;
     let end = Instant::now() + Duration::from_secs_f64(seconds);
     while Instant::now() < end || best == 0.0 {
         let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
+        dst.bytes_mut()
+            .copy_from_slice(std::hint::black_box(&src.0[..bytes]));
         best = best.max(bytes as f64 / t.elapsed().as_secs_f64());
     }
-    std::hint::black_box(&dst);
-    best
+    std::hint::black_box(&dst.0);
+    Ok(best)
 }
 
 /// The `q` quantile (0..=1) of ascending `sorted` values, by the nearest rank (0 where there

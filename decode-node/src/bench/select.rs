@@ -111,9 +111,7 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
     let base = crate::node::attention_config(&args.common.model, geom, args.layers, args.group)?;
     let (hk, g, d) = (args.kv_heads, args.group, args.head_dim);
     let scale = 1.0 / (d as f32).sqrt();
-    let bw_buf: Vec<f32> = (0..beyond_cache(256 << 20) / 4)
-        .map(|i| (i % 7) as f32)
-        .collect();
+    let bw_buf = HugeBuf::probe(beyond_cache(256 << 20) / 4)?;
     let mut rows = Vec::new();
     for &ctx in &contexts {
         // The KV, and the pages of a host-kept sketch for every (layer, KV head).
@@ -179,7 +177,7 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
                 .transpose()?;
             let seq = kept.as_ref().unwrap_or(&seq);
             for &t in &threads {
-                let bw = read_bandwidth(&bw_buf, t, args.seconds.min(1.0));
+                let bw = read_bandwidth(bw_buf.floats(), t, args.seconds.min(1.0));
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(t)
                     .thread_name(|i| format!("bench-select-{i}"))

@@ -12,7 +12,7 @@ pub(super) fn step(args: &StepBench) -> anyhow::Result<serde_json::Value> {
     // The bound: the device's own memory where weights live there, else host read bandwidth.
     let bw = match m.backend().memory_bandwidth() {
         Some(bw) => bw,
-        None => host_read_bandwidth(threads),
+        None => host_read_bandwidth(threads)?,
     };
     let cached = cache_note(m.weight_bytes() as f64);
     if let Some(note) = cached.as_ref().filter(|_| !args.common.json) {
