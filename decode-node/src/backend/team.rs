@@ -11,7 +11,9 @@
 //! how long its workers spin before sleeping, hence this module.
 //!
 //! A region is a task count and a `Fn(task)`, cut in one contiguous part per member; the step
-//! thread runs tasks too and returns only after every task taken has ended. Outside a step
+//! thread runs tasks too and returns only after every task taken has ended. The step begins
+//! once its helpers have arrived (or after [`JOIN_WAIT`]); one that arrives later sits the step
+//! out, since it may be holding the step's own stolen work ([`Team::help`]). Outside a step
 //! (tests, prefill, a one-thread pool) [`for_each`] is a plain rayon loop.
 //!
 //! Measured against rayon regions (SmolLM2-135M, `bench decode`, AVX2, 2-core EPYC, four
@@ -36,6 +38,11 @@ use smallvec::SmallVec;
 /// (gRPC, ingest) get a core back soon when they have work and the step thread is busy alone.
 const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(50);
 
+/// How long the step thread waits for its helpers to arrive before it begins without the
+/// late ones: a sleeping pool thread takes 15-25 µs to wake on this class of VM; one that
+/// takes far longer was preempted, and the step cannot use its core meanwhile anyway.
+const JOIN_WAIT: Duration = Duration::from_micros(500);
+
 /// Most tasks a region takes: a part packs its bounds in one 64-bit word (a step's regions
 /// have a few thousand).
 const MAX_TASKS: usize = u32::MAX as usize;
@@ -51,6 +58,10 @@ struct Team {
     inside: AtomicUsize,
     /// The step is over: helpers return.
     done: AtomicBool,
+    /// The step has begun: a helper arriving now returns at once (see [`Team::help`]).
+    started: AtomicBool,
+    /// Helpers that arrived before the step began.
+    joined: AtomicUsize,
     /// A panic a task raised on a helper, raised again on the step thread.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
     /// The step thread and its helpers.
@@ -155,6 +166,8 @@ pub(crate) fn run_step<R: Send>(step: impl FnOnce() -> R + Send) -> R {
         region: AtomicPtr::new(ptr::null_mut()),
         inside: AtomicUsize::new(0),
         done: AtomicBool::new(false),
+        started: AtomicBool::new(false),
+        joined: AtomicUsize::new(0),
         panic: Mutex::new(None),
         members: threads,
     };
@@ -176,6 +189,7 @@ pub(crate) fn run_step<R: Send>(step: impl FnOnce() -> R + Send) -> R {
             }
         }
         let _finish = Finish(&team);
+        team.wait_for_helpers();
         CURRENT.set(&team);
         step()
     })
@@ -232,9 +246,32 @@ impl Team {
         }
     }
 
+    /// Waits (at most [`JOIN_WAIT`]) until every helper has arrived, then marks the step
+    /// begun.
+    fn wait_for_helpers(&self) {
+        let helpers = self.members - 1;
+        let deadline = Instant::now() + JOIN_WAIT;
+        while self.joined.load(Ordering::Acquire) < helpers && Instant::now() < deadline {
+            std::hint::spin_loop();
+        }
+        self.started.store(true, Ordering::Release);
+    }
+
     /// A helper's loop for the length of the step: regions as they are posted, rayon work in
     /// between, polling without sleeping.
+    ///
+    /// Only for a helper that arrived before the step began. Rayon hands a pool thread its
+    /// part of the team as a broadcast job, which it may take while it waits inside a job it
+    /// stole (a join's half) — and once the step has begun, that stolen job may be the step's
+    /// own work: the step would wait for it, and the helper here for the step's end (a hang
+    /// seen under `perf` at batch 8). Step work exists only once `started` is set, and a
+    /// thread that stole some has seen that store, so a helper that reads it unset holds
+    /// none; a later one returns and leaves the step to the rest of the team.
     fn help(&self, me: usize) {
+        if self.started.load(Ordering::Acquire) {
+            return;
+        }
+        self.joined.fetch_add(1, Ordering::Release);
         let mut seen = self.posted.load(Ordering::Acquire);
         // Polls since the last work, and when the idle stretch began (read from the clock
         // every 64 polls only: a read per poll was 2% of a helper's time).
@@ -328,19 +365,26 @@ mod tests {
     fn helpers_share_the_tasks() {
         let p = pool(2);
         let on_helper = AtomicUsize::new(0);
-        p.install(|| {
-            let me = rayon::current_thread_index();
-            run_step(|| {
-                for _ in 0..50 {
-                    for_each(64, &|_| {
-                        std::thread::sleep(Duration::from_micros(20));
-                        if rayon::current_thread_index() != me {
-                            on_helper.fetch_add(1, Ordering::Relaxed);
-                        }
-                    });
-                }
-            })
-        });
+        // A helper that arrives after its step began sits that step out (`help`): on a busy
+        // machine one step may go without it, not twenty.
+        for _ in 0..20 {
+            p.install(|| {
+                let me = rayon::current_thread_index();
+                run_step(|| {
+                    for _ in 0..50 {
+                        for_each(64, &|_| {
+                            std::thread::sleep(Duration::from_micros(20));
+                            if rayon::current_thread_index() != me {
+                                on_helper.fetch_add(1, Ordering::Relaxed);
+                            }
+                        });
+                    }
+                })
+            });
+            if on_helper.load(Ordering::Relaxed) > 0 {
+                break;
+            }
+        }
         assert!(on_helper.load(Ordering::Relaxed) > 0);
     }
 
@@ -377,6 +421,52 @@ mod tests {
             })
         });
         assert_eq!(n.load(Ordering::Relaxed), 64);
+    }
+
+    /// A helper that steals the step's rayon work before it takes its place in the team
+    /// (woken late, or preempted between rayon's look at its own queues and its steal) must
+    /// not then hold the team's place inside that stolen work: the step would wait for the
+    /// work, and the helper for the step's end. More threads than cores and steps that fan
+    /// out at once make such a late helper common (8 threads on 2 cores: the unfixed team
+    /// hung in about a second, three runs of four).
+    #[test]
+    fn a_late_helper_holding_stolen_step_work_does_not_hang_the_step() {
+        let done = std::sync::Arc::new(AtomicU64::new(0));
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let (counter, stopped) = (done.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let p = pool(8);
+            let mut step = 0u64;
+            while !stopped.load(Ordering::Relaxed) {
+                let s: u64 = p.install(|| {
+                    run_step(|| {
+                        (0..16u64)
+                            .into_par_iter()
+                            .map(|i| (0..8u64).into_par_iter().map(|j| i * j + step).sum::<u64>())
+                            .sum()
+                    })
+                });
+                assert_eq!(s, 28 * 120 + 128 * step);
+                step += 1;
+                counter.store(step, Ordering::Release);
+            }
+        });
+        // Steps take microseconds: five seconds without one is a hang (or a panic). Six
+        // seconds of steps; the unfixed team hung after 2.5-3.6k steps, about a second.
+        let start = Instant::now();
+        let mut last = (0, Instant::now());
+        while start.elapsed() < Duration::from_secs(6) {
+            std::thread::sleep(Duration::from_millis(20));
+            let now = done.load(Ordering::Acquire);
+            if now != last.0 {
+                last = (now, Instant::now());
+            }
+            assert!(
+                last.1.elapsed() < Duration::from_secs(5),
+                "no step ended in 5 s after step {now}: the team deadlocked"
+            );
+        }
+        stop.store(true, Ordering::Relaxed);
     }
 
     #[test]
