@@ -538,6 +538,61 @@ fn bench_decode_reports_traffic_against_read_bandwidth() {
     }
 }
 
+/// `bench decode --batch` decodes one request alone before each round's batch, on the same
+/// node, and reports the batch's speedup over it: the median of the rounds' ratios. Without a
+/// batch there is nothing to compare.
+#[test]
+fn bench_decode_batch_reports_its_speedup_over_one_request() {
+    let v = run_json(&[
+        "bench",
+        "decode",
+        "--json",
+        "--context",
+        "64",
+        "--modes",
+        "full",
+        "--tokens",
+        "4",
+        "--rounds",
+        "3",
+        "--batch",
+        "2",
+    ]);
+    let r = &v["results"][0];
+    assert_eq!(r["batch"], 2, "{r}");
+    let mut ratios: Vec<f64> = r["rounds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            let alone = x["alone_tokens_per_s"].as_f64().unwrap();
+            assert!(alone > 0.0, "{x}");
+            x["tokens_per_s"].as_f64().unwrap() / alone
+        })
+        .collect();
+    assert_eq!(ratios.len(), 3, "{r}");
+    ratios.sort_by(f64::total_cmp);
+    let speedup = r["speedup_over_one_request"].as_f64().unwrap();
+    assert!((speedup - ratios[1]).abs() < 1e-9, "{r}");
+
+    let v = run_json(&[
+        "bench",
+        "decode",
+        "--json",
+        "--context",
+        "64",
+        "--modes",
+        "full",
+        "--tokens",
+        "4",
+        "--rounds",
+        "1",
+    ]);
+    let r = &v["results"][0];
+    assert!(r["speedup_over_one_request"].is_null(), "{r}");
+    assert!(r["rounds"][0]["alone_tokens_per_s"].is_null(), "{r}");
+}
+
 /// `bench ingest` reports the loopback rate, the store path alone and each of its stages.
 #[test]
 fn bench_ingest_reports_the_store_path_stage_by_stage() {

@@ -630,7 +630,8 @@ pub struct DecodeBench {
     /// Attention modes, compared in one run.
     #[arg(long, default_value = "full,hgca,recall,scout")]
     pub modes: String,
-    /// Concurrent requests.
+    /// Concurrent requests. Above 1, each round first decodes one request alone on the same
+    /// node, and the row reports the batch's speedup over it (the median of the rounds').
     #[arg(long, default_value_t = 1)]
     pub batch: u32,
     /// Tokens generated per request.

@@ -93,12 +93,20 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             // Rounds of push, decode and probe: each round's rate is divided by the probes
             // just before and after it, so a VM whose bandwidth moves between rounds moves
             // both; the row is the middle round by that ratio.
+            // With a batch, each round first decodes the first request alone on the same node:
+            // the batch's speedup over one request, each pair a few seconds apart, so a VM's
+            // drift over minutes moves both.
             let mut rounds = Vec::new();
+            let mut alone = Vec::new();
             for _ in 0..args.rounds.max(1) {
+                if args.batch > 1 {
+                    client::push(ch.clone(), &prompts[0], None, |_| {}).await?;
+                    alone.push(run_round(&ch, 1, args.tokens).await?.tps);
+                }
                 for kv in &prompts {
                     client::push(ch.clone(), kv, None, |_| {}).await?;
                 }
-                let round = run_round(&ch, args).await?;
+                let round = run_round(&ch, args.batch, args.tokens).await?;
                 // The larger figure of the probes around the round, for the best pass and
                 // the median.
                 let around = if on_device {
@@ -148,6 +156,17 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             order.sort_by(|&a, &b| key(&rounds[a]).total_cmp(&key(&rounds[b])));
             let (r, around) = &rounds[order[order.len() / 2]];
             let (tps, bw, bw_median) = (r.tps, around.best, around.median);
+            // Each round's batch rate over the rate of one request just before it; the median.
+            let speedups: Vec<f64> = rounds
+                .iter()
+                .zip(&alone)
+                .map(|((r, _), &one)| r.tps / one)
+                .collect();
+            let speedup = {
+                let mut sorted = speedups.clone();
+                sorted.sort_by(f64::total_cmp);
+                sorted.get(sorted.len() / 2).copied()
+            };
             if mode == "full" {
                 full_tps = Some(tps);
             }
@@ -176,11 +195,13 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let device_idle_share = on_device.then_some(r.device_idle_share);
             let round_rows: Vec<serde_json::Value> = rounds
                 .iter()
-                .map(|(r, b)| {
+                .enumerate()
+                .map(|(i, (r, b))| {
                     json!({
                         "tokens_per_s": r.tps, "gb_per_s": gbps_of(r) / 1e9,
                         "read_gb_per_s": b.best / 1e9,
                         "read_median_gb_per_s": b.median.map(|m| m / 1e9),
+                        "alone_tokens_per_s": alone.get(i),
                     })
                 })
                 .collect();
@@ -203,6 +224,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 "roofline_tokens_per_s": roofline.map(|r| r.0),
                 "roofline_bound": roofline.map(|r| r.1),
                 "ratio_to_roofline": roofline.map(|r| tps / r.0),
+                "speedup_over_one_request": speedup,
                 "rounds": round_rows,
             });
             if !args.common.json {
@@ -262,6 +284,14 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                         tps / roof
                     );
                 }
+                if let Some(x) = speedup {
+                    let each: Vec<String> = speedups.iter().map(|v| format!("{v:.2}")).collect();
+                    eprintln!(
+                        "decode ctx={ctx} {mode:>6}: batch {} = {x:.2}x one request alone on the same node (median; each round: {})",
+                        args.batch,
+                        each.join(" ")
+                    );
+                }
                 if let Some(note) = cache_note(per_token * nb).filter(|_| !on_device) {
                     eprintln!("decode ctx={ctx} {mode:>6}: {note}");
                 }
@@ -298,12 +328,16 @@ struct Bound {
     median: Option<f64>,
 }
 
-/// Generates `args.tokens` for each of the batch's pushed requests at once and times it.
-async fn run_round(ch: &tonic::transport::Channel, args: &DecodeBench) -> anyhow::Result<Round> {
-    let batch = args.batch.max(1);
+/// Generates `tokens` for each of the first `batch` pushed requests at once and times it.
+async fn run_round(
+    ch: &tonic::transport::Channel,
+    batch: u32,
+    tokens: u32,
+) -> anyhow::Result<Round> {
+    let batch = batch.max(1);
     let t = Instant::now();
     let gens: Vec<_> = (0..batch)
-        .map(|b| spawn_generate(ch.clone(), format!("d{b}"), args.tokens.max(1)))
+        .map(|b| spawn_generate(ch.clone(), format!("d{b}"), tokens.max(1)))
         .collect();
     let mut tokens = 0u64;
     let (mut cpu, mut hit, mut wait, mut idle) = (0f64, 0f64, 0f64, 0f64);
