@@ -129,12 +129,9 @@ pub fn pack_onto_huge_pages(tensors: &mut [&mut Tensor]) -> std::io::Result<()> 
     if total < HUGE {
         return Ok(()); // no whole huge page to gain
     }
-    let mut map = memmap2::MmapOptions::new().len(total + HUGE).map_anon()?;
+    // One huge page more than the tensors, so they can start on a huge page's boundary.
+    let mut map = kv_transfer::map_huge(total + HUGE)?;
     let start = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
-    #[cfg(target_os = "linux")]
-    if let Err(e) = map.advise_range(memmap2::Advice::HugePage, start, total) {
-        tracing::debug!(error = %e, "no transparent huge pages for the weights");
-    }
     let mut ranges = Vec::with_capacity(tensors.len());
     let mut off = start;
     for t in tensors.iter_mut() {
