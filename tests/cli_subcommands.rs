@@ -543,21 +543,21 @@ fn bench_decode_reports_traffic_against_read_bandwidth() {
 /// batch there is nothing to compare.
 #[test]
 fn bench_decode_batch_reports_its_speedup_over_one_request() {
-    let v = run_json(&[
-        "bench",
-        "decode",
-        "--json",
-        "--context",
-        "64",
-        "--modes",
-        "full",
-        "--tokens",
-        "4",
-        "--rounds",
-        "3",
-        "--batch",
-        "2",
-    ]);
+    let decode = |extra: &[&str]| {
+        let base = [
+            "bench",
+            "decode",
+            "--json",
+            "--context",
+            "64",
+            "--modes",
+            "full",
+            "--tokens",
+            "4",
+        ];
+        run_json(&[&base[..], extra].concat())
+    };
+    let v = decode(&["--rounds", "3", "--batch", "2"]);
     let r = &v["results"][0];
     assert_eq!(r["batch"], 2, "{r}");
     let mut ratios: Vec<f64> = r["rounds"]
@@ -575,19 +575,7 @@ fn bench_decode_batch_reports_its_speedup_over_one_request() {
     let speedup = r["speedup_over_one_request"].as_f64().unwrap();
     assert!((speedup - ratios[1]).abs() < 1e-9, "{r}");
 
-    let v = run_json(&[
-        "bench",
-        "decode",
-        "--json",
-        "--context",
-        "64",
-        "--modes",
-        "full",
-        "--tokens",
-        "4",
-        "--rounds",
-        "1",
-    ]);
+    let v = decode(&["--rounds", "1"]);
     let r = &v["results"][0];
     assert!(r["speedup_over_one_request"].is_null(), "{r}");
     assert!(r["rounds"][0]["alone_tokens_per_s"].is_null(), "{r}");
