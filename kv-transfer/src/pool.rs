@@ -58,10 +58,12 @@ pub type Reclaimer = Box<dyn Fn(usize) -> usize + Send + Sync>;
 /// the CPU streams (the KV pool; `bench`'s probes of read bandwidth, so that their bound is
 /// what such memory allows). On 4 KiB pages a stream crosses a page every 64 lines, each a
 /// TLB fill (a two-level walk under nested paging) and a stop for the hardware prefetchers.
-/// Measured on a 2-core EPYC VM, one thread: a 512 MiB read 20-23 GB/s on 4 KiB pages,
-/// 29-31 on 2 MiB; attention over a bf16 pool +5-10%. Best effort: where the kernel has no
-/// transparent huge pages (or `enabled` is `never`), small pages, as before. With `defrag`
-/// at its default (`madvise`), a fault may compact memory to find a huge page.
+/// Measured on a 2-core EPYC VM (AVX2 paths, alternating builds): one thread read 512 MiB at
+/// 18-23 GB/s on 4 KiB pages and 28-31 on 2 MiB, and attended bf16 KV 10-35% faster (G=1 and
+/// G=8); a batch of 8 at 4k tokens decoded 164-170 tok/s against 140-160. Best effort: where
+/// the kernel has no transparent huge pages (or `enabled` is `never`), small pages, as
+/// before. With `defrag` at its default (`madvise`), a fault may compact memory to find a
+/// huge page.
 pub fn map_huge(len: usize) -> std::io::Result<memmap2::MmapMut> {
     let map = memmap2::MmapOptions::new().len(len).map_anon()?;
     #[cfg(target_os = "linux")]
