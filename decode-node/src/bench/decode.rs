@@ -97,12 +97,13 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             // the batch's speedup over one request, each pair a few seconds apart, so a VM's
             // drift over minutes moves both.
             let mut rounds = Vec::new();
-            let mut alone = Vec::new();
             for _ in 0..args.rounds.max(1) {
-                if args.batch > 1 {
+                let alone = if args.batch > 1 {
                     client::push(ch.clone(), &prompts[0], None, |_| {}).await?;
-                    alone.push(run_round(&ch, 1, args.tokens).await?.tps);
-                }
+                    Some(run_round(&ch, 1, args.tokens).await?.tps)
+                } else {
+                    None
+                };
                 for kv in &prompts {
                     client::push(ch.clone(), kv, None, |_| {}).await?;
                 }
@@ -124,7 +125,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                     passes_before = after;
                     b
                 };
-                rounds.push((round, around));
+                rounds.push((round, around, alone));
             }
             node.stop().await?;
             let nb = args.batch.max(1) as f64;
@@ -151,16 +152,16 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let gbps_of = |r: &Round| step_bytes * r.tps / nb;
             // The middle round by its rate against the median pass around it (the best pass
             // on a device, whose bound is one figure).
-            let key = |(r, b): &(Round, Bound)| gbps_of(r) / b.median.unwrap_or(b.best);
+            let key =
+                |(r, b, _): &(Round, Bound, Option<f64>)| gbps_of(r) / b.median.unwrap_or(b.best);
             let mut order: Vec<usize> = (0..rounds.len()).collect();
             order.sort_by(|&a, &b| key(&rounds[a]).total_cmp(&key(&rounds[b])));
-            let (r, around) = &rounds[order[order.len() / 2]];
+            let (r, around, _) = &rounds[order[order.len() / 2]];
             let (tps, bw, bw_median) = (r.tps, around.best, around.median);
             // Each round's batch rate over the rate of one request just before it; the median.
             let speedups: Vec<f64> = rounds
                 .iter()
-                .zip(&alone)
-                .map(|((r, _), &one)| r.tps / one)
+                .filter_map(|(r, _, alone)| alone.map(|one| r.tps / one))
                 .collect();
             let speedup = {
                 let mut sorted = speedups.clone();
@@ -195,13 +196,12 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             let device_idle_share = on_device.then_some(r.device_idle_share);
             let round_rows: Vec<serde_json::Value> = rounds
                 .iter()
-                .enumerate()
-                .map(|(i, (r, b))| {
+                .map(|(r, b, alone)| {
                     json!({
                         "tokens_per_s": r.tps, "gb_per_s": gbps_of(r) / 1e9,
                         "read_gb_per_s": b.best / 1e9,
                         "read_median_gb_per_s": b.median.map(|m| m / 1e9),
-                        "alone_tokens_per_s": alone.get(i),
+                        "alone_tokens_per_s": alone,
                     })
                 })
                 .collect();
