@@ -12,8 +12,9 @@
 //!
 //! A region is a task count and a `Fn(task)`, cut in one contiguous part per member; the step
 //! thread runs tasks too and returns only after every task taken has ended. The step begins
-//! once its helpers have arrived (or after [`JOIN_WAIT`]); one that arrives later sits the step
-//! out, since it may be holding the step's own stolen work ([`Team::help`]). Outside a step
+//! once its helpers have arrived (or after [`JOIN_WAIT`]); one that arrives later may be
+//! holding the step's own stolen work, so it leaves once idle for [`LATE_IDLE`] rather than
+//! at the step's end ([`Team::help`]). Outside a step
 //! (tests, prefill, a one-thread pool) [`for_each`] is a plain rayon loop.
 //!
 //! Measured against rayon regions (SmolLM2-135M, `bench decode`, AVX2, 2-core EPYC, four
@@ -43,6 +44,11 @@ const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(50);
 /// takes far longer was preempted, and the step cannot use its core meanwhile anyway.
 const JOIN_WAIT: Duration = Duration::from_micros(500);
 
+/// How long a helper that arrived after its step began stays without work before it leaves
+/// (see [`Team::help`]): far longer than a step's serial gaps (~25 µs at batch 8), so it
+/// helps to the end of most steps, and what a step stalls when the helper holds its work.
+const LATE_IDLE: Duration = Duration::from_millis(1);
+
 /// Most tasks a region takes: a part packs its bounds in one 64-bit word (a step's regions
 /// have a few thousand).
 const MAX_TASKS: usize = u32::MAX as usize;
@@ -58,7 +64,7 @@ struct Team {
     inside: AtomicUsize,
     /// The step is over: helpers return.
     done: AtomicBool,
-    /// The step has begun: a helper arriving now returns at once (see [`Team::help`]).
+    /// The step has begun: a helper arriving now is late (see [`Team::help`]).
     started: AtomicBool,
     /// Helpers that arrived before the step began.
     joined: AtomicUsize,
@@ -260,18 +266,19 @@ impl Team {
     /// A helper's loop for the length of the step: regions as they are posted, rayon work in
     /// between, polling without sleeping.
     ///
-    /// Only for a helper that arrived before the step began. Rayon hands a pool thread its
-    /// part of the team as a broadcast job, which it may take while it waits inside a job it
-    /// stole (a join's half) — and once the step has begun, that stolen job may be the step's
-    /// own work: the step would wait for it, and the helper here for the step's end (a hang
-    /// seen under `perf` at batch 8). Step work exists only once `started` is set, and a
-    /// thread that stole some has seen that store, so a helper that reads it unset holds
-    /// none; a later one returns and leaves the step to the rest of the team.
+    /// Rayon hands a pool thread its part of the team as a broadcast job, which it may take
+    /// while it waits inside a job it stole (a join's half) — and once the step has begun,
+    /// that stolen job may be the step's own work: the step would wait for it, and a helper
+    /// polling here until the step's end would wait for the step (a hang seen under `perf`
+    /// at batch 8). Step work exists only once `started` is set, and a thread that stole some
+    /// has seen that store, so a helper that reads it unset holds none and stays to the end.
+    /// A later one may hold some: it leaves once it has found nothing to do for
+    /// [`LATE_IDLE`], which is what a step waiting on it looks like, and finishes that work.
     fn help(&self, me: usize) {
-        if self.started.load(Ordering::Acquire) {
-            return;
+        let late = self.started.load(Ordering::Acquire);
+        if !late {
+            self.joined.fetch_add(1, Ordering::Release);
         }
-        self.joined.fetch_add(1, Ordering::Release);
         let mut seen = self.posted.load(Ordering::Acquire);
         // Polls since the last work, and when the idle stretch began (read from the clock
         // every 64 polls only: a read per poll was 2% of a helper's time).
@@ -291,8 +298,11 @@ impl Team {
             }
             polls = polls.wrapping_add(1);
             if polls % 64 == 0 {
-                yielding =
-                    idle_since.get_or_insert_with(Instant::now).elapsed() >= SPIN_BEFORE_YIELD;
+                let idle = idle_since.get_or_insert_with(Instant::now).elapsed();
+                if late && idle >= LATE_IDLE {
+                    return;
+                }
+                yielding = idle >= SPIN_BEFORE_YIELD;
             }
             if yielding {
                 std::thread::yield_now();
@@ -365,7 +375,7 @@ mod tests {
     fn helpers_share_the_tasks() {
         let p = pool(2);
         let on_helper = AtomicUsize::new(0);
-        // A helper that arrives after its step began sits that step out (`help`): on a busy
+        // A helper that arrives after its step began may leave it early (`help`): on a busy
         // machine one step may go without it, not twenty.
         for _ in 0..20 {
             p.install(|| {
