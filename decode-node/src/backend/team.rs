@@ -272,14 +272,20 @@ impl Team {
     /// polling here until the step's end would wait for the step (a hang seen under `perf`
     /// at batch 8). Step work exists only once `started` is set, and a thread that stole some
     /// has seen that store, so a helper that reads it unset holds none and stays to the end.
-    /// A later one may hold some: it leaves once it has found nothing to do for
-    /// [`LATE_IDLE`], which is what a step waiting on it looks like, and finishes that work.
+    /// A later one may hold some: it joins the region under way, if any, helps as the others
+    /// do, and leaves once it has found nothing to do for [`LATE_IDLE`], which is what a step
+    /// waiting on it looks like, and finishes that work.
     fn help(&self, me: usize) {
         let late = self.started.load(Ordering::Acquire);
         if !late {
             self.joined.fetch_add(1, Ordering::Release);
         }
         let mut seen = self.posted.load(Ordering::Acquire);
+        if late {
+            // A region may be under way: waiting for the next one, a helper that came during
+            // a region longer than LATE_IDLE never joined any and left (a test caught it).
+            self.join_region(me);
+        }
         // Polls since the last work, and when the idle stretch began (read from the clock
         // every 64 polls only: a read per poll was 2% of a helper's time).
         let (mut polls, mut idle_since) = (0u32, None::<Instant>);
@@ -339,6 +345,16 @@ mod tests {
 
     use super::*;
 
+    /// Held by the late-helper stress test, which keeps 8 pool threads spinning on the
+    /// machine's cores for seconds, and by the tests that need a helper to get CPU time
+    /// within one step: beside the stress test they starved (a step went without its helper).
+    static CORES: Mutex<()> = Mutex::new(());
+
+    fn cores() -> std::sync::MutexGuard<'static, ()> {
+        // A failed test holding it poisons it; the others still run.
+        CORES.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn pool(threads: usize) -> rayon::ThreadPool {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -373,28 +389,22 @@ mod tests {
 
     #[test]
     fn helpers_share_the_tasks() {
+        let _cores = cores();
         let p = pool(2);
         let on_helper = AtomicUsize::new(0);
-        // A helper that arrives after its step began may leave it early (`help`): on a busy
-        // machine one step may go without it, not twenty.
-        for _ in 0..20 {
-            p.install(|| {
-                let me = rayon::current_thread_index();
-                run_step(|| {
-                    for _ in 0..50 {
-                        for_each(64, &|_| {
-                            std::thread::sleep(Duration::from_micros(20));
-                            if rayon::current_thread_index() != me {
-                                on_helper.fetch_add(1, Ordering::Relaxed);
-                            }
-                        });
-                    }
-                })
-            });
-            if on_helper.load(Ordering::Relaxed) > 0 {
-                break;
-            }
-        }
+        p.install(|| {
+            let me = rayon::current_thread_index();
+            run_step(|| {
+                for _ in 0..50 {
+                    for_each(64, &|_| {
+                        std::thread::sleep(Duration::from_micros(20));
+                        if rayon::current_thread_index() != me {
+                            on_helper.fetch_add(1, Ordering::Relaxed);
+                        }
+                    });
+                }
+            })
+        });
         assert!(on_helper.load(Ordering::Relaxed) > 0);
     }
 
@@ -442,10 +452,11 @@ mod tests {
     /// through, so a pass here is likely, not certain, to catch that bug come back.
     #[test]
     fn a_late_helper_holding_stolen_step_work_does_not_hang_the_step() {
+        let _cores = cores();
         let done = std::sync::Arc::new(AtomicU64::new(0));
         let stop = std::sync::Arc::new(AtomicBool::new(false));
         let (counter, stopped) = (done.clone(), stop.clone());
-        std::thread::spawn(move || {
+        let stepper = std::thread::spawn(move || {
             let p = pool(8);
             let mut step = 0u64;
             while !stopped.load(Ordering::Relaxed) {
@@ -478,6 +489,8 @@ mod tests {
             );
         }
         stop.store(true, Ordering::Relaxed);
+        // Its pool's threads end with it, before the next test takes the cores.
+        stepper.join().unwrap();
     }
 
     #[test]
