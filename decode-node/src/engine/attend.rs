@@ -160,14 +160,37 @@ type PlanRecord = (usize, Vec<HeadPlan>, bool, Vec<Vec<usize>>);
 /// How long a device's step thread spins on a CPU part's answer before it blocks.
 const SPIN_BEFORE_BLOCKING: Duration = Duration::from_micros(500);
 
-/// Blocks per task when a part's blocks are split across threads: a model with few KV heads
-/// (SmolLM2 has 3) would otherwise leave threads idle or wait on the last head.
-const BLOCKS_PER_TASK: usize = 16;
+/// Fewest blocks a task takes when a part's blocks are split across threads: a model with
+/// few KV heads (SmolLM2 has 3) would otherwise leave threads idle or wait on the last head.
+const MIN_BLOCKS_PER_TASK: usize = 16;
+
+/// At most about how many tasks a layer's attention is cut into: runs longer than
+/// [`MIN_BLOCKS_PER_TASK`] where the work allows, since each task starts its stream of
+/// prefetches cold (its first block is read on demand) and makes and merges a partial of its
+/// own. Batch 8 at 4k on SmolLM2 (24 lists of 128 blocks, 2 threads, AVX2): attention took
+/// 26-29 ms a step with runs of 16 and 24.5-28 with runs of 128 (four alternating runs
+/// each), but a later A/B of these runs of 64 against 16 stayed within the VM's noise. A
+/// count, not a share of the threads, so the result does not depend on the thread count;
+/// 64 leaves 4 tasks a thread at 16 threads.
+const TASKS_PER_LAYER: usize = 64;
+
+/// Each list cut into runs of nearly equal length, none shorter than [`MIN_BLOCKS_PER_TASK`]
+/// (but a shorter list's one run) and at most about [`TASKS_PER_LAYER`] in all (each at least
+/// the total's share of that, and under twice it), by list and in order: `(list, start, end)`.
+/// An empty list has none.
+fn runs(lens: impl Iterator<Item = usize> + Clone) -> impl Iterator<Item = (usize, usize, usize)> {
+    let total: usize = lens.clone().sum();
+    let target = total.div_ceil(TASKS_PER_LAYER).max(MIN_BLOCKS_PER_TASK);
+    lens.enumerate().flat_map(move |(i, len)| {
+        let n = if len == 0 { 0 } else { (len / target).max(1) };
+        (0..n).map(move |k| (i, len * k / n, len * (k + 1) / n))
+    })
+}
 
 /// Attention of each head's `blocks` with `q`, on the current rayon pool: every head's list
-/// in runs of [`BLOCKS_PER_TASK`], all runs in parallel, merged per head in list order (so
-/// the result does not depend on the thread count). Runs not started when `cancel` is set
-/// are skipped; the caller then discards the result.
+/// in [`runs`], all runs in parallel, merged per head in list order (so the result does not
+/// depend on the thread count). Runs not started when `cancel` is set are skipped; the
+/// caller then discards the result.
 fn attend_lists(
     kv: &CommittedKv,
     shape: Shape,
@@ -197,15 +220,14 @@ fn attend_seqs(
     seqs: &[SeqLists<'_>],
     cancel: Option<&AtomicBool>,
 ) -> Vec<Vec<Partial>> {
-    let runs: Vec<(usize, usize, &[usize])> = seqs
+    // Every sequence's lists in one numbering: `(sequence, head)` by list.
+    let lists: Vec<(usize, usize, &[usize])> = seqs
         .iter()
         .enumerate()
-        .flat_map(|(b, s)| {
-            s.lists
-                .iter()
-                .enumerate()
-                .flat_map(move |(h, l)| l.chunks(BLOCKS_PER_TASK).map(move |r| (b, h, r)))
-        })
+        .flat_map(|(b, s)| s.lists.iter().enumerate().map(move |(h, l)| (b, h, *l)))
+        .collect();
+    let runs: Vec<(usize, usize, &[usize])> = runs(lists.iter().map(|l| l.2.len()))
+        .map(|(i, start, end)| (lists[i].0, lists[i].1, &lists[i].2[start..end]))
         .collect();
     let partials: Vec<Option<Partial>> = runs
         .par_iter()
@@ -1100,6 +1122,36 @@ mod tests {
     use crate::client::{ingest_local, prefill_kv};
     use crate::model::random::{preset, random_weights};
     use crate::model::{Arch, LoadedModel, Model, Tokenizer};
+
+    #[test]
+    fn runs_cover_each_list_in_order_and_lengthen_with_the_work() {
+        let cut = |lens: &[usize]| runs(lens.iter().copied()).collect::<Vec<_>>();
+        let check = |lens: &[usize]| {
+            let got = cut(lens);
+            // Each list's blocks exactly once, in order, and no empty run.
+            let mut at = vec![0; lens.len()];
+            for &(i, start, end) in &got {
+                assert_eq!(start, at[i], "{lens:?}");
+                assert!(end > start, "{lens:?}");
+                at[i] = end;
+            }
+            assert_eq!(at, lens, "{lens:?}");
+            got
+        };
+        // Little work: runs of at least 16, a short list whole, an empty list none.
+        assert_eq!(check(&[4, 4, 4]), [(0, 0, 4), (1, 0, 4), (2, 0, 4)]);
+        assert_eq!(check(&[0, 40]), [(1, 0, 20), (1, 20, 40)]);
+        assert!(check(&[128; 3]).iter().all(|r| r.2 - r.1 >= 16));
+        // Batch 8 at 4k on 3 KV heads (3072 blocks, a share of 48): 48 runs of 64, not 192
+        // of 16.
+        let big = check(&[128; 24]);
+        assert_eq!(big.len(), 48);
+        assert!(big.iter().all(|r| r.2 - r.1 == 64));
+        // Nearly equal runs: 100 blocks at the floor of 16 are 6 runs of 16-17, not 6 x 16 + 4.
+        let small = check(&[100]);
+        assert_eq!(small.len(), 6);
+        assert!(small.iter().all(|r| (16..=17).contains(&(r.2 - r.1))));
+    }
 
     /// (layer, q, k, v, out) of one attend call.
     type Call = (usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
