@@ -67,6 +67,17 @@ pub(crate) struct HeadSketch {
     tokens: usize,
 }
 
+/// Blocks a task of [`HeadSketch::block_scores`] scores.
+const SKETCH_TASK_BLOCKS: usize = 32;
+
+/// Blocks of one head from which [`HeadSketch::block_scores`] runs in tasks: a block costs
+/// 140-230 ns (G = 3, head_dim 64, AVX2; in cache, from DRAM), so two tasks already pay for
+/// a thread. At the scans' shared [`PARALLEL_SELECT_BLOCKS`] (256), a head of a context
+/// below 8k tokens was one task, and a layer's 3 heads on 2 threads took as long as two
+/// heads: SmolLM2 at 7.8k, `scout`, 2 threads, AVX2, three alternating runs each, the step's
+/// selection 3.9-4.3 ms with 256 and 3.0-3.2 ms with 64 (tasks of 16 blocks: 3.1-3.7).
+const PARALLEL_SKETCH_BLOCKS: usize = 2 * SKETCH_TASK_BLOCKS;
+
 /// Bytes of one block's sketch: `block_size` scales, then `nibble_bytes` rows of
 /// `block_size` bytes.
 fn block_stride(block_size: usize, head_dim: usize) -> usize {
@@ -288,12 +299,10 @@ impl HeadSketch {
                 lse_of_block(q_group, &bias, d, bs, temp, sketch_of(b), len, buf, out);
             }
         };
-        // A few dozen blocks a task: each block is a few microseconds.
-        let per_task = 32;
-        if blocks.len() >= PARALLEL_SELECT_BLOCKS {
-            lse.par_chunks_mut(per_task * g)
+        if blocks.len() >= PARALLEL_SKETCH_BLOCKS {
+            lse.par_chunks_mut(SKETCH_TASK_BLOCKS * g)
                 .enumerate()
-                .for_each_init(Vec::new, |buf, (i, c)| fill(c, i * per_task, buf));
+                .for_each_init(Vec::new, |buf, (i, c)| fill(c, i * SKETCH_TASK_BLOCKS, buf));
         } else {
             fill(&mut lse, 0, &mut Vec::new());
         }
@@ -1171,9 +1180,9 @@ mod tests {
                 head_dim: 64,
                 dtype: KvDType::Bf16,
             };
-            // Past `PARALLEL_SELECT_BLOCKS`: the blocks go in tasks, which the empty one
+            // Past `PARALLEL_SKETCH_BLOCKS`: the blocks go in tasks, which the empty one
             // shifts.
-            let blocks = PARALLEL_SELECT_BLOCKS + 44;
+            let blocks = PARALLEL_SKETCH_BLOCKS + 44;
             let (_, hs, q) = sketched(&geom, g, bs * blocks, &mut seed);
             let inside: Vec<usize> = (0..blocks).collect();
             let mut mixed = inside.clone();
