@@ -164,20 +164,20 @@ const SPIN_BEFORE_BLOCKING: Duration = Duration::from_micros(500);
 /// few KV heads (SmolLM2 has 3) would otherwise leave threads idle or wait on the last head.
 const MIN_BLOCKS_PER_TASK: usize = 16;
 
-/// At most about how many tasks a layer's attention is cut into: runs longer than
-/// [`MIN_BLOCKS_PER_TASK`] where the work allows, since each task starts its stream of
-/// prefetches cold (its first block is read on demand) and makes and merges a partial of its
-/// own. Batch 8 at 4k on SmolLM2 (24 lists of 128 blocks, 2 threads, AVX2): attention took
+/// About how many tasks at most a layer's attention of long lists is cut into ([`runs`]):
+/// runs longer than [`MIN_BLOCKS_PER_TASK`] where the work allows, since each task starts its
+/// stream of prefetches cold (its first block is read on demand) and makes and merges a
+/// partial of its own. Batch 8 at 4k on SmolLM2 (24 lists of 128 blocks, 2 threads, AVX2): attention took
 /// 26-29 ms a step with runs of 16 and 24.5-28 with runs of 128 (four alternating runs
 /// each), but a later A/B of these runs of 64 against 16 stayed within the VM's noise. A
 /// count, not a share of the threads, so the result does not depend on the thread count;
 /// 64 leaves 4 tasks a thread at 16 threads.
 const TASKS_PER_LAYER: usize = 64;
 
-/// Each list cut into runs of nearly equal length, none shorter than [`MIN_BLOCKS_PER_TASK`]
-/// (but a shorter list's one run) and at most about [`TASKS_PER_LAYER`] in all (each at least
-/// the total's share of that, and under twice it), by list and in order: `(list, start, end)`.
-/// An empty list has none.
+/// Each list cut into runs of nearly equal length, by list and in order: `(list, start, end)`.
+/// A run is at least a target length and under twice it: the total's share of
+/// [`TASKS_PER_LAYER`] runs, and never under [`MIN_BLOCKS_PER_TASK`]. A list shorter than the
+/// target is one run (so many short lists make more runs than that), an empty one none.
 fn runs(lens: impl Iterator<Item = usize> + Clone) -> impl Iterator<Item = (usize, usize, usize)> {
     let total: usize = lens.clone().sum();
     let target = total.div_ceil(TASKS_PER_LAYER).max(MIN_BLOCKS_PER_TASK);
