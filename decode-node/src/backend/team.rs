@@ -346,8 +346,8 @@ mod tests {
     use super::*;
 
     /// Held by the late-helper stress test, which keeps 8 pool threads spinning on the
-    /// machine's cores for seconds, and by the tests that need a helper to get CPU time
-    /// within one step: beside the stress test they starved (a step went without its helper).
+    /// machine's cores for seconds, and by the tests that need a helper to get a core within
+    /// one step, which beside it might not.
     static CORES: Mutex<()> = Mutex::new(());
 
     fn cores() -> std::sync::MutexGuard<'static, ()> {
