@@ -417,6 +417,19 @@ impl QueryI8 {
 mod avx2 {
     use std::arch::x86_64::*;
 
+    /// Most heads [`dots_i8_wide`] takes: two 16-bit sums a head live through its row loop,
+    /// and eight heads' would not fit the 16 registers beside the row's.
+    const WIDE_HEADS: usize = 4;
+
+    /// How many blocks ahead [`chunk_lse_i8`] asks for the sketch, into L2. `bench select
+    /// --kv-heads 3 --group 3 --head-dim 64 --scorers sketch --layers 30` (AVX2, 2-core EPYC,
+    /// four alternating runs, ms a layer at 1 / 2 threads), against two blocks into L1 with
+    /// nothing for a task's first two: 32k 0.63-0.86 / 0.31-0.39 -> 0.52-0.60 / 0.26-0.32; 8k
+    /// 0.20-0.24 / 0.08-0.10 -> 0.17-0.23 / 0.073-0.087. Into L1 at four blocks was slower than
+    /// at two (a block is 18 lines: L1's miss buffers fill); into L2 at two, three or six
+    /// blocks, or at two with the task's first, no better than this.
+    const SKETCH_AHEAD: usize = 4;
+
     use crate::avx2::{AsBf16, AsF8, AsF16, AsF32, AsI8, Elem};
     use crate::block::BlockGeometry;
     use crate::dtype::KvDType;
@@ -672,13 +685,15 @@ mod avx2 {
                 std::array::from_fn(|h| if h < gn { temp * qi.step[h0 + h] } else { 0.0 });
             x.resize(n * gn * bs, 0.0);
             let mut top = [_mm256_set1_ps(f32::NEG_INFINITY); 8];
+            let wide = bs.is_multiple_of(32) && gn <= WIDE_HEADS;
             for (j, &(blk, len)) in blocks.iter().enumerate() {
-                // The sketch two blocks on, asked for ahead: 4-6% faster at 7.8k tokens
-                // (G = 3, one thread), where the loads of a block's first rows waited.
-                if let Some((next, _)) = blocks.get(j + 2) {
+                // The sketch `SKETCH_AHEAD` blocks on, asked for into L2; a task's own first
+                // blocks with its first (nothing fetched them). See `SKETCH_AHEAD`.
+                let first = if j == 0 { 0 } else { j + SKETCH_AHEAD };
+                for (next, _) in blocks.iter().take(j + SKETCH_AHEAD + 1).skip(first) {
                     for at in (0..next.len()).step_by(64) {
                         // SAFETY: a prefetch is a hint; the address lies in `next`.
-                        unsafe { _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().add(at).cast()) };
+                        unsafe { _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().add(at).cast()) };
                     }
                 }
                 let acc = &mut x[j * gn * bs..(j + 1) * gn * bs];
@@ -691,6 +706,18 @@ mod avx2 {
                 // SAFETY: the caller promises AVX2; `dots_i8` asserts the sizes.
                 unsafe {
                     match gn {
+                        1 if wide => {
+                            dots_i8_wide::<1>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top)
+                        }
+                        2 if wide => {
+                            dots_i8_wide::<2>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top)
+                        }
+                        3 if wide => {
+                            dots_i8_wide::<3>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top)
+                        }
+                        4 if wide => {
+                            dots_i8_wide::<4>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top)
+                        }
                         1 => dots_i8::<1>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
                         2 => dots_i8::<2>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
                         3 => dots_i8::<3>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
@@ -956,6 +983,118 @@ mod avx2 {
         top[..G].copy_from_slice(&maxima);
     }
 
+    /// [`dots_i8`] for blocks of a multiple of 32 tokens and at most [`WIDE_HEADS`] heads: a
+    /// byte row is read 32 tokens at a time and split into its tokens' nibble pairs once (5
+    /// ops, where two 16-token reads take 8), and each head's channel pair is broadcast once
+    /// for both halves. `vpunpck{l,h}bw` pair a token's nibbles within each 128-bit lane, so
+    /// the halves hold tokens `[0, 8) | [16, 24)` and `[8, 16) | [24, 32)`; they are stored in
+    /// place. The same integer sums and float products as [`dots_i8`], so the same bits.
+    ///
+    /// # Safety
+    /// AVX2 (the sizes are asserted).
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn dots_i8_wide<const G: usize>(
+        pairs: &[u32],
+        zero: &[i32],
+        nb: usize,
+        bs: usize,
+        nib: &[u8],
+        (sc, len): (&[u8], usize),
+        temps: &[f32],
+        acc: &mut [f32],
+        top: &mut [__m256],
+    ) {
+        assert!(
+            G <= WIDE_HEADS
+                && pairs.len() >= G * nb
+                && zero.len() >= G
+                && nib.len() >= nb * bs
+                && sc.len() >= 4 * bs
+                && len <= bs
+                && temps.len() >= G
+                && top.len() >= G
+                && acc.len() >= G * bs
+                && bs.is_multiple_of(32)
+        );
+        let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
+        let neg = _mm256_set1_ps(f32::NEG_INFINITY);
+        let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
+        // Lanes at or past `len` are masked (their scales may be stale bytes).
+        let keep = |t: usize| {
+            _mm256_cmp_ps::<_CMP_LT_OQ>(lane, _mm256_set1_ps(len.saturating_sub(t).min(8) as f32))
+        };
+        let low = _mm256_set1_epi8(0x0f);
+        let (even_of, odd_of) = (_mm256_set1_epi32(1), _mm256_set1_epi32(1 << 16));
+        let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
+        for t0 in (0..bs).step_by(32) {
+            // [head][half]: the even and the odd tokens of each half, each head's sum from
+            // -zero.
+            let mut even: [[__m256i; 2]; G] =
+                std::array::from_fn(|h| [_mm256_set1_epi32(-zero[h]); 2]);
+            let mut odd = even;
+            for j0 in (0..nb).step_by(8) {
+                let mut sum = [[_mm256_setzero_si256(); 2]; G];
+                for j in j0..(j0 + 8).min(nb) {
+                    // SAFETY: row j's columns t0 .. t0 + 32 lie in `nib` (asserted above).
+                    let x = unsafe { _mm256_loadu_si256(np.add(j * bs + t0).cast()) };
+                    // Each byte is 0xHL: L in one vector's bytes, H in the other's, then a
+                    // token's L and H side by side in its 16-bit lane.
+                    let l = _mm256_and_si256(x, low);
+                    let h = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
+                    let both = [_mm256_unpacklo_epi8(l, h), _mm256_unpackhi_epi8(l, h)];
+                    for (hd, s) in sum.iter_mut().enumerate() {
+                        // SAFETY: head hd's pair j, inside `pairs`.
+                        let q = _mm256_set1_epi32(unsafe { *qp.add(hd * nb + j) } as i32);
+                        for (s, b) in s.iter_mut().zip(both) {
+                            *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(b, q));
+                        }
+                    }
+                }
+                for h in 0..G {
+                    for k in 0..2 {
+                        even[h][k] =
+                            _mm256_add_epi32(even[h][k], _mm256_madd_epi16(sum[h][k], even_of));
+                        odd[h][k] =
+                            _mm256_add_epi32(odd[h][k], _mm256_madd_epi16(sum[h][k], odd_of));
+                    }
+                }
+            }
+            for k in 0..2 {
+                // Half k: tokens t0 + 8k .. + 8 in the low lanes, t0 + 16 + 8k .. + 8 in the high.
+                let (first, second) = (t0 + 8 * k, t0 + 16 + 8 * k);
+                let (keep_lo, keep_hi) = (keep(first), keep(second));
+                // SAFETY: the scales of those tokens, inside `sc` (asserted above).
+                let (s_lo, s_hi) = unsafe {
+                    (
+                        _mm256_loadu_ps(sc.as_ptr().add(4 * first).cast()),
+                        _mm256_loadu_ps(sc.as_ptr().add(4 * second).cast()),
+                    )
+                };
+                for h in 0..G {
+                    let a = _mm256_unpacklo_epi32(even[h][k], odd[h][k]);
+                    let b = _mm256_unpackhi_epi32(even[h][k], odd[h][k]);
+                    let lo = _mm256_cvtepi32_ps(_mm256_permute2x128_si256::<0x20>(a, b));
+                    let hi = _mm256_cvtepi32_ps(_mm256_permute2x128_si256::<0x31>(a, b));
+                    let t = _mm256_set1_ps(temps[h]);
+                    let lo =
+                        _mm256_blendv_ps(neg, _mm256_mul_ps(lo, _mm256_mul_ps(t, s_lo)), keep_lo);
+                    let hi =
+                        _mm256_blendv_ps(neg, _mm256_mul_ps(hi, _mm256_mul_ps(t, s_hi)), keep_hi);
+                    maxima[h] = _mm256_max_ps(lo, _mm256_max_ps(hi, maxima[h]));
+                    let row = &mut acc[h * bs..(h + 1) * bs];
+                    // SAFETY: 8 floats at `first` and at `second`, both inside head h's row.
+                    unsafe {
+                        _mm256_storeu_ps(row[first..first + 8].as_mut_ptr(), lo);
+                        _mm256_storeu_ps(row[second..second + 8].as_mut_ptr(), hi);
+                    }
+                }
+            }
+        }
+        top[..G].copy_from_slice(&maxima);
+    }
+
     /// `acc[h * bs + t] = bias[h] + sum_c q_h[c] * nibble_t(c)` for `G` heads and every
     /// token of the block, `8 V` tokens at a time, in `S` sums per head and token vector.
     ///
@@ -1024,6 +1163,97 @@ mod avx2 {
             }
         }
     }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use crate::sketch::tests::lcg;
+
+        /// The 32-token rows give [`dots_i8`]'s scores and maxima bit for bit: every head count
+        /// they take, blocks of 32 and 64, full and partial, an odd head_dim (a short last
+        /// group of rows), and every nibble value.
+        #[test]
+        fn wide_rows_score_as_narrow_ones_bit_for_bit() {
+            if !super::super::avx2::available() {
+                return;
+            }
+            let mut seed = 31;
+            for (d, bs) in [(64, 32), (65, 32), (128, 64)] {
+                let nb = crate::sketch::nibble_bytes(d);
+                for g in 1..=WIDE_HEADS {
+                    let q: Vec<f32> = (0..g * d).map(|_| 4.0 * lcg(&mut seed)).collect();
+                    let qi = super::super::QueryI8::new(&q, d).unwrap();
+                    let nib: Vec<u8> = (0..nb * bs)
+                        .map(|i| {
+                            if i < 256 {
+                                i as u8
+                            } else {
+                                (lcg(&mut seed) * 1e4) as u8
+                            }
+                        })
+                        .collect();
+                    let sc: Vec<u8> = (0..bs)
+                        .flat_map(|_| (0.05 + lcg(&mut seed).abs()).to_ne_bytes())
+                        .collect();
+                    let temps: Vec<f32> = (0..g).map(|h| 0.1 * qi.step[h]).collect();
+                    for len in [1, 7, 17, 31, bs] {
+                        let run = |wide: bool| {
+                            let mut acc = vec![0f32; g * bs];
+                            // SAFETY: AVX2 is present.
+                            let mut top = unsafe { [_mm256_set1_ps(-1e3); 8] };
+                            let args = (&qi.pairs[..], &qi.zero[..], (&sc[..], len));
+                            // SAFETY: AVX2 is present; the sizes are the ones asserted.
+                            unsafe {
+                                macro_rules! call {
+                                    ($f:ident) => {
+                                        match g {
+                                            1 => $f::<1>(
+                                                args.0, args.1, nb, bs, &nib, args.2, &temps,
+                                                &mut acc, &mut top,
+                                            ),
+                                            2 => $f::<2>(
+                                                args.0, args.1, nb, bs, &nib, args.2, &temps,
+                                                &mut acc, &mut top,
+                                            ),
+                                            3 => $f::<3>(
+                                                args.0, args.1, nb, bs, &nib, args.2, &temps,
+                                                &mut acc, &mut top,
+                                            ),
+                                            _ => $f::<4>(
+                                                args.0, args.1, nb, bs, &nib, args.2, &temps,
+                                                &mut acc, &mut top,
+                                            ),
+                                        }
+                                    };
+                                }
+                                if wide {
+                                    call!(dots_i8_wide)
+                                } else {
+                                    call!(dots_i8)
+                                }
+                            }
+                            let mut tops = [0f32; 64];
+                            for (h, t) in top.iter().enumerate() {
+                                // SAFETY: eight floats.
+                                unsafe { _mm256_storeu_ps(tops[8 * h..].as_mut_ptr(), *t) };
+                            }
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            (
+                                bits(&acc),
+                                tops[..8 * g].iter().fold(f32::MIN, |m, &x| m.max(x)),
+                            )
+                        };
+                        let (narrow, wide) = (run(false), run(true));
+                        let case = format!("d {d} block {bs} G {g} len {len}");
+                        assert_eq!(narrow.0, wide.0, "{case}: scores");
+                        assert_eq!(narrow.1.to_bits(), wide.1.to_bits(), "{case}: maximum");
+                        assert!(narrow.1 > -1e3, "{case}: the scores raised the maximum");
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The query [`HeadSketch::block_scores`] scores with (each head of `q`, `d` channels): `q`
@@ -1087,8 +1317,9 @@ mod tests {
 
     #[test]
     fn kept_scores_equal_the_definition_read_from_the_pool() {
-        // Block 8 takes the float path; 16 and 32 the integer one where the CPU has AVX2,
-        // which must then equal the definition for the query rounded as it rounds it.
+        // Block 8 takes the float path; 16 and up the integer one where the CPU has AVX2 (32
+        // and 64 with up to four heads its 32-token rows), which must then equal the
+        // definition for the query rounded as it rounds it.
         let mut seed = 9;
         for (d, g, dtype, bs) in [
             (64, 3, KvDType::Bf16, 16),
@@ -1098,6 +1329,7 @@ mod tests {
             (48, 2, KvDType::F32, 8),
             (66, 4, KvDType::Bf16, 8),
             (66, 8, KvDType::Bf16, 32),
+            (66, 2, KvDType::F16, 64),
             (63, 7, KvDType::F16, 16),
         ] {
             let geom = BlockGeometry {
