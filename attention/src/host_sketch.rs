@@ -702,30 +702,32 @@ mod avx2 {
                     continue;
                 }
                 let (sc, nib) = blk.split_at(bs * 4);
-                let (sc, t) = ((sc, len), &temps[..gn]);
-                // SAFETY: the caller promises AVX2; `dots_i8` asserts the sizes.
+                let dots = Dots {
+                    pairs,
+                    zero,
+                    nb,
+                    bs,
+                    nib,
+                    sc,
+                    len,
+                    temps: &temps[..gn],
+                };
+                let top = &mut top;
+                // SAFETY: the caller promises AVX2; the loops assert the sizes.
                 unsafe {
                     match gn {
-                        1 if wide => {
-                            dots_i8_wide::<1>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top)
-                        }
-                        2 if wide => {
-                            dots_i8_wide::<2>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top)
-                        }
-                        3 if wide => {
-                            dots_i8_wide::<3>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top)
-                        }
-                        4 if wide => {
-                            dots_i8_wide::<4>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top)
-                        }
-                        1 => dots_i8::<1>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
-                        2 => dots_i8::<2>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
-                        3 => dots_i8::<3>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
-                        4 => dots_i8::<4>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
-                        5 => dots_i8::<5>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
-                        6 => dots_i8::<6>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
-                        7 => dots_i8::<7>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
-                        _ => dots_i8::<8>(pairs, zero, nb, bs, nib, sc, t, acc, &mut top),
+                        1 if wide => dots_i8_wide::<1>(&dots, acc, top),
+                        2 if wide => dots_i8_wide::<2>(&dots, acc, top),
+                        3 if wide => dots_i8_wide::<3>(&dots, acc, top),
+                        4 if wide => dots_i8_wide::<4>(&dots, acc, top),
+                        1 => dots_i8::<1>(&dots, acc, top),
+                        2 => dots_i8::<2>(&dots, acc, top),
+                        3 => dots_i8::<3>(&dots, acc, top),
+                        4 => dots_i8::<4>(&dots, acc, top),
+                        5 => dots_i8::<5>(&dots, acc, top),
+                        6 => dots_i8::<6>(&dots, acc, top),
+                        7 => dots_i8::<7>(&dots, acc, top),
+                        _ => dots_i8::<8>(&dots, acc, top),
                     }
                 }
             }
@@ -881,6 +883,119 @@ mod avx2 {
         f(v, _mm256_permute_ps::<0b1011_0001>(v))
     }
 
+    /// What [`dots_i8`] and [`dots_i8_wide`] read of a block and its query: the query's
+    /// channel pairs and zero offsets (`[G][nb]` and `[G]`), the block's `nb` byte rows of
+    /// `bs` tokens, its `bs` key scales (bytes) of which the first `len` are tokens, and each
+    /// head's factor.
+    #[derive(Clone, Copy)]
+    struct Dots<'a> {
+        pairs: &'a [u32],
+        zero: &'a [i32],
+        nb: usize,
+        bs: usize,
+        nib: &'a [u8],
+        sc: &'a [u8],
+        len: usize,
+        temps: &'a [f32],
+    }
+
+    impl Dots<'_> {
+        /// Panics unless `g` heads, `acc` (`[g][bs]`) and `top` fit, and `bs` is a multiple
+        /// of `tokens` (the loop's step): what the loops' unchecked reads rely on.
+        fn assert_fits(&self, g: usize, tokens: usize, acc: &[f32], top: &[__m256]) {
+            let (nb, bs) = (self.nb, self.bs);
+            assert!(
+                self.pairs.len() >= g * nb
+                    && self.zero.len() >= g
+                    && self.nib.len() >= nb * bs
+                    && self.sc.len() >= 4 * bs
+                    && self.len <= bs
+                    && self.temps.len() >= g
+                    && top.len() >= g
+                    && acc.len() >= g * bs
+                    && bs.is_multiple_of(tokens)
+            );
+        }
+    }
+
+    /// Eight tokens of a block as the integer loops scale them: their first token, key scales
+    /// and which lanes hold one.
+    #[derive(Clone, Copy)]
+    struct Tokens {
+        first: usize,
+        scales: __m256,
+        keep: __m256,
+    }
+
+    /// How [`dots_i8`] and [`dots_i8_wide`] turn a head's integer sums into scores: times the
+    /// head's factor and each token's key scale, lanes at or past the block's tokens -inf
+    /// (their scales may be stale bytes).
+    struct Scaled<'a> {
+        sc: &'a [u8],
+        len: usize,
+        neg: __m256,
+        lane: __m256,
+    }
+
+    impl<'a> Scaled<'a> {
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn new(sc: &'a [u8], len: usize) -> Self {
+            Self {
+                sc,
+                len,
+                neg: _mm256_set1_ps(f32::NEG_INFINITY),
+                lane: _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0),
+            }
+        }
+
+        /// Tokens `first .. first + 8`, whose scales lie in the block's (`8 <= bs - first`).
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn tokens(&self, first: usize) -> Tokens {
+            let valid = self.len.saturating_sub(first).min(8) as f32;
+            Tokens {
+                first,
+                // SAFETY: 32 bytes, a slice checked in bounds.
+                scales: unsafe {
+                    _mm256_loadu_ps(self.sc[4 * first..4 * first + 32].as_ptr().cast())
+                },
+                keep: _mm256_cmp_ps::<_CMP_LT_OQ>(self.lane, _mm256_set1_ps(valid)),
+            }
+        }
+
+        /// A head's sums of 16 tokens, the even ones in `even` and the odd in `odd` (each
+        /// 128-bit lane 8 tokens: `lo`'s, then `hi`'s), as scores in `row` at their tokens,
+        /// raising `max`.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn store(
+            &self,
+            even: __m256i,
+            odd: __m256i,
+            temp: f32,
+            (lo, hi): (Tokens, Tokens),
+            row: &mut [f32],
+            max: &mut __m256,
+        ) {
+            // Lanes [0 1 2 3 | 8 9 10 11] and [4 5 6 7 | 12 13 14 15], then in order.
+            let a = _mm256_unpacklo_epi32(even, odd);
+            let b = _mm256_unpackhi_epi32(even, odd);
+            let t = _mm256_set1_ps(temp);
+            let score = |sums: __m256i, tok: Tokens| {
+                let x = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(t, tok.scales));
+                _mm256_blendv_ps(self.neg, x, tok.keep)
+            };
+            let l = score(_mm256_permute2x128_si256::<0x20>(a, b), lo);
+            let h = score(_mm256_permute2x128_si256::<0x31>(a, b), hi);
+            *max = _mm256_max_ps(l, _mm256_max_ps(h, *max));
+            for (tok, x) in [(lo, l), (hi, h)] {
+                // SAFETY: eight floats, a slice checked in bounds.
+                unsafe { _mm256_storeu_ps(row[tok.first..tok.first + 8].as_mut_ptr(), x) };
+            }
+        }
+    }
+
     /// `acc[h * bs + t] = temps[h] * scale_t * (sum_c q8_h[c] * nibble_t(c) - zero[h])` for
     /// `G` heads and the block's first `len` tokens (`-inf` past them), raising each head's
     /// running maximum `top[h]`, 16 tokens at a time. The sums are exact (in i32, then f32:
@@ -893,38 +1008,22 @@ mod avx2 {
     ///
     /// # Safety
     /// AVX2 (the sizes are asserted).
-    #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn dots_i8<const G: usize>(
-        pairs: &[u32],
-        zero: &[i32],
-        nb: usize,
-        bs: usize,
-        nib: &[u8],
-        (sc, len): (&[u8], usize),
-        temps: &[f32],
-        acc: &mut [f32],
-        top: &mut [__m256],
-    ) {
-        assert!(
-            pairs.len() >= G * nb
-                && zero.len() >= G
-                && nib.len() >= nb * bs
-                && sc.len() >= 4 * bs
-                && len <= bs
-                && temps.len() >= G
-                && top.len() >= G
-                && acc.len() >= G * bs
-                && bs.is_multiple_of(16)
-        );
+    unsafe fn dots_i8<const G: usize>(blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+        blk.assert_fits(G, 16, acc, top);
+        let Dots {
+            pairs,
+            zero,
+            nb,
+            bs,
+            nib,
+            sc,
+            len,
+            temps,
+        } = *blk;
         let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
-        let neg = _mm256_set1_ps(f32::NEG_INFINITY);
-        let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
-        // Lanes at or past `len` are masked (their scales may be stale bytes).
-        let keep = |t: usize| {
-            _mm256_cmp_ps::<_CMP_LT_OQ>(lane, _mm256_set1_ps(len.saturating_sub(t).min(8) as f32))
-        };
+        let scaled = Scaled::new(sc, len);
         let nibbles = _mm256_set1_epi16(0x0f0f);
         let (even_of, odd_of) = (_mm256_set1_epi32(1), _mm256_set1_epi32(1 << 16));
         let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
@@ -954,30 +1053,10 @@ mod avx2 {
                     odd[h] = _mm256_add_epi32(odd[h], _mm256_madd_epi16(sum[h], odd_of));
                 }
             }
-            let (keep_lo, keep_hi) = (keep(t0), keep(t0 + 8));
-            // SAFETY: the scales of tokens t0 .. t0 + 16, inside `sc` (asserted above).
-            let (s_lo, s_hi) = unsafe {
-                (
-                    _mm256_loadu_ps(sc.as_ptr().add(4 * t0).cast()),
-                    _mm256_loadu_ps(sc.as_ptr().add(4 * t0 + 32).cast()),
-                )
-            };
+            let halves = (scaled.tokens(t0), scaled.tokens(t0 + 8));
             for h in 0..G {
-                // Lanes [0 1 2 3 | 8 9 10 11] and [4 5 6 7 | 12 13 14 15], then in order.
-                let a = _mm256_unpacklo_epi32(even[h], odd[h]);
-                let b = _mm256_unpackhi_epi32(even[h], odd[h]);
-                let lo = _mm256_cvtepi32_ps(_mm256_permute2x128_si256::<0x20>(a, b));
-                let hi = _mm256_cvtepi32_ps(_mm256_permute2x128_si256::<0x31>(a, b));
-                let t = _mm256_set1_ps(temps[h]);
-                let lo = _mm256_blendv_ps(neg, _mm256_mul_ps(lo, _mm256_mul_ps(t, s_lo)), keep_lo);
-                let hi = _mm256_blendv_ps(neg, _mm256_mul_ps(hi, _mm256_mul_ps(t, s_hi)), keep_hi);
-                maxima[h] = _mm256_max_ps(lo, _mm256_max_ps(hi, maxima[h]));
-                let at = h * bs + t0;
-                // SAFETY: 16 floats of head h's row of `acc`, inside it.
-                unsafe {
-                    _mm256_storeu_ps(acc[at..at + 8].as_mut_ptr(), lo);
-                    _mm256_storeu_ps(acc[at + 8..at + 16].as_mut_ptr(), hi);
-                }
+                let row = &mut acc[h * bs..(h + 1) * bs];
+                scaled.store(even[h], odd[h], temps[h], halves, row, &mut maxima[h]);
             }
         }
         top[..G].copy_from_slice(&maxima);
@@ -992,39 +1071,23 @@ mod avx2 {
     ///
     /// # Safety
     /// AVX2 (the sizes are asserted).
-    #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn dots_i8_wide<const G: usize>(
-        pairs: &[u32],
-        zero: &[i32],
-        nb: usize,
-        bs: usize,
-        nib: &[u8],
-        (sc, len): (&[u8], usize),
-        temps: &[f32],
-        acc: &mut [f32],
-        top: &mut [__m256],
-    ) {
-        assert!(
-            G <= WIDE_HEADS
-                && pairs.len() >= G * nb
-                && zero.len() >= G
-                && nib.len() >= nb * bs
-                && sc.len() >= 4 * bs
-                && len <= bs
-                && temps.len() >= G
-                && top.len() >= G
-                && acc.len() >= G * bs
-                && bs.is_multiple_of(32)
-        );
+    unsafe fn dots_i8_wide<const G: usize>(blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+        assert!(G <= WIDE_HEADS);
+        blk.assert_fits(G, 32, acc, top);
+        let Dots {
+            pairs,
+            zero,
+            nb,
+            bs,
+            nib,
+            sc,
+            len,
+            temps,
+        } = *blk;
         let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
-        let neg = _mm256_set1_ps(f32::NEG_INFINITY);
-        let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
-        // Lanes at or past `len` are masked (their scales may be stale bytes).
-        let keep = |t: usize| {
-            _mm256_cmp_ps::<_CMP_LT_OQ>(lane, _mm256_set1_ps(len.saturating_sub(t).min(8) as f32))
-        };
+        let scaled = Scaled::new(sc, len);
         let low = _mm256_set1_epi8(0x0f);
         let (even_of, odd_of) = (_mm256_set1_epi32(1), _mm256_set1_epi32(1 << 16));
         let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
@@ -1062,33 +1125,12 @@ mod avx2 {
                 }
             }
             for k in 0..2 {
-                // Half k: tokens t0 + 8k .. + 8 in the low lanes, t0 + 16 + 8k .. + 8 in the high.
-                let (first, second) = (t0 + 8 * k, t0 + 16 + 8 * k);
-                let (keep_lo, keep_hi) = (keep(first), keep(second));
-                // SAFETY: the scales of those tokens, inside `sc` (asserted above).
-                let (s_lo, s_hi) = unsafe {
-                    (
-                        _mm256_loadu_ps(sc.as_ptr().add(4 * first).cast()),
-                        _mm256_loadu_ps(sc.as_ptr().add(4 * second).cast()),
-                    )
-                };
+                // Half k: tokens t0 + 8k .. + 8 in the low lanes, t0 + 16 + 8k .. + 8 in the
+                // high ones.
+                let halves = (scaled.tokens(t0 + 8 * k), scaled.tokens(t0 + 16 + 8 * k));
                 for h in 0..G {
-                    let a = _mm256_unpacklo_epi32(even[h][k], odd[h][k]);
-                    let b = _mm256_unpackhi_epi32(even[h][k], odd[h][k]);
-                    let lo = _mm256_cvtepi32_ps(_mm256_permute2x128_si256::<0x20>(a, b));
-                    let hi = _mm256_cvtepi32_ps(_mm256_permute2x128_si256::<0x31>(a, b));
-                    let t = _mm256_set1_ps(temps[h]);
-                    let lo =
-                        _mm256_blendv_ps(neg, _mm256_mul_ps(lo, _mm256_mul_ps(t, s_lo)), keep_lo);
-                    let hi =
-                        _mm256_blendv_ps(neg, _mm256_mul_ps(hi, _mm256_mul_ps(t, s_hi)), keep_hi);
-                    maxima[h] = _mm256_max_ps(lo, _mm256_max_ps(hi, maxima[h]));
                     let row = &mut acc[h * bs..(h + 1) * bs];
-                    // SAFETY: 8 floats at `first` and at `second`, both inside head h's row.
-                    unsafe {
-                        _mm256_storeu_ps(row[first..first + 8].as_mut_ptr(), lo);
-                        _mm256_storeu_ps(row[second..second + 8].as_mut_ptr(), hi);
-                    }
+                    scaled.store(even[h][k], odd[h][k], temps[h], halves, row, &mut maxima[h]);
                 }
             }
         }
@@ -1201,35 +1243,28 @@ mod avx2 {
                             let mut acc = vec![0f32; g * bs];
                             // SAFETY: AVX2 is present.
                             let mut top = unsafe { [_mm256_set1_ps(-1e3); 8] };
-                            let args = (&qi.pairs[..], &qi.zero[..], (&sc[..], len));
-                            // SAFETY: AVX2 is present; the sizes are the ones asserted.
+                            let dots = Dots {
+                                pairs: &qi.pairs,
+                                zero: &qi.zero,
+                                nb,
+                                bs,
+                                nib: &nib,
+                                sc: &sc,
+                                len,
+                                temps: &temps,
+                            };
+                            let (acc, top) = (&mut acc, &mut top);
+                            // SAFETY: AVX2 is present; the loops assert the sizes.
                             unsafe {
-                                macro_rules! call {
-                                    ($f:ident) => {
-                                        match g {
-                                            1 => $f::<1>(
-                                                args.0, args.1, nb, bs, &nib, args.2, &temps,
-                                                &mut acc, &mut top,
-                                            ),
-                                            2 => $f::<2>(
-                                                args.0, args.1, nb, bs, &nib, args.2, &temps,
-                                                &mut acc, &mut top,
-                                            ),
-                                            3 => $f::<3>(
-                                                args.0, args.1, nb, bs, &nib, args.2, &temps,
-                                                &mut acc, &mut top,
-                                            ),
-                                            _ => $f::<4>(
-                                                args.0, args.1, nb, bs, &nib, args.2, &temps,
-                                                &mut acc, &mut top,
-                                            ),
-                                        }
-                                    };
-                                }
-                                if wide {
-                                    call!(dots_i8_wide)
-                                } else {
-                                    call!(dots_i8)
+                                match (g, wide) {
+                                    (1, true) => dots_i8_wide::<1>(&dots, acc, top),
+                                    (2, true) => dots_i8_wide::<2>(&dots, acc, top),
+                                    (3, true) => dots_i8_wide::<3>(&dots, acc, top),
+                                    (_, true) => dots_i8_wide::<4>(&dots, acc, top),
+                                    (1, false) => dots_i8::<1>(&dots, acc, top),
+                                    (2, false) => dots_i8::<2>(&dots, acc, top),
+                                    (3, false) => dots_i8::<3>(&dots, acc, top),
+                                    (_, false) => dots_i8::<4>(&dots, acc, top),
                                 }
                             }
                             let mut tops = [0f32; 64];
@@ -1240,7 +1275,7 @@ mod avx2 {
                             let bits =
                                 |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                             (
-                                bits(&acc),
+                                bits(acc),
                                 tops[..8 * g].iter().fold(f32::MIN, |m, &x| m.max(x)),
                             )
                         };
