@@ -930,37 +930,20 @@ mod avx2 {
     /// How [`dots_i8`] and [`dots_i8_wide`] turn a head's integer sums into scores: times the
     /// head's factor and each token's key scale, lanes at or past the block's tokens -inf
     /// (their scales may be stale bytes).
-    struct Scaled<'a> {
-        sc: &'a [u8],
-        len: usize,
-        neg: __m256,
-        lane: __m256,
-    }
-
-    impl<'a> Scaled<'a> {
-        #[inline]
-        #[target_feature(enable = "avx2")]
-        fn new(sc: &'a [u8], len: usize) -> Self {
-            Self {
-                sc,
-                len,
-                neg: _mm256_set1_ps(f32::NEG_INFINITY),
-                lane: _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0),
-            }
-        }
-
+    impl Dots<'_> {
         /// Tokens `first .. first + 8`, whose scales lie in the block's (`8 <= bs - first`).
         #[inline]
         #[target_feature(enable = "avx2")]
         fn tokens(&self, first: usize) -> Tokens {
             let valid = self.len.saturating_sub(first).min(8) as f32;
+            let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
             Tokens {
                 first,
                 // SAFETY: 32 bytes, a slice checked in bounds.
                 scales: unsafe {
                     _mm256_loadu_ps(self.sc[4 * first..4 * first + 32].as_ptr().cast())
                 },
-                keep: _mm256_cmp_ps::<_CMP_LT_OQ>(self.lane, _mm256_set1_ps(valid)),
+                keep: _mm256_cmp_ps::<_CMP_LT_OQ>(lane, _mm256_set1_ps(valid)),
             }
         }
 
@@ -981,10 +964,10 @@ mod avx2 {
             // Lanes [0 1 2 3 | 8 9 10 11] and [4 5 6 7 | 12 13 14 15], then in order.
             let a = _mm256_unpacklo_epi32(even, odd);
             let b = _mm256_unpackhi_epi32(even, odd);
-            let t = _mm256_set1_ps(temp);
+            let (t, neg) = (_mm256_set1_ps(temp), _mm256_set1_ps(f32::NEG_INFINITY));
             let score = |sums: __m256i, tok: Tokens| {
                 let x = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(t, tok.scales));
-                _mm256_blendv_ps(self.neg, x, tok.keep)
+                _mm256_blendv_ps(neg, x, tok.keep)
             };
             let l = score(_mm256_permute2x128_si256::<0x20>(a, b), lo);
             let h = score(_mm256_permute2x128_si256::<0x31>(a, b), hi);
@@ -1018,12 +1001,10 @@ mod avx2 {
             nb,
             bs,
             nib,
-            sc,
-            len,
             temps,
+            ..
         } = *blk;
         let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
-        let scaled = Scaled::new(sc, len);
         let nibbles = _mm256_set1_epi16(0x0f0f);
         let (even_of, odd_of) = (_mm256_set1_epi32(1), _mm256_set1_epi32(1 << 16));
         let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
@@ -1053,10 +1034,10 @@ mod avx2 {
                     odd[h] = _mm256_add_epi32(odd[h], _mm256_madd_epi16(sum[h], odd_of));
                 }
             }
-            let halves = (scaled.tokens(t0), scaled.tokens(t0 + 8));
+            let halves = (blk.tokens(t0), blk.tokens(t0 + 8));
             for h in 0..G {
                 let row = &mut acc[h * bs..(h + 1) * bs];
-                scaled.store(even[h], odd[h], temps[h], halves, row, &mut maxima[h]);
+                blk.store(even[h], odd[h], temps[h], halves, row, &mut maxima[h]);
             }
         }
         top[..G].copy_from_slice(&maxima);
@@ -1082,12 +1063,10 @@ mod avx2 {
             nb,
             bs,
             nib,
-            sc,
-            len,
             temps,
+            ..
         } = *blk;
         let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
-        let scaled = Scaled::new(sc, len);
         let low = _mm256_set1_epi8(0x0f);
         let (even_of, odd_of) = (_mm256_set1_epi32(1), _mm256_set1_epi32(1 << 16));
         let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
@@ -1127,10 +1106,10 @@ mod avx2 {
             for k in 0..2 {
                 // Half k: tokens t0 + 8k .. + 8 in the low lanes, t0 + 16 + 8k .. + 8 in the
                 // high ones.
-                let halves = (scaled.tokens(t0 + 8 * k), scaled.tokens(t0 + 16 + 8 * k));
+                let halves = (blk.tokens(t0 + 8 * k), blk.tokens(t0 + 16 + 8 * k));
                 for h in 0..G {
                     let row = &mut acc[h * bs..(h + 1) * bs];
-                    scaled.store(even[h][k], odd[h][k], temps[h], halves, row, &mut maxima[h]);
+                    blk.store(even[h][k], odd[h][k], temps[h], halves, row, &mut maxima[h]);
                 }
             }
         }
