@@ -424,10 +424,10 @@ mod avx2 {
     /// How many blocks ahead [`chunk_lse_i8`] asks for the sketch, into L2. `bench select
     /// --kv-heads 3 --group 3 --head-dim 64 --scorers sketch --layers 30` (AVX2, 2-core EPYC,
     /// four alternating runs, ms a layer at 1 / 2 threads), against two blocks into L1 with
-    /// nothing for a task's first two: 32k 0.63-0.86 / 0.31-0.39 -> 0.52-0.60 / 0.26-0.32; 8k
-    /// 0.20-0.24 / 0.08-0.10 -> 0.17-0.23 / 0.073-0.087. Into L1 at four blocks was slower than
-    /// at two (a block is 18 lines: L1's miss buffers fill); into L2 at two, three or six
-    /// blocks, or at two with the task's first, no better than this.
+    /// nothing for a task's first two: 32k (past L3) 0.51-0.54 / 0.26-0.38 -> 0.44-0.51 /
+    /// 0.23-0.25; 8k 0.116-0.141 / 0.064-0.085 -> 0.115-0.126 / 0.062-0.078. Into L1 at four
+    /// blocks was slower than at two (a block is 18 lines: L1's miss buffers fill); into L2 at
+    /// two, three or six blocks, or at two with the task's first, no better than this.
     const SKETCH_AHEAD: usize = 4;
 
     use crate::avx2::{AsBf16, AsF8, AsF16, AsF32, AsI8, Elem};
