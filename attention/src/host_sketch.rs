@@ -947,32 +947,35 @@ mod avx2 {
             }
         }
 
-        /// A head's sums of 16 tokens, the even ones in `even` and the odd in `odd` (each
-        /// 128-bit lane 8 tokens: `lo`'s, then `hi`'s), as scores in `row` at their tokens,
-        /// raising `max`.
+        /// Head `h`'s sums of 16 tokens, the even ones in `even` and the odd in `odd` (each
+        /// 128-bit lane 8 tokens: `lo`'s, then `hi`'s), as scores at their tokens in the
+        /// head's row of `acc` (`[G][bs]`), raising `max`.
         #[inline]
         #[target_feature(enable = "avx2")]
         fn store(
             &self,
-            even: __m256i,
-            odd: __m256i,
-            temp: f32,
+            h: usize,
+            (even, odd): (__m256i, __m256i),
             (lo, hi): (Tokens, Tokens),
-            row: &mut [f32],
+            acc: &mut [f32],
             max: &mut __m256,
         ) {
             // Lanes [0 1 2 3 | 8 9 10 11] and [4 5 6 7 | 12 13 14 15], then in order.
             let a = _mm256_unpacklo_epi32(even, odd);
             let b = _mm256_unpackhi_epi32(even, odd);
-            let (t, neg) = (_mm256_set1_ps(temp), _mm256_set1_ps(f32::NEG_INFINITY));
+            let (t, neg) = (
+                _mm256_set1_ps(self.temps[h]),
+                _mm256_set1_ps(f32::NEG_INFINITY),
+            );
             let score = |sums: __m256i, tok: Tokens| {
                 let x = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(t, tok.scales));
                 _mm256_blendv_ps(neg, x, tok.keep)
             };
             let l = score(_mm256_permute2x128_si256::<0x20>(a, b), lo);
-            let h = score(_mm256_permute2x128_si256::<0x31>(a, b), hi);
-            *max = _mm256_max_ps(l, _mm256_max_ps(h, *max));
-            for (tok, x) in [(lo, l), (hi, h)] {
+            let r = score(_mm256_permute2x128_si256::<0x31>(a, b), hi);
+            *max = _mm256_max_ps(l, _mm256_max_ps(r, *max));
+            let row = &mut acc[h * self.bs..(h + 1) * self.bs];
+            for (tok, x) in [(lo, l), (hi, r)] {
                 // SAFETY: eight floats, a slice checked in bounds.
                 unsafe { _mm256_storeu_ps(row[tok.first..tok.first + 8].as_mut_ptr(), x) };
             }
@@ -1001,7 +1004,6 @@ mod avx2 {
             nb,
             bs,
             nib,
-            temps,
             ..
         } = *blk;
         let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
@@ -1036,8 +1038,7 @@ mod avx2 {
             }
             let halves = (blk.tokens(t0), blk.tokens(t0 + 8));
             for h in 0..G {
-                let row = &mut acc[h * bs..(h + 1) * bs];
-                blk.store(even[h], odd[h], temps[h], halves, row, &mut maxima[h]);
+                blk.store(h, (even[h], odd[h]), halves, acc, &mut maxima[h]);
             }
         }
         top[..G].copy_from_slice(&maxima);
@@ -1063,7 +1064,6 @@ mod avx2 {
             nb,
             bs,
             nib,
-            temps,
             ..
         } = *blk;
         let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
@@ -1108,8 +1108,7 @@ mod avx2 {
                 // high ones.
                 let halves = (blk.tokens(t0 + 8 * k), blk.tokens(t0 + 16 + 8 * k));
                 for h in 0..G {
-                    let row = &mut acc[h * bs..(h + 1) * bs];
-                    blk.store(even[h][k], odd[h][k], temps[h], halves, row, &mut maxima[h]);
+                    blk.store(h, (even[h][k], odd[h][k]), halves, acc, &mut maxima[h]);
                 }
             }
         }
