@@ -603,6 +603,48 @@ pub(crate) mod tests {
         }
     }
 
+    /// A first block whose every score is -inf (a key channel of -inf against a positive
+    /// query channel) adds nothing, on every path: the state stays empty through it rather
+    /// than turning NaN (-inf minus -inf), so the result is the other blocks' alone.
+    #[test]
+    fn a_block_of_minus_infinity_scores_adds_nothing() {
+        let n = 3 * 32;
+        for dt in [KvDType::F32, KvDType::Bf16] {
+            for (g, d) in [(1, 64), (3, 64), (8, 64), (8, 128)] {
+                let geom = BlockGeometry {
+                    block_size: 32,
+                    num_kv_heads: 1,
+                    head_dim: d,
+                    dtype: dt,
+                };
+                let mut q = values(6, g * d, 1.0);
+                q.chunks_mut(d).for_each(|h| h[0] = 1.0);
+                let mut keys = values(7, n * d, 1.0);
+                keys[..32 * d]
+                    .chunks_mut(d)
+                    .for_each(|k| k[0] = f32::NEG_INFINITY);
+                let blocks = build_blocks(&geom, &keys, &values(8, n * d, 1.0));
+                for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
+                    let run = |from: usize| {
+                        attend_blocks_on(
+                            path,
+                            &geom,
+                            &q,
+                            0.125,
+                            blocks[from..]
+                                .iter()
+                                .map(|(b, l)| HeadBlock { bytes: b, len: *l }),
+                            &mut Scratch::default(),
+                        )
+                    };
+                    let (all, rest) = (run(0), run(1));
+                    assert_eq!(all.out, rest.out, "{path:?} {dt} G={g} D={d}");
+                    assert_eq!(all.lse2, rest.lse2, "{path:?} {dt} G={g} D={d}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn no_blocks_is_empty() {
         let geom = BlockGeometry {

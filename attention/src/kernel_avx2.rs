@@ -205,7 +205,7 @@ pub(crate) unsafe fn block(
 /// # Safety
 /// As [`block`]; `E` is `geom.dtype`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_as<E: Elem>(
+unsafe fn block_as<E: crate::kernel_avx512::Elem512>(
     geom: &BlockGeometry,
     qs: &[f32],
     bytes: &[u8],
@@ -230,7 +230,7 @@ unsafe fn block_as<E: Elem>(
     } else {
         line_calls(g, d, nv, len)
     });
-    let done = wide && unsafe { crate::kernel_avx512::scores_dyn(g, dt, kt, qs, d, st.s, pf) };
+    let done = wide && unsafe { crate::kernel_avx512::scores_dyn::<E>(g, kt, qs, d, st.s, pf) };
     if !done {
         // SAFETY: forwarded from this function's contract; `s` holds G x b >= G x 8nv scores.
         unsafe { scores::<E>(kt, b, d, nv, qs, g, st.s, pf) };
@@ -241,13 +241,18 @@ unsafe fn block_as<E: Elem>(
     if scaled {
         crate::kernel::scale_tokens(st.s, g, b, len, k_scales);
     }
-    // SAFETY: `s` holds G x b >= G x 8nv scores; `acc`, `m`, `l` hold G heads.
-    unsafe { softmax_block(st, g, b, d, nv, len) };
+    // SAFETY: `wide` checked the CPU and a full block of 32 tokens; `s` holds G x b >= G x
+    // 8nv scores; `acc`, `m`, `l` hold G heads.
+    unsafe {
+        if !(wide && crate::kernel_avx512::softmax_dyn(g, st.s, b, st.m, st.l, st.acc, d)) {
+            softmax_block(st, g, b, d, nv, len)
+        }
+    };
     if scaled {
         crate::kernel::scale_tokens(st.s, g, b, len, v_scales);
     }
     // SAFETY: `wide` checked the CPU; a full block of 32 tokens; `s` is [G][b], acc [G][d].
-    if wide && unsafe { crate::kernel_avx512::accumulate_v_dyn(g, dt, vs, d, st.s, b, st.acc, pf) }
+    if wide && unsafe { crate::kernel_avx512::accumulate_v_dyn::<E>(g, vs, d, st.s, b, st.acc, pf) }
     {
         return;
     }
