@@ -186,6 +186,18 @@ pub(crate) fn interleave16(e: __m512, o: __m512) -> (__m512, __m512) {
     )
 }
 
+/// The even and the odd elements of elements 0..16 (`lo`) and 16..32 (`hi`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) fn deinterleave16(lo: __m512, hi: __m512) -> (__m512, __m512) {
+    let e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    (
+        _mm512_permutex2var_ps(lo, e, hi),
+        _mm512_permutex2var_ps(lo, o, hi),
+    )
+}
+
 /// Scores of a full 32-token block for all `G` query heads: `s[g][t] = sum_c q[g][c] K[c][t]`.
 ///
 /// # Safety
@@ -255,18 +267,23 @@ unsafe fn accumulate_v<E: Elem512, const G: usize>(
         let mut r = [[_mm512_setzero_ps(); 2]; G];
         for g in 0..G {
             // SAFETY: g*d + c0 + 32 <= G*d.
-            unsafe {
-                r[g][0] = _mm512_loadu_ps(a.add(g * d + c0));
-                r[g][1] = _mm512_loadu_ps(a.add(g * d + c0 + 16));
-            }
+            let (lo, hi) = unsafe {
+                (
+                    _mm512_loadu_ps(a.add(g * d + c0)),
+                    _mm512_loadu_ps(a.add(g * d + c0 + 16)),
+                )
+            };
+            r[g] = if E::SPLIT {
+                let (e, o) = deinterleave16(lo, hi);
+                [e, o]
+            } else {
+                [lo, hi]
+            };
         }
         for t in 0..32 {
             next.line();
             // SAFETY: row t < 32 of d elements; c0 + 32 <= d.
-            let (v0, v1) = unsafe {
-                let q = v.add((t * d + c0) * es);
-                (E::load16x(q), E::load16x(q.add(16 * es)))
-            };
+            let (v0, v1) = unsafe { E::load32(v.add((t * d + c0) * es)) };
             for g in 0..G {
                 // SAFETY: g < G, t < 32 <= b: inside `p` (the contract).
                 let wv = unsafe { _mm512_set1_ps(*w.add(g * b + t)) };
@@ -275,10 +292,15 @@ unsafe fn accumulate_v<E: Elem512, const G: usize>(
             }
         }
         for g in 0..G {
+            let (lo, hi) = if E::SPLIT {
+                interleave16(r[g][0], r[g][1])
+            } else {
+                (r[g][0], r[g][1])
+            };
             // SAFETY: as the loads above.
             unsafe {
-                _mm512_storeu_ps(a.add(g * d + c0), r[g][0]);
-                _mm512_storeu_ps(a.add(g * d + c0 + 16), r[g][1]);
+                _mm512_storeu_ps(a.add(g * d + c0), lo);
+                _mm512_storeu_ps(a.add(g * d + c0 + 16), hi);
             }
         }
     }
