@@ -46,8 +46,10 @@ pub fn avx512_enabled() -> bool {
 ///
 /// `bench kernels`, one thread, bf16 and head dim 128, paths alternated in one run on a 2-core
 /// EPYC (Zen 4), GB/s AVX2 against AVX-512: G=2 24.2-25.0 / 22.5, G=4 17.0 / 16.2, G=5
-/// 14.8-15.0 / 14.0, G=8 10.2-10.3 / 9.9, G=3 19.1-19.3 / 19.5. The model executor's row loops
-/// do not follow this: there the two measured alike.
+/// 14.8-15.0 / 14.0, G=8 10.2-10.3 / 9.9, G=3 19.1-19.3 / 19.5. That was before these loops
+/// were compiled once per element type and the softmax moved here (25-40% faster on a Xeon),
+/// so it wants measuring again on Zen 4. The model executor's row loops do not follow this:
+/// there the two measured alike.
 pub(crate) fn preferred() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
