@@ -320,14 +320,10 @@ fn exp2_ps(x: __m512) -> __m512 {
     let x = _mm512_max_ps(lo, x);
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
     let f = _mm512_sub_ps(x, n);
-    let c = |v: f32| _mm512_set1_ps(v);
-    let mut p = c(1.535_336_2e-4);
-    p = _mm512_fmadd_ps(p, f, c(1.339_887_4e-3));
-    p = _mm512_fmadd_ps(p, f, c(9.618_437e-3));
-    p = _mm512_fmadd_ps(p, f, c(5.550_332_5e-2));
-    p = _mm512_fmadd_ps(p, f, c(2.402_264_8e-1));
-    p = _mm512_fmadd_ps(p, f, c(6.931_472e-1));
-    p = _mm512_fmadd_ps(p, f, c(1.0));
+    let mut p = _mm512_set1_ps(crate::kernel_avx2::EXP2_POLY[0]);
+    for k in &crate::kernel_avx2::EXP2_POLY[1..] {
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(*k));
+    }
     // p * 2^n in one op (n >= -126 here, so the result is a normal number or NaN).
     _mm512_maskz_scalef_ps(!tiny, p, n)
 }
