@@ -414,33 +414,46 @@ unsafe fn softmax<const G: usize>(
     }
 }
 
-/// Runs `f::<G>` for a group size of 2 to 8; false for any other.
-macro_rules! dispatch_g {
-    ($g:expr, $f:ident, $($arg:expr),*) => {
+/// Runs `$body` with the constant `$G` set to a group size of 2 to 8 (true), or nothing for
+/// any other size (false).
+macro_rules! with_group {
+    ($g:expr, $G:ident => $body:expr) => {
         match $g {
-            2 => { $f::<2>($($arg),*); true }
-            3 => { $f::<3>($($arg),*); true }
-            4 => { $f::<4>($($arg),*); true }
-            5 => { $f::<5>($($arg),*); true }
-            6 => { $f::<6>($($arg),*); true }
-            7 => { $f::<7>($($arg),*); true }
-            8 => { $f::<8>($($arg),*); true }
-            _ => false,
-        }
-    };
-}
-
-/// Runs `f::<E, G>` for a group size of 2 to 8; false for any other.
-macro_rules! dispatch {
-    ($g:expr, $f:ident, $($arg:expr),*) => {
-        match $g {
-            2 => { $f::<E, 2>($($arg),*); true }
-            3 => { $f::<E, 3>($($arg),*); true }
-            4 => { $f::<E, 4>($($arg),*); true }
-            5 => { $f::<E, 5>($($arg),*); true }
-            6 => { $f::<E, 6>($($arg),*); true }
-            7 => { $f::<E, 7>($($arg),*); true }
-            8 => { $f::<E, 8>($($arg),*); true }
+            2 => {
+                const $G: usize = 2;
+                $body;
+                true
+            }
+            3 => {
+                const $G: usize = 3;
+                $body;
+                true
+            }
+            4 => {
+                const $G: usize = 4;
+                $body;
+                true
+            }
+            5 => {
+                const $G: usize = 5;
+                $body;
+                true
+            }
+            6 => {
+                const $G: usize = 6;
+                $body;
+                true
+            }
+            7 => {
+                const $G: usize = 7;
+                $body;
+                true
+            }
+            8 => {
+                const $G: usize = 8;
+                $body;
+                true
+            }
             _ => false,
         }
     };
@@ -462,7 +475,7 @@ pub(crate) unsafe fn scores_dyn<E: Elem512>(
 ) -> bool {
     assert!(kt.len() >= 32 * d * E::SIZE && qs.len() >= g * d && s.len() >= g * 32);
     // SAFETY: the CPU is the caller's promise; the lengths are checked above.
-    unsafe { dispatch!(g, scores, kt, qs, d, s, pf) }
+    unsafe { with_group!(g, G => scores::<E, G>(kt, qs, d, s, pf)) }
 }
 
 /// [`softmax`] for a run-time group size; false (nothing done) outside 2..=8 or when `d` is
@@ -491,7 +504,7 @@ pub(crate) unsafe fn softmax_dyn(
             && acc.len() >= g * d
     );
     // SAFETY: the CPU is the caller's promise; the lengths are checked above.
-    unsafe { dispatch_g!(g, softmax, s, b, m, l, acc, d) }
+    unsafe { with_group!(g, G => softmax::<G>(s, b, m, l, acc, d)) }
 }
 
 /// [`accumulate_v`] for a run-time group size; false (nothing done) outside 2..=8 or when `d`
@@ -519,7 +532,7 @@ pub(crate) unsafe fn accumulate_v_dyn<E: Elem512>(
             && acc.len() >= g * d
     );
     // SAFETY: the CPU is the caller's promise; the lengths are checked above.
-    unsafe { dispatch!(g, accumulate_v, vs, d, p, b, acc, pf) }
+    unsafe { with_group!(g, G => accumulate_v::<E, G>(vs, d, p, b, acc, pf)) }
 }
 
 #[cfg(test)]
