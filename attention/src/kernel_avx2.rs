@@ -155,7 +155,7 @@ impl<'a> Prefetch<'a> {
 
 /// Calls to [`Prefetch::line`] that [`block`] makes for a block of `len` tokens (`nv`
 /// vectors of 8) of a group of `g` heads on the register tiles (not the AVX-512 group path,
-/// which makes one per K row and one per V row and 32 channels): K once per tile, run of
+/// which makes one per two K rows and per two V rows of 32 channels): K once per tile, run of
 /// `T` vectors (then single vectors) and `P` channels; V once per tile, token and slice of
 /// `8 W` channels. It mirrors the tile shapes that [`scores`] and [`block_as`] pick (a
 /// test counts the calls).
@@ -232,11 +232,7 @@ unsafe fn block_as<E: crate::kernel_avx512::Elem512>(
     let wide = avx512 && b == 32 && len == 32 && (2..=8).contains(&g);
     // SAFETY: forwarded from this function's contract; `s` holds G x b scores; `wide` checked
     // the CPU.
-    pf.spread_over(if wide {
-        2 * d
-    } else {
-        line_calls(g, d, nv, len)
-    });
+    pf.spread_over(if wide { d } else { line_calls(g, d, nv, len) });
     let done = wide && unsafe { crate::kernel_avx512::scores_dyn::<E>(g, kt, qs, d, st.s, pf) };
     if !done {
         // SAFETY: forwarded from this function's contract; `s` holds G x b >= G x 8nv scores.

@@ -10,11 +10,16 @@
 //! compiled once per element type ([`Elem512`]) and indexes without bounds checks, the
 //! lengths checked once a block: on a Xeon (Emerald Rapids, one thread, blocks in L2) a
 //! `match` on the type per row, eight bounds checks per row and the AVX2 softmax held G=8
-//! to 0.41-0.46 of the FMA peak, against 0.58-0.66 now.
+//! to 0.41-0.46 of the FMA peak, against 0.58-0.66 after. Both loops then take two rows
+//! (tokens) a pass, small groups into a second set of accumulators ([`two_sets`]), and the
+//! softmax moves a head's maximum only when a block's scores rise 2^8 past it
+//! ([`LAZY_MAX_SLACK`]): G=2 0.36-0.42 → 0.49-0.55 of the FMA peak (D=64), G=3 0.45 → 0.53,
+//! G=4 0.48-0.52 → 0.59, G=8 0.62-0.63 → 0.63-0.68.
 //!
-//! Both loops request the next block's lines as they go (one per K row, one per V row and 32
-//! channels: the whole next block of a 16-bit dtype), as the AVX2 loops do; without it, the
-//! kernel ran at 0.26-0.42 of read bandwidth on a 256 MiB working set instead of 0.6-0.97.
+//! Both loops request the next block's lines as they go (two lines per two K rows and per
+//! two V rows of 32 channels: the whole next block of a 16-bit dtype), as the AVX2 loops do;
+//! without it, the kernel ran at 0.26-0.42 of read bandwidth on a 256 MiB working set instead
+//! of 0.6-0.97.
 
 use std::arch::x86_64::*;
 
@@ -200,7 +205,16 @@ pub(crate) fn deinterleave16(lo: __m512, hi: __m512) -> (__m512, __m512) {
     )
 }
 
-/// Scores of a full 32-token block for all `G` query heads: `s[g][t] = sum_c q[g][c] K[c][t]`.
+/// Whether a group of `G` heads sums the odd rows (K) or tokens (V) of each pass in
+/// accumulators of their own: with two per head, fewer than eight chains would leave the
+/// FMA units waiting on their four-cycle latency (G=3: 0.75 of their rate at best), and
+/// more than five heads' second set would not fit in the registers.
+const fn two_sets<const G: usize>() -> bool {
+    G <= 5
+}
+
+/// Scores of a full 32-token block for all `G` query heads: `s[g][t] = sum_c q[g][c] K[c][t]`,
+/// the tokens of each head in `E`'s lane order (with [`Elem::SPLIT`], the even ones first).
 ///
 /// # Safety
 /// AVX-512F/BW ([`available`]); `kt` holds `d` rows of 32 elements of `E`; `qs` is `[G][d]`;
@@ -216,32 +230,52 @@ unsafe fn scores<E: Elem512, const G: usize>(
 ) {
     let es = E::SIZE;
     let mut acc = [[_mm512_setzero_ps(); 2]; G];
+    let mut acc2 = [[_mm512_setzero_ps(); 2]; G];
     // A local copy of the cursor stays in a register (see `Prefetch`).
     let mut next = *pf;
     let (k, q) = (kt.as_ptr(), qs.as_ptr());
-    for c in 0..d {
-        // One line of the next block per row of this one: as many as this block's K rows.
+    // Two rows a pass (`d` is even): the loop's own work and the prefetch's bookkeeping
+    // were as many instructions as a small group's FMAs.
+    for c in (0..d).step_by(2) {
+        // One request of the next block's lines per two rows of this one.
         next.line();
-        // SAFETY: row c < d of 32 elements lies inside `kt` (the contract).
+        // SAFETY: rows c, c + 1 < d of 32 elements lie inside `kt` (the contract).
         let (k0, k1) = unsafe { E::load32(k.add(c * 32 * es)) };
+        let (k2, k3) = unsafe { E::load32(k.add((c + 1) * 32 * es)) };
         for g in 0..G {
-            // SAFETY: g < G, c < d: inside `qs` (the contract).
-            let qv = unsafe { _mm512_set1_ps(*q.add(g * d + c)) };
-            acc[g][0] = _mm512_fmadd_ps(qv, k0, acc[g][0]);
-            acc[g][1] = _mm512_fmadd_ps(qv, k1, acc[g][1]);
+            // SAFETY: g < G, c + 1 < d: inside `qs` (the contract).
+            let (qa, qb) = unsafe {
+                (
+                    _mm512_set1_ps(*q.add(g * d + c)),
+                    _mm512_set1_ps(*q.add(g * d + c + 1)),
+                )
+            };
+            acc[g][0] = _mm512_fmadd_ps(qa, k0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(qa, k1, acc[g][1]);
+            let odd = if two_sets::<G>() {
+                &mut acc2[g]
+            } else {
+                &mut acc[g]
+            };
+            odd[0] = _mm512_fmadd_ps(qb, k2, odd[0]);
+            odd[1] = _mm512_fmadd_ps(qb, k3, odd[1]);
+        }
+    }
+    if two_sets::<G>() {
+        for g in 0..G {
+            for i in 0..2 {
+                acc[g][i] = _mm512_add_ps(acc[g][i], acc2[g][i]);
+            }
         }
     }
     *pf = next;
+    // In the lane order of the loads (split: even tokens, then odd): the softmax does not
+    // care, and [`accumulate_v`] reads the weights in that order.
     for g in 0..G {
-        let (lo, hi) = if E::SPLIT {
-            interleave16(acc[g][0], acc[g][1])
-        } else {
-            (acc[g][0], acc[g][1])
-        };
         // SAFETY: s holds G*32 elements.
         unsafe {
-            _mm512_storeu_ps(s.as_mut_ptr().add(g * 32), lo);
-            _mm512_storeu_ps(s.as_mut_ptr().add(g * 32 + 16), hi);
+            _mm512_storeu_ps(s.as_mut_ptr().add(g * 32), acc[g][0]);
+            _mm512_storeu_ps(s.as_mut_ptr().add(g * 32 + 16), acc[g][1]);
         }
     }
 }
@@ -267,6 +301,7 @@ unsafe fn accumulate_v<E: Elem512, const G: usize>(
     let mut next = *pf;
     for c0 in (0..d).step_by(32) {
         let mut r = [[_mm512_setzero_ps(); 2]; G];
+        let mut r2 = [[_mm512_setzero_ps(); 2]; G];
         for g in 0..G {
             // SAFETY: g*d + c0 + 32 <= G*d.
             let (lo, hi) = unsafe {
@@ -282,15 +317,39 @@ unsafe fn accumulate_v<E: Elem512, const G: usize>(
                 [lo, hi]
             };
         }
-        for t in 0..32 {
+        // Tokens 2j and 2j + 1 a pass, as [`scores`] takes two rows.
+        for j in 0..16 {
             next.line();
-            // SAFETY: row t < 32 of d elements; c0 + 32 <= d.
+            let t = 2 * j;
+            // SAFETY: rows t, t + 1 < 32 of d elements; c0 + 32 <= d.
             let (v0, v1) = unsafe { E::load32(v.add((t * d + c0) * es)) };
+            let (v2, v3) = unsafe { E::load32(v.add(((t + 1) * d + c0) * es)) };
+            // The tokens' weights where [`scores`] left them: split, the even tokens first.
+            let (at, bt) = if E::SPLIT { (j, 16 + j) } else { (t, t + 1) };
             for g in 0..G {
-                // SAFETY: g < G, t < 32 <= b: inside `p` (the contract).
-                let wv = unsafe { _mm512_set1_ps(*w.add(g * b + t)) };
-                r[g][0] = _mm512_fmadd_ps(wv, v0, r[g][0]);
-                r[g][1] = _mm512_fmadd_ps(wv, v1, r[g][1]);
+                // SAFETY: g < G, at, bt < 32 <= b: inside `p` (the contract).
+                let (wa, wb) = unsafe {
+                    (
+                        _mm512_set1_ps(*w.add(g * b + at)),
+                        _mm512_set1_ps(*w.add(g * b + bt)),
+                    )
+                };
+                r[g][0] = _mm512_fmadd_ps(wa, v0, r[g][0]);
+                r[g][1] = _mm512_fmadd_ps(wa, v1, r[g][1]);
+                let odd = if two_sets::<G>() {
+                    &mut r2[g]
+                } else {
+                    &mut r[g]
+                };
+                odd[0] = _mm512_fmadd_ps(wb, v2, odd[0]);
+                odd[1] = _mm512_fmadd_ps(wb, v3, odd[1]);
+            }
+        }
+        if two_sets::<G>() {
+            for g in 0..G {
+                for i in 0..2 {
+                    r[g][i] = _mm512_add_ps(r[g][i], r2[g][i]);
+                }
             }
         }
         for g in 0..G {
@@ -328,10 +387,19 @@ fn exp2_ps(x: __m512) -> __m512 {
     _mm512_maskz_scalef_ps(!tiny, p, n)
 }
 
+/// How far (base 2) a block's scores may rise above a head's running maximum before
+/// [`softmax`] moves the maximum: up to it, the weights are taken against the maximum as it
+/// stands (at most 2^8 each, far from overflow), and neither the block's maximum nor a
+/// rescale of the state is computed. The state holds `l = sum 2^(s - m)` and the matching
+/// `acc` for whatever `m` it holds, so every path may fold the next block into it; `m` is
+/// then a lower bound of the running maximum, within this slack of it.
+const LAZY_MAX_SLACK: f32 = 8.0;
+
 /// The online softmax over a full 32-token block's scores for all `G` heads, as
 /// `kernel_avx2::softmax_block` does it (a NaN score makes its head's output NaN; a head with
 /// no finite score yet keeps its state and gets zero weights), with each head's 32 scores in
-/// two registers and every head's rescale factor from one vector `exp2`.
+/// two registers and every head's rescale factor from one vector `exp2`; where every score
+/// lies within [`LAZY_MAX_SLACK`] of its head's maximum, the maximum stays as it is.
 ///
 /// # Safety
 /// AVX-512F/BW ([`available`]); `s` is `[G][b]` with `b >= 32`, `m` and `l` hold `G`
@@ -347,9 +415,10 @@ unsafe fn softmax<const G: usize>(
     d: usize,
 ) {
     let sp = s.as_mut_ptr();
-    let mut m_old = [f32::NEG_INFINITY; 16];
-    let mut m_new = [f32::NEG_INFINITY; 16];
     let mut v = [[_mm512_setzero_ps(); 2]; G];
+    // Whether every head's scores lie within `2^LAZY_MAX_SLACK` of its running maximum
+    // (ordered compares: a NaN score fails, so does a head with no maximum yet).
+    let mut near = true;
     for h in 0..G {
         // SAFETY: h < G: the head's 32 scores lie inside `s` (the contract).
         v[h] = unsafe {
@@ -358,6 +427,31 @@ unsafe fn softmax<const G: usize>(
                 _mm512_loadu_ps(sp.add(h * b + 16)),
             ]
         };
+        let top = _mm512_set1_ps(m[h] + LAZY_MAX_SLACK);
+        near &= m[h].is_finite()
+            && _mm512_cmp_ps_mask::<_CMP_LE_OQ>(v[h][0], top)
+                & _mm512_cmp_ps_mask::<_CMP_LE_OQ>(v[h][1], top)
+                == 0xffff;
+    }
+    if near {
+        // The weights against the maximum as it stands (each at most 2^LAZY_MAX_SLACK): the
+        // state needs no rescale, and the block no reduction of its maximum.
+        for h in 0..G {
+            let mb = _mm512_set1_ps(m[h]);
+            let p0 = exp2_ps(_mm512_sub_ps(v[h][0], mb));
+            let p1 = exp2_ps(_mm512_sub_ps(v[h][1], mb));
+            // SAFETY: as the loads above.
+            unsafe {
+                _mm512_storeu_ps(sp.add(h * b), p0);
+                _mm512_storeu_ps(sp.add(h * b + 16), p1);
+            }
+            l[h] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        }
+        return;
+    }
+    let mut m_old = [f32::NEG_INFINITY; 16];
+    let mut m_new = [f32::NEG_INFINITY; 16];
+    for h in 0..G {
         let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[h][0], v[h][0])
             | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[h][1], v[h][1]);
         m_old[h] = m[h];
