@@ -245,9 +245,52 @@ impl Tiles {
             }
         }
         for r in 0..R {
-            for i in 0..I {
-                out[(r0 + r) * self.batch + b0 + i] = _mm512_reduce_add_ps(acc[r][i]);
+            let at = (r0 + r) * self.batch + b0;
+            if I == 8 {
+                let sums = sum_lanes8(&acc[r][..]);
+                // SAFETY: outputs at..at + 8 lie in `out` (input b0 + 7 < batch).
+                unsafe { _mm256_storeu_ps(out[at..at + 8].as_mut_ptr(), sums) };
+            } else {
+                for i in 0..I {
+                    out[at + i] = _mm512_reduce_add_ps(acc[r][i]);
+                }
             }
         }
     }
+}
+
+/// The sums of the lanes of each of eight vectors, as lanes 0..8: 23 ops where eight
+/// separate reductions take 64, half of them shuffles on the one port that runs them (a
+/// tile's reductions were a fifth of its time on rows of 576).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn sum_lanes8(v: &[__m512]) -> __m256 {
+    debug_assert_eq!(v.len(), 8);
+    // Halves: [a.lo + a.hi, b.lo + b.hi] for each pair (8 partial sums each).
+    let pair = |a: __m512, b: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+        )
+    };
+    let (p0, p1, p2, p3) = (
+        pair(v[0], v[1]),
+        pair(v[2], v[3]),
+        pair(v[4], v[5]),
+        pair(v[6], v[7]),
+    );
+    // Quarters: 128-bit lane k holds four partial sums of vector k (and of 4 + k).
+    let quad = |a: __m512, b: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+        )
+    };
+    let (u, w) = (quad(p0, p1), quad(p2, p3));
+    // Within each 128-bit lane k: [u_k, w_k] summed down to lanes 0 and 1.
+    let s = _mm512_add_ps(_mm512_unpacklo_ps(u, w), _mm512_unpackhi_ps(u, w));
+    let s = _mm512_add_ps(s, _mm512_permute_ps::<0b01_00_11_10>(s));
+    // Lane 4k holds vector k's sum, lane 4k + 1 vector 4 + k's.
+    let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, s))
 }
