@@ -213,6 +213,54 @@ const fn two_sets<const G: usize>() -> bool {
     G <= 5
 }
 
+/// A group's accumulators, two vectors a head, and the second set of [`two_sets`].
+struct Sets<const G: usize> {
+    even: [[__m512; 2]; G],
+    odd: [[__m512; 2]; G],
+}
+
+impl<const G: usize> Sets<G> {
+    /// Starts from `even` (the second set at zero).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn from(even: [[__m512; 2]; G]) -> Self {
+        Self {
+            even,
+            odd: [[_mm512_setzero_ps(); 2]; G],
+        }
+    }
+
+    /// Head `g`'s pass of two rows (tokens): `a * x` into the first set, `b * y` into the
+    /// second where there is one.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn fold(&mut self, g: usize, (a, x): (__m512, [__m512; 2]), (b, y): (__m512, [__m512; 2])) {
+        let e = &mut self.even[g];
+        e[0] = _mm512_fmadd_ps(a, x[0], e[0]);
+        e[1] = _mm512_fmadd_ps(a, x[1], e[1]);
+        let o = if two_sets::<G>() {
+            &mut self.odd[g]
+        } else {
+            &mut self.even[g]
+        };
+        o[0] = _mm512_fmadd_ps(b, y[0], o[0]);
+        o[1] = _mm512_fmadd_ps(b, y[1], o[1]);
+    }
+
+    /// Each head's two vectors, the sets added.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn sums(self) -> [[__m512; 2]; G] {
+        let mut out = self.even;
+        if two_sets::<G>() {
+            for (o, d) in out.iter_mut().zip(&self.odd) {
+                *o = [_mm512_add_ps(o[0], d[0]), _mm512_add_ps(o[1], d[1])];
+            }
+        }
+        out
+    }
+}
+
 /// Scores of a full 32-token block for all `G` query heads: `s[g][t] = sum_c q[g][c] K[c][t]`,
 /// the tokens of each head in `E`'s lane order (with [`Elem::SPLIT`], the even ones first).
 ///
@@ -229,8 +277,7 @@ unsafe fn scores<E: Elem512, const G: usize>(
     pf: &mut Prefetch<'_>,
 ) {
     let es = E::SIZE;
-    let mut acc = [[_mm512_setzero_ps(); 2]; G];
-    let mut acc2 = [[_mm512_setzero_ps(); 2]; G];
+    let mut sets = Sets::<G>::from([[_mm512_setzero_ps(); 2]; G]);
     // A local copy of the cursor stays in a register (see `Prefetch`).
     let mut next = *pf;
     let (k, q) = (kt.as_ptr(), qs.as_ptr());
@@ -250,24 +297,10 @@ unsafe fn scores<E: Elem512, const G: usize>(
                     _mm512_set1_ps(*q.add(g * d + c + 1)),
                 )
             };
-            acc[g][0] = _mm512_fmadd_ps(qa, k0, acc[g][0]);
-            acc[g][1] = _mm512_fmadd_ps(qa, k1, acc[g][1]);
-            let odd = if two_sets::<G>() {
-                &mut acc2[g]
-            } else {
-                &mut acc[g]
-            };
-            odd[0] = _mm512_fmadd_ps(qb, k2, odd[0]);
-            odd[1] = _mm512_fmadd_ps(qb, k3, odd[1]);
+            sets.fold(g, (qa, [k0, k1]), (qb, [k2, k3]));
         }
     }
-    if two_sets::<G>() {
-        for g in 0..G {
-            for i in 0..2 {
-                acc[g][i] = _mm512_add_ps(acc[g][i], acc2[g][i]);
-            }
-        }
-    }
+    let acc = sets.sums();
     *pf = next;
     // In the lane order of the loads (split: even tokens, then odd): the softmax does not
     // care, and [`accumulate_v`] reads the weights in that order.
@@ -301,7 +334,6 @@ unsafe fn accumulate_v<E: Elem512, const G: usize>(
     let mut next = *pf;
     for c0 in (0..d).step_by(32) {
         let mut r = [[_mm512_setzero_ps(); 2]; G];
-        let mut r2 = [[_mm512_setzero_ps(); 2]; G];
         for g in 0..G {
             // SAFETY: g*d + c0 + 32 <= G*d.
             let (lo, hi) = unsafe {
@@ -317,6 +349,7 @@ unsafe fn accumulate_v<E: Elem512, const G: usize>(
                 [lo, hi]
             };
         }
+        let mut sets = Sets::<G>::from(r);
         // Tokens 2j and 2j + 1 a pass, as [`scores`] takes two rows.
         for j in 0..16 {
             next.line();
@@ -334,24 +367,10 @@ unsafe fn accumulate_v<E: Elem512, const G: usize>(
                         _mm512_set1_ps(*w.add(g * b + bt)),
                     )
                 };
-                r[g][0] = _mm512_fmadd_ps(wa, v0, r[g][0]);
-                r[g][1] = _mm512_fmadd_ps(wa, v1, r[g][1]);
-                let odd = if two_sets::<G>() {
-                    &mut r2[g]
-                } else {
-                    &mut r[g]
-                };
-                odd[0] = _mm512_fmadd_ps(wb, v2, odd[0]);
-                odd[1] = _mm512_fmadd_ps(wb, v3, odd[1]);
+                sets.fold(g, (wa, [v0, v1]), (wb, [v2, v3]));
             }
         }
-        if two_sets::<G>() {
-            for g in 0..G {
-                for i in 0..2 {
-                    r[g][i] = _mm512_add_ps(r[g][i], r2[g][i]);
-                }
-            }
-        }
+        let r = sets.sums();
         for g in 0..G {
             let (lo, hi) = if E::SPLIT {
                 interleave16(r[g][0], r[g][1])
