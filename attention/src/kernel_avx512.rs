@@ -435,7 +435,7 @@ unsafe fn softmax<const G: usize>(
 ) {
     let sp = s.as_mut_ptr();
     let mut v = [[_mm512_setzero_ps(); 2]; G];
-    // Whether every head's scores lie within `2^LAZY_MAX_SLACK` of its running maximum
+    // Whether no head's scores rise more than `LAZY_MAX_SLACK` above its running maximum
     // (ordered compares: a NaN score fails, so does a head with no maximum yet).
     let mut near = true;
     for h in 0..G {
