@@ -259,7 +259,7 @@ impl Tiles {
     }
 }
 
-/// The sums of the lanes of each of eight vectors, as lanes 0..8: 23 ops where eight
+/// The sums of the lanes of each of eight vectors, as lanes 0..8: 24 ops where eight
 /// separate reductions take 64, half of them shuffles on the one port that runs them (a
 /// tile's reductions were a fifth of its time on rows of 576).
 #[inline]
