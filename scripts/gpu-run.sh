@@ -20,7 +20,12 @@
 #   scout-64k-sketch-f32 scout-32k-predicted-device scout-32k-quest decode-32k-block16 decode-8k-host-layers",
 #   5 minutes (2026-11-27). (dense-step-b4-* became dense-step-b8-{cublas,gemv,tc}.) On 2026-11-28 (H200) selftest took 45 s, make-model 18, a
 #   `bench decode` of one mode and context about 10, and capacity over 100 (cut there: give
-#   it STEP_TIMEOUT=200); the lease's start about 30.
+#   it STEP_TIMEOUT=200); the lease's start about 30. On 2026-11-29 (H200, a 15-minute lease)
+#   selftest, make-model, the three device-kernels rows, the four dense-step rows, decode-8k-32k,
+#   decode-64k, decode-8k-batch8 and capacity-64k (81 s) took 302 s in one call (the rest in
+#   SKIP); most others (not host-kernels, host-select, dense-step-b8-tc-chunks8,
+#   decode-head-budgets, decode-full-split-kernel, scout-32k-*, the SMOLLM2 ones) in two more
+#   calls while warm, 372 s; the three ncu steps then 49 s.
 set -euo pipefail
 bin=${1:-target/release/decode-node}
 layers=${2:-10}
@@ -217,22 +222,37 @@ step_limit=${CAPACITY_TIMEOUT:-240} step capacity-64k "$bin" bench capacity --js
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 32 \
     --device-kv-bytes 40Gi --host-kv-bytes 48Gi
 # Per-kernel figures where Nsight Compute is installed (the lent machines have ncu in
-# /usr/local/cuda/bin, no nsys) and may read the counters: each kernel of one dense step
-# (time, DRAM throughput against its peak, registers, occupancy), then the attention kernel
-# and its combine over 64k tokens. Last, as a profiler can fail or be refused.
+# /usr/local/cuda/bin, no nsys) and may read the counters. Decode steps are profiled through
+# the engine's window (DECODE_NODE_PROFILE_STEPS=BATCH:SKIP:STEPS with --profile-from-start
+# off): that many steady steps and nothing of the checks and timings at start, which were
+# most of an unwindowed profile (session 53: 814 launches, the step's few among them).
+# scripts/ncu-summary.py adds each kernel's launches and microseconds a step to the summary.
+# Last, as a profiler can fail or be refused.
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active
 if [[ -n "$ncu" ]]; then
-    step ncu-step "$ncu" --csv --metrics "$metrics" "$bin" bench step --json --device cuda \
-        --model "$model" --batch 1 --seconds 0
-    step ncu-attention "$ncu" --csv --metrics "$metrics" -k "regex:attend_warps|attend_tc|combine_splits" \
-        --launch-count 6 "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 \
-        --context 64k --seconds 0.05
-    # The device's block scoring in a scout step at 64k (past the start-up checks and the
-    # first steps, which fill the sketch): its two kernels' time against the sketch's bytes.
-    step ncu-sketch "$ncu" --csv --metrics "$metrics" -k "regex:sketch_lse|sketch_shares" \
-        --launch-skip 200 --launch-count 6 "$bin" bench decode --rounds 1 --json --device cuda \
-        --model "$model" --context 64k --modes scout --budget-tokens 2048 --tokens 32
+    # name, batch, then the bench decode arguments: two steps after ten of that batch.
+    ncu_decode() {
+        local name=$1 batch=$2
+        shift 2
+        step "$name" env DECODE_NODE_PROFILE_STEPS="$batch:10:2" "$ncu" --profile-from-start off \
+            --csv --metrics "$metrics" "$bin" bench decode --rounds 1 --json --device cuda \
+            --model "$model" --tokens 32 --batch "$batch" "$@"
+        if [[ -f "$out/$name.json" ]]; then
+            echo "   $name, per step (kernels run alone: no overlap, no gaps):" >>"$out/summary.txt"
+            python3 "$(dirname "$0")/ncu-summary.py" "$out/$name.json" 2 2>&1 | head -25 |
+                sed 's/^/   /' >>"$out/summary.txt" || true
+        fi
+    }
+    ncu_decode ncu-full-b1-64k 1 --context 64k --modes full
+    ncu_decode ncu-scout-b1-64k 1 --context 64k --modes scout --budget-tokens 2048
+    ncu_decode ncu-full-b8-8k 8 --context 8k --modes full
+    # The attention kernel and its combine over 64k tokens; tc forced, so no timing at start
+    # (its calls would fill the launches), past the checks' launches.
+    step ncu-attention env DECODE_NODE_ATTENTION_KERNEL=tc "$ncu" --csv --metrics "$metrics" \
+        -k "regex:attend_warps|attend_tc|combine_splits" --launch-skip 40 --launch-count 6 \
+        "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 --context 64k \
+        --seconds 0.05
 else
     echo "== ncu: not installed; no per-kernel profile" | tee -a "$out/summary.txt"
 fi

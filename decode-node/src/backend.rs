@@ -507,6 +507,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Turns the device profiler's collection on or off (`cuProfilerStart`/`Stop`: what
+    /// `ncu --profile-from-start off` records); nothing where there is no device.
+    fn profile(&self, _on: bool) -> Result<(), BackendError> {
+        Ok(())
+    }
+
     /// True when [`Residual::lm_head`] picks tokens where the logits are: the model then
     /// checks those picks once against the host's.
     fn picks_on_device(&self) -> bool {

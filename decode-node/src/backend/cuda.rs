@@ -420,6 +420,16 @@ impl Backend for CudaBackend {
         Some(self.shared.idle.seconds())
     }
 
+    fn profile(&self, on: bool) -> Result<(), BackendError> {
+        self.shared.bind()?;
+        let r = if on {
+            cudarc::driver::profiler_start()
+        } else {
+            cudarc::driver::profiler_stop()
+        };
+        r.map_err(|e| driver::dev_err("switching the profiler", e))
+    }
+
     fn keep_residual_on_host(&self) {
         self.residual_on_device
             .store(false, std::sync::atomic::Ordering::Release);

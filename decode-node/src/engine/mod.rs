@@ -10,6 +10,7 @@ pub(crate) mod admission;
 mod attend;
 mod error;
 mod job;
+mod profile;
 mod running;
 mod solo;
 mod step;
@@ -120,6 +121,7 @@ impl Engine {
             load: load.clone(),
             recent: VecDeque::new(),
             lost: None,
+            profile: profile::ProfileWindow::from_env(),
         };
         let h = std::thread::Builder::new()
             .name("step-loop".into())
@@ -185,6 +187,8 @@ struct StepLoop {
     recent: VecDeque<(Instant, usize)>,
     /// Set when a step lost the device: why; every request after it is refused.
     lost: Option<String>,
+    /// Steps the device profiler records (`DECODE_NODE_PROFILE_STEPS`).
+    profile: Option<profile::ProfileWindow>,
 }
 
 impl StepLoop {

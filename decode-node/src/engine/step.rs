@@ -9,6 +9,7 @@ use attention::Mode;
 use rayon::prelude::*;
 
 use super::attend::{AttnTiming, BatchAttention, SeqSlot, Shape};
+use super::profile::Switch;
 use super::running::{Latency, Running};
 use super::{EngineError, Event, FinishReason, LoadSnapshot, StepLoop, TopLogprob, solo};
 use crate::metrics::{OutcomeLabel, ReasonLabel};
@@ -47,9 +48,19 @@ struct Pick {
 impl StepLoop {
     /// One decode step of every running request.
     pub(super) fn step(&mut self) {
+        let batch = self.running.len();
+        if let Some(w) = self.profile.as_mut() {
+            let switch = w.before(batch);
+            self.switch_profiler(switch);
+        }
         let t0 = Instant::now();
         let idle0 = self.model.model.backend().device_idle_seconds();
-        let fwd = match self.forward() {
+        let fwd = self.forward();
+        if let Some(w) = self.profile.as_mut() {
+            let switch = w.after();
+            self.switch_profiler(switch);
+        }
+        let fwd = match fwd {
             Ok(f) => f,
             Err(e) => return self.fail_batch(e),
         };
@@ -65,6 +76,22 @@ impl StepLoop {
         let outcomes = self.emit(&fwd, now);
         self.record(t0, now, &fwd);
         self.retire_finished(outcomes);
+    }
+
+    /// Starts or stops the device profiler; a failure is logged and ends the window.
+    fn switch_profiler(&mut self, switch: Switch) {
+        let on = match switch {
+            Switch::Start => true,
+            Switch::Stop => false,
+            Switch::None => return,
+        };
+        match self.model.model.backend().profile(on) {
+            Ok(()) => tracing::info!(on, "device profiler switched"),
+            Err(e) => {
+                tracing::error!(error = %e, "switching the device profiler failed; no profile window");
+                self.profile = None;
+            }
+        }
     }
 
     /// Attention and the model's projections for the whole batch.
