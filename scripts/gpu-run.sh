@@ -9,6 +9,10 @@
 #   The binary must be built with `--features cuda`; layers defaults to 10 (of 40).
 #   STEP_TIMEOUT (seconds, default 180) bounds each step, so one hang cannot spend a lease.
 #   SKIP (step names, space-separated) leaves steps out, to fit a short lease.
+#   SET=core runs only #21's headline rows (selftest, the model, the kernel and dense-step
+#   A/Bs, decode at 8k-64k and batch 8, capacity: 302 s on an H200, 2026-11-29); SET=rest every
+#   other step (the model made again where the machine is fresh). A 15-minute lease fits both
+#   as two calls, the second while the machine is still warm (it waits 30 s).
 # Needs: an NVIDIA driver and the CUDA 13 cuBLAS and NVRTC libraries where the loader finds them.
 #   On the lent H100/H200 machines: LD_LIBRARY_PATH=/usr/local/nvidia/lib64:
 #   /opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/usr/local/cuda/targets/
@@ -34,11 +38,23 @@ step_timeout=${STEP_TIMEOUT:-180}
 mkdir -p "$out"
 # Outside $out: the device tool brings back only so many files, and the model's are not wanted.
 model="${MODEL_DIR:-/tmp}/qwen3-14b-${layers}l"
+core=$(echo selftest make-model device-kernels device-kernels-warps device-kernels-tc dense-step \
+    dense-step-b8-cublas dense-step-b8-gemv dense-step-b8-tc decode-8k-32k decode-64k \
+    decode-8k-batch8 capacity-64k)
+case "${SET:-all}" in
+    all) only="" ;;
+    core) only=$core ;;
+    rest) only="" SKIP="${SKIP:-} ${core/make-model/}" ;;
+    *)
+        echo "SET=${SET}: expected core, rest or all" >&2
+        exit 2
+        ;;
+esac
 step() {
     local name=$1
     shift
-    if [[ " ${SKIP:-} " == *" $name "* ]]; then
-        echo "== $name: skipped (SKIP)" | tee -a "$out/summary.txt"
+    if [[ " ${SKIP:-} " == *" $name "* ]] || [[ -n "$only" && " $only " != *" $name "* ]]; then
+        echo "== $name: skipped (SKIP or SET)" | tee -a "$out/summary.txt"
         return
     fi
     echo "== $name: $*" | tee -a "$out/summary.txt"
@@ -147,6 +163,42 @@ step decode-8k-32k "$bin" bench decode --rounds 1 --json --device cuda --model "
     --context 8k,32k --modes full,hgca,recall,scout --budget-tokens 2048 --tokens 64
 step decode-64k "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 64
+# Per-kernel figures where Nsight Compute is installed (the lent machines have ncu in
+# /usr/local/cuda/bin, no nsys) and may read the counters. Decode steps are profiled through
+# the engine's window (DECODE_NODE_PROFILE_STEPS=BATCH:SKIP:STEPS with --profile-from-start
+# off): that many steady steps and nothing of the checks and timings at start, which were
+# most of an unwindowed profile (session 53: 814 launches, the step's few among them).
+# scripts/ncu-summary.py adds each kernel's launches and microseconds a step to the summary.
+# Before the A/B rows below, so a lease cut short still has them; a profiler that fails or
+# is refused fails its own steps only.
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active
+if [[ -n "$ncu" ]]; then
+    # name, batch, then the bench decode arguments: two steps after ten of that batch.
+    ncu_decode() {
+        local name=$1 batch=$2
+        shift 2
+        step "$name" env DECODE_NODE_PROFILE_STEPS="$batch:10:2" "$ncu" --profile-from-start off \
+            --csv --metrics "$metrics" "$bin" bench decode --rounds 1 --json --device cuda \
+            --model "$model" --tokens 32 --batch "$batch" "$@"
+        if [[ -f "$out/$name.json" ]]; then
+            echo "   $name, per step (kernels run alone: no overlap, no gaps):" >>"$out/summary.txt"
+            python3 "$(dirname "$0")/ncu-summary.py" "$out/$name.json" 2 2>&1 | head -25 |
+                sed 's/^/   /' >>"$out/summary.txt" || true
+        fi
+    }
+    ncu_decode ncu-full-b1-64k 1 --context 64k --modes full
+    ncu_decode ncu-scout-b1-64k 1 --context 64k --modes scout --budget-tokens 2048
+    ncu_decode ncu-full-b8-8k 8 --context 8k --modes full
+    # The attention kernel and its combine over 64k tokens; tc forced, so no timing at start
+    # (its calls would fill the launches), past the checks' launches.
+    step ncu-attention env DECODE_NODE_ATTENTION_KERNEL=tc "$ncu" --csv --metrics "$metrics" \
+        -k "regex:attend_warps|attend_tc|combine_splits" --launch-skip 40 --launch-count 6 \
+        "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 --context 64k \
+        --seconds 0.05
+else
+    echo "== ncu: not installed; no per-kernel profile" | tee -a "$out/summary.txt"
+fi
 # The sketch's block scores summed in floats (before 2026-11-28: `sketch_lse` now sums in
 # integers, __dp4a against the query rounded to int8 as the host does): the kernel's A/B at
 # 64k, where it scores 2048 blocks a KV head and layer. Its time is in the engine's step
@@ -221,41 +273,6 @@ fi
 step_limit=${CAPACITY_TIMEOUT:-240} step capacity-64k "$bin" bench capacity --json --device cuda --model "$model" \
     --context 64k --modes full,scout --budget-tokens 2048 --tokens 32 \
     --device-kv-bytes 40Gi --host-kv-bytes 48Gi
-# Per-kernel figures where Nsight Compute is installed (the lent machines have ncu in
-# /usr/local/cuda/bin, no nsys) and may read the counters. Decode steps are profiled through
-# the engine's window (DECODE_NODE_PROFILE_STEPS=BATCH:SKIP:STEPS with --profile-from-start
-# off): that many steady steps and nothing of the checks and timings at start, which were
-# most of an unwindowed profile (session 53: 814 launches, the step's few among them).
-# scripts/ncu-summary.py adds each kernel's launches and microseconds a step to the summary.
-# Last, as a profiler can fail or be refused.
-ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
-metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active
-if [[ -n "$ncu" ]]; then
-    # name, batch, then the bench decode arguments: two steps after ten of that batch.
-    ncu_decode() {
-        local name=$1 batch=$2
-        shift 2
-        step "$name" env DECODE_NODE_PROFILE_STEPS="$batch:10:2" "$ncu" --profile-from-start off \
-            --csv --metrics "$metrics" "$bin" bench decode --rounds 1 --json --device cuda \
-            --model "$model" --tokens 32 --batch "$batch" "$@"
-        if [[ -f "$out/$name.json" ]]; then
-            echo "   $name, per step (kernels run alone: no overlap, no gaps):" >>"$out/summary.txt"
-            python3 "$(dirname "$0")/ncu-summary.py" "$out/$name.json" 2 2>&1 | head -25 |
-                sed 's/^/   /' >>"$out/summary.txt" || true
-        fi
-    }
-    ncu_decode ncu-full-b1-64k 1 --context 64k --modes full
-    ncu_decode ncu-scout-b1-64k 1 --context 64k --modes scout --budget-tokens 2048
-    ncu_decode ncu-full-b8-8k 8 --context 8k --modes full
-    # The attention kernel and its combine over 64k tokens; tc forced, so no timing at start
-    # (its calls would fill the launches), past the checks' launches.
-    step ncu-attention env DECODE_NODE_ATTENTION_KERNEL=tc "$ncu" --csv --metrics "$metrics" \
-        -k "regex:attend_warps|attend_tc|combine_splits" --launch-skip 40 --launch-count 6 \
-        "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 --context 64k \
-        --seconds 0.05
-else
-    echo "== ncu: not installed; no per-kernel profile" | tee -a "$out/summary.txt"
-fi
 # Each decode's step phases (medians per batch size) into the summary, which comes back even
 # when the archive does not.
 if command -v python3 >/dev/null; then
