@@ -285,9 +285,12 @@ impl HeadSketch {
                         len => (sketch_of(b), len),
                     })
                     .collect();
+                // Where the attention kernel takes AVX-512 (not on Zen 4's half-width units).
+                let avx512 = crate::kernel_avx512::preferred();
                 // SAFETY: `QueryI8::for_blocks` made one only where AVX2 is present and 16
-                // divides `bs`; each sketch is a whole block's (or empty, with no tokens).
-                unsafe { avx2::chunk_lse_i8(qi, d, bs, temp, &sketches, buf, chunk) };
+                // divides `bs`, `preferred` checked AVX-512; each sketch is a whole block's
+                // (or empty, with no tokens).
+                unsafe { avx2::chunk_lse_i8(qi, d, bs, temp, &sketches, buf, chunk, avx512) };
                 return;
             }
             for (&b, out) in mine.iter().zip(chunk.chunks_mut(g)) {
@@ -667,6 +670,7 @@ mod avx2 {
         blocks: &[(&[u8], usize)],
         x: &mut Vec<f32>,
         out: &mut [f32],
+        avx512: bool,
     ) {
         let nb = d.div_ceil(2);
         let g = qi.step.len();
@@ -686,6 +690,7 @@ mod avx2 {
             x.resize(n * gn * bs, 0.0);
             let mut top = [_mm256_set1_ps(f32::NEG_INFINITY); 8];
             let wide = bs.is_multiple_of(32) && gn <= WIDE_HEADS;
+            let wide512 = bs.is_multiple_of(32) && avx512;
             for (j, &(blk, len)) in blocks.iter().enumerate() {
                 // The sketch `SKETCH_AHEAD` blocks on, asked for into L2; a task's own first
                 // blocks with its first (nothing fetched them). See `SKETCH_AHEAD`.
@@ -713,6 +718,11 @@ mod avx2 {
                     temps: &temps[..gn],
                 };
                 let top = &mut top;
+                if wide512 {
+                    // SAFETY: `preferred` checked AVX-512 F and BW; the loop asserts the sizes.
+                    unsafe { dots_i8_512_dyn(gn, &dots, acc, top) };
+                    continue;
+                }
                 // SAFETY: the caller promises AVX2; the loops assert the sizes.
                 unsafe {
                     match gn {
@@ -739,6 +749,11 @@ mod avx2 {
                     let mut sums = [_mm256_setzero_ps(); 8];
                     for (i, s) in sums.iter_mut().take(k).enumerate() {
                         let row = &x[((j0 + i) * gn + h) * bs..][..bs];
+                        if wide512 {
+                            // SAFETY: the caller checked AVX-512; 32 divides the row.
+                            *s = unsafe { exp_sums_512(row, m, *s) };
+                            continue;
+                        }
                         for v in row.chunks_exact(8) {
                             // SAFETY: eight floats of the row.
                             let v = unsafe { _mm256_loadu_ps(v.as_ptr()) };
@@ -762,6 +777,29 @@ mod avx2 {
                 }
             }
         }
+    }
+
+    /// `s` plus `2^(x - m)` of each eight floats of `row` in turn, as the AVX2 loop of
+    /// [`chunk_lse_i8`] sums them (so the same bits), each `exp2` taken sixteen lanes at a
+    /// time: per lane the same bits as [`crate::kernel_avx2::exp2_ps`].
+    ///
+    /// # Safety
+    /// AVX-512 F; `row.len()` a multiple of 16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    unsafe fn exp_sums_512(row: &[f32], m: f32, mut s: __m256) -> __m256 {
+        let mv = _mm512_set1_ps(m);
+        for v in row.chunks_exact(16) {
+            // SAFETY: sixteen floats of the row.
+            let v = unsafe { _mm512_loadu_ps(v.as_ptr()) };
+            let e = crate::kernel_avx512::exp2_ps(_mm512_sub_ps(v, mv));
+            s = _mm256_add_ps(s, _mm512_castps512_ps256(e));
+            s = _mm256_add_ps(
+                s,
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e))),
+            );
+        }
+        s
     }
 
     /// Lane `i` holds the sum of `v[i]`'s lanes.
@@ -1115,6 +1153,110 @@ mod avx2 {
         top[..G].copy_from_slice(&maxima);
     }
 
+    /// [`dots_i8_512`] for `g` heads (1..=8).
+    ///
+    /// # Safety
+    /// As [`dots_i8_512`].
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    unsafe fn dots_i8_512_dyn(g: usize, blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+        // SAFETY (every arm): forwarded.
+        unsafe {
+            match g {
+                1 => dots_i8_512::<1>(blk, acc, top),
+                2 => dots_i8_512::<2>(blk, acc, top),
+                3 => dots_i8_512::<3>(blk, acc, top),
+                4 => dots_i8_512::<4>(blk, acc, top),
+                5 => dots_i8_512::<5>(blk, acc, top),
+                6 => dots_i8_512::<6>(blk, acc, top),
+                7 => dots_i8_512::<7>(blk, acc, top),
+                _ => dots_i8_512::<8>(blk, acc, top),
+            }
+        }
+    }
+
+    /// [`dots_i8`] on AVX-512 (F, BW) for blocks of a multiple of 32 tokens: a byte row's 32
+    /// tokens widen into one register of 16-bit lanes, each token's two nibbles in its two
+    /// bytes (as [`dots_i8`] makes them), so one `vpmaddubsw` a head and row takes 32 tokens
+    /// where AVX2 takes two. The even and the odd tokens widen apart as there and two
+    /// permutes put them back in order. The same integer sums, float products and order of
+    /// maxima as [`dots_i8`], so the same bits.
+    ///
+    /// # Safety
+    /// AVX-512 F and BW (the sizes are asserted).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    unsafe fn dots_i8_512<const G: usize>(blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+        blk.assert_fits(G, 32, acc, top);
+        let Dots {
+            pairs,
+            zero,
+            nb,
+            bs,
+            nib,
+            sc,
+            len,
+            temps,
+        } = *blk;
+        let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
+        let nibbles = _mm512_set1_epi16(0x0f0f);
+        let (even_of, odd_of) = (_mm512_set1_epi32(1), _mm512_set1_epi32(1 << 16));
+        // Tokens 0..16 and 16..32 from the even (lanes 0..16 of the first operand: tokens
+        // 0, 2, .., 30) and the odd (16..32: tokens 1, 3, .., 31).
+        let first_half = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        let second_half =
+            _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+        let neg = _mm512_set1_ps(f32::NEG_INFINITY);
+        let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
+        for t0 in (0..bs).step_by(32) {
+            let mut even: [__m512i; G] = std::array::from_fn(|h| _mm512_set1_epi32(-zero[h]));
+            let mut odd = even;
+            for j0 in (0..nb).step_by(8) {
+                let mut sum = [_mm512_setzero_si512(); G];
+                for j in j0..(j0 + 8).min(nb) {
+                    // SAFETY: row j's columns t0 .. t0 + 32 lie in `nib` (asserted above).
+                    let x = _mm512_cvtepu8_epi16(unsafe {
+                        _mm256_loadu_si256(np.add(j * bs + t0).cast())
+                    });
+                    // As in `dots_i8`: 0x00HL becomes 0x0H0L.
+                    let both =
+                        _mm512_and_si512(_mm512_or_si512(x, _mm512_slli_epi16::<4>(x)), nibbles);
+                    for (h, s) in sum.iter_mut().enumerate() {
+                        // SAFETY: head h's pair j, inside `pairs`.
+                        let q = _mm512_set1_epi32(unsafe { *qp.add(h * nb + j) } as i32);
+                        *s = _mm512_add_epi16(*s, _mm512_maddubs_epi16(both, q));
+                    }
+                }
+                for h in 0..G {
+                    even[h] = _mm512_add_epi32(even[h], _mm512_madd_epi16(sum[h], even_of));
+                    odd[h] = _mm512_add_epi32(odd[h], _mm512_madd_epi16(sum[h], odd_of));
+                }
+            }
+            for (k, idx) in [first_half, second_half].into_iter().enumerate() {
+                let first = t0 + 16 * k;
+                let valid = len.saturating_sub(first).min(16);
+                let keep: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
+                // SAFETY: 64 bytes of scales from token `first`, inside `sc` (asserted).
+                let scales =
+                    unsafe { _mm512_loadu_ps(sc[4 * first..4 * first + 64].as_ptr().cast()) };
+                for h in 0..G {
+                    let sums = _mm512_permutex2var_epi32(even[h], idx, odd[h]);
+                    let t = _mm512_set1_ps(temps[h]);
+                    let x = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(t, scales));
+                    let x = _mm512_mask_blend_ps(keep, neg, x);
+                    // `dots_i8`'s order: the block's next eight tokens, then the eight after
+                    // them, into the running maximum.
+                    let r = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x)));
+                    let l = _mm512_castps512_ps256(x);
+                    maxima[h] = _mm256_max_ps(l, _mm256_max_ps(r, maxima[h]));
+                    let row = &mut acc[h * bs + first..h * bs + first + 16];
+                    // SAFETY: sixteen floats, a slice checked in bounds.
+                    unsafe { _mm512_storeu_ps(row.as_mut_ptr(), x) };
+                }
+            }
+        }
+        top[..G].copy_from_slice(&maxima);
+    }
+
     /// `acc[h * bs + t] = bias[h] + sum_c q_h[c] * nibble_t(c)` for `G` heads and every
     /// token of the block, `8 V` tokens at a time, in `S` sums per head and token vector.
     ///
@@ -1189,18 +1331,72 @@ mod avx2 {
         use super::*;
         use crate::sketch::tests::lcg;
 
-        /// The 32-token rows give [`dots_i8`]'s scores and maxima bit for bit: every head count
-        /// they take, blocks of 32 and 64, full and partial, an odd head_dim (a short last
-        /// group of rows), and every nibble value.
+        /// A chunk's block LSEs on AVX-512 (rows and exponentials) are the AVX2 path's bit
+        /// for bit: every head count, blocks of 32 and 64, full, partial and empty blocks.
+        #[test]
+        fn avx512_chunks_score_as_avx2_ones_bit_for_bit() {
+            if !super::super::avx2::available() || !crate::kernel_avx512::available() {
+                return;
+            }
+            let mut seed = 7;
+            for (d, bs) in [(64, 32), (128, 64)] {
+                let nb = crate::sketch::nibble_bytes(d);
+                let lens = [bs, 1, 0, 17, bs, 31];
+                let bytes: Vec<Vec<u8>> = lens
+                    .iter()
+                    .map(|_| {
+                        let mut b: Vec<u8> = (0..bs)
+                            .flat_map(|_| (0.05 + lcg(&mut seed).abs()).to_ne_bytes())
+                            .collect();
+                        b.extend((0..nb * bs).map(|_| (lcg(&mut seed) * 1e4) as u8));
+                        b
+                    })
+                    .collect();
+                let blocks: Vec<(&[u8], usize)> = bytes
+                    .iter()
+                    .zip(lens)
+                    .map(|(b, len)| {
+                        if len == 0 {
+                            (&[][..], 0)
+                        } else {
+                            (&b[..], len)
+                        }
+                    })
+                    .collect();
+                for g in 1..=8 {
+                    let q: Vec<f32> = (0..g * d).map(|_| 4.0 * lcg(&mut seed)).collect();
+                    let qi = super::super::QueryI8::new(&q, d).unwrap();
+                    let run = |avx512: bool| {
+                        let (mut x, mut out) = (Vec::new(), vec![0f32; blocks.len() * g]);
+                        // SAFETY: AVX2 and AVX-512 are present; whole blocks or empty ones.
+                        unsafe { chunk_lse_i8(&qi, d, bs, 0.3, &blocks, &mut x, &mut out, avx512) };
+                        out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    };
+                    let avx2 = run(false);
+                    assert_eq!(avx2, run(true), "d {d} block {bs} G {g}");
+                    assert!(
+                        avx2.iter().any(|&b| f32::from_bits(b).is_finite()),
+                        "d {d} block {bs} G {g}: some finite LSE"
+                    );
+                }
+            }
+        }
+
+        /// The 32-token rows, and the AVX-512 ones where this CPU has them, give
+        /// [`dots_i8`]'s scores and maxima bit for bit: every head count they take, blocks of
+        /// 32 and 64, full and partial, an odd head_dim (a short last group of rows), and
+        /// every nibble value.
         #[test]
         fn wide_rows_score_as_narrow_ones_bit_for_bit() {
             if !super::super::avx2::available() {
                 return;
             }
+            // The AVX-512 rows where this CPU has them (not only where they are preferred).
+            let avx512 = crate::kernel_avx512::available();
             let mut seed = 31;
             for (d, bs) in [(64, 32), (65, 32), (128, 64)] {
                 let nb = crate::sketch::nibble_bytes(d);
-                for g in 1..=WIDE_HEADS {
+                for g in 1..=8 {
                     let q: Vec<f32> = (0..g * d).map(|_| 4.0 * lcg(&mut seed)).collect();
                     let qi = super::super::QueryI8::new(&q, d).unwrap();
                     let nib: Vec<u8> = (0..nb * bs)
@@ -1217,7 +1413,8 @@ mod avx2 {
                         .collect();
                     let temps: Vec<f32> = (0..g).map(|h| 0.1 * qi.step[h]).collect();
                     for len in [1, 7, 17, 31, bs] {
-                        let run = |wide: bool| {
+                        // 0: `dots_i8`; 1: `dots_i8_wide`; 2: `dots_i8_512`.
+                        let run = |path: usize| {
                             let mut acc = vec![0f32; g * bs];
                             // SAFETY: AVX2 is present.
                             let mut top = unsafe { [_mm256_set1_ps(-1e3); 8] };
@@ -1232,17 +1429,23 @@ mod avx2 {
                                 temps: &temps,
                             };
                             let (acc, top) = (&mut acc, &mut top);
-                            // SAFETY: AVX2 is present; the loops assert the sizes.
+                            // SAFETY: AVX2 is present, AVX-512 F and BW for path 2; the
+                            // loops assert the sizes.
                             unsafe {
-                                match (g, wide) {
-                                    (1, true) => dots_i8_wide::<1>(&dots, acc, top),
-                                    (2, true) => dots_i8_wide::<2>(&dots, acc, top),
-                                    (3, true) => dots_i8_wide::<3>(&dots, acc, top),
-                                    (_, true) => dots_i8_wide::<4>(&dots, acc, top),
-                                    (1, false) => dots_i8::<1>(&dots, acc, top),
-                                    (2, false) => dots_i8::<2>(&dots, acc, top),
-                                    (3, false) => dots_i8::<3>(&dots, acc, top),
-                                    (_, false) => dots_i8::<4>(&dots, acc, top),
+                                match (g, path) {
+                                    (_, 2) => dots_i8_512_dyn(g, &dots, acc, top),
+                                    (1, 1) => dots_i8_wide::<1>(&dots, acc, top),
+                                    (2, 1) => dots_i8_wide::<2>(&dots, acc, top),
+                                    (3, 1) => dots_i8_wide::<3>(&dots, acc, top),
+                                    (_, 1) => dots_i8_wide::<4>(&dots, acc, top),
+                                    (1, _) => dots_i8::<1>(&dots, acc, top),
+                                    (2, _) => dots_i8::<2>(&dots, acc, top),
+                                    (3, _) => dots_i8::<3>(&dots, acc, top),
+                                    (4, _) => dots_i8::<4>(&dots, acc, top),
+                                    (5, _) => dots_i8::<5>(&dots, acc, top),
+                                    (6, _) => dots_i8::<6>(&dots, acc, top),
+                                    (7, _) => dots_i8::<7>(&dots, acc, top),
+                                    _ => dots_i8::<8>(&dots, acc, top),
                                 }
                             }
                             let mut tops = [0f32; 64];
@@ -1257,11 +1460,19 @@ mod avx2 {
                                 tops[..8 * g].iter().fold(f32::MIN, |m, &x| m.max(x)),
                             )
                         };
-                        let (narrow, wide) = (run(false), run(true));
+                        let narrow = run(0);
                         let case = format!("d {d} block {bs} G {g} len {len}");
-                        assert_eq!(narrow.0, wide.0, "{case}: scores");
-                        assert_eq!(narrow.1.to_bits(), wide.1.to_bits(), "{case}: maximum");
                         assert!(narrow.1 > -1e3, "{case}: the scores raised the maximum");
+                        let others = [(g <= WIDE_HEADS, 1, "wide"), (avx512, 2, "AVX-512")];
+                        for (_, path, name) in others.into_iter().filter(|o| o.0) {
+                            let other = run(path);
+                            assert_eq!(narrow.0, other.0, "{case}, {name}: scores");
+                            assert_eq!(
+                                narrow.1.to_bits(),
+                                other.1.to_bits(),
+                                "{case}, {name}: maximum"
+                            );
+                        }
                     }
                 }
             }

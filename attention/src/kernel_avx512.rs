@@ -391,7 +391,7 @@ unsafe fn accumulate_v<E: Elem512, const G: usize>(
 /// lanes below -126 give 0, NaN stays NaN.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn exp2_ps(x: __m512) -> __m512 {
+pub(crate) fn exp2_ps(x: __m512) -> __m512 {
     let lo = _mm512_set1_ps(-126.0);
     let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, lo);
     // `max_ps` returns its second operand when either is NaN: NaN lanes stay NaN.
