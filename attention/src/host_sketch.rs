@@ -792,14 +792,18 @@ mod avx2 {
         for v in row.chunks_exact(16) {
             // SAFETY: sixteen floats of the row.
             let v = unsafe { _mm512_loadu_ps(v.as_ptr()) };
-            let e = crate::kernel_avx512::exp2_ps(_mm512_sub_ps(v, mv));
-            s = _mm256_add_ps(s, _mm512_castps512_ps256(e));
-            s = _mm256_add_ps(
-                s,
-                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e))),
-            );
+            let (lo, hi) = halves(crate::kernel_avx512::exp2_ps(_mm512_sub_ps(v, mv)));
+            s = _mm256_add_ps(_mm256_add_ps(s, lo), hi);
         }
         s
+    }
+
+    /// `v`'s low eight lanes and its high eight.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn halves(v: __m512) -> (__m256, __m256) {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        (_mm512_castps512_ps256(v), hi)
     }
 
     /// Lane `i` holds the sum of `v[i]`'s lanes.
@@ -1245,8 +1249,7 @@ mod avx2 {
                     let x = _mm512_mask_blend_ps(keep, neg, x);
                     // `dots_i8`'s order: the block's next eight tokens, then the eight after
                     // them, into the running maximum.
-                    let r = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x)));
-                    let l = _mm512_castps512_ps256(x);
+                    let (l, r) = halves(x);
                     maxima[h] = _mm256_max_ps(l, _mm256_max_ps(r, maxima[h]));
                     let row = &mut acc[h * bs + first..h * bs + first + 16];
                     // SAFETY: sixteen floats, a slice checked in bounds.
