@@ -731,10 +731,11 @@ impl<'a> BatchAttention<'a> {
         plans: &[HeadPlan],
         q: &[f32],
     ) -> Option<CpuJob> {
-        if self.slots[b].dev.is_none() {
-            return None;
+        if self.slots[b].dev.is_some() {
+            self.spawn_cpu_if_any(b, layer, plans, q)
+        } else {
+            None
         }
-        self.spawn_cpu_if_any(b, layer, plans, q)
     }
 
     /// The CPU part of `plans` with `q`, started now; `None` where no head has CPU blocks.
