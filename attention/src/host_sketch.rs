@@ -371,6 +371,9 @@ pub(crate) struct QueryI8 {
     /// odd `d`), the pair again in bytes 2-3: the pairing `vpmaddubsw` makes of a token's
     /// two nibbles, for a 32-bit broadcast.
     pairs: Vec<u32>,
+    /// `[G][nibble_bytes.div_ceil(2)]`: channels `4m .. 4m + 4` of a head in bytes 0-3 (0
+    /// past `d`): the four products one `vpdpbusd` lane sums.
+    quads: Vec<u32>,
     /// Each head's step.
     step: Vec<f32>,
     /// Each head's `8 sum(q8)`: what the nibbles' offset from their level adds.
@@ -399,6 +402,7 @@ impl QueryI8 {
         let g = q_group.len() / d;
         let mut me = Self {
             pairs: Vec::with_capacity(g * nb),
+            quads: Vec::with_capacity(g * nb.div_ceil(2)),
             step: Vec::with_capacity(g),
             zero: Vec::with_capacity(g),
         };
@@ -410,6 +414,11 @@ impl QueryI8 {
             me.pairs.extend(q8.chunks(2).map(|p| {
                 let pair = u32::from(p[0] as u8) | u32::from(*p.get(1).unwrap_or(&0) as u8) << 8;
                 pair | pair << 16
+            }));
+            me.quads.extend(q8.chunks(4).map(|p| {
+                (0..4).fold(0u32, |w, i| {
+                    w | u32::from(*p.get(i).unwrap_or(&0) as u8) << (8 * i)
+                })
             }));
         }
         Some(me)
@@ -685,6 +694,7 @@ mod avx2 {
         for h0 in (0..g).step_by(8) {
             let gn = (g - h0).min(8);
             let (pairs, zero) = (&qi.pairs[h0 * nb..], &qi.zero[h0..h0 + gn]);
+            let quads = &qi.quads[h0 * nb.div_ceil(2)..];
             let temps: [f32; 8] =
                 std::array::from_fn(|h| if h < gn { temp * qi.step[h0 + h] } else { 0.0 });
             x.resize(n * gn * bs, 0.0);
@@ -709,6 +719,7 @@ mod avx2 {
                 let (sc, nib) = blk.split_at(bs * 4);
                 let dots = Dots {
                     pairs,
+                    quads,
                     zero,
                     nb,
                     bs,
@@ -719,8 +730,15 @@ mod avx2 {
                 };
                 let top = &mut top;
                 if wide512 {
-                    // SAFETY: `preferred` checked AVX-512 F and BW; the loop asserts the sizes.
-                    unsafe { dots_i8_512_dyn(gn, &dots, acc, top) };
+                    // SAFETY: `preferred` checked AVX-512 F and BW, `vnni` VNNI and VBMI; the
+                    // loops assert the sizes.
+                    unsafe {
+                        if vnni() {
+                            dots_i8_vnni_dyn(gn, &dots, acc, top)
+                        } else {
+                            dots_i8_512_dyn(gn, &dots, acc, top)
+                        }
+                    };
                     continue;
                 }
                 // SAFETY: the caller promises AVX2; the loops assert the sizes.
@@ -932,6 +950,7 @@ mod avx2 {
     #[derive(Clone, Copy)]
     struct Dots<'a> {
         pairs: &'a [u32],
+        quads: &'a [u32],
         zero: &'a [i32],
         nb: usize,
         bs: usize,
@@ -1157,6 +1176,129 @@ mod avx2 {
         top[..G].copy_from_slice(&maxima);
     }
 
+    /// Whether [`dots_i8_vnni`] can run here (AVX-512 VNNI and VBMI, beside the F and BW
+    /// that the caller's `avx512` says). Read once.
+    fn vnni() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vbmi")
+        })
+    }
+
+    /// [`dots_i8_vnni`] for `g` heads (1..=8).
+    ///
+    /// # Safety
+    /// As [`dots_i8_vnni`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2")]
+    unsafe fn dots_i8_vnni_dyn(g: usize, blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+        // SAFETY (every arm): forwarded.
+        unsafe {
+            match g {
+                1 => dots_i8_vnni::<1>(blk, acc, top),
+                2 => dots_i8_vnni::<2>(blk, acc, top),
+                3 => dots_i8_vnni::<3>(blk, acc, top),
+                4 => dots_i8_vnni::<4>(blk, acc, top),
+                5 => dots_i8_vnni::<5>(blk, acc, top),
+                6 => dots_i8_vnni::<6>(blk, acc, top),
+                7 => dots_i8_vnni::<7>(blk, acc, top),
+                _ => dots_i8_vnni::<8>(blk, acc, top),
+            }
+        }
+    }
+
+    /// [`dots_i8_512`] with VNNI: two byte rows (four channels) a pass, each token's four
+    /// nibbles gathered into its 32-bit lane by two `vpermt2b` (tokens in order, 16 a
+    /// register), so one `vpdpbusd` a head sums four products per token straight into 32
+    /// bits, where `vpmaddubsw` summed two into 16 and every eighth row widened them. The
+    /// same integer sums (exact either way), float products and order of maxima as
+    /// [`dots_i8`], so the same bits.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW, VNNI and VBMI (the sizes are asserted).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2")]
+    unsafe fn dots_i8_vnni<const G: usize>(blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+        blk.assert_fits(G, 32, acc, top);
+        let nq = blk.nb.div_ceil(2);
+        assert!(blk.quads.len() >= G * nq);
+        let Dots {
+            quads,
+            zero,
+            nb,
+            bs,
+            nib,
+            sc,
+            len,
+            temps,
+            ..
+        } = *blk;
+        let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
+        let low = _mm512_set1_epi8(0x0f);
+        // Token `first + t`'s lane, from `l` (its low nibbles: row 2m in bytes 0..32, row
+        // 2m + 1 in 32..64) and `h` (the high ones, indices 64..128): channels 4m .. 4m + 4.
+        let gather = |first: usize| {
+            let mut idx = [0u8; 64];
+            for (t, lane) in idx.chunks_exact_mut(4).enumerate() {
+                let at = (first + t) as u8;
+                lane.copy_from_slice(&[at, 64 + at, 32 + at, 96 + at]);
+            }
+            // SAFETY: 64 bytes.
+            unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
+        };
+        let order = [gather(0), gather(16)];
+        let neg = _mm512_set1_ps(f32::NEG_INFINITY);
+        let (qp, np) = (quads.as_ptr(), nib.as_ptr());
+        for t0 in (0..bs).step_by(32) {
+            let mut sums: [[__m512i; 2]; G] =
+                std::array::from_fn(|h| [_mm512_set1_epi32(-zero[h]); 2]);
+            for m in 0..nq {
+                // An odd last row pairs with itself: the quad's upper channels are 0.
+                let (r0, r1) = (2 * m, (2 * m + 1).min(nb - 1));
+                // SAFETY: rows r0, r1 < nb: columns t0 .. t0 + 32 lie in `nib` (asserted);
+                // with blocks of 32, row r0 + 1 = r1 follows row r0.
+                let x = unsafe {
+                    if bs == 32 && r1 == r0 + 1 {
+                        _mm512_loadu_si512(np.add(r0 * bs).cast())
+                    } else {
+                        _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(_mm256_loadu_si256(np.add(r0 * bs + t0).cast())),
+                            _mm256_loadu_si256(np.add(r1 * bs + t0).cast()),
+                        )
+                    }
+                };
+                let l = _mm512_and_si512(x, low);
+                let h = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
+                let lanes = order.map(|o| _mm512_permutex2var_epi8(l, o, h));
+                for (hd, s) in sums.iter_mut().enumerate() {
+                    // SAFETY: head hd's quad m, inside `quads` (asserted).
+                    let q = _mm512_set1_epi32(unsafe { *qp.add(hd * nq + m) } as i32);
+                    for (s, v) in s.iter_mut().zip(lanes) {
+                        *s = _mm512_dpbusd_epi32(*s, v, q);
+                    }
+                }
+            }
+            for k in 0..2 {
+                let first = t0 + 16 * k;
+                let valid = len.saturating_sub(first).min(16);
+                let keep: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
+                // SAFETY: 64 bytes of scales from token `first`, inside `sc` (asserted).
+                let scales =
+                    unsafe { _mm512_loadu_ps(sc[4 * first..4 * first + 64].as_ptr().cast()) };
+                for h in 0..G {
+                    let t = _mm512_set1_ps(temps[h]);
+                    let x = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[h][k]), _mm512_mul_ps(t, scales));
+                    let x = _mm512_mask_blend_ps(keep, neg, x);
+                    let (l, r) = halves(x);
+                    maxima[h] = _mm256_max_ps(l, _mm256_max_ps(r, maxima[h]));
+                    let row = &mut acc[h * bs + first..h * bs + first + 16];
+                    // SAFETY: sixteen floats, a slice checked in bounds.
+                    unsafe { _mm512_storeu_ps(row.as_mut_ptr(), x) };
+                }
+            }
+        }
+        top[..G].copy_from_slice(&maxima);
+    }
+
     /// [`dots_i8_512`] for `g` heads (1..=8).
     ///
     /// # Safety
@@ -1200,6 +1342,7 @@ mod avx2 {
             sc,
             len,
             temps,
+            ..
         } = *blk;
         let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
         let nibbles = _mm512_set1_epi16(0x0f0f);
@@ -1423,6 +1566,7 @@ mod avx2 {
                             let mut top = unsafe { [_mm256_set1_ps(-1e3); 8] };
                             let dots = Dots {
                                 pairs: &qi.pairs,
+                                quads: &qi.quads,
                                 zero: &qi.zero,
                                 nb,
                                 bs,
@@ -1432,11 +1576,12 @@ mod avx2 {
                                 temps: &temps,
                             };
                             let (acc, top) = (&mut acc, &mut top);
-                            // SAFETY: AVX2 is present, AVX-512 F and BW for path 2; the
-                            // loops assert the sizes.
+                            // SAFETY: AVX2 is present, AVX-512 F and BW for path 2, and
+                            // VNNI and VBMI for path 3; the loops assert the sizes.
                             unsafe {
                                 match (g, path) {
                                     (_, 2) => dots_i8_512_dyn(g, &dots, acc, top),
+                                    (_, 3) => dots_i8_vnni_dyn(g, &dots, acc, top),
                                     (1, 1) => dots_i8_wide::<1>(&dots, acc, top),
                                     (2, 1) => dots_i8_wide::<2>(&dots, acc, top),
                                     (3, 1) => dots_i8_wide::<3>(&dots, acc, top),
@@ -1466,7 +1611,11 @@ mod avx2 {
                         let narrow = run(0);
                         let case = format!("d {d} block {bs} G {g} len {len}");
                         assert!(narrow.1 > -1e3, "{case}: the scores raised the maximum");
-                        let others = [(g <= WIDE_HEADS, 1, "wide"), (avx512, 2, "AVX-512")];
+                        let others = [
+                            (g <= WIDE_HEADS, 1, "wide"),
+                            (avx512, 2, "AVX-512"),
+                            (avx512 && vnni(), 3, "VNNI"),
+                        ];
                         for (_, path, name) in others.into_iter().filter(|o| o.0) {
                             let other = run(path);
                             assert_eq!(narrow.0, other.0, "{case}, {name}: scores");
