@@ -1215,6 +1215,8 @@ mod avx2 {
     ///
     /// # Safety
     /// AVX-512 F, BW, VNNI and VBMI (the sizes are asserted).
+    // Indexed loops over constant bounds keep the sums in registers.
+    #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2")]
     unsafe fn dots_i8_vnni<const G: usize>(blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
