@@ -1176,6 +1176,46 @@ mod avx2 {
         top[..G].copy_from_slice(&maxima);
     }
 
+    /// `$body` with `$G` the constant head count `$g` is, 1..=8 (8 for any above).
+    macro_rules! with_heads {
+        ($g:expr, $G:ident => $body:expr) => {
+            match $g {
+                1 => {
+                    const $G: usize = 1;
+                    $body
+                }
+                2 => {
+                    const $G: usize = 2;
+                    $body
+                }
+                3 => {
+                    const $G: usize = 3;
+                    $body
+                }
+                4 => {
+                    const $G: usize = 4;
+                    $body
+                }
+                5 => {
+                    const $G: usize = 5;
+                    $body
+                }
+                6 => {
+                    const $G: usize = 6;
+                    $body
+                }
+                7 => {
+                    const $G: usize = 7;
+                    $body
+                }
+                _ => {
+                    const $G: usize = 8;
+                    $body
+                }
+            }
+        };
+    }
+
     /// Whether [`dots_i8_vnni`] can run here (AVX-512 VNNI and VBMI, beside the F and BW
     /// that the caller's `avx512` says). Read once.
     fn vnni() -> bool {
@@ -1191,19 +1231,8 @@ mod avx2 {
     /// As [`dots_i8_vnni`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2")]
     unsafe fn dots_i8_vnni_dyn(g: usize, blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
-        // SAFETY (every arm): forwarded.
-        unsafe {
-            match g {
-                1 => dots_i8_vnni::<1>(blk, acc, top),
-                2 => dots_i8_vnni::<2>(blk, acc, top),
-                3 => dots_i8_vnni::<3>(blk, acc, top),
-                4 => dots_i8_vnni::<4>(blk, acc, top),
-                5 => dots_i8_vnni::<5>(blk, acc, top),
-                6 => dots_i8_vnni::<6>(blk, acc, top),
-                7 => dots_i8_vnni::<7>(blk, acc, top),
-                _ => dots_i8_vnni::<8>(blk, acc, top),
-            }
-        }
+        // SAFETY: forwarded.
+        unsafe { with_heads!(g, G => dots_i8_vnni::<G>(blk, acc, top)) }
     }
 
     /// [`dots_i8_512`] with VNNI: two byte rows (four channels) a pass, each token's four
@@ -1307,19 +1336,8 @@ mod avx2 {
     /// As [`dots_i8_512`].
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
     unsafe fn dots_i8_512_dyn(g: usize, blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
-        // SAFETY (every arm): forwarded.
-        unsafe {
-            match g {
-                1 => dots_i8_512::<1>(blk, acc, top),
-                2 => dots_i8_512::<2>(blk, acc, top),
-                3 => dots_i8_512::<3>(blk, acc, top),
-                4 => dots_i8_512::<4>(blk, acc, top),
-                5 => dots_i8_512::<5>(blk, acc, top),
-                6 => dots_i8_512::<6>(blk, acc, top),
-                7 => dots_i8_512::<7>(blk, acc, top),
-                _ => dots_i8_512::<8>(blk, acc, top),
-            }
-        }
+        // SAFETY: forwarded.
+        unsafe { with_heads!(g, G => dots_i8_512::<G>(blk, acc, top)) }
     }
 
     /// [`dots_i8`] on AVX-512 (F, BW) for blocks of a multiple of 32 tokens: a byte row's 32
