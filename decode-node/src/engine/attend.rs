@@ -719,11 +719,11 @@ impl<'a> BatchAttention<'a> {
 
     /// The CPU part of `plans` with the real query `q`, started now where sequence `b` has a
     /// device; `None` where no head has CPU blocks, or where `b` has none: its "device" blocks
-    /// are read from the same host pool, and `attend` takes both lists in
-    /// one parallel region. (Spawned as a job of its own, the CPU part cost a second region,
-    /// a channel and a wait per layer on the cores the first one ran on: SmolLM2 at 7.8k, 2
-    /// threads, scout's attention took 4.1 ms a step for a quarter of the tokens full reads in
-    /// 11.4.)
+    /// are read from the same host pool, and `attend` takes both lists in one parallel
+    /// region. Spawned as a job of its own, the CPU part cost a second region, a channel and
+    /// a wait a layer on the cores the first one ran on: SmolLM2 at 7.8k, scout, 2 threads
+    /// (Xeon), three alternating runs, attention 3.7-4.2 ms a step with it and 3.4-3.8
+    /// without (batch 8 at 4k: within the noise either way).
     fn spawn_real_cpu(
         &self,
         b: usize,
