@@ -1041,6 +1041,41 @@ mod avx2 {
                 unsafe { _mm256_storeu_ps(row[tok.first..tok.first + 8].as_mut_ptr(), x) };
             }
         }
+
+        /// The AVX-512 loops' [`Dots::tokens`]: tokens `first .. first + 16` (`16 <= bs -
+        /// first`), their scales and a mask of those in the block.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2")]
+        fn tokens16(&self, first: usize) -> (usize, __m512, __mmask16) {
+            let valid = self.len.saturating_sub(first).min(16);
+            // SAFETY: 64 bytes, a slice checked in bounds.
+            let scales =
+                unsafe { _mm512_loadu_ps(self.sc[4 * first..4 * first + 64].as_ptr().cast()) };
+            (first, scales, ((1u32 << valid) - 1) as __mmask16)
+        }
+
+        /// The AVX-512 loops' [`Dots::store`]: head `h`'s sums of sixteen tokens in order, as
+        /// scores at their tokens, raising `max` in [`dots_i8`]'s order (the first eight
+        /// tokens, then the next eight).
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2")]
+        fn store16(
+            &self,
+            h: usize,
+            sums: __m512i,
+            (first, scales, keep): (usize, __m512, __mmask16),
+            acc: &mut [f32],
+            max: &mut __m256,
+        ) {
+            let t = _mm512_set1_ps(self.temps[h]);
+            let x = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(t, scales));
+            let x = _mm512_mask_blend_ps(keep, _mm512_set1_ps(f32::NEG_INFINITY), x);
+            let (l, r) = halves(x);
+            *max = _mm256_max_ps(l, _mm256_max_ps(r, *max));
+            let row = &mut acc[h * self.bs + first..h * self.bs + first + 16];
+            // SAFETY: sixteen floats, a slice checked in bounds.
+            unsafe { _mm512_storeu_ps(row.as_mut_ptr(), x) };
+        }
     }
 
     /// `acc[h * bs + t] = temps[h] * scale_t * (sum_c q8_h[c] * nibble_t(c) - zero[h])` for
@@ -1258,9 +1293,6 @@ mod avx2 {
             nb,
             bs,
             nib,
-            sc,
-            len,
-            temps,
             ..
         } = *blk;
         let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
@@ -1277,7 +1309,6 @@ mod avx2 {
             unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
         };
         let order = [gather(0), gather(16)];
-        let neg = _mm512_set1_ps(f32::NEG_INFINITY);
         let (qp, np) = (quads.as_ptr(), nib.as_ptr());
         for t0 in (0..bs).step_by(32) {
             let mut sums: [[__m512i; 2]; G] =
@@ -1309,21 +1340,9 @@ mod avx2 {
                 }
             }
             for k in 0..2 {
-                let first = t0 + 16 * k;
-                let valid = len.saturating_sub(first).min(16);
-                let keep: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
-                // SAFETY: 64 bytes of scales from token `first`, inside `sc` (asserted).
-                let scales =
-                    unsafe { _mm512_loadu_ps(sc[4 * first..4 * first + 64].as_ptr().cast()) };
+                let tokens = blk.tokens16(t0 + 16 * k);
                 for h in 0..G {
-                    let t = _mm512_set1_ps(temps[h]);
-                    let x = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[h][k]), _mm512_mul_ps(t, scales));
-                    let x = _mm512_mask_blend_ps(keep, neg, x);
-                    let (l, r) = halves(x);
-                    maxima[h] = _mm256_max_ps(l, _mm256_max_ps(r, maxima[h]));
-                    let row = &mut acc[h * bs + first..h * bs + first + 16];
-                    // SAFETY: sixteen floats, a slice checked in bounds.
-                    unsafe { _mm512_storeu_ps(row.as_mut_ptr(), x) };
+                    blk.store16(h, sums[h][k], tokens, acc, &mut maxima[h]);
                 }
             }
         }
@@ -1359,9 +1378,6 @@ mod avx2 {
             nb,
             bs,
             nib,
-            sc,
-            len,
-            temps,
             ..
         } = *blk;
         let mut maxima: [__m256; G] = std::array::from_fn(|h| top[h]);
@@ -1372,7 +1388,6 @@ mod avx2 {
         let first_half = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
         let second_half =
             _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-        let neg = _mm512_set1_ps(f32::NEG_INFINITY);
         let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
         for t0 in (0..bs).step_by(32) {
             let mut even: [__m512i; G] = std::array::from_fn(|h| _mm512_set1_epi32(-zero[h]));
@@ -1399,24 +1414,10 @@ mod avx2 {
                 }
             }
             for (k, idx) in [first_half, second_half].into_iter().enumerate() {
-                let first = t0 + 16 * k;
-                let valid = len.saturating_sub(first).min(16);
-                let keep: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
-                // SAFETY: 64 bytes of scales from token `first`, inside `sc` (asserted).
-                let scales =
-                    unsafe { _mm512_loadu_ps(sc[4 * first..4 * first + 64].as_ptr().cast()) };
+                let tokens = blk.tokens16(t0 + 16 * k);
                 for h in 0..G {
                     let sums = _mm512_permutex2var_epi32(even[h], idx, odd[h]);
-                    let t = _mm512_set1_ps(temps[h]);
-                    let x = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(t, scales));
-                    let x = _mm512_mask_blend_ps(keep, neg, x);
-                    // `dots_i8`'s order: the block's next eight tokens, then the eight after
-                    // them, into the running maximum.
-                    let (l, r) = halves(x);
-                    maxima[h] = _mm256_max_ps(l, _mm256_max_ps(r, maxima[h]));
-                    let row = &mut acc[h * bs + first..h * bs + first + 16];
-                    // SAFETY: sixteen floats, a slice checked in bounds.
-                    unsafe { _mm512_storeu_ps(row.as_mut_ptr(), x) };
+                    blk.store16(h, sums, tokens, acc, &mut maxima[h]);
                 }
             }
         }
