@@ -222,6 +222,12 @@ impl Node {
         let backend = backend(&args.device)?;
         let model = model::load(&args.model, backend)
             .with_context(|| format!("loading model {:?}", args.model))?;
+        Self::of(args, Arc::new(model))
+    }
+
+    /// The layout and attention settings `args` give `model`, loaded already (by `args` too:
+    /// a node that serves it, say).
+    pub fn of(args: &ModelArgs, model: Arc<LoadedModel>) -> anyhow::Result<Self> {
         let cfg = &model.model.cfg;
         if let Some(w) = cfg
             .sliding_window
@@ -250,7 +256,7 @@ impl Node {
         let group = cfg.num_heads / cfg.num_kv_heads.max(1);
         let attention = attention_config(args, geom, cfg.num_layers, group)?;
         Ok(Self {
-            model: Arc::new(model),
+            model,
             layout,
             attention,
         })

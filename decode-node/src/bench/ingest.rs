@@ -2,19 +2,18 @@
 
 use super::*; // the shared helpers and imports of `bench`
 
-/// The same pushes written into a pool in-process (no transport): the store path's own rate.
-/// The messages (the client's CRCs and slicing) are built once, outside the clock.
-fn store_rate(model: &crate::cli::ModelArgs, kv: &PromptKv, rounds: u64) -> anyhow::Result<f64> {
+/// The same pushes written into a pool of `layout` in-process (no transport): the store
+/// path's own rate. The messages (the client's CRCs and slicing) are built once, outside the
+/// clock.
+fn store_rate(layout: &kv_transfer::KvLayout, kv: &PromptKv, rounds: u64) -> anyhow::Result<f64> {
     use kv_transfer::Ingest;
     use pb::push_kv_request::Item;
-    let node = crate::node::Node::build(model)?;
     let bytes: u64 = kv
         .layers
         .iter()
         .map(|(k, v)| (k.len() + v.len()) as u64)
         .sum();
-    let pool =
-        kv_transfer::HostPool::with_prefault(node.layout.geom, 2 * bytes + (64 << 20), true)?;
+    let pool = kv_transfer::HostPool::with_prefault(layout.geom, 2 * bytes + (64 << 20), true)?;
     let msgs = kv_transfer::client::push_messages(kv, 256);
     let chunks: Vec<kv_transfer::wire::Chunk> = msgs
         .iter()
@@ -25,7 +24,7 @@ fn store_rate(model: &crate::cli::ModelArgs, kv: &PromptKv, rounds: u64) -> anyh
         .collect();
     let t = Instant::now();
     for _ in 0..rounds {
-        let mut ingest = Ingest::begin(&node.layout, &pool, &kv.header)?;
+        let mut ingest = Ingest::begin(layout, &pool, &kv.header)?;
         for c in &chunks {
             ingest.chunk(c)?;
         }
@@ -56,12 +55,11 @@ struct HeadRun<'a> {
 }
 
 fn stage_rates(
-    model: &crate::cli::ModelArgs,
+    geom: attention::BlockGeometry,
     kv: &PromptKv,
     rounds: u64,
 ) -> anyhow::Result<StageRates> {
     use attention::Rows;
-    let geom = crate::node::Node::build(model)?.layout.geom;
     let (hk, d, es, bs) = (
         geom.num_kv_heads,
         geom.head_dim,
@@ -196,14 +194,18 @@ pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Val
     }
     let secs = t.elapsed().as_secs_f64();
     let rate = (rounds * push_bytes) as f64 / secs;
+    // The served node's layout, from the model it loaded (not loaded again: a 16 GB model
+    // took longer to load than the whole push).
+    let layout =
+        crate::node::Node::of(&args.common.model, std::sync::Arc::clone(&node.model))?.layout;
     node.stop().await?;
     let store = {
-        let (model, kv) = (args.common.model.clone(), kv.clone());
-        tokio::task::spawn_blocking(move || store_rate(&model, &kv, rounds)).await??
+        let (layout, kv) = (layout.clone(), kv.clone());
+        tokio::task::spawn_blocking(move || store_rate(&layout, &kv, rounds)).await??
     };
     let stages = {
-        let (model, kv) = (args.common.model.clone(), kv.clone());
-        tokio::task::spawn_blocking(move || stage_rates(&model, &kv, rounds)).await??
+        let (geom, kv) = (layout.geom, kv.clone());
+        tokio::task::spawn_blocking(move || stage_rates(geom, &kv, rounds)).await??
     };
     let gb = |r: f64| r / 1e9;
     if !args.common.json {
