@@ -33,9 +33,12 @@ if [[ ! -d "$src" ]]; then
     tar -xzf "$cache/llama_cpp_python-$version.tar.gz" -C "$cache"
 fi
 if [[ ! -x "$build/bin/llama-bench" ]]; then
-    cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE="$native" \
-        -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > "$cache/cmake.log" 2>&1
+    # Without the native build, exactly the CI class's instruction sets.
+    isa=()
+    [[ "$native" == ON ]] || isa=(-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+    cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE="$native" ${isa[@]+"${isa[@]}"} \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_SERVER=OFF > "$cache/cmake.log" 2>&1
     cmake --build "$build" -j "$(nproc)" --target llama-bench llama-quantize \
         > "$cache/build.log" 2>&1 || { tail -20 "$cache/build.log" >&2; exit 1; }
 fi
