@@ -10,7 +10,8 @@
 #   STEP_TIMEOUT (seconds, default 180) bounds each step, so one hang cannot spend a lease.
 #   SKIP (step names, space-separated) leaves steps out, to fit a short lease.
 #   SET=core runs only #21's headline rows (selftest, the model, the kernel and dense-step
-#   A/Bs, decode at 8k-64k and batch 8, capacity: 302 s on an H200, 2026-11-29); SET=rest every
+#   A/Bs, decode at 8k-64k and batch 8, capacity: 302 s on an H200, 2026-11-29, before the two
+#   device-kernels-*-prefetch rows, about 25 s each, were added); SET=rest every
 #   other step (the model made again where the machine is fresh). A 15-minute lease fits both
 #   as two calls, the second while the machine is still warm (it waits 30 s).
 # Needs: an NVIDIA driver and the CUDA 13 cuBLAS and NVRTC libraries where the loader finds them.
@@ -38,7 +39,8 @@ step_timeout=${STEP_TIMEOUT:-180}
 mkdir -p "$out"
 # Outside $out: the device tool brings back only so many files, and the model's are not wanted.
 model="${MODEL_DIR:-/tmp}/qwen3-14b-${layers}l"
-core=$(echo selftest make-model device-kernels device-kernels-warps device-kernels-tc dense-step \
+core=$(echo selftest make-model device-kernels device-kernels-warps device-kernels-tc \
+    device-kernels-warps-prefetch device-kernels-tc-prefetch dense-step \
     dense-step-b8-cublas dense-step-b8-gemv dense-step-b8-tc decode-8k-32k decode-64k \
     decode-8k-batch8 capacity-64k)
 case "${SET:-all}" in
@@ -105,12 +107,19 @@ fi
 # start" in the log); then each forced, for the A/B. Each row's `kernel` says which ran.
 step device-kernels "$bin" bench kernels --json --device cuda --groups 5 --head-dims 128 \
     --context 8k,32k,64k --ctas 0,1024 --seconds 0.3
-grep -h "attention kernel timed at start" "$out/device-kernels.log" | sed 's/^.*INFO //' |
-    head -4 | tee -a "$out/summary.txt" || true
+grep -h -E "attention (kernel|prefetch) timed at start" "$out/device-kernels.log" |
+    sed 's/^.*INFO //' | head -8 | tee -a "$out/summary.txt" || true
+# Each kernel forced, without the L2 prefetch of its next loads (new 2026-11-30, never run on a
+# GPU; the node times it at start as above), then with it: rows `attend_tc+prefetch`.
 # `--ctas 396`: three CUDA blocks an SM on an H200's 132, what attend_tc's registers allow
 # (the default aims for two).
 for kernel in warps tc; do
-    step "device-kernels-$kernel" env DECODE_NODE_ATTENTION_KERNEL=$kernel "$bin" bench kernels \
+    step "device-kernels-$kernel" env DECODE_NODE_ATTENTION_KERNEL=$kernel \
+        DECODE_NODE_ATTENTION_PREFETCH=off "$bin" bench kernels \
+        --json --device cuda --groups 5,8 --head-dims 128 --context 8k,32k,64k --ctas 0,396 \
+        --seconds 0.3
+    step "device-kernels-$kernel-prefetch" env DECODE_NODE_ATTENTION_KERNEL=$kernel \
+        DECODE_NODE_ATTENTION_PREFETCH=on "$bin" bench kernels \
         --json --device cuda --groups 5,8 --head-dims 128 --context 8k,32k,64k --ctas 0,396 \
         --seconds 0.3
 done

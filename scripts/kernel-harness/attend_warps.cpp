@@ -3,20 +3,40 @@
 // splits merged by `combine_splits`, against attention computed here in double precision from
 // the definition: softmax(scale * q.K) V over each head's listed tokens, and its base-2
 // log-sum-exp. Heads with a partial newest block (its tail holds NaN), several splits and no
-// blocks at all. Exit status 1 on any difference beyond float rounding.
+// blocks at all. With ATTEND_PREFETCH in the flags, the same results and the lines asked of L2
+// checked: each inside a block the split attends (of V, a written token where the kernel loads
+// only those), every V line and every K line past a warp's first step among them. Exit status 1
+// on any difference beyond float rounding.
 #include "simt.h"
+#include <mutex>
+#include <vector>
+static std::mutex prefetch_mu;
+static std::vector<const unsigned char*> prefetched;
+#define HARNESS_PREFETCH(p)                                 \
+    do {                                                    \
+        std::lock_guard<std::mutex> lock(prefetch_mu);      \
+        prefetched.push_back(p);                            \
+    } while (0)
 #include "../../attention/src/cuda/kernels.cu"
 #include <cstdio>
 #include <random>
+#include <set>
 
 static std::mt19937 rng(11);
 static int bad = 0;
 
 typedef void (*Attend)(const unsigned char*, const long long*, const int*, const int*, const float*, int,
-                       int, int, int, float, int, int, float*, float*);
+                       int, int, int, float, int, int, float*, float*, int);
+
+// How a kernel prefetches, for the checks of its prefetches: 0 flags, none.
+struct Prefetching {
+    int flags = 0;
+    int step_blocks = 1;  // blocks a warp takes at a time
+    bool v_written = false;  // V loaded (and prefetched) only at tokens below the block's len
+};
 
 static void check(const char* name, Attend kernel, int G, int D, int dtype, int BS = 32, int chunk = 4,
-                  double tol = 1e-5) {
+                  double tol = 1e-5, Prefetching pf = {}) {
     const int hk = 3;
     const int head_bytes = 2 * BS * D * 2;
     // Per head: its blocks' tokens. Head 0 ends in a partial block, head 2 has none.
@@ -61,10 +81,42 @@ static void check(const char* name, Attend kernel, int G, int D, int dtype, int 
     // chunk 4: head 0 in 3 splits, head 1 in 1 (+2 empty), head 2 none; 9: one split each.
     const int splits = (9 + chunk - 1) / chunk;
     std::vector<float> part_out((size_t)hk * splits * G * D), part_lse((size_t)hk * splits * G);
+    prefetched.clear();
     launch({(unsigned)splits, (unsigned)hk, 1}, 128, [&] {
         kernel(arena, offs.data(), blens.data(), head_start.data(), q.data(), G, D, BS, dtype, scale, chunk,
-               splits, part_out.data(), part_lse.data());
+               splits, part_out.data(), part_lse.data(), pf.flags);
     });
+    // Where each prefetch landed, in 16-byte units of the arena (a lane prefetches what it
+    // will load, 16 bytes a load).
+    std::set<long long> asked;
+    int stray = 0;
+    for (const unsigned char* p : prefetched) {
+        const long long at = p - arena;
+        const long long bi = at / head_bytes, in = at % head_bytes;
+        const bool v = in >= BS * D * 2;
+        const bool ok = at >= 0 && bi < total && at % 16 == 0 &&
+                        (!v || !pf.v_written || (in - BS * D * 2) / (D * 2) < blens[bi]);
+        if (!ok) stray++;
+        asked.insert(at / 16);
+    }
+    int missed = 0;
+    if (pf.flags & ATTEND_PREFETCH)
+        for (int h = 0; h < hk; h++)
+            for (int bi = head_start[h]; bi < head_start[h + 1]; bi++) {
+                const int len = blens[bi];
+                const bool later = (bi - head_start[h]) % chunk >= 4 * pf.step_blocks;
+                for (int u = 0; u < head_bytes / 16; u++) {
+                    const bool v = u * 16 >= BS * D * 2;
+                    const bool want = v ? (!pf.v_written || (u * 16 - BS * D * 2) / (D * 2) < len) : later;
+                    if (want && !asked.count(((long long)bi * head_bytes) / 16 + u)) missed++;
+                }
+            }
+    if (stray || missed || (!(pf.flags & ATTEND_PREFETCH) && !prefetched.empty())) {
+        bad++;
+        printf("FAIL %s G=%d D=%d BS=%d chunk %d flags %d: %zu prefetches, %d outside what it loads, %d of its "
+               "loads not prefetched\n",
+               name, G, D, BS, chunk, pf.flags, prefetched.size(), stray, missed);
+    }
     std::vector<float> out((size_t)hk * G * D), lse((size_t)hk * G);
     launch({(unsigned)(hk * G), 1, 1}, 128,
            [&] { combine_splits(part_out.data(), part_lse.data(), splits, G, D, out.data(), lse.data()); });
@@ -101,13 +153,13 @@ static void check(const char* name, Attend kernel, int G, int D, int dtype, int 
         }
     const bool ok = worst < tol && !std::isnan(worst);
     if (!ok) bad++;
-    printf("%s %s G=%d D=%d BS=%d %s chunk %d: max rel err %.2e\n", ok ? "PASS" : "FAIL", name, G, D, BS,
-           dtype == 2 ? "bf16" : "f16", chunk, worst);
+    printf("%s %s G=%d D=%d BS=%d %s chunk %d%s: max rel err %.2e\n", ok ? "PASS" : "FAIL", name, G, D, BS,
+           dtype == 2 ? "bf16" : "f16", chunk, pf.flags ? " prefetch" : "", worst);
 }
 
 static void split(const unsigned char* a, const long long* o, const int* l, const int* hs, const float* q, int g,
-                  int d, int bs, int dt, float sc, int ch, int sp, float* po, float* pl) {
-    sparse_attention_split(a, o, l, hs, q, g, d, bs, dt, sc, ch, sp, po, pl);
+                  int d, int bs, int dt, float sc, int ch, int sp, float* po, float* pl, int flags) {
+    sparse_attention_split(a, o, l, hs, q, g, d, bs, dt, sc, ch, sp, po, pl, flags);
 }
 
 // `combine_splits` alone over more splits than its 128 threads (the strided loops wrap), some
@@ -185,5 +237,17 @@ int main() {
                     // query in two parts, not three, reached 9e-6 here).
                     check(bs ? "attend_tc_b16" : "attend_tc", tc[bs][d], G, d ? 128 : 64, 1 + (G + d + chunk) % 2,
                           bs ? 16 : 32, chunk, 5e-6);
+    // Prefetching the next batch of loads: the same results, and the lines asked for are the
+    // ones loaded next. Chunk 9 gives warp 0 a second step (and attend_warps a third).
+    for (int chunk : {4, 9}) {
+        const Prefetching warps{ATTEND_PREFETCH, 1, false};
+        check("attend_warps", attend_warps_g5_d128, 5, 128, 2, 32, chunk, 1e-5, warps);
+        check("attend_warps", attend_warps_g3_d64, 3, 64, 1, 32, chunk, 1e-5, warps);
+        check("attend_warps_b16", attend_warps_g8_d128_b16, 8, 128, 1, 16, chunk, 1e-5, warps);
+        for (int bs = 0; bs < 2; bs++)
+            for (int d = 0; d < 2; d++)
+                check(bs ? "attend_tc_b16" : "attend_tc", tc[bs][d], 5, d ? 128 : 64, 2 - d, bs ? 16 : 32, chunk,
+                      5e-6, Prefetching{ATTEND_PREFETCH, bs ? 4 : 2, true});
+    }
     return bad ? 1 : 0;
 }

@@ -122,6 +122,12 @@ impl CudaBackend {
                 .as_deref(),
         )
         .map_err(CudaError::Setting)?;
+        let prefetch_choice = driver::PrefetchChoice::parse(
+            std::env::var("DECODE_NODE_ATTENTION_PREFETCH")
+                .ok()
+                .as_deref(),
+        )
+        .map_err(CudaError::Setting)?;
         // SAFETY: only tries to dlopen libcublas.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(CudaError::NoCublas);
@@ -210,6 +216,10 @@ impl CudaBackend {
                 tc_groups: std::sync::atomic::AtomicU16::new(0),
                 tc_picked_for: Mutex::new(None),
                 attend_choice,
+                prefetch_groups: std::sync::atomic::AtomicU16::new(
+                    prefetch_choice.initial_groups(),
+                ),
+                prefetch_choice,
                 mma,
                 sketch_on: std::sync::atomic::AtomicBool::new(
                     std::env::var("DECODE_NODE_DEVICE_SKETCH").map_or(true, |v| v != "0"),
@@ -621,6 +631,7 @@ mod tests {
         assert_eq!(defined("GEMV_TC_WARPS"), driver::GEMV_TC_WARPS);
         assert_eq!(defined("SKETCH_WARPS"), sketch::SKETCH_WARPS);
         assert_eq!(defined("SHARES_THREADS"), sketch::SHARES_THREADS as usize);
+        assert_eq!(defined("ATTEND_PREFETCH"), call::ATTEND_PREFETCH as usize);
         assert!(
             attention::cuda::KERNELS_CU.contains("#define SAMPLE_OUT_WORDS (4 + 2 * SAMPLE_TOP)")
         );

@@ -225,9 +225,10 @@ fn device_kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
                     let t = backend.bench_attention(&spec)?;
                     let gbps = t.kv_bytes as f64 / t.call_s;
                     let kernel = t.kernel;
+                    let pf = if t.prefetch { "+prefetch" } else { "" };
                     if !args.common.json {
                         eprintln!(
-                            "device {:>4} G={g} D={d:>3} ctx={context:>6} {kernel} ctas={:>5} (splits {:>4}): call {:7.1} us, {:7.1} GB/s of KV / {:.0} GB/s copy = {:.2}; combine {:5.1} us, host pack {:5.1} us, list upload queued behind 8 calls {:5.1} us (pinned ring {:5.1} us)",
+                            "device {:>4} G={g} D={d:>3} ctx={context:>6} {kernel}{pf} ctas={:>5} (splits {:>4}): call {:7.1} us, {:7.1} GB/s of KV / {:.0} GB/s copy = {:.2}; combine {:5.1} us, host pack {:5.1} us, list upload queued behind 8 calls {:5.1} us (pinned ring {:5.1} us)",
                             dtype.name(),
                             t.ctas,
                             t.splits,
@@ -243,7 +244,7 @@ fn device_kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
                     }
                     rows.push(json!({
                         "dtype": dtype.name(), "group": g, "head_dim": d, "context": context,
-                        "kv_heads": args.kv_heads, "block_size": block_size, "kernel": kernel,
+                        "kv_heads": args.kv_heads, "block_size": block_size, "kernel": kernel, "prefetch": t.prefetch,
                         "ctas": t.ctas, "splits": t.splits, "call_s": t.call_s,
                         "combine_s": t.combine_s, "pack_s": t.pack_s, "upload_s": t.upload_s, "upload_ring_s": t.upload_ring_s, "kv_bytes": t.kv_bytes,
                         "kv_gb_per_s": gbps / 1e9, "copy_gb_per_s": bw / 1e9, "ratio": gbps / bw,

@@ -1,16 +1,17 @@
 //! Which kernel attention takes on this device, per group size (#21 item 3): `attend_tc`
 //! (tensor cores) where it gives the CPU's results here and, unless forced, took less time than
 //! the kernel it would replace (`attend_warps`, or the general one) on a synthetic call at
-//! start. Chosen once, when the device's KV store is made.
+//! start; and whether that kernel prefetches its next loads into L2, where that took less
+//! time on the same call. Chosen once, when the device's KV store is made.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU16, Ordering};
 
 use attention::BlockGeometry;
 
 use super::attn_bench::Synthetic;
 use super::blas::Timer;
-use super::driver::{AttendChoice, Shared, WARPS_MAX_GROUP};
+use super::driver::{AttendChoice, PrefetchChoice, Shared, WARPS_MAX_GROUP};
 use super::selftest::{ATTENTION_TOLERANCE, check_split_attention};
 use crate::backend::BackendError;
 
@@ -29,7 +30,8 @@ const TIMED_ROUNDS: usize = 3;
 /// Sets [`Shared::tc_groups`] for `geom`'s blocks: for each group size `attend_tc` is built
 /// for, on where it agrees with the CPU and (unless `DECODE_NODE_ATTENTION_KERNEL=tc`) was the
 /// faster of the two. Off everywhere on a device without MMAs, or where asked for `split` or
-/// `warps`.
+/// `warps`. Then, unless `DECODE_NODE_ATTENTION_PREFETCH` says, sets the group's bit of
+/// [`Shared::prefetch_groups`] where the kernel it takes was faster prefetching its next loads.
 pub(super) fn pick(sh: &Arc<Shared>, geom: &BlockGeometry) {
     {
         let Ok(mut last) = sh.tc_picked_for.lock() else {
@@ -59,20 +61,32 @@ pub(super) fn pick(sh: &Arc<Shared>, geom: &BlockGeometry) {
     if groups.is_empty() {
         return;
     }
-    let mut timed = match sh.attend_choice {
-        AttendChoice::Tc => None,
-        _ => match synthetic(sh, geom) {
+    let times_kernel = sh.attend_choice == AttendChoice::Timed;
+    let times_prefetch = sh.prefetch_choice == PrefetchChoice::Timed;
+    let mut timed = if times_kernel || times_prefetch {
+        match synthetic(sh, geom) {
             Ok(call) => Some(call),
             Err(e) => {
                 tracing::warn!(error = %e, "could not time attend_tc at start; attention keeps attend_warps");
                 return;
             }
-        },
+        }
+    } else {
+        None
     };
+    let prefetch_default = sh.prefetch_choice == PrefetchChoice::On;
     let mut on = 0u16;
     for g in groups {
         sh.tc_groups.store(1 << g, Ordering::Release);
-        match check_split_attention(sh, dt, g, d, bs) {
+        // Checked as it may run: prefetching, unless that is off.
+        set_bit(
+            &sh.prefetch_groups,
+            g,
+            sh.prefetch_choice != PrefetchChoice::Off,
+        );
+        let checked = check_split_attention(sh, dt, g, d, bs);
+        set_bit(&sh.prefetch_groups, g, prefetch_default);
+        match checked {
             Ok(err) if err <= ATTENTION_TOLERANCE => {}
             Ok(err) => {
                 tracing::error!(
@@ -94,45 +108,104 @@ pub(super) fn pick(sh: &Arc<Shared>, geom: &BlockGeometry) {
             continue;
         };
         call.set_group(g);
-        let (tc, other) = fastest_of_rounds(|tc| {
-            sh.tc_groups
-                .store(if tc { 1 << g } else { 0 }, Ordering::Release);
-            time_calls(call)
-        });
-        sh.tc_groups.store(0, Ordering::Release);
-        let other_name = call.store.kernel_name(g);
-        match (tc, other) {
-            (Ok(tc), Ok(other)) => {
-                tracing::info!(
-                    group = g,
-                    head_dim = d,
-                    block_size = bs,
-                    attend_tc_us = tc * 1e6,
-                    other_us = other * 1e6,
-                    other = other_name,
-                    "attention kernel timed at start"
-                );
-                if takes_tc(tc, other) {
-                    on |= 1 << g;
-                }
-            }
-            (tc, other) => {
-                tracing::warn!(
-                    group = g,
-                    ?tc,
-                    ?other,
-                    "timing attend_tc failed; the group keeps {other_name}"
-                );
-            }
+        if times_kernel && !tc_was_faster(sh, call, geom, g) {
+            sh.tc_groups.store(0, Ordering::Release);
+        } else {
+            on |= 1 << g;
         }
+        if times_prefetch {
+            pick_prefetch(sh, call, g);
+        }
+        sh.tc_groups.store(0, Ordering::Release);
     }
     sh.tc_groups.store(on, Ordering::Release);
 }
 
-/// The tensor-core kernel replaces the other only where it took less time (a tie keeps the
-/// kernel in place).
-fn takes_tc(tc_s: f64, other_s: f64) -> bool {
-    tc_s < other_s
+/// Times `attend_tc` against the kernel it would replace on `call` (of `g` heads a group):
+/// true where it was the faster; false (the other stays) where it was not or a timing failed.
+fn tc_was_faster(sh: &Shared, call: &Synthetic, geom: &BlockGeometry, g: usize) -> bool {
+    let (tc, other) = fastest_of_rounds(|tc| {
+        sh.tc_groups
+            .store(if tc { 1 << g } else { 0 }, Ordering::Release);
+        time_calls(call)
+    });
+    sh.tc_groups.store(0, Ordering::Release);
+    let other_name = call.store.kernel_name(g);
+    match (tc, other) {
+        (Ok(tc), Ok(other)) => {
+            tracing::info!(
+                group = g,
+                head_dim = geom.head_dim,
+                block_size = geom.block_size,
+                attend_tc_us = tc * 1e6,
+                other_us = other * 1e6,
+                other = other_name,
+                "attention kernel timed at start"
+            );
+            takes_faster(tc, other)
+        }
+        (tc, other) => {
+            tracing::warn!(
+                group = g,
+                ?tc,
+                ?other,
+                "timing attend_tc failed; the group keeps {other_name}"
+            );
+            false
+        }
+    }
+}
+
+/// Sets group `g`'s bit of [`Shared::prefetch_groups`] where the kernel `call` takes now (as
+/// [`Shared::tc_groups`] stands) was faster prefetching; not for the general kernel, which
+/// takes no flags.
+fn pick_prefetch(sh: &Shared, call: &Synthetic, g: usize) {
+    let kernel = call.store.kernel_name(g);
+    if kernel == "split" {
+        return;
+    }
+    let (with, without) = fastest_of_rounds(|pf| {
+        set_bit(&sh.prefetch_groups, g, pf);
+        time_calls(call)
+    });
+    let faster = match (with, without) {
+        (Ok(with), Ok(without)) => {
+            tracing::info!(
+                group = g,
+                kernel,
+                prefetch_us = with * 1e6,
+                no_prefetch_us = without * 1e6,
+                "attention prefetch timed at start"
+            );
+            takes_faster(with, without)
+        }
+        (with, without) => {
+            tracing::warn!(
+                group = g,
+                kernel,
+                ?with,
+                ?without,
+                "timing the attention prefetch failed; not used"
+            );
+            false
+        }
+    };
+    set_bit(&sh.prefetch_groups, g, faster);
+}
+
+/// Sets or clears bit `g` of `bits`.
+fn set_bit(bits: &AtomicU16, g: usize, on: bool) {
+    if on {
+        bits.fetch_or(1 << g, Ordering::AcqRel);
+    } else {
+        bits.fetch_and(!(1 << g), Ordering::AcqRel);
+    }
+}
+
+/// A candidate (the tensor-core kernel, or prefetching) replaces what is in place only where it
+/// took less time (a tie keeps what is in place).
+fn takes_faster(candidate_s: f64, in_place_s: f64) -> bool {
+    candidate_s < in_place_s
 }
 
 /// The synthetic call of the longest of [`TIMED_CONTEXTS`] whose KV the device holds.
@@ -150,9 +223,9 @@ fn synthetic(sh: &Arc<Shared>, geom: &BlockGeometry) -> Result<Synthetic, Backen
     Err(last.unwrap_or_else(|| BackendError::Unsupported("no context to time".into())))
 }
 
-/// Seconds of one call by `attend_tc` (`time(true)`) and by the other kernel (`time(false)`,
-/// the last asked for): each kernel's fastest of [`TIMED_ROUNDS`] rounds, taken in turn. A
-/// kernel whose timing fails once is not timed again.
+/// Seconds of one call by the candidate (`time(true)`: `attend_tc`, or prefetching) and by
+/// what is in place (`time(false)`, the last asked for): each one's fastest of
+/// [`TIMED_ROUNDS`] rounds, taken in turn. One whose timing fails once is not timed again.
 fn fastest_of_rounds(
     mut time: impl FnMut(bool) -> Result<f64, BackendError>,
 ) -> (Result<f64, BackendError>, Result<f64, BackendError>) {
@@ -231,10 +304,32 @@ mod tests {
     }
 
     #[test]
-    fn only_a_faster_tensor_core_kernel_replaces_the_other() {
-        assert!(takes_tc(20e-6, 30e-6));
-        assert!(!takes_tc(30e-6, 30e-6));
-        assert!(!takes_tc(40e-6, 30e-6));
-        assert!(!takes_tc(f64::NAN, 30e-6));
+    fn only_a_faster_candidate_replaces_what_is_in_place() {
+        assert!(takes_faster(20e-6, 30e-6));
+        assert!(!takes_faster(30e-6, 30e-6));
+        assert!(!takes_faster(40e-6, 30e-6));
+        assert!(!takes_faster(f64::NAN, 30e-6));
+    }
+
+    #[test]
+    fn a_group_bit_is_set_and_cleared_alone() {
+        let bits = AtomicU16::new(1 << 3);
+        set_bit(&bits, 5, true);
+        assert_eq!(bits.load(Ordering::Relaxed), (1 << 3) | (1 << 5));
+        set_bit(&bits, 3, false);
+        assert_eq!(bits.load(Ordering::Relaxed), 1 << 5);
+        set_bit(&bits, 3, false);
+        assert_eq!(bits.load(Ordering::Relaxed), 1 << 5);
+    }
+
+    #[test]
+    fn the_environment_says_whether_attention_prefetches() {
+        assert_eq!(PrefetchChoice::parse(None), Ok(PrefetchChoice::Timed));
+        assert_eq!(PrefetchChoice::parse(Some("on")), Ok(PrefetchChoice::On));
+        assert_eq!(PrefetchChoice::parse(Some("0")), Ok(PrefetchChoice::Off));
+        assert_eq!(PrefetchChoice::On.initial_groups(), u16::MAX);
+        assert_eq!(PrefetchChoice::Timed.initial_groups(), 0);
+        let e = PrefetchChoice::parse(Some("yes")).unwrap_err();
+        assert!(e.contains("on or off"), "{e}");
     }
 }

@@ -53,6 +53,9 @@ pub struct AttnTiming {
     pub splits: usize,
     /// The kernel the call took: `attend_tc`, `attend_warps` or `split`.
     pub kernel: &'static str,
+    /// It prefetched its next loads into L2 (`DECODE_NODE_ATTENTION_PREFETCH`, or timed at
+    /// start).
+    pub prefetch: bool,
 }
 
 /// One attention call over every block of a context, all of it resident, with its query and
@@ -216,6 +219,7 @@ impl CudaBackend {
             ctas: parts.splits * parts.heads,
             splits: parts.splits,
             kernel: call.store.kernel_name(spec.group),
+            prefetch: call.store.prefetches(spec.group),
         })
     }
 }

@@ -18,6 +18,20 @@ pub(super) fn default_ctas(sms: Option<usize>) -> usize {
     sms.map_or(TARGET_CTAS, |n| (2 * n).clamp(2, 65535))
 }
 
+/// The kernels' flag that asks L2 for a lane's next batch of loads (kernels.cu's
+/// `ATTEND_PREFETCH`).
+pub(super) const ATTEND_PREFETCH: i32 = 1;
+
+/// The `flags` argument of a fast attention kernel (`attend_warps`, `attend_tc`) for calls of
+/// `group` query heads per KV head, given the groups that prefetch (bit `g`).
+pub(super) fn prefetch_flags(groups: u16, group: usize) -> i32 {
+    if group < 16 && groups & (1 << group) != 0 {
+        ATTEND_PREFETCH
+    } else {
+        0
+    }
+}
+
 /// Most splits of one head `combine_splits` merges (its shared weights array).
 pub(super) const MAX_SPLITS: usize = 1024;
 
@@ -283,6 +297,17 @@ mod tests {
         // Two per multiprocessor over Qwen3-14B's 8 KV heads at 64k (2048 blocks each).
         let s = SplitK::at_least(default_ctas(Some(132)), 8, 2048, 4);
         assert_eq!((s.splits, s.chunk), (33, 63));
+    }
+
+    #[test]
+    fn only_the_groups_whose_bit_is_set_prefetch() {
+        let groups = (1 << 5) | (1 << 8);
+        assert_eq!(prefetch_flags(groups, 5), ATTEND_PREFETCH);
+        assert_eq!(prefetch_flags(groups, 8), ATTEND_PREFETCH);
+        assert_eq!(prefetch_flags(groups, 4), 0);
+        assert_eq!(prefetch_flags(u16::MAX, 16), 0, "no bit past the mask");
+        assert_eq!(prefetch_flags(u16::MAX, 1), ATTEND_PREFETCH);
+        assert_eq!(prefetch_flags(0, 5), 0);
     }
 
     #[test]

@@ -293,6 +293,39 @@ impl AttendChoice {
     }
 }
 
+/// Whether `attend_warps` and `attend_tc` ask L2 for their next batch of loads as they issue
+/// one (the kernels' `ATTEND_PREFETCH` flag), as `DECODE_NODE_ATTENTION_PREFETCH` says: `on`,
+/// `off`, or unset: per group, where it made the kernel picked at start faster
+/// (`attend_pick`; off where nothing is timed: forced `split` or `warps`, or no MMAs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PrefetchChoice {
+    Timed,
+    On,
+    Off,
+}
+
+impl PrefetchChoice {
+    /// The choice `value` names (unset: [`PrefetchChoice::Timed`]); `Err`: an unknown name.
+    pub(crate) fn parse(value: Option<&str>) -> Result<Self, String> {
+        match value {
+            None | Some("") => Ok(Self::Timed),
+            Some("on" | "1") => Ok(Self::On),
+            Some("off" | "0") => Ok(Self::Off),
+            Some(other) => Err(format!(
+                "DECODE_NODE_ATTENTION_PREFETCH={other}: expected on or off"
+            )),
+        }
+    }
+
+    /// [`Shared::prefetch_groups`] before anything is timed.
+    pub(crate) fn initial_groups(self) -> u16 {
+        match self {
+            Self::On => u16::MAX,
+            Self::Timed | Self::Off => 0,
+        }
+    }
+}
+
 impl Kernels {
     /// The `attend_warps` entry for this shape, where there is one (16-bit KV in 16- or 32-token
     /// blocks, head_dim 64 or 128, at most 8 query heads per KV head).
@@ -371,6 +404,11 @@ pub(crate) struct Shared {
     pub(crate) tc_groups: std::sync::atomic::AtomicU16,
     /// What `DECODE_NODE_ATTENTION_KERNEL` asked for.
     pub(crate) attend_choice: AttendChoice,
+    /// Bit `g` set: `attend_warps` and `attend_tc` calls of `g` query heads per KV head
+    /// prefetch their next loads into L2 ([`PrefetchChoice`]).
+    pub(crate) prefetch_groups: std::sync::atomic::AtomicU16,
+    /// What `DECODE_NODE_ATTENTION_PREFETCH` asked for.
+    pub(crate) prefetch_choice: PrefetchChoice,
     /// The block shape [`Shared::tc_groups`] was last chosen for (a second store or bench
     /// call of that shape does not check and time again).
     pub(crate) tc_picked_for: Mutex<Option<attention::BlockGeometry>>,

@@ -258,32 +258,45 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         (KvDType::F16, 3, 64, 16),
     ] {
         // Each shape through the general kernel, then through `attend_warps` and `attend_tc`
-        // where it has them.
+        // where it has them, each without and with the prefetch of its next loads.
         let on = sh.warps_on.swap(false, Ordering::AcqRel);
         let tc_on = sh.tc_groups.swap(0, Ordering::AcqRel);
+        let pf_on = sh.prefetch_groups.swap(0, Ordering::AcqRel);
         add(
             &format!("sparse_attention_split+combine {dt:?} G={g} D={d} block {bs}"),
             ATTENTION_TOLERANCE,
             check_split_attention(sh, dt, g, d, bs),
         );
+        let prefetching = |pf: bool| {
+            sh.prefetch_groups
+                .store(if pf { 1 << g } else { 0 }, Ordering::Release);
+            if pf { ", prefetching" } else { "" }
+        };
         if sh.k.warps(dt, bs, g, d).is_some() {
             sh.warps_on.store(true, Ordering::Release);
-            add(
-                &format!("attend_warps+combine {dt:?} G={g} D={d} block {bs}"),
-                ATTENTION_TOLERANCE,
-                check_split_attention(sh, dt, g, d, bs),
-            );
+            for pf in [false, true] {
+                let how = prefetching(pf);
+                add(
+                    &format!("attend_warps+combine {dt:?} G={g} D={d} block {bs}{how}"),
+                    ATTENTION_TOLERANCE,
+                    check_split_attention(sh, dt, g, d, bs),
+                );
+            }
         }
         if sh.mma && sh.k.tc(dt, bs, g, d).is_some() {
             sh.tc_groups.store(1 << g, Ordering::Release);
-            add(
-                &format!("attend_tc (tensor cores)+combine {dt:?} G={g} D={d} block {bs}"),
-                ATTENTION_TOLERANCE,
-                check_split_attention(sh, dt, g, d, bs),
-            );
+            for pf in [false, true] {
+                let how = prefetching(pf);
+                add(
+                    &format!("attend_tc (tensor cores)+combine {dt:?} G={g} D={d} block {bs}{how}"),
+                    ATTENTION_TOLERANCE,
+                    check_split_attention(sh, dt, g, d, bs),
+                );
+            }
         }
         sh.warps_on.store(on, Ordering::Release);
         sh.tc_groups.store(tc_on, Ordering::Release);
+        sh.prefetch_groups.store(pf_on, Ordering::Release);
     }
     out
 }

@@ -14,7 +14,7 @@ use attention::{BlockGeometry, DeviceBlock, KvSource, Partial};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, result as drv, sys};
 use kv_transfer::HostPool;
 
-use super::call::{SlotList, SplitK, pack, partials};
+use super::call::{SlotList, SplitK, pack, partials, prefetch_flags};
 use super::driver::WARPS_PER_BLOCK;
 use super::sketch::{SeqSketch, SketchQuery};
 use super::slots::{Fill, NoSlot, SlotTable};
@@ -391,6 +391,13 @@ impl CudaKvStore {
         self.fast_kernel(group).map_or("split", |(_, _, name)| name)
     }
 
+    /// True where attention calls of `group` prefetch their next loads: a fast kernel whose
+    /// group's bit of [`Shared::prefetch_groups`] is set.
+    pub(super) fn prefetches(&self, group: usize) -> bool {
+        self.fast_kernel(group).is_some()
+            && prefetch_flags(self.shared.prefetch_groups.load(Ordering::Acquire), group) != 0
+    }
+
     /// Slots in the arena.
     pub(super) fn slot_count(&self) -> usize {
         self.slots
@@ -409,12 +416,13 @@ impl CudaKvStore {
         // Every KV head of the list, a sequence's or (resident) a batch's.
         let (hk, d) = (list.heads(), self.geom.head_dim);
         let target = sh.attention_ctas.load(Ordering::Relaxed);
-        let (kernel, split) = match self.fast_kernel(group) {
+        let (kernel, split, flags) = match self.fast_kernel(group) {
             Some((f, min_chunk, _)) => (
                 f,
                 SplitK::at_least(target, hk, list.longest_head(), min_chunk),
+                prefetch_flags(sh.prefetch_groups.load(Ordering::Acquire), group),
             ),
-            None => (&sh.k.split, SplitK::new(target, hk, list.longest_head())),
+            None => (&sh.k.split, SplitK::new(target, hk, list.longest_head()), 0),
         };
         let up = pack(
             list,
@@ -454,7 +462,7 @@ impl CudaKvStore {
                 128,
                 &[
                     &self.base, &offs_dev, &lens_dev, &heads_dev, &q_dev, &g, &dd, &b, &dtype,
-                    &scale, &c, &s, &parts_dev, &part_lse,
+                    &scale, &c, &s, &parts_dev, &part_lse, &flags,
                 ],
             )?;
         }
