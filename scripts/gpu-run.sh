@@ -214,6 +214,12 @@ fi
 # lines (debug log) and the device idle share.
 step scout-64k-sketch-f32 env DECODE_NODE_SKETCH_SUMS=f32 "$bin" bench decode --rounds 1 --json \
     --device cuda --model "$model" --context 64k --modes scout --budget-tokens 2048 --tokens 64
+# `sketch_lse` with one block a warp, as before 2026-11-30 (a CUDA block rounded the query for
+# four blocks' rows; now each warp takes enough blocks to fill the device once: four at 64k).
+# Not run on a GPU yet; the ncu-scout-b1-64k table has the kernel's time at the default.
+step scout-64k-sketch-1-per-warp env DECODE_NODE_SKETCH_BLOCKS_PER_WARP=1 "$bin" bench decode \
+    --rounds 1 --json --device cuda --model "$model" --context 64k --modes scout \
+    --budget-tokens 2048 --tokens 64
 # Scout layer-ahead on the device (the paper's behaviour, #21 item 5): the next layer's
 # predicted query is scored on the device while it waits for this layer's CPU part
 # (queued without a wait), planned while it runs this layer's second half, and its CPU part

@@ -1,6 +1,7 @@
 // `sketch_lse` then `sketch_shares` run with a thread per CUDA thread (see simt.h) against the
 // scores of attention::sketch computed here in double precision from its definition: head
-// dims 64 and 128, groups 1, 5 and 8, 16-, 32- and 64-token blocks, a partial last block, tokens
+// dims 64 and 128, groups 1, 5 and 8, 16-, 32- and 64-token blocks, one or several blocks a
+// warp, a partial last block, tokens
 // with scale 0, pages of a size that no block divides, scattered and in no order, with room
 // past the tokens, two KV heads, group max and sum. Exit status 1 beyond float rounding.
 // Each shape in floats and in integers (int8 = 1: against the definition with the query
@@ -29,7 +30,7 @@ static std::vector<float> rounded(const std::vector<float>& q, int D) {
     return out;
 }
 
-static void check(int hk, int D, int G, int bs, int n, int page_tokens, int how, int int8) {
+static void check(int hk, int D, int G, int bs, int n, int page_tokens, int how, int int8, int per_warp = 1) {
     std::uniform_real_distribution<float> u(-1.f, 1.f);
     const int nb = D / 2;
     const int nblocks = (n + bs - 1) / bs;
@@ -55,8 +56,10 @@ static void check(int hk, int D, int G, int bs, int n, int page_tokens, int how,
         }
     const float temp = 0.125f * 1.4426950408889634f;
     std::vector<float> lse((size_t)hk * nblocks * G), scores((size_t)hk * nblocks);
-    launch({(unsigned)((nblocks + SKETCH_WARPS - 1) / SKETCH_WARPS), (unsigned)hk, 1}, SKETCH_WARPS * 32, [&] {
-        sketch_lse(pages.data(), max_pages, page_tokens, n, bs, nblocks, q.data(), G, D, temp, int8, lse.data());
+    const int per_cta = SKETCH_WARPS * per_warp;
+    launch({(unsigned)((nblocks + per_cta - 1) / per_cta), (unsigned)hk, 1}, SKETCH_WARPS * 32, [&] {
+        sketch_lse(pages.data(), max_pages, page_tokens, n, bs, nblocks, q.data(), G, D, temp, int8, lse.data(),
+                   per_warp);
     });
     launch({(unsigned)hk, 1, 1}, SHARES_THREADS, [&] { sketch_shares(lse.data(), nblocks, G, how, scores.data()); });
     // The integer loop's worst against the unrounded query too: it must show the rounding.
@@ -104,8 +107,9 @@ static void check(int hk, int D, int G, int bs, int n, int page_tokens, int how,
     }
     const bool ok = worst < 2e-5 && !std::isnan(worst);
     if (!ok) bad++;
-    printf("%s sketch %s hk=%d D=%d G=%d bs=%d n=%d page=%d %s: max err %.2e\n", ok ? "PASS" : "FAIL",
-           int8 ? "int8" : "f32", hk, D, G, bs, n, page_tokens, how == 0 ? "max" : "sum", worst);
+    printf("%s sketch %s hk=%d D=%d G=%d bs=%d n=%d page=%d %s, %d block(s) a warp: max err %.2e\n",
+           ok ? "PASS" : "FAIL", int8 ? "int8" : "f32", hk, D, G, bs, n, page_tokens, how == 0 ? "max" : "sum",
+           per_warp, worst);
     }
     if (int8) {
         const bool ok = moved > 1e-4;
@@ -138,7 +142,7 @@ static void check_nan_query() {
     for (int int8 = 0; int8 < 2; int8++)
         launch({(unsigned)((nblocks + SKETCH_WARPS - 1) / SKETCH_WARPS), (unsigned)hk, 1}, SKETCH_WARPS * 32, [&] {
             sketch_lse(pages.data(), max_pages, page_tokens, n, bs, nblocks, q.data(), G, D, 0.2f, int8,
-                       (int8 ? lse_i : lse_f).data());
+                       (int8 ? lse_i : lse_f).data(), 1);
         });
     int same = 0, differ = 0;
     for (size_t i = 0; i < lse_f.size(); i++) {
@@ -196,6 +200,11 @@ int main() {
     // 64-token blocks: two tokens a lane, the second through the running (max, sum).
     check(2, 64, 5, 64, 64 * 7 + 40, 100, 0, 1);
     check(1, 128, 3, 64, 64 * 5 + 1, 130, 1, 0);
+    // Several blocks a warp (a CUDA block's query set-up shared by more of them), the last
+    // warp's run cut short by the end, and with 64-token blocks.
+    check(2, 128, 5, 32, 32 * 45 + 7, 240, 0, 1, 3);
+    check(1, 64, 8, 16, 16 * 37, 27, 1, 0, 4);
+    check(2, 64, 5, 64, 64 * 13 + 40, 100, 1, 1, 2);
     check_nan_query();
     return bad ? 1 : 0;
 }

@@ -1872,9 +1872,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // The sketch lives in pages (arena slots of the KV store): pages[h * max_pages + p] is the
 // address of KV head h's page p, holding tokens p * page_tokens onwards: page_tokens rows of
 // D/2 bytes (channel 2j in the low nibble of byte j), then their f32 scales. q: [hk][G][D] f32,
-// lse: [hk][nblocks][G]. One warp per block (SKETCH_WARPS a CUDA block, blockIdx.y the KV
-// head); each lane takes tokens lane, lane + 32, ... of the block and keeps a running (max,
-// sum) per query head, merged across the warp at the end. D a multiple of 32 (whole 16-byte
+// lse: [hk][nblocks][G]. One warp per `per_warp` consecutive blocks (SKETCH_WARPS warps a
+// CUDA block, blockIdx.y the KV head), one block at a time; each lane takes tokens lane,
+// lane + 32, ... of the block and keeps a running (max, sum) per query head, merged across
+// the warp at the block's end. D a multiple of 32 (whole 16-byte
 // loads), at most MAX_HEAD; G at most 8; pages 16-byte aligned.
 //
 // With int8 = 1 the sums are taken in integers, as the host sketch's AVX2 path takes them
@@ -1961,7 +1962,7 @@ __device__ __forceinline__ void sketch_token_f32(const uint4* row, int D, int G,
 #define SKETCH_WARPS 4
 extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
     sketch_lse(const unsigned long long* pages, int max_pages, int page_tokens, int n_tokens, int block_size,
-               int nblocks, const float* q, int G, int D, float temp, int int8, float* lse) {
+               int nblocks, const float* q, int G, int D, float temp, int int8, float* lse, int per_warp) {
     // 16-byte aligned: each head's query is read four channels a load (D a multiple of 32).
     __shared__ __align__(16) float qs[8 * MAX_HEAD];
     // int8: per head, D / 8 pairs of words (even channels' bytes, odd channels' bytes) of
@@ -2011,54 +2012,68 @@ extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
         __syncthreads();
     }
     const bool ints = int8 && q8bad == 0.f;
-    const int b = blockIdx.x * SKETCH_WARPS + warp;
-    if (b >= nblocks) return;  // a whole warp
     const int nb = D >> 1;
-    float m[8], s[8];
-#pragma unroll
-    for (int g = 0; g < 8; g++) {
-        m[g] = NEG_INF;
-        s[g] = 0.f;
-    }
-    const int first = b * block_size;
-    const int end = min(first + block_size, n_tokens);
-    for (int t0 = first; t0 < end; t0 += 32) {
-        const int t = t0 + lane;
-        if (t < end) {
+    // This warp's blocks: `per_warp` in a row, so a CUDA block's query set-up above is paid
+    // once for that many (at 64k, 8 KV heads and one block a warp: 4096 CUDA blocks, each
+    // rounding the query for 128 tokens' rows).
+    const int b_first = (blockIdx.x * SKETCH_WARPS + warp) * per_warp;
+    const int b_end = min(b_first + per_warp, nblocks);
+    for (int b = b_first; b < b_end; b++) {
+        // The next block's row and scale of this lane's first token, asked of L2 while this
+        // block is scored.
+        if (b + 1 < b_end && (b + 1) * block_size + lane < n_tokens) {
+            const int t = (b + 1) * block_size + lane;
             const int p = t / page_tokens, r = t - p * page_tokens;
             const unsigned char* page = (const unsigned char*)pages[(long long)h * max_pages + p];
-            const uint4* row = (const uint4*)(page + (long long)r * nb);
-            const float scale = ((const float*)(page + (long long)page_tokens * nb))[r];
-            float v[8];
-            if (ints)
-                sketch_token_i8(row, D, G, q8w, q8z, q8t, scale, v);
-            else
-                sketch_token_f32(row, D, G, qs, temp * scale, v);
-            // A lane's first token starts its (max, sum) as (v, 1): with 32-token blocks it is
-            // the lane's only one, and the update's two exp2f (the SFU's, an eighth of the
-            // FMA rate) would be two of the three a token and head costs.
-            const bool first_here = t0 == first;
-#pragma unroll
-            for (int g = 0; g < 8; g++)
-                if (g < G) {
-                    if (first_here) {
-                        m[g] = v[g];
-                        s[g] = 1.f;
-                    } else {
-                        const float mn = fmaxf(m[g], v[g]);
-                        s[g] = s[g] * exp2f(m[g] - mn) + exp2f(v[g] - mn);
-                        m[g] = mn;
-                    }
-                }
+            prefetch_l2(page + (long long)r * nb);
+            prefetch_l2(page + (long long)page_tokens * nb + 4LL * r);
         }
-    }
-    // Lanes without tokens hold (-inf, 0): they add nothing.
+        float m[8], s[8];
 #pragma unroll
-    for (int g = 0; g < 8; g++) {
-        if (g >= G) break;
-        const float mx = warp_max(m[g]);
-        const float sum = warp_sum(mx == NEG_INF ? 0.f : s[g] * exp2f(m[g] - mx));
-        if (lane == 0) lse[((long long)h * nblocks + b) * G + g] = sum > 0.f ? mx + log2f(sum) : NEG_INF;
+        for (int g = 0; g < 8; g++) {
+            m[g] = NEG_INF;
+            s[g] = 0.f;
+        }
+        const int first = b * block_size;
+        const int end = min(first + block_size, n_tokens);
+        for (int t0 = first; t0 < end; t0 += 32) {
+            const int t = t0 + lane;
+            if (t < end) {
+                const int p = t / page_tokens, r = t - p * page_tokens;
+                const unsigned char* page = (const unsigned char*)pages[(long long)h * max_pages + p];
+                const uint4* row = (const uint4*)(page + (long long)r * nb);
+                const float scale = ((const float*)(page + (long long)page_tokens * nb))[r];
+                float v[8];
+                if (ints)
+                    sketch_token_i8(row, D, G, q8w, q8z, q8t, scale, v);
+                else
+                    sketch_token_f32(row, D, G, qs, temp * scale, v);
+                // A lane's first token starts its (max, sum) as (v, 1): with 32-token blocks it is
+                // the lane's only one, and the update's two exp2f (the SFU's, an eighth of the
+                // FMA rate) would be two of the three a token and head costs.
+                const bool first_here = t0 == first;
+#pragma unroll
+                for (int g = 0; g < 8; g++)
+                    if (g < G) {
+                        if (first_here) {
+                            m[g] = v[g];
+                            s[g] = 1.f;
+                        } else {
+                            const float mn = fmaxf(m[g], v[g]);
+                            s[g] = s[g] * exp2f(m[g] - mn) + exp2f(v[g] - mn);
+                            m[g] = mn;
+                        }
+                    }
+            }
+        }
+        // Lanes without tokens hold (-inf, 0): they add nothing.
+#pragma unroll
+        for (int g = 0; g < 8; g++) {
+            if (g >= G) break;
+            const float mx = warp_max(m[g]);
+            const float sum = warp_sum(mx == NEG_INF ? 0.f : s[g] * exp2f(m[g] - mx));
+            if (lane == 0) lse[((long long)h * nblocks + b) * G + g] = sum > 0.f ? mx + log2f(sum) : NEG_INF;
+        }
     }
 }
 

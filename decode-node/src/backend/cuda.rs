@@ -225,6 +225,10 @@ impl CudaBackend {
                     std::env::var("DECODE_NODE_DEVICE_SKETCH").map_or(true, |v| v != "0"),
                 ),
                 sketch_int8: std::env::var("DECODE_NODE_SKETCH_SUMS").map_or(true, |v| v != "f32"),
+                sketch_blocks_per_warp: std::sync::atomic::AtomicUsize::new(
+                    sketch_blocks_per_warp(),
+                ),
+                sketch_target_warps: sketch::target_warps(info.sms),
                 attention_ctas: std::sync::atomic::AtomicUsize::new(attention_ctas(info.sms)),
                 idle: Default::default(),
             }),
@@ -300,6 +304,21 @@ fn attention_ctas(sms: Option<usize>) -> usize {
             }
         },
         Err(_) => default,
+    }
+}
+
+/// `DECODE_NODE_SKETCH_BLOCKS_PER_WARP`: blocks each warp of `sketch_lse` scores; 0 (unset,
+/// or not a count from 1 to [`sketch::MAX_BLOCKS_PER_WARP`]): as the call's size says.
+fn sketch_blocks_per_warp() -> usize {
+    match std::env::var("DECODE_NODE_SKETCH_BLOCKS_PER_WARP") {
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=sketch::MAX_BLOCKS_PER_WARP).contains(&n) => n,
+            _ => {
+                tracing::warn!(value = %v, "DECODE_NODE_SKETCH_BLOCKS_PER_WARP is not a count from 1 to {}; sized by the call", sketch::MAX_BLOCKS_PER_WARP);
+                0
+            }
+        },
+        Err(_) => 0,
     }
 }
 

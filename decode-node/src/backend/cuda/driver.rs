@@ -422,6 +422,12 @@ pub(crate) struct Shared {
     /// AVX2 path does (`attention::sketch::round_query_i8`); off: in floats against the
     /// query itself (`DECODE_NODE_SKETCH_SUMS=f32`, the A/B of `scripts/gpu-run.sh`).
     pub(crate) sketch_int8: bool,
+    /// Blocks each warp of `sketch_lse` scores (`DECODE_NODE_SKETCH_BLOCKS_PER_WARP`); 0: as
+    /// many as bring a call to about [`Shared::sketch_target_warps`] warps
+    /// (`sketch::blocks_per_warp`).
+    pub(crate) sketch_blocks_per_warp: std::sync::atomic::AtomicUsize,
+    /// Warps a `sketch_lse` launch aims for: 32 a multiprocessor.
+    pub(crate) sketch_target_warps: usize,
     /// CUDA blocks an attention call's split-K launch aims for (`DECODE_NODE_ATTENTION_CTAS`;
     /// `bench kernels --device cuda` sweeps it).
     pub(crate) attention_ctas: std::sync::atomic::AtomicUsize,

@@ -243,6 +243,14 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
             check_sketch(sh, dt, g, d, bs),
         );
     }
+    // Several blocks a warp, as a long context's call takes them (these calls are short).
+    let per_warp = sh.sketch_blocks_per_warp.swap(3, Ordering::AcqRel);
+    add(
+        "sketch scores, 3 blocks a warp, Bf16 G=5 D=128 block 32",
+        SKETCH_TOLERANCE,
+        check_sketch(sh, KvDType::Bf16, 5, 128, 32),
+    );
+    sh.sketch_blocks_per_warp.store(per_warp, Ordering::Release);
     for (dt, g, d, bs) in [
         (KvDType::F16, 1, 64, 32),
         (KvDType::Bf16, 4, 128, 32),

@@ -22,6 +22,28 @@ use crate::backend::{BackendError, SketchCall};
 
 /// Blocks one `sketch_lse` CUDA block scores (one per warp: the kernels' `SKETCH_WARPS`).
 pub(super) const SKETCH_WARPS: usize = 4;
+/// Most blocks one warp of `sketch_lse` scores in a call.
+pub(super) const MAX_BLOCKS_PER_WARP: usize = 16;
+
+/// Warps a `sketch_lse` launch aims for on a device of `sms` multiprocessors: 32 each (eight
+/// CUDA blocks of four warps, one wave); 4096 where the count is not known.
+pub(super) fn target_warps(sms: Option<usize>) -> usize {
+    sms.map_or(4096, |n| 32 * n.max(1))
+}
+
+/// Blocks each warp of `sketch_lse` scores over `blocks` blocks of each of `heads` KV heads:
+/// `forced` where set (non-zero), else as many as bring the launch to about `target` warps,
+/// from 1 to [`MAX_BLOCKS_PER_WARP`]. A CUDA block rounds the query once for all of its
+/// warps' blocks, so at 64k (8 KV heads, 16k blocks) one block a warp paid that 4096 times.
+pub(super) fn blocks_per_warp(blocks: usize, heads: usize, target: usize, forced: usize) -> usize {
+    if forced > 0 {
+        return forced.min(MAX_BLOCKS_PER_WARP);
+    }
+    (blocks * heads)
+        .div_ceil(target.max(1))
+        .clamp(1, MAX_BLOCKS_PER_WARP)
+}
+
 /// Threads of `sketch_shares`' one CUDA block per KV head (the kernels' `SHARES_THREADS`).
 pub(super) const SHARES_THREADS: u32 = 256;
 /// Tokens sketched per host task when a layer is filled: big enough to amortise a task,
@@ -543,7 +565,15 @@ impl SeqSketch {
             GroupScore::Max => 0,
             GroupScore::Sum => 1,
         };
-        let grid_x = u32::try_from(blocks.div_ceil(SKETCH_WARPS))
+        let per_warp = blocks_per_warp(
+            blocks,
+            hk,
+            sh.sketch_target_warps,
+            sh.sketch_blocks_per_warp
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
+        let per_warp32 = per_warp as i32;
+        let grid_x = u32::try_from(blocks.div_ceil(SKETCH_WARPS * per_warp))
             .map_err(|_| BackendError::Unsupported(format!("{blocks} blocks")))?;
         let hk32 = hk as u32;
         let int8 = i32::from(sh.sketch_int8);
@@ -569,6 +599,7 @@ impl SeqSketch {
                     &temp,
                     &int8,
                     &lse,
+                    &per_warp32,
                 ],
             )?;
             sh.launch(
@@ -586,6 +617,27 @@ impl SeqSketch {
 mod tests {
     use super::*;
     use attention::KvDType;
+
+    #[test]
+    fn a_warp_scores_enough_blocks_to_fill_the_device_once() {
+        let target = target_warps(Some(132));
+        assert_eq!(target, 4224);
+        // 64k tokens, 8 KV heads: 16k blocks, four a warp (1024 CUDA blocks, ~8 an SM).
+        assert_eq!(blocks_per_warp(2048, 8, target, 0), 4);
+        assert_eq!(blocks_per_warp(1024, 8, target, 0), 2);
+        // 8k: fewer blocks than the target's warps: one each, as before.
+        assert_eq!(blocks_per_warp(256, 8, target, 0), 1);
+        assert_eq!(blocks_per_warp(0, 8, target, 0), 1);
+        assert_eq!(blocks_per_warp(1 << 20, 8, target, 0), MAX_BLOCKS_PER_WARP);
+        assert_eq!(blocks_per_warp(2048, 8, target, 3), 3, "forced");
+        assert_eq!(blocks_per_warp(2048, 8, target, 99), MAX_BLOCKS_PER_WARP);
+        assert_eq!(
+            blocks_per_warp(10, 1, 0, 0),
+            10,
+            "a zero target is one warp"
+        );
+        assert_eq!(target_warps(None), 4096);
+    }
 
     #[test]
     fn runs_put_each_token_where_the_kernel_reads_it() {
