@@ -140,6 +140,21 @@ for defs in ATTEND_WARPS_MIN_BLOCKS=3,ATTEND_WARPS_LOADS=8 ATTEND_WARPS_MIN_BLOC
         kernels --json --device cuda --groups 5 --head-dims 128 --context 32k,64k --ctas 0,396 \
         --seconds 0.3
 done
+# Every device-kernels row in one line each, in the summary (which comes back even when the
+# archive does not): which kernel, prefetching or not, and its ratio to the copy bandwidth.
+python3 - "$out"/device-kernels*.json >>"$out/summary.txt" 2>/dev/null <<'PY' || true
+import json, os, sys
+print("   device attention alone, ratio to copy bandwidth (file: G, context, kernel, CUDA blocks, ratio):")
+for path in sys.argv[1:]:
+    try:
+        rows = json.load(open(path))["results"]
+    except (OSError, ValueError, KeyError):
+        continue
+    for r in rows:
+        pf = "+prefetch" if r.get("prefetch") else ""
+        print(f"   {os.path.basename(path)[:-5]}: G={r['group']} ctx={r['context']} "
+              f"{r['kernel']}{pf} ctas={r['ctas']} {r['ratio']:.3f}")
+PY
 # The host's side: its read bandwidth and the CPU attention kernel per thread count. Scout's
 # CPU part and its selection (SparQ reads most of 4x the budget's keys) share that bandwidth.
 step host-kernels "$bin" bench kernels --json --threads 1,4,8,16 --groups 5 --head-dims 128 \
