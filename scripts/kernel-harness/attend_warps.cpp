@@ -5,8 +5,8 @@
 // log-sum-exp. Heads with a partial newest block (its tail holds NaN), several splits and no
 // blocks at all. With ATTEND_PREFETCH in the flags, the same results and the lines asked of L2
 // checked: each inside a block the split attends (of V, a written token where the kernel loads
-// only those), every V line and every K line past a warp's first step among them. Exit status 1
-// on any difference beyond float rounding.
+// only those), and every 16 bytes the kernel loads among them. Exit status 1 on any difference
+// beyond float rounding.
 #include "simt.h"
 #include <mutex>
 #include <vector>
@@ -31,7 +31,6 @@ typedef void (*Attend)(const unsigned char*, const long long*, const int*, const
 // How a kernel prefetches, for the checks of its prefetches: 0 flags, none.
 struct Prefetching {
     int flags = 0;
-    int step_blocks = 1;  // blocks a warp takes at a time
     bool v_written = false;  // V loaded (and prefetched) only at tokens below the block's len
 };
 
@@ -104,10 +103,9 @@ static void check(const char* name, Attend kernel, int G, int D, int dtype, int 
         for (int h = 0; h < hk; h++)
             for (int bi = head_start[h]; bi < head_start[h + 1]; bi++) {
                 const int len = blens[bi];
-                const bool later = (bi - head_start[h]) % chunk >= 4 * pf.step_blocks;
                 for (int u = 0; u < head_bytes / 16; u++) {
                     const bool v = u * 16 >= BS * D * 2;
-                    const bool want = v ? (!pf.v_written || (u * 16 - BS * D * 2) / (D * 2) < len) : later;
+                    const bool want = !v || !pf.v_written || (u * 16 - BS * D * 2) / (D * 2) < len;
                     if (want && !asked.count(((long long)bi * head_bytes) / 16 + u)) missed++;
                 }
             }
@@ -240,14 +238,14 @@ int main() {
     // Prefetching the next batch of loads: the same results, and the lines asked for are the
     // ones loaded next. Chunk 9 gives warp 0 a second step (and attend_warps a third).
     for (int chunk : {4, 9}) {
-        const Prefetching warps{ATTEND_PREFETCH, 1, false};
+        const Prefetching warps{ATTEND_PREFETCH, false};
         check("attend_warps", attend_warps_g5_d128, 5, 128, 2, 32, chunk, 1e-5, warps);
         check("attend_warps", attend_warps_g3_d64, 3, 64, 1, 32, chunk, 1e-5, warps);
         check("attend_warps_b16", attend_warps_g8_d128_b16, 8, 128, 1, 16, chunk, 1e-5, warps);
         for (int bs = 0; bs < 2; bs++)
             for (int d = 0; d < 2; d++)
                 check(bs ? "attend_tc_b16" : "attend_tc", tc[bs][d], 5, d ? 128 : 64, 2 - d, bs ? 16 : 32, chunk,
-                      5e-6, Prefetching{ATTEND_PREFETCH, bs ? 4 : 2, true});
+                      5e-6, Prefetching{ATTEND_PREFETCH, true});
     }
     return bad ? 1 : 0;
 }

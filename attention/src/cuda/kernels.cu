@@ -698,10 +698,6 @@ __device__ __forceinline__ void attend_warps(WarpsShared<G, D, BS>& sm, const un
     static_assert(KI % KB == 0 && VI % VB == 0, "whole load batches");
     const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31;
-    const float qscale = scale * 1.4426950408889634f;  // log2(e): exp becomes exp2
-    const float* qh = q + (long long)h * G * D;
-    for (int i = tid; i < G * D; i += NW * 32) sm.q[i] = qh[i] * qscale;
-    __syncthreads();
     const int b0 = head_start[h] + s * chunk;
     const int b1 = min(b0 + chunk, head_start[h + 1]);
     const int tg = lane % TPR, r0 = lane / TPR;  // scores: tokens 8*tg.., rows r0 + RPS*i
@@ -710,6 +706,16 @@ __device__ __forceinline__ void attend_warps(WarpsShared<G, D, BS>& sm, const un
     auto k_at = [&](const unsigned char* kt, int i) { return kt + ((r0 + RPS * i) * BS + tg * 8) * 2; };
     auto v_at = [&](const unsigned char* vs, int j) { return vs + ((tt + TPS * j) * D + cc * 8) * 2; };
     const bool pf = flags & ATTEND_PREFETCH;
+    if (pf && b0 + warp < b1) {
+        // The first batch, on its way while the query is staged.
+        const unsigned char* first = arena + offs[b0 + warp];
+#pragma unroll
+        for (int i = 0; i < KB; i++) prefetch_l2(k_at(first, i));
+    }
+    const float qscale = scale * 1.4426950408889634f;  // log2(e): exp becomes exp2
+    const float* qh = q + (long long)h * G * D;
+    for (int i = tid; i < G * D; i += NW * 32) sm.q[i] = qh[i] * qscale;
+    __syncthreads();
     float m[G], l[G], acc[G][8];
 #pragma unroll
     for (int g = 0; g < G; g++) {
@@ -1198,6 +1204,25 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
     const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 #ifdef HAVE_MMA
+    const int b0 = head_start[h] + s * chunk;
+    const int b1 = min(b0 + chunk, head_start[h + 1]);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    // This lane's K load i of the batch from 16-dim step e0 (kt: its tokens' K^T rows), and its
+    // V load x of token tok (vs: the token's block's V).
+    auto k_at = [&](const unsigned char* kt, int e0, int i) {
+        return kt + (16 * (e0 + i / 4) + 4 * t + i % 4) * BS * 2;
+    };
+    auto v_at = [&](const unsigned char* vs, int tok, int x) { return vs + (tok * D + 8 * (g + 8 * x)) * 2; };
+    const bool pf = flags & ATTEND_PREFETCH;
+    {
+        // The first batch of this lane's K, on its way while the query is split.
+        const int kb = b0 + BPS * warp + 8 * g / BS;
+        if (pf && kb < b1) {
+            const unsigned char* kt = arena + offs[kb] + (8 * g % BS) * 2;
+#pragma unroll
+            for (int i = 0; i < KB * 4; i++) prefetch_l2(k_at(kt, 0, i));
+        }
+    }
     const float qscale = scale * 1.4426950408889634f;  // log2(e): exp becomes exp2
     const float* qh = q + (long long)h * group * D;
     for (int i = tid; i < KS * 32; i += NW * 32) {
@@ -1210,16 +1235,6 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
         sm.qf3[e][l] = make_uint2(a0.z, a2.z);
     }
     __syncthreads();
-    const int b0 = head_start[h] + s * chunk;
-    const int b1 = min(b0 + chunk, head_start[h + 1]);
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    // This lane's K load i of the batch from 16-dim step e0 (kt: its tokens' K^T rows), and its
-    // V load x of token tok (vs: the token's block's V).
-    auto k_at = [&](const unsigned char* kt, int e0, int i) {
-        return kt + (16 * (e0 + i / 4) + 4 * t + i % 4) * BS * 2;
-    };
-    auto v_at = [&](const unsigned char* vs, int tok, int x) { return vs + (tok * D + 8 * (g + 8 * x)) * 2; };
-    const bool pf = flags & ATTEND_PREFETCH;
     float m = NEG_INF, l = 0.f;  // head g's running max and sum
     float acc[MT][4];            // O^T: rows dims, columns heads 2t, 2t + 1
 #pragma unroll
