@@ -66,9 +66,14 @@ pub(super) fn pick(sh: &Arc<Shared>, geom: &BlockGeometry) {
     let mut timed = if times_kernel || times_prefetch {
         match synthetic(sh, geom) {
             Ok(call) => Some(call),
-            Err(e) => {
+            Err(e) if times_kernel => {
                 tracing::warn!(error = %e, "could not time attend_tc at start; attention keeps attend_warps");
                 return;
+            }
+            // attend_tc forced: it stays, without the prefetch.
+            Err(e) => {
+                tracing::warn!(error = %e, "could not time the attention prefetch at start; not used");
+                None
             }
         }
     } else {
