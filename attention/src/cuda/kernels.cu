@@ -1987,10 +1987,26 @@ extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
     __shared__ int q8z[8];
     __shared__ float q8bad;
     const int h = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int nb = D >> 1;
+    // This warp's blocks: `per_warp` in a row, so a CUDA block's query set-up below is paid
+    // once for that many (at 64k, 8 KV heads and one block a warp: 4096 CUDA blocks, each
+    // rounding the query for 128 tokens' rows).
+    const int b_first = (blockIdx.x * SKETCH_WARPS + warp) * per_warp;
+    const int b_end = min(b_first + per_warp, nblocks);
+    // Asks L2 for the row of this lane's first token of block b (a block of this warp's).
+    auto prefetch_block = [&](int b) {
+        const int t = b * block_size + lane;
+        if (b < b_end && t < n_tokens) {
+            const int p = t / page_tokens, r = t - p * page_tokens;
+            const unsigned char* page = (const unsigned char*)pages[(long long)h * max_pages + p];
+            prefetch_l2(page + (long long)r * nb);
+        }
+    };
+    prefetch_block(b_first);  // on its way while the query is set up
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i] = q[(long long)h * G * D + i];
     if (threadIdx.x == 0) q8bad = 0.f;
     __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (int8) {
         for (int g = warp; g < G; g += SKETCH_WARPS) {
             float amax = 0.f, bad = 0.f;
@@ -2027,22 +2043,8 @@ extern "C" __global__ void __launch_bounds__(SKETCH_WARPS * 32)
         __syncthreads();
     }
     const bool ints = int8 && q8bad == 0.f;
-    const int nb = D >> 1;
-    // This warp's blocks: `per_warp` in a row, so a CUDA block's query set-up above is paid
-    // once for that many (at 64k, 8 KV heads and one block a warp: 4096 CUDA blocks, each
-    // rounding the query for 128 tokens' rows).
-    const int b_first = (blockIdx.x * SKETCH_WARPS + warp) * per_warp;
-    const int b_end = min(b_first + per_warp, nblocks);
     for (int b = b_first; b < b_end; b++) {
-        // The next block's row and scale of this lane's first token, asked of L2 while this
-        // block is scored.
-        if (b + 1 < b_end && (b + 1) * block_size + lane < n_tokens) {
-            const int t = (b + 1) * block_size + lane;
-            const int p = t / page_tokens, r = t - p * page_tokens;
-            const unsigned char* page = (const unsigned char*)pages[(long long)h * max_pages + p];
-            prefetch_l2(page + (long long)r * nb);
-            prefetch_l2(page + (long long)page_tokens * nb + 4LL * r);
-        }
+        prefetch_block(b + 1);  // while this one is scored
         float m[8], s[8];
 #pragma unroll
         for (int g = 0; g < 8; g++) {
