@@ -1213,6 +1213,17 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
         return kt + (16 * (e0 + i / 4) + 4 * t + i % 4) * BS * 2;
     };
     auto v_at = [&](const unsigned char* vs, int tok, int x) { return vs + (tok * D + 8 * (g + 8 * x)) * 2; };
+    // f(e, u, x, tok) for each of this lane's V loads of P.V batch f0: token tok = 16t + 4f + u
+    // (stok = 16t within its block) of step f = f0 + e, its 16 bytes x.
+    auto each_v = [&](int f0, auto&& f) {
+        const int stok = 16 * t % BS;
+#pragma unroll
+        for (int e = 0; e < VB; e++)
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+#pragma unroll
+                for (int x = 0; x < VH; x++) f(e, u, x, stok + 4 * (f0 + e) + u);
+    };
     const bool pf = flags & ATTEND_PREFETCH;
     {
         // The first batch of this lane's K, on its way while the query is split.
@@ -1251,15 +1262,9 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
         // not kept in a register through the K loop).
         auto prefetch_v = [&](int f0) {
             const unsigned char* vs = arena + offs[sb < b1 ? sb : bi] + BS * D * 2;
-#pragma unroll
-            for (int e = 0; e < VB; e++)
-#pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    const int tok = stok + 4 * (f0 + e) + u;
-#pragma unroll
-                    for (int x = 0; x < VH; x++)
-                        if (tok < slen) prefetch_l2(v_at(vs, tok, x));
-                }
+            each_v(f0, [&](int, int, int x, int tok) {
+                if (tok < slen) prefetch_l2(v_at(vs, tok, x));
+            });
         };
         float sc[8][4];  // MMA j: c0 = token 16t + j, c1 = 16t + 8 + j (rows 8-15: padding)
 #pragma unroll
@@ -1359,14 +1364,9 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
             // Tokens 16t + 4f + u, u = 0 .. 3, of VB steps f: rows past `len` (or of a missing
             // block) as zeros, whatever the slot holds.
             uint4 vr[VB][4 * VH];
-#pragma unroll
-            for (int e = 0; e < VB; e++)
-#pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    const int tok = stok + 4 * (f0 + e) + u;
-#pragma unroll
-                    for (int x = 0; x < VH; x++) vr[e][u * VH + x] = tok < slen ? *(const uint4*)v_at(vs, tok, x) : zero;
-                }
+            each_v(f0, [&](int e, int u, int x, int tok) {
+                vr[e][u * VH + x] = tok < slen ? *(const uint4*)v_at(vs, tok, x) : zero;
+            });
             if (pf) {
                 // The next batch: P.V's, else the first of K of this warp's next 64 tokens.
                 const int nkb = bi + NW * BPS + 8 * g / BS;

@@ -275,32 +275,26 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
             ATTENTION_TOLERANCE,
             check_split_attention(sh, dt, g, d, bs),
         );
-        let prefetching = |pf: bool| {
-            sh.prefetch_groups
-                .store(if pf { 1 << g } else { 0 }, Ordering::Release);
-            if pf { ", prefetching" } else { "" }
+        // The kernel now on for `g`, without and with the prefetch of its next loads.
+        let mut both = |name: &str| {
+            for pf in [false, true] {
+                sh.prefetch_groups
+                    .store(if pf { 1 << g } else { 0 }, Ordering::Release);
+                let how = if pf { ", prefetching" } else { "" };
+                add(
+                    &format!("{name}+combine {dt:?} G={g} D={d} block {bs}{how}"),
+                    ATTENTION_TOLERANCE,
+                    check_split_attention(sh, dt, g, d, bs),
+                );
+            }
         };
         if sh.k.warps(dt, bs, g, d).is_some() {
             sh.warps_on.store(true, Ordering::Release);
-            for pf in [false, true] {
-                let how = prefetching(pf);
-                add(
-                    &format!("attend_warps+combine {dt:?} G={g} D={d} block {bs}{how}"),
-                    ATTENTION_TOLERANCE,
-                    check_split_attention(sh, dt, g, d, bs),
-                );
-            }
+            both("attend_warps");
         }
         if sh.mma && sh.k.tc(dt, bs, g, d).is_some() {
             sh.tc_groups.store(1 << g, Ordering::Release);
-            for pf in [false, true] {
-                let how = prefetching(pf);
-                add(
-                    &format!("attend_tc (tensor cores)+combine {dt:?} G={g} D={d} block {bs}{how}"),
-                    ATTENTION_TOLERANCE,
-                    check_split_attention(sh, dt, g, d, bs),
-                );
-            }
+            both("attend_tc (tensor cores)");
         }
         sh.warps_on.store(on, Ordering::Release);
         sh.tc_groups.store(tc_on, Ordering::Release);
