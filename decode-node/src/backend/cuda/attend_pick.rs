@@ -61,87 +61,104 @@ pub(super) fn pick(sh: &Arc<Shared>, geom: &BlockGeometry) {
     if groups.is_empty() {
         return;
     }
-    let times_kernel = sh.attend_choice == AttendChoice::Timed;
-    let times_prefetch = sh.prefetch_choice == PrefetchChoice::Timed;
-    let mut timed = if times_kernel || times_prefetch {
+    let mut how = How {
+        times_kernel: sh.attend_choice == AttendChoice::Timed,
+        times_prefetch: sh.prefetch_choice == PrefetchChoice::Timed,
+        prefetch: sh.prefetch_choice,
+    };
+    let call = if how.times_kernel || how.times_prefetch {
         match synthetic(sh, geom) {
             Ok(call) => Some(call),
-            Err(e) if times_kernel => {
+            Err(e) if how.times_kernel => {
                 tracing::warn!(error = %e, "could not time attend_tc at start; attention keeps attend_warps");
                 return;
             }
             // attend_tc forced: it stays, without the prefetch.
             Err(e) => {
                 tracing::warn!(error = %e, "could not time the attention prefetch at start; not used");
+                how.times_prefetch = false;
                 None
             }
         }
     } else {
         None
     };
-    let prefetch_default = sh.prefetch_choice == PrefetchChoice::On;
-    let mut on = 0u16;
-    for g in groups {
-        sh.tc_groups.store(1 << g, Ordering::Release);
-        // Checked as it may run: prefetching, unless that is off.
-        set_bit(
-            &sh.prefetch_groups,
-            g,
-            sh.prefetch_choice != PrefetchChoice::Off,
-        );
-        let checked = check_split_attention(sh, dt, g, d, bs);
-        set_bit(&sh.prefetch_groups, g, prefetch_default);
-        match checked {
-            Ok(err) if err <= ATTENTION_TOLERANCE => {}
-            Ok(err) => {
-                tracing::error!(
-                    group = g,
-                    head_dim = d,
-                    block_size = bs,
-                    rel_err = err,
-                    "attend_tc disagrees with the CPU on this device; not used"
-                );
-                continue;
-            }
-            Err(e) => {
-                tracing::warn!(group = g, error = %e, "could not check attend_tc on this device; not used");
-                continue;
-            }
-        }
-        let Some(call) = timed.as_mut() else {
-            on |= 1 << g;
-            continue;
-        };
-        call.set_group(g);
-        if times_kernel && !tc_was_faster(sh, call, geom, g) {
-            sh.tc_groups.store(0, Ordering::Release);
-        } else {
-            on |= 1 << g;
-        }
-        if times_prefetch {
-            pick_prefetch(sh, call, g);
-        }
-        sh.tc_groups.store(0, Ordering::Release);
-    }
-    sh.tc_groups.store(on, Ordering::Release);
+    let mut trials = OnDevice { sh, geom, call };
+    let chosen = choose(&groups, how, &mut trials);
+    sh.prefetch_groups.store(chosen.prefetch, Ordering::Release);
+    sh.tc_groups.store(chosen.tc, Ordering::Release);
 }
 
-/// Times `attend_tc` against the kernel it would replace on `call` (of `g` heads a group):
-/// true where it was the faster; false (the other stays) where it was not or a timing failed.
-fn tc_was_faster(sh: &Shared, call: &Synthetic, geom: &BlockGeometry, g: usize) -> bool {
-    let (tc, other) = fastest_of_rounds(|tc| {
-        sh.tc_groups
-            .store(if tc { 1 << g } else { 0 }, Ordering::Release);
-        time_calls(call)
-    });
-    sh.tc_groups.store(0, Ordering::Release);
-    let other_name = call.store.kernel_name(g);
+/// What start-up may measure and what it must keep as asked.
+#[derive(Debug, Clone, Copy)]
+struct How {
+    /// `attend_tc` against the kernel it would replace (else `attend_tc`, forced).
+    times_kernel: bool,
+    /// With and without the prefetch (else as `prefetch` says).
+    times_prefetch: bool,
+    prefetch: PrefetchChoice,
+}
+
+/// The groups that take `attend_tc`, and those whose kernel prefetches (bit `g` each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Chosen {
+    tc: u16,
+    prefetch: u16,
+}
+
+/// What start-up does with one group's kernels: behind a trait, so the choice is tested
+/// without a device.
+trait Trials {
+    /// The group's attention with `attend_tc` (`tc`, else the kernel in its place), prefetching
+    /// or not, checked against the CPU: its relative error.
+    fn check(&mut self, g: usize, tc: bool, prefetch: bool) -> Result<f64, BackendError>;
+    /// Seconds of one such call.
+    fn time(&mut self, g: usize, tc: bool, prefetch: bool) -> Result<f64, BackendError>;
+    /// The kernel the group takes: `attend_tc`, or the one in its place (`split` takes no
+    /// flags, so it has no prefetch to time).
+    fn kernel(&self, g: usize, tc: bool) -> &'static str;
+}
+
+/// Per group: `attend_tc` where it agrees with the CPU and (if timed) was the faster; then
+/// the prefetch where the kernel taken agrees prefetching and (if timed) was faster so. A
+/// group whose `attend_tc` fails its check keeps the prefetch as asked (off where timed).
+fn choose(groups: &[usize], how: How, trials: &mut impl Trials) -> Chosen {
+    let asked = how.prefetch == PrefetchChoice::On;
+    let mut chosen = Chosen {
+        tc: 0,
+        prefetch: if asked { u16::MAX } else { 0 },
+    };
+    for &g in groups {
+        // Checked as it will be timed: prefetching where that is asked for (where timed, the
+        // prefetch is checked apart, on the kernel the group takes).
+        match trials.check(g, true, asked) {
+            Ok(err) if err <= ATTENTION_TOLERANCE => {}
+            r => {
+                tracing::error!(group = g, result = ?r, "attend_tc disagrees with the CPU on this device (or could not be checked); not used");
+                continue;
+            }
+        }
+        let tc = !how.times_kernel || tc_was_faster(trials, g, asked);
+        if tc {
+            chosen.tc |= 1 << g;
+        }
+        if how.times_prefetch && prefetch_was_faster(trials, g, tc) {
+            chosen.prefetch |= 1 << g;
+        }
+    }
+    chosen
+}
+
+/// Times `attend_tc` against the kernel it would replace for group `g` (both prefetching or
+/// not, as asked): true where it was the faster; false (the other stays) where it was not or
+/// a timing failed.
+fn tc_was_faster(trials: &mut impl Trials, g: usize, prefetch: bool) -> bool {
+    let (tc, other) = fastest_of_rounds(|tc| trials.time(g, tc, prefetch));
+    let other_name = trials.kernel(g, false);
     match (tc, other) {
         (Ok(tc), Ok(other)) => {
             tracing::info!(
                 group = g,
-                head_dim = geom.head_dim,
-                block_size = geom.block_size,
                 attend_tc_us = tc * 1e6,
                 other_us = other * 1e6,
                 other = other_name,
@@ -161,19 +178,21 @@ fn tc_was_faster(sh: &Shared, call: &Synthetic, geom: &BlockGeometry, g: usize) 
     }
 }
 
-/// Sets group `g`'s bit of [`Shared::prefetch_groups`] where the kernel `call` takes now (as
-/// [`Shared::tc_groups`] stands) was faster prefetching; not for the general kernel, which
-/// takes no flags.
-fn pick_prefetch(sh: &Shared, call: &Synthetic, g: usize) {
-    let kernel = call.store.kernel_name(g);
+/// True where the kernel group `g` takes (`attend_tc` if `tc`) agrees with the CPU
+/// prefetching and was faster so; never for the general kernel, which takes no flags.
+fn prefetch_was_faster(trials: &mut impl Trials, g: usize, tc: bool) -> bool {
+    let kernel = trials.kernel(g, tc);
     if kernel == "split" {
-        return;
+        return false;
     }
-    let (with, without) = fastest_of_rounds(|pf| {
-        set_bit(&sh.prefetch_groups, g, pf);
-        time_calls(call)
-    });
-    let faster = match (with, without) {
+    match trials.check(g, tc, true) {
+        Ok(err) if err <= ATTENTION_TOLERANCE => {}
+        r => {
+            tracing::error!(group = g, kernel, result = ?r, "the attention kernel disagrees with the CPU prefetching (or could not be checked); no prefetch");
+            return false;
+        }
+    }
+    match fastest_of_rounds(|pf| trials.time(g, tc, pf)) {
         (Ok(with), Ok(without)) => {
             tracing::info!(
                 group = g,
@@ -194,8 +213,54 @@ fn pick_prefetch(sh: &Shared, call: &Synthetic, g: usize) {
             );
             false
         }
-    };
-    set_bit(&sh.prefetch_groups, g, faster);
+    }
+}
+
+/// [`Trials`] on the device: the kernels switched through `sh`'s group bits, checked by the
+/// selftest's attention check and timed on the synthetic call (where there is one).
+struct OnDevice<'a> {
+    sh: &'a Arc<Shared>,
+    geom: &'a BlockGeometry,
+    call: Option<Synthetic>,
+}
+
+impl OnDevice<'_> {
+    /// Group `g`'s calls take `attend_tc` (or not) and prefetch (or not); the other groups'
+    /// bits as they were.
+    fn switch(&self, g: usize, tc: bool, prefetch: bool) {
+        set_bit(&self.sh.tc_groups, g, tc);
+        set_bit(&self.sh.prefetch_groups, g, prefetch);
+    }
+}
+
+impl Trials for OnDevice<'_> {
+    fn check(&mut self, g: usize, tc: bool, prefetch: bool) -> Result<f64, BackendError> {
+        self.switch(g, tc, prefetch);
+        let (dt, d, bs) = (self.geom.dtype, self.geom.head_dim, self.geom.block_size);
+        check_split_attention(self.sh, dt, g, d, bs)
+    }
+
+    fn time(&mut self, g: usize, tc: bool, prefetch: bool) -> Result<f64, BackendError> {
+        self.switch(g, tc, prefetch);
+        let call = self
+            .call
+            .as_mut()
+            .ok_or_else(|| BackendError::Unsupported("no synthetic call to time".into()))?;
+        call.set_group(g);
+        time_calls(call)
+    }
+
+    fn kernel(&self, g: usize, tc: bool) -> &'static str {
+        let was = self.sh.tc_groups.load(Ordering::Acquire);
+        set_bit(&self.sh.tc_groups, g, tc);
+        let name = match &self.call {
+            Some(call) => call.store.kernel_name(g),
+            None if tc => "attend_tc",
+            None => "attend_warps",
+        };
+        self.sh.tc_groups.store(was, Ordering::Release);
+        name
+    }
 }
 
 /// Sets or clears bit `g` of `bits`.
@@ -314,6 +379,163 @@ mod tests {
         assert!(!takes_faster(30e-6, 30e-6));
         assert!(!takes_faster(40e-6, 30e-6));
         assert!(!takes_faster(f64::NAN, 30e-6));
+    }
+
+    /// Trials with set results: `bad_tc` groups disagree on tensor cores, `bad_pf` groups
+    /// disagree prefetching, times by (group, tc, prefetch), and every call recorded.
+    #[derive(Default)]
+    struct Fake {
+        bad_tc: Vec<usize>,
+        bad_pf: Vec<usize>,
+        split: Vec<usize>,
+        times: std::collections::HashMap<(usize, bool, bool), f64>,
+        asked: Vec<(&'static str, usize, bool, bool)>,
+    }
+
+    impl Trials for Fake {
+        fn check(&mut self, g: usize, tc: bool, pf: bool) -> Result<f64, BackendError> {
+            self.asked.push(("check", g, tc, pf));
+            let bad = (tc && self.bad_tc.contains(&g)) || (pf && self.bad_pf.contains(&g));
+            Ok(if bad { 1.0 } else { 0.0 })
+        }
+
+        fn time(&mut self, g: usize, tc: bool, pf: bool) -> Result<f64, BackendError> {
+            self.asked.push(("time", g, tc, pf));
+            self.times
+                .get(&(g, tc, pf))
+                .copied()
+                .ok_or_else(|| BackendError::Unsupported("no time".into()))
+        }
+
+        fn kernel(&self, g: usize, tc: bool) -> &'static str {
+            match (tc, self.split.contains(&g)) {
+                (true, _) => "attend_tc",
+                (false, true) => "split",
+                (false, false) => "attend_warps",
+            }
+        }
+    }
+
+    const TIMED: How = How {
+        times_kernel: true,
+        times_prefetch: true,
+        prefetch: PrefetchChoice::Timed,
+    };
+
+    #[test]
+    fn the_faster_kernel_then_the_faster_prefetch_of_that_kernel() {
+        let mut f = Fake::default();
+        // Group 5: attend_tc faster, and faster prefetching. Group 8: attend_warps faster;
+        // its prefetch slower.
+        for (k, t) in [
+            ((5, true, false), 10.0),
+            ((5, false, false), 20.0),
+            ((5, true, true), 8.0),
+            ((5, false, true), 30.0),
+            ((8, true, false), 20.0),
+            ((8, false, false), 10.0),
+            ((8, false, true), 11.0),
+            ((8, true, true), 1.0),
+        ] {
+            f.times.insert(k, t);
+        }
+        let c = choose(&[5, 8], TIMED, &mut f);
+        assert_eq!(
+            c,
+            Chosen {
+                tc: 1 << 5,
+                prefetch: 1 << 5
+            }
+        );
+        // The prefetch was timed on the kernel each group takes, never on the other.
+        assert!(f.asked.contains(&("time", 5, true, true)));
+        assert!(!f.asked.contains(&("time", 5, false, true)));
+        assert!(f.asked.contains(&("time", 8, false, true)));
+        assert!(!f.asked.contains(&("time", 8, true, true)));
+        // Checked prefetching before either was timed so.
+        let first_check = f.asked.iter().position(|a| *a == ("check", 8, false, true));
+        let first_time = f.asked.iter().position(|a| *a == ("time", 8, false, true));
+        assert!(first_check < first_time);
+    }
+
+    #[test]
+    fn a_kernel_that_disagrees_is_not_taken_nor_prefetched() {
+        let mut f = Fake {
+            bad_tc: vec![4],
+            bad_pf: vec![5],
+            ..Fake::default()
+        };
+        for g in [4, 5] {
+            for tc in [true, false] {
+                for pf in [true, false] {
+                    f.times.insert((g, tc, pf), if pf { 1.0 } else { 2.0 });
+                }
+            }
+        }
+        f.times.insert((5, true, false), 1.0);
+        let c = choose(&[4, 5], TIMED, &mut f);
+        // 4: attend_tc disagrees: neither bit, and nothing of it timed. 5: attend_tc agrees
+        // and is faster, but disagrees prefetching: never timed so.
+        assert_eq!(
+            c,
+            Chosen {
+                tc: 1 << 5,
+                prefetch: 0
+            }
+        );
+        assert!(!f.asked.iter().any(|a| a.0 == "time" && a.1 == 4));
+        assert!(!f.asked.iter().any(|a| a.0 == "time" && a.1 == 5 && a.3));
+        let how = How {
+            prefetch: PrefetchChoice::Off,
+            times_prefetch: false,
+            ..TIMED
+        };
+        let mut f = Fake {
+            bad_pf: vec![5],
+            ..f
+        };
+        f.asked.clear();
+        // With the prefetch off, nothing runs prefetching.
+        assert_eq!(
+            choose(&[5], how, &mut f),
+            Chosen {
+                tc: 1 << 5,
+                prefetch: 0
+            }
+        );
+        assert!(f.asked.iter().all(|a| !a.3), "{:?}", f.asked);
+    }
+
+    #[test]
+    fn forced_choices_are_kept_and_not_timed() {
+        // attend_tc forced, prefetch on: every group's bit, nothing timed.
+        let how = How {
+            times_kernel: false,
+            times_prefetch: false,
+            prefetch: PrefetchChoice::On,
+        };
+        let mut f = Fake::default();
+        let c = choose(&[1, 5], how, &mut f);
+        assert_eq!(
+            c,
+            Chosen {
+                tc: (1 << 1) | (1 << 5),
+                prefetch: u16::MAX
+            }
+        );
+        assert!(f.asked.iter().all(|a| a.0 == "check" && a.3));
+        // The general kernel takes no flags: its prefetch is not timed.
+        let mut f = Fake {
+            split: vec![3],
+            ..Fake::default()
+        };
+        f.times.insert((3, true, false), 2.0);
+        f.times.insert((3, false, false), 1.0);
+        assert_eq!(choose(&[3], TIMED, &mut f), Chosen { tc: 0, prefetch: 0 });
+        assert!(!f.asked.iter().any(|a| a.0 == "time" && a.3));
+        // A timing that fails keeps what is in place.
+        let mut f = Fake::default();
+        assert_eq!(choose(&[2], TIMED, &mut f), Chosen { tc: 0, prefetch: 0 });
     }
 
     #[test]
