@@ -89,10 +89,16 @@ if [[ ! -f "$model/config.json" ]]; then
 fi
 # `attend_warps` is new: where its selftest rows did not pass, the benches take the general
 # attention kernel (the node also checks it at start and turns it off on a disagreement).
-if grep -q "^FAIL attend_warps" "$out/selftest.json" 2>/dev/null; then
+if grep "^FAIL attend_warps" "$out/selftest.json" 2>/dev/null | grep -qv prefetching; then
     echo "   attend_warps did not pass selftest: DECODE_NODE_ATTENTION_KERNEL=split from here" |
         tee -a "$out/summary.txt"
     export DECODE_NODE_ATTENTION_KERNEL=split
+fi
+# The L2 prefetch (new 2026-11-30) likewise: a prefetching row that failed turns it off.
+if grep "^FAIL attend_" "$out/selftest.json" 2>/dev/null | grep -q prefetching; then
+    echo "   a prefetching attention row did not pass selftest: DECODE_NODE_ATTENTION_PREFETCH=off from here" |
+        tee -a "$out/summary.txt"
+    export DECODE_NODE_ATTENTION_PREFETCH=off
 fi
 # (The node itself keeps a small-batch kernel that disagrees with cuBLAS at start out; this
 # also keeps `gemv_b{B}` out of every A/B below. A failing `gemv_tc` row changes nothing here.)
