@@ -1213,10 +1213,10 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
         return kt + (16 * (e0 + i / 4) + 4 * t + i % 4) * BS * 2;
     };
     auto v_at = [&](const unsigned char* vs, int tok, int x) { return vs + (tok * D + 8 * (g + 8 * x)) * 2; };
+    const int stok = 16 * t % BS;  // this lane's first score token (16t) within its block
     // f(e, u, x, tok) for each of this lane's V loads of P.V batch f0: token tok = 16t + 4f + u
-    // (stok = 16t within its block) of step f = f0 + e, its 16 bytes x.
+    // of step f = f0 + e, its 16 bytes x.
     auto each_v = [&](int f0, auto&& f) {
-        const int stok = 16 * t % BS;
 #pragma unroll
         for (int e = 0; e < VB; e++)
 #pragma unroll
@@ -1257,7 +1257,7 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
         const int kb = bi + 8 * g / BS, sb = bi + 16 * t / BS;
         const bool k_in = kb < b1;
         const unsigned char* kt = arena + offs[k_in ? kb : bi] + (8 * g % BS) * 2;
-        const int slen = sb < b1 ? lens[sb] : 0, stok = 16 * t % BS;
+        const int slen = sb < b1 ? lens[sb] : 0;
         // The lines of P.V batch f0 this lane loads (the block's V address found again here,
         // not kept in a register through the K loop).
         auto prefetch_v = [&](int f0) {

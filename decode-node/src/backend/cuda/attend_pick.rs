@@ -251,15 +251,11 @@ impl Trials for OnDevice<'_> {
     }
 
     fn kernel(&self, g: usize, tc: bool) -> &'static str {
-        let was = self.sh.tc_groups.load(Ordering::Acquire);
-        set_bit(&self.sh.tc_groups, g, tc);
-        let name = match &self.call {
-            Some(call) => call.store.kernel_name(g),
+        match &self.call {
+            Some(call) => call.store.kernel_name_as(g, tc),
             None if tc => "attend_tc",
             None => "attend_warps",
-        };
-        self.sh.tc_groups.store(was, Ordering::Release);
-        name
+        }
     }
 }
 

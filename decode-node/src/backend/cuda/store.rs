@@ -346,9 +346,18 @@ impl CudaKvStore {
     /// `attend_warps` where it is on ([`Shared::warps_on`]); either only where built for the
     /// shape.
     fn fast_kernel(&self, group: usize) -> Option<(&CudaFunction, usize, &'static str)> {
+        let tc = group < 16 && self.shared.tc_groups.load(Ordering::Acquire) & (1 << group) != 0;
+        self.fast_kernel_as(group, tc)
+    }
+
+    /// [`CudaKvStore::fast_kernel`] with the group's `attend_tc` bit taken as `tc`.
+    fn fast_kernel_as(
+        &self,
+        group: usize,
+        tc: bool,
+    ) -> Option<(&CudaFunction, usize, &'static str)> {
         let sh = &*self.shared;
         let g = &self.geom;
-        let tc = group < 16 && sh.tc_groups.load(Ordering::Acquire) & (1 << group) != 0;
         if let Some(f) = tc
             .then(|| sh.k.tc(g.dtype, g.block_size, group, g.head_dim))
             .flatten()
@@ -389,6 +398,12 @@ impl CudaKvStore {
     /// The kernel attention calls of `group` take: `attend_tc`, `attend_warps` or `split`.
     pub(super) fn kernel_name(&self, group: usize) -> &'static str {
         self.fast_kernel(group).map_or("split", |(_, _, name)| name)
+    }
+
+    /// The kernel calls of `group` would take with the group's `attend_tc` bit as `tc`.
+    pub(super) fn kernel_name_as(&self, group: usize, tc: bool) -> &'static str {
+        self.fast_kernel_as(group, tc)
+            .map_or("split", |(_, _, name)| name)
     }
 
     /// True where attention calls of `group` prefetch their next loads: a fast kernel whose
