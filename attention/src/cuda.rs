@@ -25,6 +25,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "silu_mul_stacked_half",
     "sketch_lse",
     "sketch_shares",
+    "top_blocks",
     "scatter_runs",
     "row_max_parts",
     "row_sum_parts",

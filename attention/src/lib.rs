@@ -74,7 +74,7 @@ pub use merge::Partial;
 pub use peak::{fma_peak, fma_peak_on};
 pub use policy::{AttentionConfig, BlockScorer, Mode, PredictionGuard, RecallLimits, RecallPolicy};
 pub use residency::DeviceBlock;
-pub use select::{select_shared, select_spans, select_top_k};
+pub use select::{TopCut, best_in, select_shared, select_spans, select_top_k};
 pub use sequence::{
     BlockKeys, HeadPlan, HeadQuery, KvSource, NotResident, SeqAttention, SeqStats, attend_head,
     cosine, recall_intervals,

@@ -20,29 +20,141 @@ pub fn select_spans(
     spans: bool,
 ) -> Vec<usize> {
     let n = scores.len();
-    if n <= budget_blocks.max(2) {
+    let Some(cut) = TopCut::of(n, budget_blocks, recent) else {
         return (0..n).collect();
-    }
-    // The window never takes the whole budget: at least the sink stays in.
-    let recent = recent.clamp(1, budget_blocks.max(2) - 1);
-    let k = budget_blocks.saturating_sub(1 + recent);
-    let mut out = Vec::with_capacity(k + 1 + recent);
+    };
+    let (k, end) = (cut.k, cut.to);
+    let mut out = Vec::with_capacity(k + 1 + n - end);
     out.push(0);
-    let end = n - recent;
     if spans {
         let mut middle: Vec<(usize, f32)> = (1..end).map(|b| (b, scores[b])).collect();
         let below_window = |b: usize| b + 1 < end;
         out.extend(best_blocks(&mut middle, k, Some(&below_window)));
     } else {
-        out.extend(
-            best_of_rows(&[scores], 1..end, k)
-                .into_iter()
-                .map(|(_, b)| b),
-        );
+        out.extend(best_in(&[scores], cut).concat());
     }
-    out.extend(n - recent..n);
+    out.extend(end..n);
     out.sort_unstable();
     out
+}
+
+/// Where [`select_top_k`] chooses by score among `n` blocks: the `k` best of blocks
+/// `from .. to`, beside the sink (block 0) and the window `to .. n`, which are always taken;
+/// with `shared`, the `k` best of every head's `from .. to` together (the layer's budget,
+/// [`select_shared`]). A device that scores the blocks can choose those itself (the
+/// `top_blocks` kernel) and send back only them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopCut {
+    /// First block chosen by score (1: the sink is always taken).
+    pub from: usize,
+    /// Past the last block chosen by score: the window starts here.
+    pub to: usize,
+    /// How many of `from .. to` are chosen: a head's, or with `shared` the layer's.
+    pub k: usize,
+    /// The heads share `k`.
+    pub shared: bool,
+}
+
+impl TopCut {
+    /// Each head's cut of `n` blocks at `budget_blocks` with `recent` newest blocks always
+    /// taken; `None` where the budget takes every block.
+    pub fn of(n: usize, budget_blocks: usize, recent: usize) -> Option<TopCut> {
+        if n <= budget_blocks.max(2) {
+            return None;
+        }
+        // The window never takes the whole budget: at least the sink stays in.
+        let recent = recent.clamp(1, budget_blocks.max(2) - 1);
+        Some(TopCut {
+            from: 1,
+            to: n - recent,
+            k: budget_blocks.saturating_sub(1 + recent),
+            shared: false,
+        })
+    }
+
+    /// [`TopCut::of`] with `heads` heads sharing their budgets.
+    pub fn shared_of(
+        n: usize,
+        budget_blocks: usize,
+        recent: usize,
+        heads: usize,
+    ) -> Option<TopCut> {
+        TopCut::of(n, budget_blocks, recent).map(|c| TopCut {
+            k: c.k * heads,
+            shared: true,
+            ..c
+        })
+    }
+
+    /// Picks a head gets, or the layer's `heads` get together with `shared`: `k`, or every
+    /// candidate where there are fewer.
+    pub fn picks(&self, heads: usize) -> usize {
+        let per = self.to.saturating_sub(self.from);
+        self.k.min(if self.shared { heads * per } else { per })
+    }
+
+    /// Each head's selection of `n` blocks (as [`select_top_k`] or [`select_shared`] give
+    /// them) from `picks`, each head's picks of the cut in ascending order; `None` where
+    /// `picks` are not that (a count, an order or a block out of place): a device's answer is
+    /// checked, not trusted.
+    pub fn selections(&self, n: usize, picks: &[Vec<usize>]) -> Option<Vec<Vec<usize>>> {
+        if self.to > n || self.from == 0 || self.from > self.to {
+            return None;
+        }
+        let well_placed = |p: &Vec<usize>| {
+            p.windows(2).all(|w| w[0] < w[1])
+                && p.first()
+                    .is_none_or(|&b| b >= self.from && p[p.len() - 1] < self.to)
+        };
+        let want = self.picks(picks.len());
+        let counted = if self.shared {
+            picks.iter().map(Vec::len).sum::<usize>() == want
+        } else {
+            picks.iter().all(|p| p.len() == want)
+        };
+        if !counted || !picks.iter().all(well_placed) {
+            return None;
+        }
+        let sels = picks.iter().map(|p| {
+            let mut out = Vec::with_capacity(1 + p.len() + n - self.to);
+            out.push(0);
+            out.extend_from_slice(p);
+            out.extend(self.to..n);
+            out
+        });
+        Some(sels.collect())
+    }
+}
+
+/// Each row's picks of `cut` (a head's scores each, all as long) in ascending order, ranked
+/// as [`select_top_k`] and [`select_shared`] rank them (score first, NaN last, -0 below +0,
+/// of equal scores the lower (head, block)): what a device's `top_blocks` must answer.
+pub fn best_in(rows: &[&[f32]], cut: TopCut) -> Vec<Vec<usize>> {
+    let len = rows.iter().map(|r| r.len()).min().unwrap_or(0);
+    let to = cut.to.min(len);
+    let range = cut.from.min(to)..to;
+    let mut out = vec![Vec::new(); rows.len()];
+    if cut.shared {
+        for (h, b) in best_of_rows(&rows_of(rows, len), range, cut.k) {
+            out[h].push(b);
+        }
+    } else {
+        for (h, row) in rows.iter().enumerate() {
+            out[h] = best_of_rows(&[&row[..len]], range.clone(), cut.k)
+                .into_iter()
+                .map(|(_, b)| b)
+                .collect();
+        }
+    }
+    for p in &mut out {
+        p.sort_unstable();
+    }
+    out
+}
+
+/// `rows` cut to `len` each.
+fn rows_of<'a>(rows: &[&'a [f32]], len: usize) -> Vec<&'a [f32]> {
+    rows.iter().map(|r| &r[..len]).collect()
 }
 
 /// [`select_spans`] for every KV head of a layer at once, the heads sharing the layer's
@@ -58,33 +170,32 @@ pub fn select_shared(
     spans: bool,
 ) -> Vec<Vec<usize>> {
     let n = scores.first().map_or(0, |s| s.len());
-    if n <= budget_blocks.max(2) || scores.iter().any(|s| s.len() != n) {
+    let cut = TopCut::shared_of(n, budget_blocks, recent, scores.len());
+    let Some(cut) = cut.filter(|_| scores.iter().all(|s| s.len() == n)) else {
         return scores
             .iter()
             .map(|s| select_spans(s, budget_blocks, recent, spans))
             .collect();
-    }
-    let recent = recent.clamp(1, budget_blocks.max(2) - 1);
-    let per_head = budget_blocks.saturating_sub(1 + recent);
-    let k = per_head * scores.len();
+    };
+    let (k, end) = (cut.k, cut.to);
     let mut out: Vec<Vec<usize>> = (0..scores.len()).map(|_| vec![0]).collect();
     if spans {
         let mut middle: Vec<(usize, f32)> = Vec::with_capacity(scores.len() * n);
         for (h, s) in scores.iter().enumerate() {
-            middle.extend((1..n - recent).map(|b| (h * n + b, s[b])));
+            middle.extend((1..end).map(|b| (h * n + b, s[b])));
         }
         // Candidate `h * n + b`: a span stays inside its head, below the window.
-        let below_window = |p: usize| p % n + 1 < n - recent;
+        let below_window = |p: usize| p % n + 1 < end;
         for p in best_blocks(&mut middle, k, Some(&below_window)) {
             out[p / n].push(p % n);
         }
     } else {
-        for (h, b) in best_of_rows(scores, 1..n - recent, k) {
-            out[h].push(b);
+        for (sel, picks) in out.iter_mut().zip(best_in(scores, cut)) {
+            sel.extend(picks);
         }
     }
     for sel in &mut out {
-        sel.extend(n - recent..n);
+        sel.extend(end..n);
         sel.sort_unstable();
     }
     out
@@ -458,6 +569,109 @@ mod tests {
         for &x in &order[1..] {
             assert_eq!(score_of_key(score_key(x)).to_bits(), x.to_bits());
         }
+    }
+
+    #[test]
+    fn a_device_s_picks_of_the_cut_select_as_the_scores_do() {
+        let mut seed = 0x70b_u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        for case in 0..300 {
+            let (n, hk) = (1 + (next() % 400) as usize, 1 + (next() % 8) as usize);
+            let (budget, recent) = (2 + (next() % 60) as usize, (next() % 9) as usize);
+            let rows: Vec<Vec<f32>> = (0..hk)
+                .map(|_| {
+                    (0..n)
+                        .map(|_| match case % 3 {
+                            0 => (next() % 5) as f32,
+                            1 if next() % 7 == 0 => f32::NAN,
+                            _ => next() as f32 / (1u64 << 31) as f32,
+                        })
+                        .collect()
+                })
+                .collect();
+            let refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+            // A device's scores stop before the newest block: the same picks.
+            let short: Vec<&[f32]> = refs.iter().map(|r| &r[..n - 1]).collect();
+            let own: Vec<Vec<usize>> = refs
+                .iter()
+                .map(|s| select_top_k(s, budget, recent))
+                .collect();
+            match TopCut::of(n, budget, recent) {
+                None => assert!(own.iter().all(|s| *s == (0..n).collect::<Vec<_>>())),
+                Some(cut) => {
+                    let picks = best_in(&refs, cut);
+                    assert!(
+                        picks.iter().all(|p| p.len() == cut.picks(hk)),
+                        "case {case}"
+                    );
+                    assert_eq!(cut.selections(n, &picks), Some(own), "case {case}");
+                    assert_eq!(best_in(&short, cut), picks, "case {case}");
+                }
+            }
+            let shared = select_shared(&refs, budget, recent, false);
+            match TopCut::shared_of(n, budget, recent, hk) {
+                None => assert!(shared.iter().all(|s| *s == (0..n).collect::<Vec<_>>())),
+                Some(cut) => {
+                    let picks = best_in(&refs, cut);
+                    let total: usize = picks.iter().map(Vec::len).sum();
+                    assert_eq!(total, cut.picks(hk), "case {case}");
+                    assert_eq!(cut.selections(n, &picks), Some(shared), "case {case}");
+                    assert_eq!(best_in(&short, cut), picks, "case {case}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn picks_that_are_not_the_cut_s_answer_are_refused() {
+        let cut = TopCut::of(10, 5, 2).unwrap();
+        assert_eq!(
+            cut,
+            TopCut {
+                from: 1,
+                to: 8,
+                k: 2,
+                shared: false
+            }
+        );
+        let one = |p: &[usize]| cut.selections(10, &[p.to_vec()]);
+        assert_eq!(one(&[3, 5]), Some(vec![vec![0, 3, 5, 8, 9]]));
+        for bad in [
+            &[3][..],
+            &[3, 5, 6],
+            &[5, 3],
+            &[3, 3],
+            &[0, 5],
+            &[3, 8],
+            &[],
+        ] {
+            assert_eq!(one(bad), None, "{bad:?}");
+        }
+        assert_eq!(
+            cut.selections(7, &[vec![3, 5]]),
+            None,
+            "a cut past the blocks"
+        );
+        assert_eq!(TopCut::of(5, 5, 2), None, "the budget takes every block");
+        // Shared: any split of the layer's four picks, none out of place.
+        let cut = TopCut::shared_of(10, 5, 2, 2).unwrap();
+        assert_eq!((cut.k, cut.shared), (4, true));
+        assert_eq!(
+            cut.selections(10, &[vec![1, 2, 3], vec![7]]),
+            Some(vec![vec![0, 1, 2, 3, 8, 9], vec![0, 7, 8, 9]])
+        );
+        assert!(cut.selections(10, &[vec![], vec![1, 2, 3, 4]]).is_some());
+        assert_eq!(cut.selections(10, &[vec![1, 2], vec![7]]), None, "three");
+        assert_eq!(
+            cut.selections(10, &[vec![1, 2, 9], vec![7]]),
+            None,
+            "in the window"
+        );
     }
 
     #[test]

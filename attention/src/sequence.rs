@@ -16,7 +16,7 @@ use crate::merge::Partial;
 use crate::plan::{self, PARALLEL_SELECT_BLOCKS};
 use crate::policy::{AttentionConfig, BlockScorer, Mode, RecallLimits, RecallPolicy};
 use crate::residency::{DeviceBlock, Residency};
-use crate::select::{select_shared, select_spans};
+use crate::select::{TopCut, select_shared, select_spans};
 use crate::sketch;
 use crate::sparq;
 use rayon::prelude::*;
@@ -581,10 +581,7 @@ impl SeqAttention {
             return vec![(0..self.num_blocks()).collect(); hk];
         }
         let bs = self.geom.block_size;
-        let window = match cfg.mode {
-            Mode::Hgca => plan::hgca_window(cfg, bs),
-            _ => cfg.local_blocks(bs),
-        };
+        let window = select_window(cfg, bs);
         let all: Vec<&[f32]> = (0..hk)
             .map(|h| scores.get(h).map(Vec::as_slice).unwrap_or_default())
             .collect();
@@ -626,6 +623,46 @@ impl SeqAttention {
         self.plan_layer_scored(cfg, layer, &scores)
     }
 
+    /// Where `layer`'s selection is each KV head's sink and window, and the best blocks of a
+    /// range by score (each head's own, or with `cfg.shared_budget` the layer's), so a device
+    /// that scores the blocks can choose those itself and send back only them
+    /// ([`SeqAttention::plan_layer_picked`]): a sparse mode past the dense layers, no spans,
+    /// and more blocks than the budget. `None`: the selection reads every score.
+    pub fn top_cut(&self, cfg: &AttentionConfig, layer: usize) -> Option<TopCut> {
+        if !self.needs_scores(cfg, layer) || cfg.select_spans {
+            return None;
+        }
+        let bs = self.geom.block_size;
+        let (n, budget, window) = (
+            self.num_blocks(),
+            cfg.budget_blocks(bs),
+            select_window(cfg, bs),
+        );
+        if cfg.shared_budget {
+            TopCut::shared_of(n, budget, window, self.geom.num_kv_heads)
+        } else {
+            TopCut::of(n, budget, window)
+        }
+    }
+
+    /// [`SeqAttention::plan_layer_scored`] from each KV head's picks of
+    /// [`SeqAttention::top_cut`] (its best blocks of the range, ascending) made elsewhere:
+    /// the same plans as from the scores they were picked from. `None`, with nothing
+    /// planned, where the picks are not such an answer (see [`TopCut::selections`]).
+    pub fn plan_layer_picked(
+        &mut self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        picks: &[Vec<usize>],
+    ) -> Option<Vec<HeadPlan>> {
+        let cut = self.top_cut(cfg, layer)?;
+        if picks.len() != self.geom.num_kv_heads {
+            return None;
+        }
+        let sels = cut.selections(self.num_blocks(), picks)?;
+        Some(self.plan_layer_selected(cfg, layer, &sels))
+    }
+
     /// True when planning `layer` reads block scores (a sparse mode past the dense layers):
     /// else [`SeqAttention::plan_layer_scored`] takes none.
     pub fn needs_scores(&self, cfg: &AttentionConfig, layer: usize) -> bool {
@@ -641,15 +678,25 @@ impl SeqAttention {
         layer: usize,
         scores: &[Vec<f32>],
     ) -> Vec<HeadPlan> {
+        let sels = match cfg.mode {
+            Mode::Full => Vec::new(),
+            Mode::Hgca | Mode::Recall | Mode::Scout => self.select_layer(cfg, layer, scores),
+        };
+        self.plan_layer_selected(cfg, layer, &sels)
+    }
+
+    /// Plans `layer` from each KV head's selection (`sels`, nothing in `full`).
+    fn plan_layer_selected(
+        &mut self,
+        cfg: &AttentionConfig,
+        layer: usize,
+        sels: &[Vec<usize>],
+    ) -> Vec<HeadPlan> {
         let hk = self.geom.num_kv_heads;
         let n = self.num_blocks();
         let bs = self.geom.block_size;
         let cap = cfg.resident_blocks_per_head();
         let step = self.step;
-        let sels = match cfg.mode {
-            Mode::Full => Vec::new(),
-            Mode::Hgca | Mode::Recall | Mode::Scout => self.select_layer(cfg, layer, scores),
-        };
         let first = !self.layers[layer].initialised;
         self.layers[layer].initialised = true;
         let mut plans = Vec::with_capacity(hk);
@@ -896,6 +943,14 @@ fn recall_picks(heads: &[HeadState], plans: &[HeadPlan], allowance: usize) -> Ve
 }
 
 /// `f` of every head `0..hk`, in parallel when `par`.
+/// The newest blocks `cfg.mode`'s selection always takes: HGCA's window, else the local one.
+fn select_window(cfg: &AttentionConfig, block_size: usize) -> usize {
+    match cfg.mode {
+        Mode::Hgca => plan::hgca_window(cfg, block_size),
+        _ => cfg.local_blocks(block_size),
+    }
+}
+
 fn each_head<T: Send>(par: bool, hk: usize, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
     if par {
         (0..hk).into_par_iter().map(f).collect()
@@ -1119,6 +1174,8 @@ mod tests {
             cfg.device_blocks_per_head = 12;
             let mut here = SeqAttention::new(mem.geom, 1, 700, digests.clone());
             let mut there = SeqAttention::new(mem.geom, 1, 700, digests.clone());
+            // And a device that also picks each head's best blocks (`top_blocks`).
+            let mut picked = SeqAttention::new(mem.geom, 1, 700, digests.clone());
             for (step, seed) in [31u64, 32, 33].into_iter().enumerate() {
                 let q = values(seed, 2 * 3 * 16, 1.0);
                 let scores: Vec<Vec<f32>> = (0..2)
@@ -1128,6 +1185,24 @@ mod tests {
                 let mut a = here.plan_layer(&cfg, 0, &q, keys(&mem));
                 let mut b = there.plan_layer_scored(&cfg, 0, &scores);
                 assert_eq!(a, b, "{mode:?} {scorer:?} {shared} step {step}");
+                let cut = picked.top_cut(&cfg, 0);
+                assert_eq!(cut.map(|c| c.shared), Some(shared), "{mode:?} {shared}");
+                let mut c = cut.and_then(|cut| {
+                    let refs: Vec<&[f32]> = scores.iter().map(Vec::as_slice).collect();
+                    let picks = crate::best_in(&refs, cut);
+                    let mut wrong = picks.clone();
+                    wrong[1].push(cut.to);
+                    assert_eq!(picked.plan_layer_picked(&cfg, 0, &wrong), None);
+                    assert_eq!(picked.plan_layer_picked(&cfg, 0, &picks[..1]), None);
+                    picked.plan_layer_picked(&cfg, 0, &picks)
+                });
+                if cut.is_some() {
+                    assert_eq!(
+                        c.as_ref(),
+                        Some(&a),
+                        "{mode:?} {scorer:?} picked, step {step}"
+                    );
+                }
                 // Ten blocks a head, shared or not: the layer's budget holds.
                 let attended = |p: &[HeadPlan]| -> usize {
                     p.iter().map(|p| p.device.len() + p.cpu.len()).sum()
@@ -1144,12 +1219,20 @@ mod tests {
                     here.reselect_device(&cfg, 0, &q2, keys(&mem), &mut a);
                     there.reselect_device_scored(&cfg, 0, &s2, &mut b);
                     assert_eq!(a, b, "reselected, {shared} step {step}");
+                    if let Some(c) = &mut c {
+                        picked.reselect_device_scored(&cfg, 0, &s2, c);
+                    }
                     assert!(attended(&a) <= 2 * 10, "{shared}");
                 }
                 here.finish_layer(&cfg, 0, &a);
                 there.finish_layer(&cfg, 0, &b);
+                if let Some(c) = &c {
+                    assert_eq!(c, &a, "{mode:?} {scorer:?} picked, step {step}");
+                    picked.finish_layer(&cfg, 0, c);
+                }
                 here.step += 1;
                 there.step += 1;
+                picked.step += 1;
             }
         }
     }

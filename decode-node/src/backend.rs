@@ -314,14 +314,15 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
 
     /// Block scores of `call.layer`'s blocks `0 .. call.blocks` for every KV head by
     /// `attention::BlockScorer::Sketch` (`q` is `[num_kv_heads][G][head_dim]`), computed where
-    /// this sequence keeps a sketch of its keys, brought up to `kv`'s tokens first.
-    /// `Ok(None)`: this device keeps none (the host scores instead).
+    /// this sequence keeps a sketch of its keys, brought up to `kv`'s tokens first; with
+    /// `call.pick`, only each head's best blocks of that cut ([`Scored::Picks`]), where the
+    /// device chooses them. `Ok(None)`: this device keeps none (the host scores instead).
     fn sketch_scores(
         &mut self,
         _kv: &dyn KvSource,
         _q: &[f32],
         _call: SketchCall,
-    ) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
+    ) -> Result<Option<Scored>, BackendError> {
         Ok(None)
     }
 
@@ -355,7 +356,7 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
     /// The scores [`DeviceSeq::queue_sketch_scores`] queued for `layer`, waiting for them
     /// (what `sketch_scores` would have answered then). `Ok(None)`: none queued for `layer`;
     /// a call queued for another layer is dropped.
-    fn take_sketch_scores(&mut self, _layer: usize) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
+    fn take_sketch_scores(&mut self, _layer: usize) -> Result<Option<Scored>, BackendError> {
         Ok(None)
     }
 
@@ -371,13 +372,25 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
 }
 
 /// What a device's sketch scoring is asked for: `layer`'s blocks `0 .. blocks`, with the
-/// softmax `scale` and how a group's query heads combine (`how`).
+/// softmax `scale` and how a group's query heads combine (`how`); with `pick`, each KV head's
+/// best blocks of that cut instead of every score, where the device can choose them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SketchCall {
     pub layer: usize,
     pub scale: f32,
     pub how: attention::GroupScore,
     pub blocks: usize,
+    pub pick: Option<attention::TopCut>,
+}
+
+/// A device's answer to a [`SketchCall`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Scored {
+    /// Every block's score, per KV head (`blocks` each).
+    Scores(Vec<Vec<f32>>),
+    /// Per KV head, the call's `pick` answered (`attention::best_in`: its best blocks in
+    /// ascending order): `k` block indices where every score would be `blocks` floats.
+    Picks(Vec<Vec<usize>>),
 }
 
 /// True when a GPU's sketch kernels (`--block-scorer sketch` scored on the device) take heads

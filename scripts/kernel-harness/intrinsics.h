@@ -20,6 +20,7 @@ static inline double __hiloint2double(int hi, int lo) {
     memcpy(&d, &b, 8);
     return d;
 }
+static inline int __popc(unsigned x) { return __builtin_popcount(x); }
 static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };

@@ -23,3 +23,5 @@ trap 'rm -rf "$out"' EXIT
 "$out/gemv"
 "$cxx" -std=c++20 -O2 -w -pthread -o "$out/sketch" sketch.cpp
 "$out/sketch"
+"$cxx" -std=c++20 -O2 -w -pthread -o "$out/top_blocks" top_blocks.cpp
+"$out/top_blocks"

@@ -9,3 +9,6 @@ static inline void __syncwarp() {}
 static inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p += v; return o; }
 static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
 static inline float __shfl_sync(unsigned, float v, int) { return v; }
+static inline unsigned __shfl_sync(unsigned, unsigned v, int) { return v; }
+// One lane: its own predicate. (top_blocks, a warp's work, runs under simt.h.)
+static inline unsigned __ballot_sync(unsigned, bool p) { return p ? 1u : 0u; }

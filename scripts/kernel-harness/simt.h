@@ -38,6 +38,19 @@ static inline float __shfl_sync(unsigned, float v, int src) {
     __syncwarp();
     return r;
 }
+static inline unsigned __shfl_sync(unsigned m, unsigned v, int src) {
+    return __float_as_uint(__shfl_sync(m, __uint_as_float(v), src));
+}
+// The warp's predicates as a bit mask, lane i at bit i.
+static inline unsigned __ballot_sync(unsigned, bool p) {
+    const unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    simt.mailbox[w * 32 + lane] = p ? 1.f : 0.f;
+    __syncwarp();
+    unsigned m = 0;
+    for (unsigned l = 0; l < 32; l++) m |= (simt.mailbox[w * 32 + l] != 0.f ? 1u : 0u) << l;
+    __syncwarp();
+    return m;
+}
 // kernels.cu's, defined after this.
 inline float f16_to_f32(unsigned short h);
 inline float bf16_to_f32(unsigned short h);

@@ -2163,3 +2163,118 @@ extern "C" __global__ void __launch_bounds__(SHARES_THREADS)
         out[b] = o;
     }
 }
+
+// A score as an unsigned key in the same order, NaN lowest (below -inf) and -0 below +0, as
+// attention::select's score_key makes it: the bits with the sign flipped for positives and
+// every bit flipped for negatives.
+__device__ __forceinline__ unsigned score_key(float s) {
+    const unsigned u = __float_as_uint(s);
+    return s != s ? 0u : u ^ ((unsigned)((int)u >> 31) | 0x80000000u);
+}
+
+// Step 3 (optional): the best blocks of `from .. to` by the step-2 scores (scores [hk][nblocks]),
+// ranked as attention::select ranks them on the host: higher score first, NaN last, -0 below
+// +0, and of equal scores the lower (head, block). Each CUDA block takes `rows` heads together
+// (1: each head its own k; every head: the layer's shared budget) and writes its k picks, as
+// (head - its first head) * nblocks + block, ascending: picks [gridDim.x][k] (k is cut to the
+// candidates). Only these come back to the host, not every score. The candidates, at most
+// TOP_MAX (64k tokens of 32-token blocks for 8 heads together), sit in registers; a radix
+// select finds the k-th best key 8 bits a pass (a 256-bin histogram of the keys that match
+// the bits found so far; warp 0 finds the bin where the count from the top reaches k), then
+// one pass in candidate order keeps every key above it and the first of those equal to it,
+// written at their rank by warp ballots.
+#define TOP_THREADS 512
+#define TOP_PER_THREAD 32
+#define TOP_MAX (TOP_THREADS * TOP_PER_THREAD)
+extern "C" __global__ void __launch_bounds__(TOP_THREADS)
+    top_blocks(const float* scores, int nblocks, int from, int to, int rows, int k, unsigned* picks) {
+    __shared__ unsigned hist[256];
+    __shared__ unsigned found[2];
+    __shared__ unsigned counts[2][TOP_THREADS / 32];
+    const float* s = scores + (long long)blockIdx.x * rows * nblocks;
+    unsigned* out = picks + (long long)blockIdx.x * k;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int m = to - from, total = rows * m;
+    if (m <= 0 || k <= 0 || total > TOP_MAX) return;
+    // Candidate i = j * TOP_THREADS + tid: head i / m, block from + i % m.
+    unsigned key[TOP_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < TOP_PER_THREAD; j++) {
+        const int i = j * TOP_THREADS + tid;
+        key[j] = i < total ? score_key(s[(long long)(i / m) * nblocks + from + i % m]) : 0u;
+    }
+    // Every candidate taken where k covers them: above key 0, and all of those at 0.
+    unsigned prefix = 0, mask = 0, want = k < total ? k : total;
+    for (int shift = 24; shift >= 0 && k < total; shift -= 8) {
+        if (tid < 256) hist[tid] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < TOP_PER_THREAD; j++)
+            if (j * TOP_THREADS + tid < total && (key[j] & mask) == prefix)
+                atomicAdd(&hist[(key[j] >> shift) & 255u], 1u);
+        __syncthreads();
+        if (warp == 0) {
+            // Lane l counts bins 255 - 8l down to 248 - 8l: the lanes in order, from the top.
+            unsigned c[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                c[j] = hist[255 - 8 * lane - j];
+                sum += c[j];
+            }
+            unsigned incl = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned v = __shfl_sync(0xffffffffu, incl, lane - o);
+                if (lane >= o) incl += v;
+            }
+            unsigned acc = incl - sum;
+            if (acc < want && want <= incl) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    if (acc + c[j] >= want) {
+                        found[0] = 255u - 8u * lane - j;
+                        found[1] = want - acc;
+                        break;
+                    }
+                    acc += c[j];
+                }
+            }
+        }
+        __syncthreads();
+        // Read before the next pass's second barrier, after which warp 0 writes them again.
+        prefix |= found[0] << shift;
+        mask |= 255u << shift;
+        want = found[1];
+    }
+    // prefix: the k-th best key; `want` of the keys equal to it are taken, the first ones.
+    const unsigned below = (1u << lane) - 1u;
+    unsigned eq_seen = 0, written = 0;
+#pragma unroll
+    for (int j = 0; j < TOP_PER_THREAD; j++) {
+        if (j * TOP_THREADS >= total) break;
+        const int i = j * TOP_THREADS + tid;
+        const bool in = i < total;
+        const bool eq = in && key[j] == prefix;
+        const unsigned eq_b = __ballot_sync(0xffffffffu, eq);
+        if (lane == 0) counts[0][warp] = __popc(eq_b);
+        __syncthreads();
+        unsigned eq_rank = eq_seen + __popc(eq_b & below), eq_all = 0;
+        for (int w = 0; w < TOP_THREADS / 32; w++) {
+            eq_rank += w < warp ? counts[0][w] : 0u;
+            eq_all += counts[0][w];
+        }
+        const bool take = in && (key[j] > prefix || (eq && eq_rank < want));
+        const unsigned take_b = __ballot_sync(0xffffffffu, take);
+        if (lane == 0) counts[1][warp] = __popc(take_b);
+        __syncthreads();
+        unsigned at = written + __popc(take_b & below), all = 0;
+        for (int w = 0; w < TOP_THREADS / 32; w++) {
+            at += w < warp ? counts[1][w] : 0u;
+            all += counts[1][w];
+        }
+        if (take) out[at] = (unsigned)((i / m) * nblocks + from + i % m);
+        eq_seen += eq_all;
+        written += all;
+        __syncthreads();
+    }
+}

@@ -15,7 +15,7 @@ use attention::{
 use kv_transfer::CommittedKv;
 use rayon::prelude::*;
 
-use crate::backend::{DeviceSeq, ResidentSeq, SketchCall};
+use crate::backend::{DeviceSeq, ResidentSeq, Scored, SketchCall};
 use crate::model::{DecodeAttention, ModelError};
 
 /// Steps between measurements of the layer-ahead prediction (hit ratio, query cosine).
@@ -264,13 +264,37 @@ fn attend_seqs(
 }
 
 /// One sequence's planning of a layer: its state, KV, query (`None`: not planned) and the
-/// block scores a device made for it.
+/// block scores (or picks) a device made for it.
 type Planning<'a> = (
     &'a mut SeqAttention,
     &'a CommittedKv,
     Option<&'a [f32]>,
-    Option<Vec<Vec<f32>>>,
+    Option<Scored>,
 );
+
+/// Plans `seq`'s `layer` from what its device scored (`None`: scored here, by `q` over
+/// `keys`). Picks that are not the answer the layer's cut asks for are logged and the host
+/// scores instead: a device's answer is checked, not trusted.
+fn plan_from(
+    seq: &mut SeqAttention,
+    cfg: &AttentionConfig,
+    layer: usize,
+    q: &[f32],
+    keys: BlockKeys<'_>,
+    scored: Option<Scored>,
+) -> Vec<HeadPlan> {
+    match scored {
+        Some(Scored::Scores(s)) => seq.plan_layer_scored(cfg, layer, &s),
+        Some(Scored::Picks(p)) => seq.plan_layer_picked(cfg, layer, &p).unwrap_or_else(|| {
+            tracing::warn!(
+                layer,
+                "device block picks are not the layer's cut; the host scores"
+            );
+            seq.plan_layer(cfg, layer, q, keys)
+        }),
+        None => seq.plan_layer(cfg, layer, q, keys),
+    }
+}
 
 /// Runs the CPU part: every head's `plan.cpu` blocks with `q`, on the current rayon pool
 /// (the CPU attention pool: this runs inside one of its tasks).
@@ -410,17 +434,10 @@ impl<'a> BatchAttention<'a> {
         if let Some((plans, job)) = self.accepted(b, layer, qb)? {
             return Ok((plans, job, true));
         }
-        let scores = self.device_scores(b, layer, qb, false);
+        let scored = self.device_scores(b, layer, qb, false);
         let t = Instant::now();
-        let plans = match scores {
-            Some(scores) => self.slots[b]
-                .seq
-                .plan_layer_scored(self.cfg, layer, &scores),
-            None => {
-                let keys = self.block_keys(b);
-                self.slots[b].seq.plan_layer(self.cfg, layer, qb, keys)
-            }
-        };
+        let keys = self.block_keys(b);
+        let plans = plan_from(self.slots[b].seq, self.cfg, layer, qb, keys, scored);
         self.timing.select += t.elapsed().as_secs_f64();
         let job = self.spawn_real_cpu(b, layer, &plans, qb);
         Ok((plans, job, false))
@@ -445,18 +462,19 @@ impl<'a> BatchAttention<'a> {
 
     /// Sequence `b`'s block scores of `layer` by `q`, computed on its device where the
     /// scorer is the sketch and the device keeps one (every block, as
-    /// `SeqAttention::block_scores` gives them); `None`: the host scores. The ones its device
-    /// queued for this `(layer, predicted)` (`queue_scores`) where there are, else asked for
-    /// now (a wait).
+    /// `SeqAttention::block_scores` gives them), or where the device chose them, each head's
+    /// picks of the layer's `top_cut`; `None`: the host scores. The ones its device queued
+    /// for this `(layer, predicted)` (`queue_scores`) where there are, else asked for now (a
+    /// wait).
     fn device_scores(
         &mut self,
         b: usize,
         layer: usize,
         q: &[f32],
         predicted: bool,
-    ) -> Option<Vec<Vec<f32>>> {
+    ) -> Option<Scored> {
         let n = self.scored_blocks(b, layer)?;
-        let call = self.sketch_call(layer, n - 1);
+        let call = self.sketch_call(b, layer, n - 1);
         let queued = self.queued[b] == Some(Scoring { layer, predicted });
         if queued {
             self.queued[b] = None;
@@ -476,12 +494,13 @@ impl<'a> BatchAttention<'a> {
         };
         self.timing.scores += t.elapsed().as_secs_f64();
         match scores {
-            Ok(Some(mut scores)) => {
+            Ok(Some(Scored::Scores(mut scores))) => {
                 for s in &mut scores {
                     s.resize(n, 0.0);
                 }
-                Some(scores)
+                Some(Scored::Scores(scores))
             }
+            Ok(Some(picks)) => Some(picks),
             Ok(None) => None,
             Err(e) => {
                 tracing::warn!(error = %e, layer, "device sketch scores failed; the host scores");
@@ -513,13 +532,22 @@ impl<'a> BatchAttention<'a> {
         });
     }
 
-    /// The device scoring of `layer`'s blocks `0 .. blocks` this attention asks for.
-    fn sketch_call(&self, layer: usize, blocks: usize) -> SketchCall {
+    /// The device scoring of sequence `b`'s `layer`, blocks `0 .. blocks`, this attention
+    /// asks for: with the picks of the layer's `top_cut` where every sequence selects on its
+    /// device, which then plans with the real query alone (no plan made ahead, whose guard
+    /// and reselection read every score).
+    fn sketch_call(&self, b: usize, layer: usize, blocks: usize) -> SketchCall {
+        let pick = if self.selects_on_device() {
+            self.slots[b].seq.top_cut(self.cfg, layer)
+        } else {
+            None
+        };
         SketchCall {
             layer,
             scale: self.shape.scale,
             how: self.cfg.group_score,
             blocks,
+            pick,
         }
     }
 
@@ -542,7 +570,7 @@ impl<'a> BatchAttention<'a> {
         let Some(n) = self.scored_blocks(b, key.layer) else {
             return;
         };
-        let call = self.sketch_call(key.layer, n - 1);
+        let call = self.sketch_call(b, key.layer, n - 1);
         let slot = &mut self.slots[b];
         let Some(dev) = slot.dev.as_deref_mut() else {
             return;
@@ -634,8 +662,12 @@ impl<'a> BatchAttention<'a> {
             .step()
             .is_multiple_of(PREDICTION_SAMPLE_STEPS);
         let wanted = sampled || (!fell_back && self.cfg.guard.device_real_query);
+        // Every score: picks (never asked for while plans are made ahead) read as none.
         let real = if wanted {
-            self.device_scores(b, layer, qb, false)
+            match self.device_scores(b, layer, qb, false) {
+                Some(Scored::Scores(s)) => Some(s),
+                _ => None,
+            }
         } else {
             None
         };
@@ -689,7 +721,7 @@ impl<'a> BatchAttention<'a> {
                 self.queue_scores(b, layer, q, predicted);
             }
         }
-        let scored: Vec<Option<Vec<Vec<f32>>>> = qs
+        let scored: Vec<Option<Scored>> = qs
             .iter()
             .enumerate()
             .map(|(b, q)| q.and_then(|q| self.device_scores(b, layer, q, predicted)))
@@ -703,10 +735,7 @@ impl<'a> BatchAttention<'a> {
             .collect();
         let t = Instant::now();
         let plan = |(seq, kv, q, scored): Planning<'_>| {
-            q.map(|q| match scored {
-                Some(s) => seq.plan_layer_scored(cfg, layer, &s),
-                None => seq.plan_layer(cfg, layer, q, BlockKeys { src: kv, scale }),
-            })
+            q.map(|q| plan_from(seq, cfg, layer, q, BlockKeys { src: kv, scale }, scored))
         };
         let plans = if qs.iter().flatten().count() > 1 {
             work.into_par_iter().map(plan).collect()

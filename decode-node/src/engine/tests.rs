@@ -712,13 +712,16 @@ struct HostDeviceKv {
 }
 
 /// A test device's sketch scoring: whether it scores, whether it also queues scores without
-/// a wait (`DeviceSeq::queue_sketch_scores`, `queue_sketch_scores_by`), and the calls
-/// counted: scored when asked, queued, queued ones taken, and queued by a resident layer's
-/// rows.
+/// a wait (`DeviceSeq::queue_sketch_scores`, `queue_sketch_scores_by`), whether it answers a
+/// call's picks (`SketchCall::pick`, as a GPU's `top_blocks`), and the calls counted: scored
+/// when asked, queued, queued ones taken, queued by a resident layer's rows, and answered
+/// with picks.
 #[derive(Debug, Clone, Default)]
 struct SketchSpy {
     on: bool,
     queue: bool,
+    picks: bool,
+    picked: Arc<std::sync::atomic::AtomicUsize>,
     scored: Arc<std::sync::atomic::AtomicUsize>,
     queued: Arc<std::sync::atomic::AtomicUsize>,
     taken: Arc<std::sync::atomic::AtomicUsize>,
@@ -733,7 +736,7 @@ struct HostDeviceSeq {
     collected: Arc<std::sync::atomic::AtomicUsize>,
     sketch: SketchSpy,
     /// The queued scores and their layer.
-    ahead: Option<(usize, Vec<Vec<f32>>)>,
+    ahead: Option<(usize, crate::backend::Scored)>,
 }
 
 impl crate::backend::DeviceKv for HostDeviceKv {
@@ -757,18 +760,19 @@ impl crate::backend::DeviceKv for HostDeviceKv {
 }
 
 impl HostDeviceSeq {
-    /// `DeviceSeq::sketch_scores` as a GPU computes them, counted nowhere.
+    /// `DeviceSeq::sketch_scores` as a GPU computes them, counted nowhere but in `picked`.
     fn sketch_scores_here(
         &self,
         kv: &dyn attention::KvSource,
         q: &[f32],
         call: crate::backend::SketchCall,
-    ) -> Vec<Vec<f32>> {
+    ) -> crate::backend::Scored {
         let crate::backend::SketchCall {
             layer,
             scale,
             how,
             blocks,
+            pick,
         } = call;
         use attention::sketch::{nibble_bytes, scores_from_sketch, sketch_tokens};
         let (hk, d, bs) = (
@@ -778,7 +782,7 @@ impl HostDeviceSeq {
         );
         let n = kv.num_tokens();
         let per = q.len() / hk;
-        (0..hk)
+        let scores: Vec<Vec<f32>> = (0..hk)
             .map(|h| {
                 let mut nib = vec![0u8; n * nibble_bytes(d)];
                 let mut scales = vec![0f32; n];
@@ -786,7 +790,17 @@ impl HostDeviceSeq {
                 let qg = &q[h * per..(h + 1) * per];
                 scores_from_sketch(&nib, &scales, n, bs, d, blocks, qg, scale, how)
             })
-            .collect()
+            .collect();
+        match pick.filter(|_| self.sketch.picks) {
+            Some(cut) => {
+                self.sketch
+                    .picked
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let refs: Vec<&[f32]> = scores.iter().map(Vec::as_slice).collect();
+                crate::backend::Scored::Picks(attention::best_in(&refs, cut))
+            }
+            None => crate::backend::Scored::Scores(scores),
+        }
     }
 }
 
@@ -853,7 +867,7 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
         kv: &dyn attention::KvSource,
         q: &[f32],
         call: crate::backend::SketchCall,
-    ) -> Result<Option<Vec<Vec<f32>>>, crate::backend::BackendError> {
+    ) -> Result<Option<crate::backend::Scored>, crate::backend::BackendError> {
         if !self.sketch.on {
             return Ok(None);
         }
@@ -904,7 +918,7 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
     fn take_sketch_scores(
         &mut self,
         layer: usize,
-    ) -> Result<Option<Vec<Vec<f32>>>, crate::backend::BackendError> {
+    ) -> Result<Option<crate::backend::Scored>, crate::backend::BackendError> {
         match self.ahead.take() {
             Some((l, scores)) if l == layer => {
                 self.sketch
@@ -1317,23 +1331,39 @@ fn device_scores_queued_for_the_batch_plan_as_scores_asked_for() {
             flags.extend(ahead);
         }
         for resident in [true, false] {
-            let device = |queue: bool| {
+            let device = |queue: bool, picks: bool| {
                 Arc::new(TestDevice {
                     kv: true,
                     sketch: SketchSpy {
                         on: true,
                         queue,
+                        picks,
                         ..SketchSpy::default()
                     },
                     resident: resident.into(),
                     ..TestDevice::default()
                 })
             };
-            let (asked, queuing) = (device(false), device(true));
+            let (asked, queuing) = (device(false, false), device(true, false));
             let want = greedy_on(asked.clone(), &flags, &prompts, 6);
             let got = greedy_on(queuing.clone(), &flags, &prompts, 6);
             let case = format!("predict {predict}, resident {resident}");
             assert_eq!(got, want, "{case}");
+            // A device that picks each head's blocks when asked: the same tokens. It is
+            // asked wherever the layer has a cut, unless plans are made ahead (their guard
+            // and reselection read every score).
+            let picking = device(true, true);
+            assert_eq!(
+                greedy_on(picking.clone(), &flags, &prompts, 6),
+                want,
+                "{case}, picks"
+            );
+            let picked = count(&picking.sketch.picked);
+            if predict {
+                assert_eq!(picked, 0, "{case}: picks asked for while planning ahead");
+            } else {
+                assert!(picked >= 3 * 5, "{case}: {picked} picked");
+            }
             let scorings = count(&asked.sketch.scored);
             // Every sparse layer of every step of every request, at least.
             assert!(scorings >= 3 * 5, "{case}: {scorings} scorings");
@@ -1347,6 +1377,40 @@ fn device_scores_queued_for_the_batch_plan_as_scores_asked_for() {
             } else {
                 assert_eq!(by_rows, 0, "{case}");
             }
+        }
+    }
+}
+
+/// A device that answers a sketch call's picks (each head's best blocks, or the layer's with
+/// a shared budget: `top_blocks` on a GPU) gives the tokens of one that sends every score
+/// back, for a budget split by layer (the default) and by head, waited for and queued.
+#[test]
+fn device_picks_give_the_tokens_of_scores_sent_back() {
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 9 + 70)).collect();
+    let count = |c: &std::sync::atomic::AtomicUsize| c.load(std::sync::atomic::Ordering::Relaxed);
+    for split in ["layer", "head"] {
+        for queue in [false, true] {
+            let device = |picks: bool| {
+                Arc::new(TestDevice {
+                    kv: true,
+                    sketch: SketchSpy {
+                        on: true,
+                        queue,
+                        picks,
+                        ..SketchSpy::default()
+                    },
+                    ..TestDevice::default()
+                })
+            };
+            let mut flags = SKETCH_SCOUT.to_vec();
+            flags.extend(["--budget-split", split]);
+            let (scores, picks) = (device(false), device(true));
+            let want = greedy_on(scores.clone(), &flags, &prompts, 6);
+            let got = greedy_on(picks.clone(), &flags, &prompts, 6);
+            assert_eq!(got, want, "split {split}, queue {queue}");
+            let picked = count(&picks.sketch.picked);
+            assert!(picked >= 3 * 5, "split {split}: {picked} picked");
+            assert_eq!(count(&scores.sketch.picked), 0);
         }
     }
 }

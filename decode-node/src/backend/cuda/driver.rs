@@ -223,6 +223,7 @@ pub(crate) struct Kernels {
     pub(crate) silu_mul_stacked_half: CudaFunction,
     pub(crate) sketch_lse: CudaFunction,
     pub(crate) sketch_shares: CudaFunction,
+    pub(crate) top_blocks: CudaFunction,
     pub(crate) scatter_runs: CudaFunction,
     /// `attend_warps_g{G}_d{D}`: [`Kernels::warps`] picks one.
     pub(crate) warps: Vec<CudaFunction>,
@@ -422,6 +423,10 @@ pub(crate) struct Shared {
     /// AVX2 path does (`attention::sketch::round_query_i8`); off: in floats against the
     /// query itself (`DECODE_NODE_SKETCH_SUMS=f32`, the A/B of `scripts/gpu-run.sh`).
     pub(crate) sketch_int8: bool,
+    /// A sketch call that asks for each head's best blocks gets them from `top_blocks`, not
+    /// every score; off: every score comes back and the host picks
+    /// (`DECODE_NODE_DEVICE_TOPK=off`, or a start-up check that found the picks wrong).
+    pub(crate) sketch_picks: std::sync::atomic::AtomicBool,
     /// Blocks each warp of `sketch_lse` scores (`DECODE_NODE_SKETCH_BLOCKS_PER_WARP`); 0: as
     /// many as bring a call to about [`Shared::sketch_target_warps`] warps
     /// (`sketch::blocks_per_warp`).

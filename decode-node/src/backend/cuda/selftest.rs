@@ -16,7 +16,7 @@ use super::blas::Blas;
 use super::driver::GEMV_MAX_BATCH;
 use super::tactic::Tactic;
 use super::{CudaBackend, Shared, dtype_code};
-use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv, LayerOut, LinearOut};
+use crate::backend::{Backend, BackendError, CpuBackend, DeviceKv, LayerOut, LinearOut, Scored};
 use crate::model::pick::{PickSpec, pick_row};
 use crate::model::random::SplitMix;
 use crate::tensor::Tensor;
@@ -225,6 +225,11 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
     add("rope", 1e-5, check_rope(sh));
     add("silu_mul", 1e-5, check_silu(sh));
     add("quest_scores", 1e-5, check_quest(sh));
+    add(
+        "top_blocks (device block picks) vs best_in",
+        0.0,
+        check_top_blocks(sh),
+    );
     add("lse2_merge", 1e-5, check_merge(sh));
     add("kv_append", 0.0, check_append(sh));
     add(
@@ -906,6 +911,110 @@ fn check_quest(sh: &Shared) -> Result<f64, BackendError> {
     Ok(rel_err(&dev.down(sp, nb)?, &want))
 }
 
+/// `top_blocks` against `attention::best_in` on scores made to catch a ranking's slips: a
+/// few values (ties across the k-th), NaN, infinities and both zeros; each head alone and
+/// heads together (a layer's shared budget), up to `TOP_MAX` candidates; k of one, half and
+/// all but one. The error is the number of heads whose picks differ (exact, or wrong).
+fn check_top_blocks(sh: &Shared) -> Result<f64, BackendError> {
+    let mut r = SplitMix(23);
+    let odd = [
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        0.5,
+        0.25,
+    ];
+    let mut wrong = 0usize;
+    for (hk, blocks, to, k, shared) in [
+        (3, 50, 49, 7, false),
+        (8, 2047, 2045, 61, false),
+        (8, 2047, 2045, 8 * 61, true),
+        (2, 700, 600, 1, false),
+        (2, 700, 600, 598, false),
+        (
+            1,
+            super::sketch::TOP_MAX + 1,
+            super::sketch::TOP_MAX + 1,
+            300,
+            false,
+        ),
+        (4, 700, 650, 900, true),
+    ] {
+        for kind in 0..3 {
+            let scores: Vec<f32> = (0..hk * blocks)
+                .map(|_| {
+                    let x = r.next_f64();
+                    match kind {
+                        0 => x as f32,
+                        1 => (x * 5.0).floor() as f32 / 4.0,
+                        _ => odd[(x * 7.0) as usize % 7],
+                    }
+                })
+                .collect();
+            let cut = attention::TopCut {
+                from: 1,
+                to,
+                k,
+                shared,
+            };
+            let rows = if shared { hk } else { 1 };
+            let kk = cut.picks(rows);
+            let mut dev = Dev { sh, held: vec![] };
+            let (sp, pp) = (dev.up_f32(&scores)?, dev.zeros(hk / rows * kk)?);
+            let args = [blocks, 1, to, rows, kk].map(|x| x as i32);
+            // SAFETY: [hk][blocks] scores, room for kk picks of each of hk / rows groups,
+            // 1..to inside a row, at most TOP_MAX candidates a group.
+            unsafe {
+                sh.launch(
+                    &sh.k.top_blocks,
+                    ((hk / rows) as u32, 1),
+                    super::sketch::TOP_THREADS,
+                    &[&sp, &args[0], &args[1], &args[2], &args[3], &args[4], &pp],
+                )?
+            };
+            let got = dev.down(pp, hk / rows * kk)?;
+            let mut picks = vec![Vec::new(); hk];
+            for (g, group) in got.chunks_exact(kk.max(1)).enumerate() {
+                for w in group {
+                    let place = w.to_bits() as usize;
+                    picks[(g * rows + place / blocks).min(hk - 1)].push(place % blocks);
+                }
+            }
+            let refs: Vec<&[f32]> = scores.chunks_exact(blocks).collect();
+            let want = attention::best_in(&refs, cut);
+            for h in (0..hk).filter(|&h| picks[h] != want[h]) {
+                tracing::error!(
+                    head = h,
+                    blocks,
+                    k,
+                    shared,
+                    kind,
+                    "top_blocks differs from the host's ranking"
+                );
+                wrong += 1;
+            }
+        }
+    }
+    Ok(wrong as f64)
+}
+
+/// Checks `top_blocks` (`check_top_blocks`) and turns the device's picks off on `sh` where
+/// they are wrong: the sketch's scores then come back whole and the host picks.
+pub(super) fn check_picks_or_off(sh: &Shared) {
+    if !sh.sketch_picks.load(Ordering::Acquire) {
+        return;
+    }
+    match check_top_blocks(sh) {
+        Ok(0.0) => {}
+        r => {
+            tracing::error!(result = ?r, "top_blocks disagrees with the host's ranking on this device; the host picks the blocks");
+            sh.sketch_picks.store(false, Ordering::Release);
+        }
+    }
+}
+
 fn check_merge(sh: &Shared) -> Result<f64, BackendError> {
     let mut r = SplitMix(17);
     let (g, d) = (6, 128);
@@ -1083,6 +1192,19 @@ fn check_sketch(
             scale,
             how,
             blocks,
+            pick: None,
+        };
+        // The same call asking for the best blocks: 40 of ~120, the newest three always
+        // taken; each head's own, or (the queued round) the layer's shared budget.
+        let cut = if round == 1 {
+            attention::TopCut::shared_of(blocks + 1, 40, 3, hk)
+        } else {
+            attention::TopCut::of(blocks + 1, 40, 3)
+        }
+        .ok_or_else(|| BackendError::Device("no cut of the sketch's blocks".into()))?;
+        let picking = SketchCall {
+            pick: Some(cut),
+            ..call
         };
         let host = |q: &[f32]| -> Vec<Vec<f32>> {
             (0..hk)
@@ -1101,7 +1223,12 @@ fn check_sketch(
                 })
                 .collect()
         };
-        let mut compare = |got: &[Vec<f32>], want: &[Vec<f32>]| -> Result<(), BackendError> {
+        let mut compare = |got: &Scored, want: &[Vec<f32>]| -> Result<(), BackendError> {
+            let Scored::Scores(got) = got else {
+                return Err(BackendError::Device(
+                    "picks where scores were asked for".into(),
+                ));
+            };
             for (got, want) in got.iter().zip(want) {
                 if got.len() != want.len() {
                     return Err(BackendError::Device(format!(
@@ -1128,6 +1255,12 @@ fn check_sketch(
                 BackendError::Device("queued sketch scores not found for their layer".into())
             })?;
             compare(&got, &host(&q))?;
+            // Picks, queued the same way, by the same query.
+            sketch.queue(&store, &kv, SketchQuery::Host(&q), picking)?;
+            let picks = sketch.take(0)?.ok_or_else(|| {
+                BackendError::Device("queued sketch picks not found for their layer".into())
+            })?;
+            check_picks(sh, &picks, &got, cut)?;
             // By a query already in device memory (a resident layer's rows).
             let mut rows = DevBuf::default();
             let at = rows.ptr(&sh.stream, q.len() * 4)?;
@@ -1150,6 +1283,7 @@ fn check_sketch(
         } else {
             let got = sketch.scores(&store, &kv, &q, call)?;
             compare(&got, &host(&q))?;
+            check_picks(sh, &sketch.scores(&store, &kv, &q, picking)?, &got, cut)?;
         }
     }
     store.give_back(sketch.take_slots());
@@ -1167,18 +1301,60 @@ fn check_sketch(
         scale,
         how: GroupScore::Max,
         blocks,
+        pick: None,
     };
     match starved.scores(&small, &kv, &q, call) {
         Err(BackendError::DeviceFull(_)) => {}
         r => {
             return Err(BackendError::Device(format!(
                 "a sketch bigger than the arena: {:?}",
-                r.map(|s| s.len())
+                r.map(|_| "scores")
             )));
         }
     }
     small.give_back(starved.take_slots());
     Ok(worst)
+}
+
+/// The device's picks of `cut` (`got`) against the host's ranking of the device's own
+/// scores by the same query (`scores`): equal, exactly. Scores where picks were asked for
+/// pass only where the device's picks are off.
+fn check_picks(
+    sh: &Shared,
+    got: &Scored,
+    scores: &Scored,
+    cut: attention::TopCut,
+) -> Result<(), BackendError> {
+    let Scored::Scores(scores) = scores else {
+        return Err(BackendError::Device(
+            "picks where scores were asked for".into(),
+        ));
+    };
+    match got {
+        Scored::Picks(picks) => {
+            let refs: Vec<&[f32]> = scores.iter().map(Vec::as_slice).collect();
+            let want = attention::best_in(&refs, cut);
+            for (h, (p, w)) in picks.iter().zip(&want).enumerate() {
+                if p != w {
+                    return Err(BackendError::Device(format!(
+                        "head {h}: the device picked {p:?}, the host's ranking of its scores {w:?}"
+                    )));
+                }
+            }
+            if picks.len() != scores.len() {
+                return Err(BackendError::Device(format!(
+                    "picks of {} heads for {}",
+                    picks.len(),
+                    scores.len()
+                )));
+            }
+            Ok(())
+        }
+        Scored::Scores(_) if !sh.sketch_picks.load(Ordering::Acquire) => Ok(()),
+        Scored::Scores(_) => Err(BackendError::Device(
+            "every score where the device's picks were asked for".into(),
+        )),
+    }
 }
 
 pub(super) fn check_split_attention(

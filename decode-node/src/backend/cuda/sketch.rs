@@ -12,13 +12,14 @@
 use attention::sketch::{nibble_bytes, sketch_tokens, tokens_per_slot};
 use attention::{BlockGeometry, GroupScore, KvSource};
 use rayon::prelude::*;
+use std::sync::atomic::Ordering::Relaxed;
 
 use cudarc::driver::{result as drv, sys};
 
 use super::driver::Pinned;
 use super::store::CudaKvStore;
 use super::{DevBuf, dev_err, f32_bytes, htod};
-use crate::backend::{BackendError, SketchCall};
+use crate::backend::{BackendError, Scored, SketchCall};
 
 /// Blocks one `sketch_lse` CUDA block scores (one per warp: the kernels' `SKETCH_WARPS`).
 pub(super) const SKETCH_WARPS: usize = 4;
@@ -46,6 +47,11 @@ pub(super) fn blocks_per_warp(blocks: usize, heads: usize, target: usize, forced
 
 /// Threads of `sketch_shares`' one CUDA block per KV head (the kernels' `SHARES_THREADS`).
 pub(super) const SHARES_THREADS: u32 = 256;
+/// Threads of a `top_blocks` CUDA block (the kernels' `TOP_THREADS`).
+pub(super) const TOP_THREADS: u32 = 512;
+/// Most candidates one `top_blocks` CUDA block ranks (the kernels' `TOP_MAX`: 32 registers
+/// a thread): 64k tokens of 32-token blocks for 8 KV heads sharing a budget.
+pub(super) const TOP_MAX: usize = 512 * 32;
 /// Tokens sketched per host task when a layer is filled: big enough to amortise a task,
 /// small enough that a long prompt's layer spreads over every core.
 const FILL_TOKENS: usize = 2048;
@@ -130,6 +136,8 @@ pub(super) struct SeqSketch {
     layers: Vec<Layer>,
     lse: DevBuf,
     scores: DevBuf,
+    /// Each head's picks of a call's cut (`top_blocks`), `[hk][k]` block indices.
+    picks: DevBuf,
     /// The query, then a short fill's rows and scales and a grown page table, on their way
     /// up in one copy. Reused once the last call's copy back (which follows every copy up in
     /// stream order) has finished.
@@ -155,12 +163,62 @@ struct Ahead {
 // plain memory owned by this value.
 unsafe impl Send for Ahead {}
 
-/// A queued scoring: its layer and the shape of its scores, `[hk][blocks]`.
+/// A queued scoring: its layer, its KV heads and what comes back for each.
 #[derive(Debug, Clone, Copy)]
 struct Queued {
     layer: usize,
     hk: usize,
-    blocks: usize,
+    back: Back,
+}
+
+/// What a call leaves on the device for the host, 4-byte words: every block's score
+/// (`[hk][blocks]`), or `top_blocks`' picks of the call's cut, `k` for each group of `rows`
+/// heads ranked together (`[hk / rows][k]`, each a place `head in the group * blocks + block`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Back {
+    Scores {
+        blocks: usize,
+    },
+    Picks {
+        k: usize,
+        rows: usize,
+        blocks: usize,
+    },
+}
+
+impl Back {
+    /// Words of `hk` heads.
+    fn words(self, hk: usize) -> usize {
+        match self {
+            Back::Scores { blocks } => hk * blocks,
+            Back::Picks { k, rows, .. } => hk / rows.max(1) * k,
+        }
+    }
+
+    /// The answer of `hk` heads in `words` (as copied back into floats: picks are their
+    /// bits), each head's picks in ascending order.
+    fn answer(self, hk: usize, words: &[f32]) -> Scored {
+        match self {
+            Back::Scores { blocks } => Scored::Scores(
+                words
+                    .chunks_exact(blocks.max(1))
+                    .map(<[f32]>::to_vec)
+                    .collect(),
+            ),
+            Back::Picks { k, rows, blocks } => {
+                let mut picks = vec![Vec::new(); hk];
+                for (g, group) in words.chunks_exact(k.max(1)).enumerate() {
+                    for w in group {
+                        let place = w.to_bits() as usize;
+                        // A place past the heads is kept where the host's check refuses it.
+                        let h = (g * rows + place / blocks.max(1)).min(hk.saturating_sub(1));
+                        picks[h].push(place % blocks.max(1));
+                    }
+                }
+                Scored::Picks(picks)
+            }
+        }
+    }
 }
 
 impl Default for SeqSketch {
@@ -169,6 +227,7 @@ impl Default for SeqSketch {
             layers: Vec::new(),
             lse: DevBuf::default(),
             scores: DevBuf::default(),
+            picks: DevBuf::default(),
             staging: Pinned::empty(),
             up: DevBuf::default(),
             ahead: Ahead {
@@ -357,12 +416,11 @@ impl SeqSketch {
         kv: &dyn KvSource,
         q: &[f32],
         call: SketchCall,
-    ) -> Result<Vec<Vec<f32>>, BackendError> {
-        let (out, hk) = self.launch(store, kv, SketchQuery::Host(q), call, false)?;
-        let blocks = call.blocks;
-        let mut host = vec![0f32; hk * blocks];
+    ) -> Result<Scored, BackendError> {
+        let (out, hk, back) = self.launch(store, kv, SketchQuery::Host(q), call, false)?;
+        let mut host = vec![0f32; back.words(hk)];
         store.shared().read_back(&mut host, out)?;
-        Ok(host.chunks_exact(blocks).map(<[f32]>::to_vec).collect())
+        Ok(back.answer(hk, &host))
     }
 
     /// [`SeqSketch::scores`] queued without a wait: the scores come back into page-locked
@@ -376,8 +434,8 @@ impl SeqSketch {
     ) -> Result<(), BackendError> {
         // Its staging is about to be written again.
         self.ahead.settle()?;
-        let (out, hk) = self.launch(store, kv, q, call, true)?;
-        let r = self.queue_back(store, out, hk, call);
+        let (out, hk, back) = self.launch(store, kv, q, call, true)?;
+        let r = self.queue_back(store, out, hk, call.layer, back);
         if r.is_err() {
             // Nothing is held: the next call must find the stream past this one's copies.
             let _ = store.shared().stream.synchronize();
@@ -385,19 +443,20 @@ impl SeqSketch {
         r
     }
 
-    /// The copy back and the event of a queued call whose kernels are queued (`out`: its
-    /// scores on the device, `[hk][blocks]`).
+    /// The copy back and the event of a queued call of `layer` whose kernels are queued
+    /// (`out`: what comes back, on the device).
     fn queue_back(
         &mut self,
         store: &CudaKvStore,
         out: u64,
         hk: usize,
-        call: SketchCall,
+        layer: usize,
+        what: Back,
     ) -> Result<(), BackendError> {
-        let (layer, blocks) = (call.layer, call.blocks);
         let sh = store.shared();
-        let back = &mut self.ahead.back.get(hk * blocks)?[..hk * blocks];
-        // SAFETY: `out` holds hk x blocks floats (the launch above); `back` is page-locked,
+        let words = what.words(hk);
+        let back = &mut self.ahead.back.get(words)?[..words];
+        // SAFETY: `out` holds `words` 4-byte words (the launch above); `back` is page-locked,
         // owned by this sketch and not read nor freed before the event below has passed
         // (`take`, `settle`, and `Ahead`'s drop wait for it).
         unsafe { drv::memcpy_dtoh_async(back, out, sh.stream.cu_stream()) }
@@ -414,7 +473,11 @@ impl SeqSketch {
         // SAFETY: the event and the stream are live.
         unsafe { drv::event::record(ev, sh.stream.cu_stream()) }
             .map_err(|e| dev_err("recording queued sketch scores", e))?;
-        self.ahead.pending = Some(Queued { layer, hk, blocks });
+        self.ahead.pending = Some(Queued {
+            layer,
+            hk,
+            back: what,
+        });
         Ok(())
     }
 
@@ -425,28 +488,20 @@ impl SeqSketch {
 
     /// The scores [`SeqSketch::queue`] queued for `layer`, waiting for them; `None` where none
     /// are (a call of another layer is dropped).
-    pub(super) fn take(&mut self, layer: usize) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
+    pub(super) fn take(&mut self, layer: usize) -> Result<Option<Scored>, BackendError> {
         match self.ahead.settle()? {
-            Some(Queued {
-                layer: l,
-                hk,
-                blocks,
-            }) if l == layer => {
-                let back = self.ahead.back.get(hk * blocks)?;
-                Ok(Some(
-                    back[..hk * blocks]
-                        .chunks_exact(blocks)
-                        .map(<[f32]>::to_vec)
-                        .collect(),
-                ))
+            Some(Queued { layer: l, hk, back }) if l == layer => {
+                let words = back.words(hk);
+                Ok(Some(back.answer(hk, &self.ahead.back.get(words)?[..words])))
             }
             _ => Ok(None),
         }
     }
 
     /// Queues the sketch's fill and both kernels for blocks `0 .. blocks` of `layer` by `q`
-    /// (`ahead`: from the queued call's staging) and returns the scores' device address,
-    /// `[hk][blocks]`, and `hk`. On a failure the stream is waited for: a copy queued from the
+    /// (`ahead`: from the queued call's staging), and `top_blocks` where the call asks for
+    /// picks and the device makes them; returns the device address of what comes back,
+    /// `hk` and its shape. On a failure the stream is waited for: a copy queued from the
     /// staging must not read it once the next call writes it.
     fn launch(
         &mut self,
@@ -455,7 +510,7 @@ impl SeqSketch {
         q: SketchQuery<'_>,
         call: SketchCall,
         ahead: bool,
-    ) -> Result<(u64, usize), BackendError> {
+    ) -> Result<(u64, usize, Back), BackendError> {
         let r = self.launch_unsettled(store, kv, q, call, ahead);
         if r.is_err() {
             let _ = store.shared().stream.synchronize();
@@ -473,9 +528,10 @@ impl SeqSketch {
             scale,
             how,
             blocks,
+            pick,
         }: SketchCall,
         ahead: bool,
-    ) -> Result<(u64, usize), BackendError> {
+    ) -> Result<(u64, usize, Back), BackendError> {
         let geom = *store.geom();
         let sh = store.shared();
         let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
@@ -609,8 +665,43 @@ impl SeqSketch {
                 &[&lse, &blocks32, &g32, &how32, &out],
             )?;
         }
-        Ok((out, hk))
+        let Some(cut) = pick.filter(|c| picks_fit(c, blocks, hk) && sh.sketch_picks.load(Relaxed))
+        else {
+            return Ok((out, hk, Back::Scores { blocks }));
+        };
+        let rows = if cut.shared { hk } else { 1 };
+        let k = cut.picks(rows);
+        let picks = self.picks.ptr(&sh.stream, hk / rows * k * 4)?;
+        let (from32, to32, rows32, k32) = (
+            as_i32(cut.from, "first block")?,
+            as_i32(cut.to, "end block")?,
+            as_i32(rows, "heads ranked together")?,
+            as_i32(k, "picks")?,
+        );
+        // SAFETY: `out` holds [hk][blocks] scores (above) and `picks` room for k words of
+        // each of the hk / rows groups; the cut lies inside the scored blocks (`picks_fit`).
+        unsafe {
+            sh.launch(
+                &sh.k.top_blocks,
+                ((hk / rows) as u32, 1),
+                TOP_THREADS,
+                &[&out, &blocks32, &from32, &to32, &rows32, &k32, &picks],
+            )?;
+        }
+        Ok((picks, hk, Back::Picks { k, rows, blocks }))
     }
+}
+
+/// True when `top_blocks` can answer `cut` over `blocks` scored blocks of `hk` heads: a
+/// range inside them, something to pick, and at most [`TOP_MAX`] candidates a CUDA block
+/// (a longer context comes back as scores, and the host picks).
+pub(super) fn picks_fit(cut: &attention::TopCut, blocks: usize, hk: usize) -> bool {
+    let rows = if cut.shared { hk } else { 1 };
+    cut.from <= cut.to
+        && cut.to <= blocks
+        && cut.k > 0
+        && rows * (cut.to - cut.from) <= TOP_MAX
+        && u32::try_from(hk * blocks).is_ok()
 }
 
 #[cfg(test)]
@@ -637,6 +728,64 @@ mod tests {
             "a zero target is one warp"
         );
         assert_eq!(target_warps(None), 4096);
+    }
+
+    #[test]
+    fn picks_come_back_to_their_heads_in_order() {
+        let word = |place: u32| f32::from_bits(place);
+        // Each head its own two picks: blocks as they are.
+        let own = Back::Picks {
+            k: 2,
+            rows: 1,
+            blocks: 100,
+        };
+        assert_eq!(own.words(3), 6);
+        let got = own.answer(3, &[3, 9, 1, 2, 50, 99].map(word));
+        assert_eq!(
+            got,
+            Scored::Picks(vec![vec![3, 9], vec![1, 2], vec![50, 99]])
+        );
+        // Three heads sharing five picks: places head * blocks + block, ascending.
+        let shared = Back::Picks {
+            k: 5,
+            rows: 3,
+            blocks: 100,
+        };
+        assert_eq!(shared.words(3), 5);
+        let got = shared.answer(3, &[4, 7, 201, 205, 299].map(word));
+        assert_eq!(got, Scored::Picks(vec![vec![4, 7], vec![], vec![1, 5, 99]]));
+        // Scores as they are; NaN's bits kept.
+        let scores = Back::Scores { blocks: 2 };
+        let Scored::Scores(s) = scores.answer(2, &[0.5, f32::NAN, -0.0, 1.0]) else {
+            panic!("scores");
+        };
+        assert!(s[0][1].is_nan() && s[1][0].to_bits() == (-0.0f32).to_bits());
+    }
+
+    #[test]
+    fn a_cut_goes_to_top_blocks_only_where_it_fits() {
+        let cut = |to, k, shared| attention::TopCut {
+            from: 1,
+            to,
+            k,
+            shared,
+        };
+        assert!(picks_fit(&cut(2045, 61, false), 2047, 8));
+        // 64k tokens of 32-token blocks over 8 heads together: just fits.
+        assert!(picks_fit(&cut(2045, 488, true), 2047, 8));
+        assert!(
+            !picks_fit(&cut(4093, 976, true), 4095, 8),
+            "128k shared: the host picks"
+        );
+        assert!(
+            picks_fit(&cut(4093, 61, false), 4095, 8),
+            "128k, each head its own"
+        );
+        assert!(
+            !picks_fit(&cut(2048, 61, false), 2047, 8),
+            "past the scored blocks"
+        );
+        assert!(!picks_fit(&cut(2045, 0, false), 2047, 8), "nothing to pick");
     }
 
     #[test]

@@ -19,7 +19,7 @@ use super::driver::WARPS_PER_BLOCK;
 use super::sketch::{SeqSketch, SketchQuery};
 use super::slots::{Fill, NoSlot, SlotTable};
 use super::{DevBuf, Shared, dev_err, htod};
-use crate::backend::{BackendError, DeviceKv, DeviceSeq, SketchCall};
+use crate::backend::{BackendError, DeviceKv, DeviceSeq, Scored, SketchCall};
 
 /// Largest GQA group and head dimension the attention kernel takes.
 const MAX_GROUP: usize = 8;
@@ -1005,7 +1005,7 @@ impl DeviceSeq for CudaSeq {
         kv: &dyn KvSource,
         q: &[f32],
         call: SketchCall,
-    ) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
+    ) -> Result<Option<Scored>, BackendError> {
         if !self.sketch_takes(call.layer, q.len()) {
             return Ok(None);
         }
@@ -1041,7 +1041,7 @@ impl DeviceSeq for CudaSeq {
         self.queue_sketch(kv, q, call)
     }
 
-    fn take_sketch_scores(&mut self, layer: usize) -> Result<Option<Vec<Vec<f32>>>, BackendError> {
+    fn take_sketch_scores(&mut self, layer: usize) -> Result<Option<Scored>, BackendError> {
         self.store.shared.bind()?;
         self.sketch.take(layer)
     }
