@@ -241,6 +241,12 @@ step scout-64k-sketch-f32 env DECODE_NODE_SKETCH_SUMS=f32 "$bin" bench decode --
 step scout-64k-sketch-1-per-warp env DECODE_NODE_SKETCH_BLOCKS_PER_WARP=1 "$bin" bench decode \
     --rounds 1 --json --device cuda --model "$model" --context 64k --modes scout \
     --budget-tokens 2048 --tokens 64
+# The host picks the blocks from every score copied back, as before 2026-11-30 (`top_blocks`
+# now picks each head's, or the layer's shared budget, on the device, and only the picks come
+# back). Not run on a GPU yet; the A/B against decode-8k-32k's and decode-64k's scout rows
+# (on the H200, 2026-11-29, the host's selection was 0.76 ms of scout's 7.13 ms step at 64k).
+step scout-64k-host-topk env DECODE_NODE_DEVICE_TOPK=off "$bin" bench decode --rounds 1 --json \
+    --device cuda --model "$model" --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64
 # Scout layer-ahead on the device (the paper's behaviour, #21 item 5): the next layer's
 # predicted query is scored on the device while it waits for this layer's CPU part
 # (queued without a wait), planned while it runs this layer's second half, and its CPU part
