@@ -167,9 +167,10 @@ step host-kernels "$bin" bench kernels --json --threads 1,4,8,16 --groups 5 --he
     --seconds 1
 # Scout's host selection alone (Quest's bound, then SparQ's key rows) on this shape, per thread
 # count: 12 of scout's 28 ms per step on the H200 in session 22; and the host's part where the
-# device scores (the default): top-k and residency plan, 0.05 ms a layer at 64k on an EPYC VM.
+# device scores (the default): top-k and residency plan, 0.05 ms a layer at 64k on an EPYC VM;
+# device-picks: the residency plan alone, where the device picked the blocks too (top_blocks).
 step host-select "$bin" bench select --json --context 32k,64k --threads 1,4,8,16 --seconds 1 \
-    --scorers quest,sparq,device
+    --scorers quest,sparq,device,device-picks
 # The dense step alone against the weights' bound, batch 1 and 8. By default each product
 # shape's first call times cuBLAS, `gemv_b{B}` and `gemv_tc` (tensor cores, new 2026-11-28,
 # never run on a GPU) and keeps the fastest: the log's "small-batch GEMM timed" lines give

@@ -483,6 +483,16 @@ mod tests {
         }
     }
 
+    /// A fixed-seed stream of 31-bit numbers (Knuth's MMIX LCG, its high bits).
+    fn lcg(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            seed >> 33
+        }
+    }
+
     /// The ranking `best_of_rows` promises, by a full sort: score descending (NaN last, -0
     /// below +0 as their keys order them), then the lower (row, block).
     fn ranked(rows: &[&[f32]], range: std::ops::Range<usize>, k: usize) -> Vec<(usize, usize)> {
@@ -501,13 +511,7 @@ mod tests {
 
     #[test]
     fn the_sampled_top_k_is_the_exact_top_k() {
-        let mut seed = 0xb0b_u64;
-        let mut next = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            seed >> 33
-        };
+        let mut next = lcg(0xb0b);
         for case in 0..300 {
             let (hk, n) = (1 + case % 8, 2 + (next() % 3000) as usize);
             let specials = [f32::NAN, 0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY];
@@ -518,7 +522,7 @@ mod tests {
                             // Few distinct values: ties everywhere.
                             0 => (next() % 7) as f32,
                             // Special values among the others.
-                            1 if next() % 10 == 0 => specials[(next() % 5) as usize],
+                            1 if next().is_multiple_of(10) => specials[(next() % 5) as usize],
                             3 => -((next() % 100000) as f32),
                             _ => next() as f32 / (1u64 << 31) as f32,
                         })
@@ -573,13 +577,7 @@ mod tests {
 
     #[test]
     fn a_device_s_picks_of_the_cut_select_as_the_scores_do() {
-        let mut seed = 0x70b_u64;
-        let mut next = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            seed >> 33
-        };
+        let mut next = lcg(0x70b);
         for case in 0..300 {
             let (n, hk) = (1 + (next() % 400) as usize, 1 + (next() % 8) as usize);
             let (budget, recent) = (2 + (next() % 60) as usize, (next() % 9) as usize);
@@ -588,7 +586,7 @@ mod tests {
                     (0..n)
                         .map(|_| match case % 3 {
                             0 => (next() % 5) as f32,
-                            1 if next() % 7 == 0 => f32::NAN,
+                            1 if next().is_multiple_of(7) => f32::NAN,
                             _ => next() as f32 / (1u64 << 31) as f32,
                         })
                         .collect()

@@ -586,8 +586,9 @@ pub struct SelectBench {
     /// Block scorers to measure: `quest` (digests only), `sparq` (re-ranks the best
     /// candidates by an approximate attention over key rows read from host KV) and/or
     /// `sketch` (every key, quantized to 4 bits as read: the CPU path of a GPU's scorer),
-    /// and `device`: the host's part where a GPU scored every block (each head's top-k and
-    /// residency plan, on the step thread).
+    /// `device`: the host's part where a GPU scored every block (each head's top-k and
+    /// residency plan, on the step thread), and `device-picks`: where the GPU also picked the
+    /// blocks (`top_blocks`; the residency plan alone).
     #[arg(long, default_value = "quest,sparq")]
     pub scorers: String,
     /// KV heads per layer (the default is Qwen3-14B's shape: 8 KV heads, groups of 5, head

@@ -2186,6 +2186,22 @@ __device__ __forceinline__ unsigned score_key(float s) {
 #define TOP_THREADS 512
 #define TOP_PER_THREAD 32
 #define TOP_MAX (TOP_THREADS * TOP_PER_THREAD)
+// How many of the CUDA block's threads whose `p` holds come before this one, in thread order;
+// `*all`: how many in all. `counts`: a word a warp. One barrier; the caller's next one must
+// come before `counts` is written again.
+__device__ __forceinline__ unsigned top_rank(bool p, unsigned* counts, unsigned* all) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned b = __ballot_sync(0xffffffffu, p);
+    if (lane == 0) counts[warp] = __popc(b);
+    __syncthreads();
+    unsigned before = __popc(b & ((1u << lane) - 1u)), sum = 0;
+    for (int w = 0; w < TOP_THREADS / 32; w++) {
+        before += w < warp ? counts[w] : 0u;
+        sum += counts[w];
+    }
+    *all = sum;
+    return before;
+}
 extern "C" __global__ void __launch_bounds__(TOP_THREADS)
     top_blocks(const float* scores, int nblocks, int from, int to, int rows, int k, unsigned* picks) {
     __shared__ unsigned hist[256];
@@ -2247,7 +2263,6 @@ extern "C" __global__ void __launch_bounds__(TOP_THREADS)
         want = found[1];
     }
     // prefix: the k-th best key; `want` of the keys equal to it are taken, the first ones.
-    const unsigned below = (1u << lane) - 1u;
     unsigned eq_seen = 0, written = 0;
 #pragma unroll
     for (int j = 0; j < TOP_PER_THREAD; j++) {
@@ -2255,23 +2270,10 @@ extern "C" __global__ void __launch_bounds__(TOP_THREADS)
         const int i = j * TOP_THREADS + tid;
         const bool in = i < total;
         const bool eq = in && key[j] == prefix;
-        const unsigned eq_b = __ballot_sync(0xffffffffu, eq);
-        if (lane == 0) counts[0][warp] = __popc(eq_b);
-        __syncthreads();
-        unsigned eq_rank = eq_seen + __popc(eq_b & below), eq_all = 0;
-        for (int w = 0; w < TOP_THREADS / 32; w++) {
-            eq_rank += w < warp ? counts[0][w] : 0u;
-            eq_all += counts[0][w];
-        }
+        unsigned eq_all, all;
+        const unsigned eq_rank = eq_seen + top_rank(eq, counts[0], &eq_all);
         const bool take = in && (key[j] > prefix || (eq && eq_rank < want));
-        const unsigned take_b = __ballot_sync(0xffffffffu, take);
-        if (lane == 0) counts[1][warp] = __popc(take_b);
-        __syncthreads();
-        unsigned at = written + __popc(take_b & below), all = 0;
-        for (int w = 0; w < TOP_THREADS / 32; w++) {
-            at += w < warp ? counts[1][w] : 0u;
-            all += counts[1][w];
-        }
+        const unsigned at = written + top_rank(take, counts[1], &all);
         if (take) out[at] = (unsigned)((i / m) * nblocks + from + i % m);
         eq_seen += eq_all;
         written += all;

@@ -83,8 +83,8 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
     anyhow::ensure!(
         scorers
             .iter()
-            .all(|s| ["quest", "sparq", "sketch", "device"].contains(&s.as_str())),
-        "--scorers takes `quest`, `sparq`, `sketch` and/or `device`"
+            .all(|s| ["quest", "sparq", "sketch", "device", "device-picks"].contains(&s.as_str())),
+        "--scorers takes `quest`, `sparq`, `sketch`, `device` and/or `device-picks`"
     );
     anyhow::ensure!(
         (1..=64).contains(&args.kv_heads)
@@ -136,15 +136,14 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
             })
             .collect();
         for name in &scorers {
-            if name == "device" {
+            if name.starts_with("device") {
                 rows.push(device_scored(
                     &args.common,
                     &base,
-                    geom,
-                    args.layers,
-                    ctx,
+                    (geom, args.layers, ctx),
                     &digests,
                     args.seconds,
+                    name == "device-picks",
                 ));
                 continue;
             }
@@ -234,16 +233,17 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
 
 /// The host's part of a layer's plan where the device scored every block (a GPU's sketch):
 /// each head's top-k of the scores and its residency plan, on the step thread, as a batch of
-/// one plans. The scores change every step (as on a random-weight model, the worst case for
-/// residency): four sets per layer taken in turn.
+/// one plans; with `picks`, where the device also picked the blocks (`top_blocks`), the
+/// residency plan of its picks alone (the picks are made here, untimed). The scores change
+/// every step (as on a random-weight model, the worst case for residency): four sets per
+/// layer taken in turn.
 fn device_scored(
     common: &BenchCommon,
     base: &AttentionConfig,
-    geom: BlockGeometry,
-    layers: usize,
-    ctx: usize,
+    (geom, layers, ctx): (BlockGeometry, usize, usize),
     digests: &[HeadDigests],
     seconds: f64,
+    picks: bool,
 ) -> serde_json::Value {
     let cfg = AttentionConfig {
         scorer: BlockScorer::Sketch,
@@ -271,8 +271,16 @@ fn device_scored(
         for s in &mut scores {
             s.resize(seq.num_blocks(), 0.0);
         }
+        let cut = seq.top_cut(&cfg, layer).filter(|_| picks);
+        let picked = cut.map(|cut| {
+            let rows: Vec<&[f32]> = scores.iter().map(Vec::as_slice).collect();
+            attention::best_in(&rows, cut)
+        });
         let start = Instant::now();
-        let plans = seq.plan_layer_scored(&cfg, layer, &scores);
+        let plans = match &picked {
+            Some(p) => seq.plan_layer_picked(&cfg, layer, p),
+            None => Some(seq.plan_layer_scored(&cfg, layer, &scores)),
+        };
         times.push(start.elapsed().as_secs_f64());
         std::hint::black_box(plans);
         if layer == layers - 1 {
@@ -284,15 +292,26 @@ fn device_scored(
     }
     times.sort_by(f64::total_cmp);
     let per_layer = times[times.len() / 2];
+    let (name, what) = if picks {
+        (
+            "device-picks",
+            "the host's residency plan of blocks picked on the device",
+        )
+    } else {
+        (
+            "device",
+            "the host's top-k and residency plan of scores made on the device",
+        )
+    };
     if !common.json {
         eprintln!(
-            "select device ctx={ctx:>6} H={hk} {:?}: {:7.3} ms/layer (the host's top-k and residency plan of scores made on the device, 1 thread)",
+            "select {name} ctx={ctx:>6} H={hk} {:?}: {:7.3} ms/layer ({what}, 1 thread)",
             cfg.mode,
             per_layer * 1e3,
         );
     }
     json!({
-        "scorer": "device", "context": ctx, "threads": 1, "kv_heads": hk,
+        "scorer": name, "context": ctx, "threads": 1, "kv_heads": hk,
         "block_size": geom.block_size, "budget_tokens": cfg.budget_tokens,
         "mode": format!("{:?}", cfg.mode).to_lowercase(), "ms_per_layer": per_layer * 1e3,
     })

@@ -1331,19 +1331,7 @@ fn device_scores_queued_for_the_batch_plan_as_scores_asked_for() {
             flags.extend(ahead);
         }
         for resident in [true, false] {
-            let device = |queue: bool, picks: bool| {
-                Arc::new(TestDevice {
-                    kv: true,
-                    sketch: SketchSpy {
-                        on: true,
-                        queue,
-                        picks,
-                        ..SketchSpy::default()
-                    },
-                    resident: resident.into(),
-                    ..TestDevice::default()
-                })
-            };
+            let device = |queue: bool, picks: bool| sketch_device(queue, picks, resident);
             let (asked, queuing) = (device(false, false), device(true, false));
             let want = greedy_on(asked.clone(), &flags, &prompts, 6);
             let got = greedy_on(queuing.clone(), &flags, &prompts, 6);
@@ -1390,18 +1378,7 @@ fn device_picks_give_the_tokens_of_scores_sent_back() {
     let count = |c: &std::sync::atomic::AtomicUsize| c.load(std::sync::atomic::Ordering::Relaxed);
     for split in ["layer", "head"] {
         for queue in [false, true] {
-            let device = |picks: bool| {
-                Arc::new(TestDevice {
-                    kv: true,
-                    sketch: SketchSpy {
-                        on: true,
-                        queue,
-                        picks,
-                        ..SketchSpy::default()
-                    },
-                    ..TestDevice::default()
-                })
-            };
+            let device = |picks: bool| sketch_device(queue, picks, false);
             let mut flags = SKETCH_SCOUT.to_vec();
             flags.extend(["--budget-split", split]);
             let (scores, picks) = (device(false), device(true));
@@ -1413,6 +1390,22 @@ fn device_picks_give_the_tokens_of_scores_sent_back() {
             assert_eq!(count(&scores.sketch.picked), 0);
         }
     }
+}
+
+/// A test device with host KV that scores with the sketch, queuing its scores (`queue`),
+/// answering picks (`picks`) and running layers resident as asked.
+fn sketch_device(queue: bool, picks: bool, resident: bool) -> Arc<TestDevice> {
+    Arc::new(TestDevice {
+        kv: true,
+        sketch: SketchSpy {
+            on: true,
+            queue,
+            picks,
+            ..SketchSpy::default()
+        },
+        resident: resident.into(),
+        ..TestDevice::default()
+    })
 }
 
 /// The greedy tokens of `prompts` (`n` each, submitted together) on the tiny model over
