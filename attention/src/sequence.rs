@@ -793,6 +793,16 @@ impl SeqAttention {
         if cfg.mode != Mode::Scout {
             return;
         }
+        if self.recall_whole(cfg, layer) {
+            for (st, p) in self.heads[layer * hk..(layer + 1) * hk]
+                .iter_mut()
+                .zip(plans)
+            {
+                st.prev_cpu.clone_from(&p.cpu);
+            }
+            return;
+        }
+        let ls = &mut self.layers[layer];
         let limits = cfg.recall_limits;
         let head_bytes = self.geom.head_bytes() as u64;
         if limits.bytes_per_step > 0 {
@@ -835,6 +845,30 @@ impl SeqAttention {
         for (st, p) in heads.iter_mut().zip(plans) {
             st.prev_cpu.clone_from(&p.cpu);
         }
+    }
+
+    /// Where the device's share of a head (`cfg.resident_blocks_per_head`) holds every block
+    /// of `layer`'s heads, recalls at once those its first plans left on the host (they
+    /// chose only the selection), past the recall budget and its timing, as `full` uploads
+    /// its prompt: from the next step on the layer's CPU part is empty. True when any moved.
+    fn recall_whole(&mut self, cfg: &AttentionConfig, layer: usize) -> bool {
+        let (hk, nb, cap) = (
+            self.geom.num_kv_heads,
+            self.num_blocks(),
+            cfg.resident_blocks_per_head(),
+        );
+        if cap < nb {
+            return false;
+        }
+        let mut moved = 0u64;
+        for st in &mut self.heads[layer * hk..(layer + 1) * hk] {
+            if st.res.count() < nb {
+                moved += st.res.recall(0..nb, self.step, cap) as u64;
+            }
+        }
+        self.stats.recall_blocks += moved;
+        self.stats.recall_bytes += moved * self.geom.head_bytes() as u64;
+        moved > 0
     }
 
     /// Blocks of (`layer`, `head`) that the last [`SeqAttention::finish_layer`] of `layer`
@@ -1149,6 +1183,34 @@ mod tests {
             assert!(sel.contains(&17), "{scorer:?}: {sel:?}");
             assert!(sel.contains(&0) && sel.contains(&31));
             assert_eq!(sel.len(), 4);
+        }
+    }
+
+    #[test]
+    fn a_device_that_holds_every_block_takes_the_prompt_after_the_first_plan() {
+        // 300 tokens in blocks of 16: 19 blocks a head, 2 heads; a budget of 4 blocks.
+        let (mem, digests, _) = setup(300, 2, 16, 41);
+        for (cap, whole) in [(19, true), (40, true), (18, false)] {
+            let mut cfg = AttentionConfig::scout(16);
+            cfg.budget_tokens = 64;
+            cfg.device_blocks_per_head = cap;
+            let mut seq = SeqAttention::new(mem.geom, 1, 300, digests.clone());
+            let q = values(5, 2 * 3 * 16, 1.0);
+            let first = seq.plan_layer(&cfg, 0, &q, keys(&mem));
+            assert!(first.iter().all(|p| p.device.len() + p.cpu.len() == 4));
+            seq.finish_layer(&cfg, 0, &first);
+            let recalled: Vec<usize> = (0..2).map(|h| seq.recalled(0, h).len()).collect();
+            seq.step += 1;
+            let q = values(6, 2 * 3 * 16, 1.0);
+            let next = seq.plan_layer(&cfg, 0, &q, keys(&mem));
+            if whole {
+                // What the first plan did not fetch: the other 15 of each head, at once.
+                assert_eq!(recalled, vec![15, 15], "cap {cap}");
+                assert_eq!(seq.resident_blocks(), 2 * 19);
+                assert!(next.iter().all(|p| p.cpu.is_empty() && p.device.len() == 4));
+            } else {
+                assert!(recalled.iter().all(|&r| r < 15), "cap {cap}: {recalled:?}");
+            }
         }
     }
 

@@ -114,7 +114,8 @@ pub struct ModelArgs {
     /// each request: at twice a 2048-token budget, Qwen3-14B takes 671 MB a request (the
     /// budget alone 335 MB; `full` at 64k, 10.7 GB). Where device memory bounds how many
     /// requests run, the budget's blocks (`--device-blocks` = budget / block size) admit twice
-    /// as many.
+    /// as many. Where it holds every block of a request, the prompt's blocks that the first
+    /// plan leaves on the host go to the device at once: no CPU part from then on.
     #[arg(long, env = "DECODE_NODE_DEVICE_BLOCKS", default_value_t = 0)]
     pub device_blocks: u32,
     /// Per-layer recall intervals from `bench recall-profile` (a JSON file); without it,
