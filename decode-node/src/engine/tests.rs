@@ -713,14 +713,15 @@ struct HostDeviceKv {
 
 /// A test device's sketch scoring: whether it scores, whether it also queues scores without
 /// a wait (`DeviceSeq::queue_sketch_scores`, `queue_sketch_scores_by`), whether it answers a
-/// call's picks (`SketchCall::pick`, as a GPU's `top_blocks`), and the calls counted: scored
-/// when asked, queued, queued ones taken, queued by a resident layer's rows, and answered
-/// with picks.
+/// call's picks (`SketchCall::pick`, as a GPU's `top_blocks`; with `wrong_picks`, one too
+/// many), and the calls counted: scored when asked, queued, queued ones taken, queued by a
+/// resident layer's rows, and answered with picks.
 #[derive(Debug, Clone, Default)]
 struct SketchSpy {
     on: bool,
     queue: bool,
     picks: bool,
+    wrong_picks: bool,
     picked: Arc<std::sync::atomic::AtomicUsize>,
     scored: Arc<std::sync::atomic::AtomicUsize>,
     queued: Arc<std::sync::atomic::AtomicUsize>,
@@ -797,7 +798,11 @@ impl HostDeviceSeq {
                     .picked
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let refs: Vec<&[f32]> = scores.iter().map(Vec::as_slice).collect();
-                crate::backend::Scored::Picks(attention::best_in(&refs, cut))
+                let mut picks = attention::best_in(&refs, cut);
+                if self.sketch.wrong_picks {
+                    picks[0].push(cut.to);
+                }
+                crate::backend::Scored::Picks(picks)
             }
             None => crate::backend::Scored::Scores(scores),
         }
@@ -1388,6 +1393,21 @@ fn device_picks_give_the_tokens_of_scores_sent_back() {
             let picked = count(&picks.sketch.picked);
             assert!(picked >= 3 * 5, "split {split}: {picked} picked");
             assert_eq!(count(&scores.sketch.picked), 0);
+            // Picks that are not the cut's answer: refused, and the host scores instead.
+            let wrong = Arc::new(TestDevice {
+                kv: true,
+                sketch: SketchSpy {
+                    on: true,
+                    queue,
+                    picks: true,
+                    wrong_picks: true,
+                    ..SketchSpy::default()
+                },
+                ..TestDevice::default()
+            });
+            let got = greedy_on(wrong.clone(), &flags, &prompts, 6);
+            assert_eq!(got, want, "split {split}, queue {queue}, wrong picks");
+            assert!(count(&wrong.sketch.picked) >= 3 * 5);
         }
     }
 }
