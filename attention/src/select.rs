@@ -130,17 +130,19 @@ impl TopCut {
 /// as [`select_top_k`] and [`select_shared`] rank them (score first, NaN last, -0 below +0,
 /// of equal scores the lower (head, block)): what a device's `top_blocks` must answer.
 pub fn best_in(rows: &[&[f32]], cut: TopCut) -> Vec<Vec<usize>> {
+    // Rows as long as the shortest: a device's scores stop before the newest block.
     let len = rows.iter().map(|r| r.len()).min().unwrap_or(0);
+    let rows: Vec<&[f32]> = rows.iter().map(|r| &r[..len]).collect();
     let to = cut.to.min(len);
     let range = cut.from.min(to)..to;
     let mut out = vec![Vec::new(); rows.len()];
     if cut.shared {
-        for (h, b) in best_of_rows(&rows_of(rows, len), range, cut.k) {
+        for (h, b) in best_of_rows(&rows, range, cut.k) {
             out[h].push(b);
         }
     } else {
         for (h, row) in rows.iter().enumerate() {
-            out[h] = best_of_rows(&[&row[..len]], range.clone(), cut.k)
+            out[h] = best_of_rows(&[row], range.clone(), cut.k)
                 .into_iter()
                 .map(|(_, b)| b)
                 .collect();
@@ -150,11 +152,6 @@ pub fn best_in(rows: &[&[f32]], cut: TopCut) -> Vec<Vec<usize>> {
         p.sort_unstable();
     }
     out
-}
-
-/// `rows` cut to `len` each.
-fn rows_of<'a>(rows: &[&'a [f32]], len: usize) -> Vec<&'a [f32]> {
-    rows.iter().map(|r| &r[..len]).collect()
 }
 
 /// [`select_spans`] for every KV head of a layer at once, the heads sharing the layer's

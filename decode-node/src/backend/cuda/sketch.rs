@@ -136,7 +136,7 @@ pub(super) struct SeqSketch {
     layers: Vec<Layer>,
     lse: DevBuf,
     scores: DevBuf,
-    /// Each head's picks of a call's cut (`top_blocks`), `[hk][k]` block indices.
+    /// A call's picks (`top_blocks`), `k` places for each group of heads ranked together.
     picks: DevBuf,
     /// The query, then a short fill's rows and scales and a grown page table, on their way
     /// up in one copy. Reused once the last call's copy back (which follows every copy up in
