@@ -355,11 +355,19 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
         m.block_scorer = "sketch".into();
         m.exact = true;
     };
+    // Scout where the device holds every block of the request: the blocks the first plan
+    // leaves on the host go up at once (one large recall), and the CPU part is empty after.
+    let every_block = (args.prompt_tokens.max(1) + args.tokens.max(1) as usize).div_ceil(16);
+    let whole = |m: &mut crate::cli::ModelArgs| {
+        scout(m);
+        m.device_blocks = u32::try_from(every_block).unwrap_or(u32::MAX);
+    };
     type Setting<'a> = &'a dyn Fn(&mut crate::cli::ModelArgs);
-    let cases: [(&str, Setting<'_>); 3] = [
+    let cases: [(&str, Setting<'_>); 4] = [
         ("full", &full),
         ("scout", &scout),
         ("scout, sketch scorer", &sketch),
+        ("scout, every block on the device", &whole),
     ];
     for (name, set) in cases {
         let mut outs = Vec::new();
