@@ -11,7 +11,7 @@
 #   SKIP (step names, space-separated) leaves steps out, to fit a short lease.
 #   SET=core runs only #21's headline rows (selftest, the model, the kernel and dense-step
 #   A/Bs, decode at 8k-64k and batch 8, capacity: 302 s on an H200, 2026-11-29, before the two
-#   device-kernels-*-prefetch rows, about 25 s each, and scout-device-all, about 40 s, were
+#   device-kernels-*-prefetch rows, about 25 s each, and scout-device-all, about 50 s, were
 #   added); SET=rest every
 #   other step (the model made again where the machine is fresh). A 15-minute lease fits both
 #   as two calls, the second while the machine is still warm (it waits 30 s).
@@ -250,12 +250,14 @@ step scout-64k-sketch-1-per-warp env DECODE_NODE_SKETCH_BLOCKS_PER_WARP=1 "$bin"
 step scout-64k-host-topk env DECODE_NODE_DEVICE_TOPK=off "$bin" bench decode --rounds 1 --json \
     --device cuda --model "$model" --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64
 # Scout with room on the device for every block of a request (2100 a KV head: 64k tokens and
-# the 64 decoded, in 32-token blocks; 2.75 GB a request here): since 2026-11-30 the blocks the
+# the 256 decoded, in 32-token blocks; 2.75 GB a request here): since 2026-11-30 the blocks the
 # first plan leaves on the host go up at once, so the CPU part is empty from the second step
 # and scout is sparse attention on the device against full's dense one. Not run on a GPU yet:
 # what a device share sized by free memory (not a fixed twice the budget) would give at batch 1.
+# 256 tokens: scout's prompt goes up behind its first token (recalled after the first plan), so
+# its second step waits for it, where full's first token carries it and the bench leaves it out.
 step scout-device-all "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
-    --context 32k,64k --modes full,scout --budget-tokens 2048 --tokens 64 --device-blocks 2100
+    --context 32k,64k --modes full,scout --budget-tokens 2048 --tokens 256 --device-blocks 2100
 # Scout layer-ahead on the device (the paper's behaviour, #21 item 5): the next layer's
 # predicted query is scored on the device while it waits for this layer's CPU part
 # (queued without a wait), planned while it runs this layer's second half, and its CPU part
