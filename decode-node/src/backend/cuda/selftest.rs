@@ -975,13 +975,14 @@ fn check_top_blocks(sh: &Shared) -> Result<f64, BackendError> {
                 )?
             };
             let got = dev.down(pp, hk / rows * kk)?;
-            let mut picks = vec![Vec::new(); hk];
-            for (g, group) in got.chunks_exact(kk.max(1)).enumerate() {
-                for w in group {
-                    let place = w.to_bits() as usize;
-                    picks[(g * rows + place / blocks).min(hk - 1)].push(place % blocks);
-                }
-            }
+            let back = super::sketch::Back::Picks {
+                k: kk,
+                rows,
+                blocks,
+            };
+            let Scored::Picks(picks) = back.answer(hk, &got) else {
+                return Err(BackendError::Device("picks read back as scores".into()));
+            };
             let refs: Vec<&[f32]> = scores.chunks_exact(blocks).collect();
             let want = attention::best_in(&refs, cut);
             for h in (0..hk).filter(|&h| picks[h] != want[h]) {

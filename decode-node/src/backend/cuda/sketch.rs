@@ -197,7 +197,7 @@ impl Back {
 
     /// The answer of `hk` heads in `words` (as copied back into floats: picks are their
     /// bits), each head's picks in ascending order.
-    fn answer(self, hk: usize, words: &[f32]) -> Scored {
+    pub(super) fn answer(self, hk: usize, words: &[f32]) -> Scored {
         match self {
             Back::Scores { blocks } => Scored::Scores(
                 words
