@@ -11,7 +11,7 @@
 #   SKIP (step names, space-separated) leaves steps out, to fit a short lease.
 #   SET=core runs only #21's headline rows (selftest, the model, the kernel and dense-step
 #   A/Bs, decode at 8k-64k and batch 8, capacity: 302 s on an H200, 2026-11-29, before the two
-#   device-kernels-*-prefetch rows, about 25 s each, and scout-device-all, about 50 s, were
+#   device-kernels-*-prefetch rows, about 25 s each, and scout-lent, about 50 s, were
 #   added); SET=rest every
 #   other step (the model made again where the machine is fresh). A 15-minute lease fits both
 #   as two calls, the second while the machine is still warm (it waits 30 s).
@@ -43,7 +43,7 @@ model="${MODEL_DIR:-/tmp}/qwen3-14b-${layers}l"
 core=$(echo selftest make-model device-kernels device-kernels-warps device-kernels-tc \
     device-kernels-warps-prefetch device-kernels-tc-prefetch dense-step \
     dense-step-b8-cublas dense-step-b8-gemv dense-step-b8-tc decode-8k-32k decode-64k \
-    decode-8k-batch8 capacity-64k scout-device-all)
+    decode-8k-batch8 capacity-64k scout-lent)
 case "${SET:-all}" in
     all) only="" ;;
     core) only=$core ;;
@@ -191,6 +191,11 @@ step dense-step-b8-tc-chunks8 env DECODE_NODE_GEMV_TACTIC=tc DECODE_NODE_KERNEL_
 # the device time is short.
 # Each step's per-layer phases (selection, device, CPU waits) as debug lines in its log.
 export RUST_LOG=${RUST_LOG:-info,decode_node::engine::step=debug}
+# The sparse rows keep their fixed device share (`--device-blocks`, twice the budget), as
+# before 2026-11-30, so they measure the CPU part and compare with earlier runs: by default
+# spare device KV is lent, and bench decode's 4 GiB would hold every block of a batch-1
+# request, leaving no CPU part. scout-lent measures the default.
+export DECODE_NODE_SPARE_DEVICE_KV=off
 step decode-8k-32k "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
     --context 8k,32k --modes full,hgca,recall,scout --budget-tokens 2048 --tokens 64
 step decode-64k "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
@@ -249,15 +254,16 @@ step scout-64k-sketch-1-per-warp env DECODE_NODE_SKETCH_BLOCKS_PER_WARP=1 "$bin"
 # (on the H200, 2026-11-29, the host's selection was 0.76 ms of scout's 7.13 ms step at 64k).
 step scout-64k-host-topk env DECODE_NODE_DEVICE_TOPK=off "$bin" bench decode --rounds 1 --json \
     --device cuda --model "$model" --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64
-# Scout with room on the device for every block of a request (2100 a KV head: 64k tokens and
-# the 256 decoded, in 32-token blocks; 2.75 GB a request here): since 2026-11-30 the blocks the
-# first plan leaves on the host go up at once, so the CPU part is empty from the second step
-# and scout is sparse attention on the device against full's dense one. Not run on a GPU yet:
-# what a device share sized by free memory (not a fixed twice the budget) would give at batch 1.
-# 256 tokens: scout's prompt goes up behind its first token (recalled after the first plan), so
-# its second step waits for it, where full's first token carries it and the bench leaves it out.
-step scout-device-all "$bin" bench decode --rounds 1 --json --device cuda --model "$model" \
-    --context 32k,64k --modes full,scout --budget-tokens 2048 --tokens 256 --device-blocks 2100
+# Scout with its default loan of spare device KV (since 2026-11-30): a request alone whose
+# every block fits in what no other request counts on takes room for all of them (2.75 GB a
+# request here at 64k), the blocks the first plan leaves on the host go up at once, and from
+# then on the CPU part is empty: sparse attention on the device against full's dense one.
+# Not run on a GPU yet. 256 tokens: scout's prompt goes up behind its first token, so its
+# second step waits for it, where full's first token carries its upload and the bench leaves
+# that token out.
+step scout-lent env DECODE_NODE_SPARE_DEVICE_KV=on "$bin" bench decode --rounds 1 --json \
+    --device cuda --model "$model" --context 32k,64k --modes full,scout --budget-tokens 2048 \
+    --tokens 256
 # Scout layer-ahead on the device (the paper's behaviour, #21 item 5): the next layer's
 # predicted query is scored on the device while it waits for this layer's CPU part
 # (queued without a wait), planned while it runs this layer's second half, and its CPU part

@@ -52,15 +52,15 @@ fn place(res: &mut Residency, mut plan: HeadPlan, step: u64, cap: usize) -> Head
 
 /// `hgca`: the sink and a recent window dense on the device ([`hgca_window`] blocks); the
 /// rest of the selection `sel` (made with that window, see [`crate::select_spans`]) on the
-/// CPU. Without a selection (a dense layer) all of the rest.
+/// CPU. Without a selection (a dense layer) all of the rest. Placed in `res` at `step` with
+/// `cap` device slots.
 pub(crate) fn hgca(
     cfg: &AttentionConfig,
     sel: Option<&[usize]>,
     block_size: usize,
     n: usize,
-    (res, step): (&mut Residency, u64),
+    (res, step, cap): (&mut Residency, u64, usize),
 ) -> HeadPlan {
-    let cap = cfg.resident_blocks_per_head();
     place(res, hgca_split(cfg, sel, block_size, n), step, cap)
 }
 
@@ -186,12 +186,24 @@ mod tests {
             crate::select_spans(&scores, cfg.budget_blocks(16), hgca_window(cfg, 16), false)
         };
         let mut res = Residency::new(n);
-        let p = hgca(&cfg, Some(&sel(&cfg, &digests)), 16, n, (&mut res, 0));
+        let p = hgca(
+            &cfg,
+            Some(&sel(&cfg, &digests)),
+            16,
+            n,
+            (&mut res, 0, cfg.resident_blocks_per_head()),
+        );
         assert!(res.device_blocks(&p.device).is_ok());
         // Budget 4 blocks: window 2 (8, 9) plus the sink on the device, 1 more on the CPU.
         assert_eq!(p.device, vec![0, 8, 9]);
         assert_eq!(p.cpu, vec![4]);
-        let dense = hgca(&cfg, None, 16, n, (&mut res, 1));
+        let dense = hgca(
+            &cfg,
+            None,
+            16,
+            n,
+            (&mut res, 1, cfg.resident_blocks_per_head()),
+        );
         assert_eq!(dense.cpu, (1..8).collect::<Vec<_>>());
         // A local window of one block leaves two blocks of the budget to the top-k.
         let narrow = AttentionConfig {
@@ -202,7 +214,13 @@ mod tests {
             let k = if b == 6 { [5.0; 4] } else { [0.0; 4] };
             digests.update(b, &k);
         }
-        let p = hgca(&narrow, Some(&sel(&narrow, &digests)), 16, n, (&mut res, 2));
+        let p = hgca(
+            &narrow,
+            Some(&sel(&narrow, &digests)),
+            16,
+            n,
+            (&mut res, 2, narrow.resident_blocks_per_head()),
+        );
         assert_eq!(p.device, vec![0, 9]);
         assert_eq!(p.cpu, vec![4, 6]);
         // A window past the budget is cut to what the budget holds besides the sink.
@@ -210,7 +228,13 @@ mod tests {
             local_window_tokens: 1000,
             ..cfg
         };
-        let p = hgca(&wide, Some(&sel(&wide, &digests)), 16, n, (&mut res, 3));
+        let p = hgca(
+            &wide,
+            Some(&sel(&wide, &digests)),
+            16,
+            n,
+            (&mut res, 3, wide.resident_blocks_per_head()),
+        );
         assert_eq!(p.device, vec![0, 7, 8, 9]);
         assert!(p.cpu.is_empty());
         // The window slid: what left it made room, and the device holds no more than its cap.
@@ -222,7 +246,13 @@ mod tests {
             ..wide
         };
         let mut res = Residency::new(n);
-        let p = hgca(&tight, Some(&sel(&tight, &digests)), 16, n, (&mut res, 0));
+        let p = hgca(
+            &tight,
+            Some(&sel(&tight, &digests)),
+            16,
+            n,
+            (&mut res, 0, tight.resident_blocks_per_head()),
+        );
         assert_eq!(p.device, vec![0, 9]);
         assert_eq!(p.cpu, vec![7, 8]);
     }

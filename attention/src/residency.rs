@@ -127,6 +127,41 @@ impl Residency {
         self.recalled.clear();
     }
 
+    /// Keeps at most `cap` blocks resident, in slots `0 .. cap`: the sink and the newest
+    /// block, then the most recently used (the newer block on a tie). A kept block in a slot
+    /// past `cap` moves to a slot a dropped block left (the device refills a slot whose block
+    /// changed). True when anything was dropped.
+    pub(crate) fn shrink(&mut self, cap: usize) -> bool {
+        if self.holds.len() <= cap {
+            return false;
+        }
+        let newest = self.slot_of.len().saturating_sub(1);
+        let mut order: Vec<usize> = (0..self.holds.len()).collect();
+        order.sort_unstable_by_key(|&s| {
+            let b = self.holds[s];
+            (
+                b != 0 && b != newest,
+                std::cmp::Reverse(self.last_used[b]),
+                std::cmp::Reverse(b),
+            )
+        });
+        let (keep, drop) = order.split_at(cap);
+        for &s in drop {
+            self.slot_of[self.holds[s]] = NO_SLOT;
+        }
+        let freed = drop.iter().filter(|&&s| s < cap);
+        let movers = keep.iter().filter(|&&s| s >= cap);
+        for (&to, &from) in freed.zip(movers) {
+            let b = self.holds[from];
+            self.holds[to] = b;
+            self.slot_of[b] = to as u32;
+        }
+        self.holds.truncate(cap);
+        let slot_of = &self.slot_of;
+        self.recalled.retain(|&b| slot_of[b] != NO_SLOT);
+        true
+    }
+
     /// `blocks` with their slots; `Err(b)` names a block that is not resident.
     pub(crate) fn device_blocks(&self, blocks: &[usize]) -> Result<Vec<DeviceBlock>, usize> {
         // A plain loop: collecting `Result`s cost 7-8 ns a block, 1.2 ms of a step for `full`
@@ -186,6 +221,38 @@ mod tests {
             assert!((0..6).filter_map(|b| r.slot(b)).all(|s| s < 3));
             assert_eq!((0..6).filter(|b| r.is_resident(*b)).count(), r.count());
         }
+    }
+
+    #[test]
+    fn shrinking_keeps_the_sink_the_newest_and_the_most_recent_in_the_first_slots() {
+        let mut r = Residency::new(10);
+        // Slots 0..6 hold blocks 0, 5, 2, 9, 3, 7, used at steps 0, 5, 1, 9, 8, 2.
+        for (b, step) in [(0usize, 0u64), (5, 5), (2, 1), (9, 9), (3, 8), (7, 2)] {
+            assert!(r.make_resident(b, step, 6));
+        }
+        assert!(r.recall([4], 9, 7) == 1);
+        assert!(!r.shrink(7));
+        // Four slots: the sink (0) and the newest (9), then 4 (used at 10) and 3 (at 8).
+        assert!(r.shrink(4));
+        assert_eq!(r.count(), 4);
+        let kept: Vec<usize> = (0..10).filter(|&b| r.is_resident(b)).collect();
+        assert_eq!(kept, [0, 3, 4, 9]);
+        // Blocks that were in slots 0..4 kept theirs; the others took the dropped ones'.
+        assert_eq!((r.slot(0), r.slot(9)), (Some(0), Some(3)));
+        let mut slots: Vec<u32> = kept.iter().filter_map(|&b| r.slot(b)).collect();
+        slots.sort_unstable();
+        assert_eq!(slots, [0, 1, 2, 3]);
+        assert_eq!(r.recalled(), &[4]);
+        assert_eq!(r.device_blocks(&kept).map(|d| d.len()), Ok(4));
+        // The sink and the newest go last; the newest moves into a slot below the cap.
+        assert!(r.shrink(2));
+        assert_eq!(
+            (0..10).filter(|&b| r.is_resident(b)).collect::<Vec<_>>(),
+            [0, 9]
+        );
+        assert!(r.recalled().is_empty());
+        assert!(r.make_resident(5, 20, 3));
+        assert_eq!(r.slot(5), Some(2));
     }
 
     #[test]

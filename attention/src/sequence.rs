@@ -159,6 +159,9 @@ pub struct SeqAttention {
     num_tokens: usize,
     step: u64,
     stats: SeqStats,
+    /// Device slots per (layer, KV head) where they differ from the config's
+    /// (`AttentionConfig::resident_blocks_per_head`): spare device memory lent to it.
+    device_cap: Option<usize>,
 }
 
 impl SeqAttention {
@@ -190,7 +193,32 @@ impl SeqAttention {
             num_tokens,
             step: 0,
             stats: SeqStats::default(),
+            device_cap: None,
         }
+    }
+
+    /// Device-resident blocks each (layer, KV head) may hold: the config's share, or the one
+    /// [`SeqAttention::set_device_cap`] gave it.
+    pub fn device_cap(&self, cfg: &AttentionConfig) -> usize {
+        self.device_cap
+            .unwrap_or_else(|| cfg.resident_blocks_per_head())
+    }
+
+    /// Gives the sequence `cap` device slots per (layer, KV head) instead of the config's
+    /// share (`None`: back to it). More lets it keep more blocks on the device: where they
+    /// hold every block, the next [`SeqAttention::finish_layer`] of each layer brings up the
+    /// rest at once. Fewer drops blocks, the least recently used first, and moves the kept
+    /// ones into the slots below the new cap: a device must follow with the same number
+    /// (`DeviceSeq::set_slots_per_head`) before the next step. Returns true when any block
+    /// left the device.
+    pub fn set_device_cap(&mut self, cfg: &AttentionConfig, cap: Option<usize>) -> bool {
+        self.device_cap = cap;
+        let cap = self.device_cap(cfg);
+        let mut dropped = false;
+        for st in &mut self.heads {
+            dropped |= st.res.shrink(cap);
+        }
+        dropped
     }
 
     /// Keeps the key sketch of `cfg`'s scored layers (past the dense ones) on the host in
@@ -270,6 +298,7 @@ impl SeqAttention {
     pub fn append_token(&mut self, cfg: &AttentionConfig, layer: usize, keys: &[f32]) {
         let d = self.geom.head_dim;
         let blk = self.num_tokens / self.geom.block_size;
+        let cap = self.device_cap(cfg);
         for h in 0..self.geom.num_kv_heads {
             let st = &mut self.heads[layer * self.geom.num_kv_heads + h];
             if st.digests.len() <= blk {
@@ -277,8 +306,7 @@ impl SeqAttention {
                 st.res.push(self.step);
             }
             st.digests.update(blk, &keys[h * d..(h + 1) * d]);
-            st.res
-                .make_resident(blk, self.step, cfg.resident_blocks_per_head());
+            st.res.make_resident(blk, self.step, cap);
         }
     }
 
@@ -695,7 +723,7 @@ impl SeqAttention {
         let hk = self.geom.num_kv_heads;
         let n = self.num_blocks();
         let bs = self.geom.block_size;
-        let cap = cfg.resident_blocks_per_head();
+        let cap = self.device_cap(cfg);
         let step = self.step;
         let first = !self.layers[layer].initialised;
         self.layers[layer].initialised = true;
@@ -709,7 +737,7 @@ impl SeqAttention {
                     sels.get(h).map(Vec::as_slice),
                     bs,
                     n,
-                    (&mut st.res, step),
+                    (&mut st.res, step, cap),
                 ),
                 Mode::Recall | Mode::Scout => {
                     // The first plan fills the device with the prompt's top-k (sink and recent
@@ -802,6 +830,7 @@ impl SeqAttention {
             }
             return;
         }
+        let cap = self.device_cap(cfg);
         let ls = &mut self.layers[layer];
         let limits = cfg.recall_limits;
         let head_bytes = self.geom.head_bytes() as u64;
@@ -829,7 +858,6 @@ impl SeqAttention {
         let heads = &mut self.heads[layer * hk..(layer + 1) * hk];
         if due && cpu > 0 && allowance > 0 {
             let picks = recall_picks(heads, plans, allowance);
-            let cap = cfg.resident_blocks_per_head();
             let mut moved = 0u64;
             for (st, pick) in heads.iter_mut().zip(picks) {
                 moved += st.res.recall(pick, self.step, cap) as u64;
@@ -855,7 +883,7 @@ impl SeqAttention {
         let (hk, nb, cap) = (
             self.geom.num_kv_heads,
             self.num_blocks(),
-            cfg.resident_blocks_per_head(),
+            self.device_cap(cfg),
         );
         if cap < nb {
             return false;
@@ -1210,6 +1238,58 @@ mod tests {
                 assert!(next.iter().all(|p| p.cpu.is_empty() && p.device.len() == 4));
             } else {
                 assert!(recalled.iter().all(|&r| r < 15), "cap {cap}: {recalled:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_lent_device_share_takes_the_prompt_and_gives_it_back_below_the_cap() {
+        // 19 blocks a head; the config's share (8) cannot hold them, the lent one (19) can.
+        let (mem, digests, _) = setup(300, 2, 16, 43);
+        let mut cfg = AttentionConfig::scout(16);
+        cfg.budget_tokens = 64;
+        cfg.device_blocks_per_head = 8;
+        let mut seq = SeqAttention::new(mem.geom, 1, 300, digests);
+        let plan = |seq: &mut SeqAttention, seed: u64| {
+            let q = values(seed, 2 * 3 * 16, 1.0);
+            let p = seq.plan_layer(&cfg, 0, &q, keys(&mem));
+            seq.finish_layer(&cfg, 0, &p);
+            seq.step += 1;
+            p
+        };
+        plan(&mut seq, 1);
+        assert!(seq.resident_blocks() <= 2 * 8);
+        assert!(!seq.set_device_cap(&cfg, Some(19)));
+        assert_eq!(seq.device_cap(&cfg), 19);
+        // The next finish of the layer brings up every block still on the host.
+        plan(&mut seq, 2);
+        assert_eq!(seq.resident_blocks(), 2 * 19);
+        // (The whole recall counts as used at the step after it: one more step to tell the
+        // last plan's blocks from the rest.)
+        for seed in [3, 4] {
+            let p = plan(&mut seq, seed);
+            assert!(p.iter().all(|p| p.cpu.is_empty() && p.device.len() == 4));
+        }
+        let p = plan(&mut seq, 5);
+        // Given back: eight a head, the sink, the newest and the last plan's among them, in
+        // slots below eight, and plans place into those slots only.
+        assert!(seq.set_device_cap(&cfg, None));
+        assert_eq!(seq.device_cap(&cfg), 8);
+        assert_eq!(seq.resident_blocks(), 2 * 8);
+        for (h, hp) in p.iter().enumerate() {
+            for &b in hp.device.iter().chain([&0, &18]) {
+                assert!(seq.is_resident(0, h, b), "head {h} block {b}");
+            }
+            let slots = seq.device_blocks(0, h, &hp.device).unwrap();
+            assert!(slots.iter().all(|d| d.slot < 8), "{slots:?}");
+        }
+        for seed in 6..11 {
+            let p = plan(&mut seq, seed);
+            assert!(seq.resident_blocks() <= 2 * 8);
+            for (h, hp) in p.iter().enumerate() {
+                let slots = seq.device_blocks(0, h, &hp.device).unwrap();
+                assert!(slots.iter().all(|d| d.slot < 8));
+                assert!(seq.recalled(0, h).iter().all(|d| d.slot < 8));
             }
         }
     }

@@ -268,6 +268,12 @@ pub trait DeviceKv: Send + Sync + std::fmt::Debug {
     fn keeps_sketch(&self, _group: usize) -> bool {
         false
     }
+
+    /// Bytes of KV it holds in all (what admission may count against it): where free device
+    /// memory allowed less than asked for, less than the node's `--device-kv-bytes`.
+    fn capacity_bytes(&self) -> u64 {
+        u64::MAX
+    }
 }
 
 /// The device side of one sequence's attention. It decides nothing about placement: the
@@ -369,6 +375,13 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
         layer: usize,
         blocks: &[&[DeviceBlock]],
     ) -> Result<(), BackendError>;
+
+    /// From now on the sequence's residency numbers `blocks_per_head` slots per (layer, KV
+    /// head), more or fewer than it was created with (a share of spare device memory lent, or
+    /// given back after [`attention::SeqAttention::set_device_cap`] moved every block into
+    /// the slots below it): the memory behind the slots past it goes back to the device.
+    /// Called between steps, never with a call of the sequence still to collect.
+    fn set_slots_per_head(&mut self, blocks_per_head: usize) -> Result<(), BackendError>;
 }
 
 /// What a device's sketch scoring is asked for: `layer`'s blocks `0 .. blocks`, with the

@@ -118,6 +118,15 @@ pub struct ModelArgs {
     /// plan leaves on the host go to the device at once: no CPU part from then on.
     #[arg(long, env = "DECODE_NODE_DEVICE_BLOCKS", default_value_t = 0)]
     pub device_blocks: u32,
+    /// Device KV that no running request counts on, lent in `scout` and `recall` (`on`): a
+    /// request whose every block (prompt and the tokens it may generate) fits in what is
+    /// spare takes room for all of them, its prompt goes up after its first step, and its CPU
+    /// part is empty from then on, as in `full`, while it still attends only its budget. The
+    /// room goes back (the request keeps `--device-blocks`, its most recently used) as soon as
+    /// a waiting request needs it to start, so a loan never turns a request away. `off`: each
+    /// request keeps `--device-blocks` per layer and KV head, whatever is free.
+    #[arg(long, env = "DECODE_NODE_SPARE_DEVICE_KV", default_value = "on", value_parser = ["on", "off"])]
+    pub spare_device_kv: String,
     /// Per-layer recall intervals from `bench recall-profile` (a JSON file); without it,
     /// recall is adaptive (`--recall-threshold`).
     #[arg(long, env = "DECODE_NODE_RECALL_PROFILE")]

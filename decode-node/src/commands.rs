@@ -345,6 +345,8 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
         m.budget_tokens = 128;
         m.device_blocks = 4;
         m.recall_threshold = 0.0;
+        // No loan of spare device KV, which would hold every block.
+        m.spare_device_kv = "off".into();
     };
     let full = |m: &mut crate::cli::ModelArgs| m.attention = "full".into();
     // Scout again with the sketch scorer: a device scores from the sketch it keeps, the
@@ -355,19 +357,19 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
         m.block_scorer = "sketch".into();
         m.exact = true;
     };
-    // Scout where the device holds every block of the request: the blocks the first plan
-    // leaves on the host go up at once (one large recall), and the CPU part is empty after.
-    let every_block = (args.prompt_tokens.max(1) + args.tokens.max(1) as usize).div_ceil(16);
+    // Scout lent the spare device KV: its slot table grows to every block of the request,
+    // the blocks the first plan leaves on the host go up at once (one large recall), and the
+    // CPU part is empty after.
     let whole = |m: &mut crate::cli::ModelArgs| {
         scout(m);
-        m.device_blocks = u32::try_from(every_block).unwrap_or(u32::MAX);
+        m.spare_device_kv = "on".into();
     };
     type Setting<'a> = &'a dyn Fn(&mut crate::cli::ModelArgs);
     let cases: [(&str, Setting<'_>); 4] = [
         ("full", &full),
         ("scout", &scout),
         ("scout, sketch scorer", &sketch),
-        ("scout, every block on the device", &whole),
+        ("scout, spare device KV lent (every block)", &whole),
     ];
     for (name, set) in cases {
         let mut outs = Vec::new();

@@ -51,6 +51,8 @@ pub(super) fn recall_profile(args: &RecallProfileBench) -> anyhow::Result<serde_
             queue_timeout: Duration::from_secs(60),
             cpu_threads: 1,
             prefix_cache: None,
+            // The profile is of recall under the configured share.
+            lend_spare_device: false,
         },
         crate::metrics::Metrics::new(),
     )?;

@@ -10,6 +10,7 @@ pub(crate) mod admission;
 mod attend;
 mod error;
 mod job;
+mod lend;
 mod profile;
 mod running;
 mod solo;
@@ -55,6 +56,9 @@ pub struct EngineConfig {
     pub cpu_threads: usize,
     /// Where a finished request's KV goes for the next turn (none: back to the pool).
     pub prefix_cache: Option<Arc<kv_transfer::PrefixCache>>,
+    /// Lend device KV no request counts on to running `scout` and `recall` requests, each
+    /// taking room for every block it may hold (`--spare-device-kv`).
+    pub lend_spare_device: bool,
 }
 
 /// Load figures read by `GetLoad` and metrics.
@@ -66,6 +70,9 @@ pub struct LoadSnapshot {
     pub waiting: u32,
     /// Device KV bytes in use.
     pub device_bytes: u64,
+    /// Device KV bytes admission counts against: `--device-kv-bytes`, or what the device's
+    /// arena holds where free memory allowed less.
+    pub device_capacity: u64,
     /// Tokens per second over the last steps.
     pub tokens_per_second: f64,
     /// The device was lost: the engine refuses everything until the process restarts.
@@ -103,11 +110,24 @@ impl Engine {
             .backend()
             .device_kv(*pool.geometry(), cfg.device_kv_bytes, &pool)
             .map_err(std::io::Error::other)?;
+        let mut cfg = cfg;
         if let Some(d) = &device_kv {
+            if d.capacity_bytes() < cfg.device_kv_bytes {
+                tracing::warn!(
+                    asked = cfg.device_kv_bytes,
+                    holds = d.capacity_bytes(),
+                    "the device KV arena holds less than --device-kv-bytes (free device memory); admission counts what it holds"
+                );
+                cfg.device_kv_bytes = d.capacity_bytes();
+            }
             metrics
                 .device_kv_copies_staged
                 .set(i64::from(!d.host_pool_pinned()));
             check_resident(&model.model, d, pool.geometry());
+        }
+        if let Ok(mut l) = load.lock() {
+            // What GetLoad and the metrics read before the loop's first publish.
+            l.device_capacity = cfg.device_kv_bytes;
         }
         let mut lp = StepLoop {
             model,
@@ -354,34 +374,40 @@ impl StepLoop {
                     .as_ref()
                     .is_some_and(|d| d.keeps_sketch(group)),
             );
+            let request = admission::Request {
+                geom,
+                num_layers: job.kv.num_layers(),
+                num_tokens: job.kv.num_tokens(),
+                prompt_bytes: job.kv.bytes(),
+                max_new_tokens: job.spec.max_new_tokens,
+            };
+            let max_context = self.model.model.cfg.max_position_embeddings;
             let need = Need::of(
-                &admission::Request {
-                    geom,
-                    num_layers: job.kv.num_layers(),
-                    num_tokens: job.kv.num_tokens(),
-                    prompt_bytes: job.kv.bytes(),
-                    max_new_tokens: job.spec.max_new_tokens,
-                },
-                self.model.model.cfg.max_position_embeddings,
+                &request,
+                max_context,
                 self.cfg.attention.resident_blocks_per_head(),
                 sketch,
             );
-            let room = Room {
-                running: self.running.len(),
-                max_batch: self.cfg.max_batch,
-                device_used: self.running.iter().map(|r| r.device_need).sum(),
-                device_capacity: self.cfg.device_kv_bytes,
-                host_capacity: self.pool.usage().capacity,
-                queue_blocked: !keep.is_empty(),
+            let share = lend::Share {
+                base: need.device,
+                whole: Need::of(&request, max_context, usize::MAX, sketch).device,
+                lent: false,
             };
-            let grow = match admission::decide(&need, &room) {
+            let whole_blocks = geom.blocks_for(request.num_tokens + need.max_new as usize + 1);
+            let mut room = self.room(!keep.is_empty());
+            let mut decision = admission::decide(&need, &room);
+            if decision == Decision::Wait && self.call_back_loans_for(&need, &room) {
+                room = self.room(!keep.is_empty());
+                decision = admission::decide(&need, &room);
+            }
+            let grow = match decision {
                 Decision::Start => self.pool.reserve(need.grow_blocks + need.sketch_pages).ok(),
                 Decision::Wait => None,
             };
             if let Some(mut r) = grow {
                 let pages = running::take_pages(&mut r, need.sketch_pages);
                 job.kv.grow(r);
-                let mut run = self.start(job, need.device, now);
+                let mut run = self.start(job, (share, whole_blocks), now);
                 if let Some(s) = sketch.filter(|s| !s.on_device) {
                     run.seq
                         .keep_sketch(&self.cfg.attention, pages, s.tokens_per_slot);
@@ -407,9 +433,107 @@ impl StepLoop {
             }
         }
         self.waiting = keep;
+        if self.waiting.is_empty() {
+            self.lend_spare_device();
+        }
     }
 
-    fn start(&self, job: Job, device_need: u64, now: Instant) -> Running {
+    /// The node's room for the next admission (`queue_blocked`: a request ahead of it waits).
+    fn room(&self, queue_blocked: bool) -> Room {
+        Room {
+            running: self.running.len(),
+            max_batch: self.cfg.max_batch,
+            device_used: self.running.iter().map(|r| r.device.counted()).sum(),
+            device_capacity: self.cfg.device_kv_bytes,
+            host_capacity: self.pool.usage().capacity,
+            queue_blocked,
+        }
+    }
+
+    /// True where spare device KV is lent: a device keeps KV, lending is on, and the mode
+    /// attends a selection whose blocks may all live on the device (`scout`, `recall`).
+    fn lends(&self) -> bool {
+        self.cfg.lend_spare_device
+            && self.device_kv.is_some()
+            && matches!(
+                self.cfg.attention.mode,
+                attention::Mode::Scout | attention::Mode::Recall
+            )
+    }
+
+    /// Lends what no running request counts on to those whose every block fits in it.
+    fn lend_spare_device(&mut self) {
+        if !self.lends() {
+            return;
+        }
+        let shares: Vec<lend::Share> = self.running.iter().map(|r| r.device).collect();
+        for i in lend::lend_to(&shares, self.cfg.device_kv_bytes) {
+            let r = &mut self.running[i];
+            match r.take_loan(&self.cfg.attention) {
+                Ok(()) => r.job.span.in_scope(|| {
+                    tracing::debug!(
+                        device_bytes = r.device.whole,
+                        blocks_per_head = r.whole_blocks,
+                        "lent spare device KV for every block"
+                    )
+                }),
+                Err(e) => r.job.span.in_scope(|| {
+                    tracing::warn!(error = %e, "lending spare device KV failed; the request keeps its share")
+                }),
+            }
+        }
+    }
+
+    /// Where `need` waits for device KV that loans hold and would start without them (in
+    /// `room`), calls back as few loans as make room; true when any went back. A request
+    /// whose device fails to give its loan back ends with that error.
+    fn call_back_loans_for(&mut self, need: &Need, room: &Room) -> bool {
+        if !self.lends() {
+            return false;
+        }
+        let shares: Vec<lend::Share> = self.running.iter().map(|r| r.device).collect();
+        let Some(back) = lend::call_back_for(&shares, room.device_capacity, need.device) else {
+            return false;
+        };
+        let freed: u64 = back.iter().map(|&i| shares[i].whole - shares[i].base).sum();
+        let without = Room {
+            device_used: room.device_used - freed,
+            ..*room
+        };
+        if back.is_empty() || admission::decide(need, &without) == Decision::Wait {
+            return false;
+        }
+        let mut failed = Vec::new();
+        for &i in &back {
+            let r = &mut self.running[i];
+            if let Err(e) = r.give_loan_back(&self.cfg.attention) {
+                failed.push((i, EngineError::from(crate::model::ModelError::Backend(e))));
+            } else {
+                r.job
+                    .span
+                    .in_scope(|| tracing::debug!("gave its loan of spare device KV back"));
+            }
+        }
+        // Highest index first: `swap_remove` moves only entries past the ones still to go.
+        failed.sort_by_key(|f| std::cmp::Reverse(f.0));
+        for (i, e) in failed {
+            if matches!(e, EngineError::DeviceLost(_)) {
+                self.fail_batch(e);
+                return false;
+            }
+            let r = self.running.swap_remove(i);
+            r.job.span.in_scope(|| {
+                tracing::warn!(error = %e, "giving its loan of spare device KV back failed; the request ends")
+            });
+            self.count_outcome("error");
+            let events = r.job.events.clone();
+            drop(r); // frees its KV before the client hears the end
+            let _ = events.send(Event::Error(e));
+        }
+        true
+    }
+
+    fn start(&self, job: Job, device: (lend::Share, usize), now: Instant) -> Running {
         let queue = now.duration_since(job.spec.arrived).as_secs_f64();
         self.metrics.queue_time.observe(queue);
         self.metrics
@@ -419,14 +543,14 @@ impl StepLoop {
             tracing::debug!(
                 mode = self.cfg.attention.mode.name(),
                 queue_s = queue,
-                device_bytes = device_need,
+                device_bytes = device.0.base,
                 batch = self.running.len() + 1,
                 "admitted"
             )
         });
         Running::start(
             job,
-            device_need,
+            device,
             now,
             &self.model.tokenizer,
             self.device_kv.as_ref(),

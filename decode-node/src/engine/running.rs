@@ -4,12 +4,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use attention::{SeqAttention, SeqStats};
+use attention::{AttentionConfig, SeqAttention, SeqStats};
 use kv_transfer::CommittedKv;
 
+use super::lend::Share;
 use super::stop_text::StopText;
 use super::{FinishReason, Job, JobSpec, RequestStats};
-use crate::backend::{DeviceKv, DeviceSeq};
+use crate::backend::{BackendError, DeviceKv, DeviceSeq};
 use crate::model::logits::LogitsProcessor;
 use crate::model::tokenizer::{TextState, Tokenizer};
 use crate::model::{ModelConfig, Sampler};
@@ -32,8 +33,11 @@ pub(super) struct Running {
     pub(super) admitted: Instant,
     pub(super) first_token: Option<Instant>,
     pub(super) last_token: Instant,
-    /// Device KV bytes admission counted for it.
-    pub(super) device_need: u64,
+    /// Device KV admission counted for it, and what every block it may hold would take
+    /// (spare device KV lent, [`super::lend`]).
+    pub(super) device: Share,
+    /// Blocks per (layer, KV head) it may ever hold: its device slots while it holds a loan.
+    pub(super) whole_blocks: usize,
     pub(super) text: TextState,
     pub(super) device_wait: f64,
     /// Device idle seconds of the steps it was in.
@@ -63,11 +67,12 @@ pub(super) enum Latency {
 }
 
 impl Running {
-    /// Starts `job`, admitted at `now` with its growth reserved: digests go to the attention
-    /// state, the device (if any) gets a sequence with `resident_per_head` blocks per head.
+    /// Starts `job`, admitted at `now` with its growth reserved and `device` counted (of it
+    /// `whole_blocks` a head where it holds a loan): digests go to the attention state, the
+    /// device (if any) gets a sequence with `resident_per_head` blocks per head.
     pub(super) fn start(
         job: Job,
-        device_need: u64,
+        (device, whole_blocks): (Share, usize),
         now: Instant,
         tokenizer: &Tokenizer,
         device_kv: Option<&Arc<dyn DeviceKv>>,
@@ -100,7 +105,11 @@ impl Running {
             admitted: now,
             first_token: None,
             last_token: now,
-            device_need,
+            device: Share {
+                lent: false,
+                ..device
+            },
+            whole_blocks,
             text,
             device_wait: 0.0,
             device_idle: 0.0,
@@ -116,6 +125,28 @@ impl Running {
         drop(dev);
         if let Ok(kv) = Arc::try_unwrap(kv) {
             kv.into_cache(cache, &seq.into_digests());
+        }
+    }
+
+    /// Takes a loan of spare device KV: room for every block it may hold, so its next
+    /// finish of each layer brings up the rest of its blocks.
+    pub(super) fn take_loan(&mut self, cfg: &AttentionConfig) -> Result<(), BackendError> {
+        if let Some(d) = self.dev.as_mut() {
+            d.set_slots_per_head(self.whole_blocks)?;
+        }
+        self.seq.set_device_cap(cfg, Some(self.whole_blocks));
+        self.device.lent = true;
+        Ok(())
+    }
+
+    /// Gives its loan back: it keeps the config's share of its blocks (the most recently
+    /// used), and the device frees the rest before the next step.
+    pub(super) fn give_loan_back(&mut self, cfg: &AttentionConfig) -> Result<(), BackendError> {
+        self.seq.set_device_cap(cfg, None);
+        self.device.lent = false;
+        match self.dev.as_mut() {
+            Some(d) => d.set_slots_per_head(cfg.resident_blocks_per_head()),
+            None => Ok(()),
         }
     }
 

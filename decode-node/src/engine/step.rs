@@ -160,7 +160,7 @@ impl StepLoop {
     }
 
     /// A step that failed for the whole batch ends every running request with its error.
-    fn fail_batch(&mut self, e: EngineError) {
+    pub(super) fn fail_batch(&mut self, e: EngineError) {
         tracing::error!(error = %e, batch = self.running.len(), "decode step failed; its requests end");
         if let EngineError::DeviceLost(why) = &e {
             tracing::error!("the device is lost: this node refuses all work until it restarts");
@@ -415,7 +415,7 @@ impl StepLoop {
             .running
             .iter()
             .map(|r| match self.cfg.attention.mode {
-                Mode::Full => r.kv.bytes().min(r.device_need),
+                Mode::Full => r.kv.bytes().min(r.device.counted()),
                 _ => r.seq.device_bytes() as u64,
             })
             .sum();
@@ -423,6 +423,7 @@ impl StepLoop {
             running: self.running.len() as u32,
             waiting: self.waiting.len() as u32,
             device_bytes,
+            device_capacity: self.cfg.device_kv_bytes,
             tokens_per_second: if span > 0.0 {
                 tokens as f64 / span
             } else {

@@ -66,6 +66,7 @@ impl Rig {
             queue_timeout: Duration::from_secs(30),
             cpu_threads: 1,
             prefix_cache: None,
+            lend_spare_device: args.model.spare_device_kv == "on",
         };
         let on = engine_model.unwrap_or_else(|| node.model.clone());
         let (engine, thread) = Engine::start(on, pool.clone(), cfg, Metrics::new()).unwrap();
@@ -380,6 +381,29 @@ fn a_request_that_can_never_fit_is_refused_at_once() {
         other => panic!("{other:?}"),
     }
     assert!(t.elapsed() < Duration::from_secs(5));
+    rig.wait_pool_empty();
+}
+
+/// A device whose arena holds less than `--device-kv-bytes` (free memory ran short) is
+/// counted at what it holds: a request past that is refused at admission, not failed by a
+/// full arena in a step.
+#[test]
+fn admission_counts_what_the_device_arena_holds_not_what_was_asked() {
+    let dev = Arc::new(TestDevice {
+        kv: true,
+        arena_bytes: 2048,
+        ..TestDevice::default()
+    });
+    let model = Arc::new(crate::model::load("tiny", dev).unwrap());
+    let rig = Rig::start_with(4, 1 << 30, Some(model), &["--attention", "full"]);
+    let mut rx = rig.submit("big", &Rig::prompt(3), 8);
+    match drain(&mut rx) {
+        (ids, Event::Error(EngineError::Exhausted(m))) => {
+            assert!(ids.is_empty());
+            assert!(m.contains("capacity 2048"), "{m}");
+        }
+        other => panic!("{other:?}"),
+    }
     rig.wait_pool_empty();
 }
 
@@ -709,6 +733,10 @@ struct HostDeviceKv {
     geom: attention::BlockGeometry,
     collected: Arc<std::sync::atomic::AtomicUsize>,
     sketch: SketchSpy,
+    /// Slot counts its sequences were told to hold (`DeviceSeq::set_slots_per_head`).
+    slot_counts: Arc<std::sync::Mutex<Vec<usize>>>,
+    /// What it says it holds (`DeviceKv::capacity_bytes`; 0: no limit).
+    arena_bytes: u64,
 }
 
 /// A test device's sketch scoring: whether it scores, whether it also queues scores without
@@ -738,13 +766,17 @@ struct HostDeviceSeq {
     sketch: SketchSpy,
     /// The queued scores and their layer.
     ahead: Option<(usize, crate::backend::Scored)>,
+    /// Slots per (layer, KV head): a block handed over in a slot past them is refused, as
+    /// a GPU's slot table refuses it.
+    slots: usize,
+    slot_counts: Arc<std::sync::Mutex<Vec<usize>>>,
 }
 
 impl crate::backend::DeviceKv for HostDeviceKv {
     fn new_seq(
         self: Arc<Self>,
         _num_layers: usize,
-        _blocks_per_head: usize,
+        blocks_per_head: usize,
     ) -> Box<dyn crate::backend::DeviceSeq> {
         Box::new(HostDeviceSeq {
             geom: self.geom,
@@ -752,15 +784,42 @@ impl crate::backend::DeviceKv for HostDeviceKv {
             collected: self.collected.clone(),
             sketch: self.sketch.clone(),
             ahead: None,
+            slots: blocks_per_head,
+            slot_counts: self.slot_counts.clone(),
         })
     }
 
     fn keeps_sketch(&self, _group: usize) -> bool {
         self.sketch.on
     }
+
+    fn capacity_bytes(&self) -> u64 {
+        match self.arena_bytes {
+            0 => u64::MAX,
+            n => n,
+        }
+    }
 }
 
 impl HostDeviceSeq {
+    /// Refuses lists with a block in a slot past the sequence's count.
+    fn check_slots(
+        &self,
+        blocks: &[&[attention::DeviceBlock]],
+    ) -> Result<(), crate::backend::BackendError> {
+        match blocks
+            .iter()
+            .flat_map(|l| l.iter())
+            .find(|b| b.slot as usize >= self.slots)
+        {
+            Some(b) => Err(crate::backend::BackendError::Unsupported(format!(
+                "block {} in slot {} of a sequence with {} slots a head",
+                b.block, b.slot, self.slots
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// `DeviceSeq::sketch_scores` as a GPU computes them, counted nowhere but in `picked`.
     fn sketch_scores_here(
         &self,
@@ -827,6 +886,7 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
                 "submitted twice without a collect".into(),
             ));
         }
+        self.check_slots(blocks)?;
         let per = q.len() / blocks.len();
         let parts = blocks
             .iter()
@@ -858,8 +918,19 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
         &mut self,
         _kv: &dyn attention::KvSource,
         _layer: usize,
-        _blocks: &[&[attention::DeviceBlock]],
+        blocks: &[&[attention::DeviceBlock]],
     ) -> Result<(), crate::backend::BackendError> {
+        self.check_slots(blocks)
+    }
+
+    fn set_slots_per_head(
+        &mut self,
+        blocks_per_head: usize,
+    ) -> Result<(), crate::backend::BackendError> {
+        self.slots = blocks_per_head;
+        if let Ok(mut c) = self.slot_counts.lock() {
+            c.push(blocks_per_head);
+        }
         Ok(())
     }
 
@@ -956,6 +1027,10 @@ struct TestDevice {
     picked: Arc<std::sync::atomic::AtomicUsize>,
     collected: Arc<std::sync::atomic::AtomicUsize>,
     idle_reads: std::sync::atomic::AtomicU64,
+    /// Slot counts its device memory's sequences were told to hold.
+    slot_counts: Arc<std::sync::Mutex<Vec<usize>>>,
+    /// What its device memory says it holds (0: no limit).
+    arena_bytes: u64,
 }
 
 impl crate::backend::Backend for TestDevice {
@@ -1030,6 +1105,8 @@ impl crate::backend::Backend for TestDevice {
                 geom,
                 collected: self.collected.clone(),
                 sketch: self.sketch.clone(),
+                slot_counts: self.slot_counts.clone(),
+                arena_bytes: self.arena_bytes,
             }) as Arc<dyn crate::backend::DeviceKv>
         }))
     }
@@ -1141,7 +1218,8 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
             "--budget-tokens",
             "48",
         ];
-        f.extend(["--device-blocks", "2"]);
+        // Two blocks a head, and no loan of the spare device KV that would hold them all.
+        f.extend(["--device-blocks", "2", "--spare-device-kv", "off"]);
         f.extend(more);
         f
     };
@@ -1211,6 +1289,83 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
         }
         rig.wait_pool_empty();
     }
+}
+
+/// Spare device KV: a `scout` request alone takes room for every block it may hold (its CPU
+/// part empties after the first step), and gives it back when a second request needs the
+/// room to start; loans go out again as room allows. Tokens equal those of the same
+/// requests without loans (`--spare-device-kv off`): a loan moves blocks, never the selection.
+#[test]
+fn spare_device_kv_is_lent_to_a_request_alone_and_given_back_when_another_needs_it() {
+    let flags = |spare: &'static str| {
+        [
+            "--attention",
+            "scout",
+            "--block-size",
+            "8",
+            "--budget-tokens",
+            "48",
+            "--device-blocks",
+            "2",
+            "--spare-device-kv",
+            spare,
+        ]
+    };
+    let (first, second) = (Rig::prompt(30), Rig::prompt(31));
+    let (long, short) = (300u32, 6u32);
+    // Device KV that holds the first's every block and the second's share, less one head
+    // block: the second starts only once the first's loan is back.
+    let geom = attention::BlockGeometry {
+        block_size: 8,
+        ..Rig::start(1, 1 << 30).layout.geom
+    };
+    let device = |prompt: &[u32], max_new: u32, per_head: usize| {
+        let r = admission::Request {
+            geom,
+            num_layers: 4,
+            num_tokens: prompt.len(),
+            prompt_bytes: 0,
+            max_new_tokens: max_new,
+        };
+        Need::of(&r, 32_768, per_head, None).device
+    };
+    let whole_blocks = geom.blocks_for(first.len() + long as usize + 1);
+    let capacity =
+        device(&first, long, usize::MAX) + device(&second, short, 2) - geom.head_bytes() as u64;
+    let run = |spare: &'static str| {
+        let dev = Arc::new(TestDevice {
+            kv: true,
+            ..TestDevice::default()
+        });
+        let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
+        let rig = Rig::start_with(2, capacity, Some(model), &flags(spare));
+        let mut a = rig.submit("a", &first, long);
+        let Some(Event::Token { id, .. }) = a.blocking_recv() else {
+            panic!("no first token");
+        };
+        let mut b = rig.submit("b", &second, short);
+        let (mut a_ids, a_end) = drain(&mut a);
+        a_ids.insert(0, id);
+        let (b_ids, b_end) = drain(&mut b);
+        let ratio = |e: &Event| match e {
+            Event::Finish { stats, .. } => stats.cpu_attention_ratio,
+            other => panic!("{other:?}"),
+        };
+        let counts = dev.slot_counts.lock().unwrap().clone();
+        rig.wait_pool_empty();
+        (a_ids, b_ids, ratio(&a_end), ratio(&b_end), counts)
+    };
+    let (a_off, b_off, a_cpu_off, b_cpu_off, counts_off) = run("off");
+    let (a_on, b_on, a_cpu_on, b_cpu_on, counts_on) = run("on");
+    assert_eq!((a_on.len(), b_on.len()), (long as usize, short as usize));
+    assert_eq!((&a_on, &b_on), (&a_off, &b_off));
+    assert!(counts_off.is_empty(), "{counts_off:?}");
+    // Lent to the first, given back for the second; the second (short) fits whole beside
+    // the first's share, and the first takes its loan again once the second is done.
+    let second_whole = geom.blocks_for(second.len() + short as usize + 1);
+    assert_eq!(counts_on, vec![whole_blocks, 2, second_whole, whole_blocks]);
+    assert!(a_cpu_on < a_cpu_off, "{a_cpu_on} {a_cpu_off}");
+    assert!(b_cpu_on < b_cpu_off, "{b_cpu_on} {b_cpu_off}");
 }
 
 /// With device memory, a step submits every sequence's device part before it collects the

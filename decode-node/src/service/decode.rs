@@ -40,8 +40,6 @@ pub struct NodeState {
     pub engine: Engine,
     /// `GetModelInfo`'s answer.
     pub info: pb::ModelInfo,
-    /// Device KV capacity.
-    pub device_kv_bytes: u64,
     /// The prefix cache, whose idle blocks count as free in the load report.
     pub prefix_cache: Option<Arc<kv_transfer::PrefixCache>>,
     /// Requests with a live Generate stream.
@@ -176,7 +174,7 @@ fn load_report(st: &NodeState) -> pb::LoadReport {
             .saturating_sub(cached_idle(&st.prefix_cache)),
         host_kv_bytes_capacity: pool.capacity,
         device_kv_bytes_used: load.device_bytes,
-        device_kv_bytes_capacity: st.device_kv_bytes,
+        device_kv_bytes_capacity: load.device_capacity,
         tokens_per_second: load.tokens_per_second,
         draining: st.registry.is_draining(),
         committed_unclaimed: st.registry.committed_unclaimed() as u32,

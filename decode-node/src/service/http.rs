@@ -18,7 +18,6 @@ pub(crate) struct HttpState {
     pub(crate) serving: Arc<AtomicBool>,
     pub(crate) pool: HostPool,
     pub(crate) engine: Engine,
-    pub(crate) device_kv_bytes: u64,
     pub(crate) prefix_cache: Option<Arc<kv_transfer::PrefixCache>>,
 }
 
@@ -37,12 +36,9 @@ async fn metrics(
     Metrics::set_bytes(&s.metrics.host_kv_bytes, "used", u.used);
     Metrics::set_bytes(&s.metrics.host_kv_bytes, "reserved", u.reserved);
     Metrics::set_bytes(&s.metrics.host_kv_bytes, "capacity", u.capacity);
-    Metrics::set_bytes(
-        &s.metrics.device_kv_bytes,
-        "used",
-        s.engine.load().device_bytes,
-    );
-    Metrics::set_bytes(&s.metrics.device_kv_bytes, "capacity", s.device_kv_bytes);
+    let load = s.engine.load();
+    Metrics::set_bytes(&s.metrics.device_kv_bytes, "used", load.device_bytes);
+    Metrics::set_bytes(&s.metrics.device_kv_bytes, "capacity", load.device_capacity);
     let fraction = |used: u64, cap: u64| {
         if cap > 0 {
             used as f64 / cap as f64
@@ -52,7 +48,7 @@ async fn metrics(
     };
     s.metrics.kv_cache_usage.set(
         fraction(u.used + u.reserved, u.capacity)
-            .max(fraction(s.engine.load().device_bytes, s.device_kv_bytes)),
+            .max(fraction(load.device_bytes, load.device_capacity)),
     );
     // OpenMetrics to a scraper that asks for it (Prometheus does, first), the classic text
     // format to everything else.

@@ -123,6 +123,7 @@ pub async fn serve(
                 n => n.min(1024),
             },
             prefix_cache: prefix_cache.clone(),
+            lend_spare_device: args.model.spare_device_kv == "on",
         },
         metrics.clone(),
     )
@@ -132,7 +133,6 @@ pub async fn serve(
         pool: pool.clone(),
         engine: engine.clone(),
         info: node.info(),
-        device_kv_bytes: args.device_kv_bytes,
         prefix_cache: prefix_cache.clone(),
         active: Arc::default(),
     };
@@ -225,7 +225,6 @@ pub async fn serve(
         serving: serving.clone(),
         pool: pool.clone(),
         engine: engine.clone(),
-        device_kv_bytes: args.device_kv_bytes,
         prefix_cache: prefix_cache.clone(),
     };
     let http = tokio::spawn(async move { axum::serve(http_listener, router(http_state)).await });

@@ -177,6 +177,27 @@ impl SlotTable {
         p.tokens = tokens;
     }
 
+    /// Residency slots per head.
+    pub(crate) fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// `cap` residency slots per head from now on; returns the arena slots behind those at
+    /// or past it, which the table no longer holds. A slot below it keeps its block: where
+    /// the residency moved another block there, [`Self::slot_for`] sees the change.
+    pub(crate) fn set_cap(&mut self, cap: usize) -> Vec<u32> {
+        self.cap = cap;
+        let mut freed = Vec::new();
+        for hs in &mut self.heads {
+            if hs.arena.len() > cap {
+                freed.extend(hs.arena.drain(cap..));
+                hs.holds.truncate(cap);
+                hs.losses += 1;
+            }
+        }
+        freed
+    }
+
     /// Every arena slot held.
     pub(crate) fn held(&self) -> impl Iterator<Item = u32> + '_ {
         self.heads.iter().flat_map(|h| h.arena.iter().copied())
@@ -263,6 +284,46 @@ mod tests {
         let mut held: Vec<u32> = t.held().collect();
         held.sort_unstable();
         assert_eq!(held, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn a_cap_lent_takes_more_slots_and_one_given_back_frees_those_past_it() {
+        let mut free = arena(16);
+        let mut t = SlotTable::new(2, 2);
+        assert_eq!(
+            t.slot_for(0, at(9, 5), 32, &mut || free.pop()),
+            Err(NoSlot::PastCap { slot: 5, cap: 2 })
+        );
+        assert!(t.set_cap(8).is_empty());
+        for (lh, block, slot) in [(0, 9, 5), (1, 3, 1)] {
+            let (_, fill) = t
+                .slot_for(lh, at(block, slot), 32, &mut || free.pop())
+                .unwrap();
+            assert_eq!(fill, Fill::Whole);
+            t.set_valid(lh, at(block, slot), 32);
+        }
+        assert_eq!(free.len(), 16 - 6 - 2);
+        let list = [at(0, 0), at(1, 1)];
+        place(&mut t, 0, &list, 4 * 32, &mut free);
+        let kept = t.slot_for(0, at(1, 1), 32, &mut || free.pop()).unwrap();
+        assert_eq!(kept.1, Fill::Keep);
+        // Back to two: head 0's slots 2..6 go back, head 1's two stay; what slots 0 and 1
+        // held stays there, but nothing placed before is reused without the table.
+        let mut freed = t.set_cap(2);
+        freed.sort_unstable();
+        assert_eq!(freed.len(), 4);
+        free.extend(&freed);
+        assert_eq!(free.len(), 16 - 4);
+        let mut held: Vec<u32> = t.held().collect();
+        held.sort_unstable();
+        assert_eq!(held.len(), 4);
+        assert!(held.iter().all(|h| !freed.contains(h)));
+        assert!(t.placed_before(0, &list, 4 * 32).is_empty());
+        assert_eq!(t.slot_for(0, at(1, 1), 32, &mut || free.pop()), Ok(kept));
+        assert_eq!(
+            t.slot_for(0, at(9, 2), 32, &mut || free.pop()),
+            Err(NoSlot::PastCap { slot: 2, cap: 2 })
+        );
     }
 
     /// What `CudaSeq::place` does with the table for one head: the reused blocks, then

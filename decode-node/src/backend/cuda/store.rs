@@ -596,6 +596,10 @@ impl DeviceKv for CudaKvStore {
         super::sketch::supported(&self.geom, group) && self.shared.sketch_on.load(Ordering::Acquire)
     }
 
+    fn capacity_bytes(&self) -> u64 {
+        self.slots as u64 * self.geom.head_bytes() as u64
+    }
+
     fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq> {
         let hk = self.geom.num_kv_heads;
         Box::new(CudaSeq {
@@ -1087,6 +1091,22 @@ impl DeviceSeq for CudaSeq {
             unsafe { drv::event::record(ev.0, sh.recall.cu_stream()) }
                 .map_err(|e| dev_err("recording recall", e))?;
         }
+        Ok(())
+    }
+
+    fn set_slots_per_head(&mut self, blocks_per_head: usize) -> Result<(), BackendError> {
+        if blocks_per_head < self.table.cap() && self.recall_events.iter().any(Option::is_some) {
+            // Recall copies may still be writing into the slots given back, and the next
+            // owner's copies may go on the main stream, which is not ordered after them.
+            // (Kernels that read them are on the main stream, ahead of anything queued there.)
+            let sh = &*self.store.shared;
+            sh.bind()?;
+            sh.recall
+                .synchronize()
+                .map_err(|e| dev_err("waiting for recall before giving slots back", e))?;
+        }
+        let freed = self.table.set_cap(blocks_per_head);
+        self.store.give_back(freed);
         Ok(())
     }
 }
