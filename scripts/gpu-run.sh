@@ -256,11 +256,10 @@ step scout-64k-host-topk env DECODE_NODE_DEVICE_TOPK=off "$bin" bench decode --r
     --device cuda --model "$model" --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64
 # Scout with its default loan of spare device KV (since 2026-11-30): a request alone whose
 # every block fits in what no other request counts on takes room for all of them (2.75 GB a
-# request here at 64k), the blocks the first plan leaves on the host go up at once, and from
-# then on the CPU part is empty: sparse attention on the device against full's dense one.
-# Not run on a GPU yet. 256 tokens: scout's prompt goes up behind its first token, so its
-# second step waits for it, where full's first token carries its upload and the bench leaves
-# that token out.
+# request here at 64k), the blocks still on the host go up within the recall budget (64 MiB
+# a step: about 42 steps for 2.7 GB, the selected blocks first), and after that the CPU part
+# is empty: sparse attention on the device against full's dense one. Not run on a GPU yet.
+# 256 tokens, so the steady rate is mostly past that ramp.
 step scout-lent env DECODE_NODE_SPARE_DEVICE_KV=on "$bin" bench decode --rounds 1 --json \
     --device cuda --model "$model" --context 32k,64k --modes full,scout --budget-tokens 2048 \
     --tokens 256

@@ -206,8 +206,8 @@ impl SeqAttention {
 
     /// Gives the sequence `cap` device slots per (layer, KV head) instead of the config's
     /// share (`None`: back to it). More lets it keep more blocks on the device: where they
-    /// hold every block, the next [`SeqAttention::finish_layer`] of each layer brings up the
-    /// rest at once. Fewer drops blocks, the least recently used first, and moves the kept
+    /// hold every block, each [`SeqAttention::finish_layer`] brings up more of the rest (within
+    /// the recall budget) until none is left on the host. Fewer drops blocks, the least recently used first, and moves the kept
     /// ones into the slots below the new cap: a device must follow with the same number
     /// (`DeviceSeq::set_slots_per_head`) before the next step. Returns true when any block
     /// left the device.
@@ -821,16 +821,13 @@ impl SeqAttention {
         if cfg.mode != Mode::Scout {
             return;
         }
-        if self.recall_whole(cfg, layer) {
-            for (st, p) in self.heads[layer * hk..(layer + 1) * hk]
-                .iter_mut()
-                .zip(plans)
-            {
-                st.prev_cpu.clone_from(&p.cpu);
-            }
-            return;
-        }
-        let cap = self.device_cap(cfg);
+        let (cap, nb) = (self.device_cap(cfg), self.num_blocks());
+        // Where the device's share holds every block of a head (a short context, a large
+        // `--device-blocks`, or spare device KV lent), the blocks still on the host go up at
+        // every step within the byte budget, whatever the CPU share, until none is left: the
+        // CPU part shrinks to nothing within a few steps, with no step waiting on a whole
+        // prompt's copies, and nothing is judged (they are not a bet on the selection).
+        let whole = cap >= nb;
         let ls = &mut self.layers[layer];
         let limits = cfg.recall_limits;
         let head_bytes = self.geom.head_bytes() as u64;
@@ -841,6 +838,7 @@ impl SeqAttention {
             ls.recall_credit = (ls.recall_credit + share).min(ceiling);
         }
         let due = match &cfg.recall {
+            _ if whole => true,
             RecallPolicy::Off => false,
             RecallPolicy::Intervals(iv) => {
                 let i = iv.get(layer).copied().unwrap_or(0);
@@ -849,21 +847,26 @@ impl SeqAttention {
             RecallPolicy::Adaptive { threshold } => {
                 sel > 0 && (cpu as f32 / sel as f32) > *threshold
             }
-        } && ls.steps_since_recall >= ls.cooldown.max(1);
+        } && (whole || ls.steps_since_recall >= ls.cooldown.max(1));
         let allowance = if limits.bytes_per_step > 0 {
             (ls.recall_credit / head_bytes.max(1)) as usize
         } else {
             usize::MAX
         };
         let heads = &mut self.heads[layer * hk..(layer + 1) * hk];
-        if due && cpu > 0 && allowance > 0 {
-            let picks = recall_picks(heads, plans, allowance);
+        let missing = if whole {
+            heads.iter().any(|st| st.res.count() < nb)
+        } else {
+            cpu > 0
+        };
+        if due && missing && allowance > 0 {
+            let picks = recall_picks(heads, plans, allowance, whole.then_some(nb));
             let mut moved = 0u64;
             for (st, pick) in heads.iter_mut().zip(picks) {
                 moved += st.res.recall(pick, self.step, cap) as u64;
             }
             ls.steps_since_recall = 0;
-            ls.judge_recall = moved > 0;
+            ls.judge_recall = moved > 0 && !whole;
             if limits.bytes_per_step > 0 {
                 ls.recall_credit = ls.recall_credit.saturating_sub(moved * head_bytes);
             }
@@ -873,30 +876,6 @@ impl SeqAttention {
         for (st, p) in heads.iter_mut().zip(plans) {
             st.prev_cpu.clone_from(&p.cpu);
         }
-    }
-
-    /// Where the device's share of a head (`cfg.resident_blocks_per_head`) holds every block
-    /// of `layer`'s heads, recalls at once those its first plans left on the host (they
-    /// chose only the selection), past the recall budget and its timing, as `full` uploads
-    /// its prompt: from the next step on the layer's CPU part is empty. True when any moved.
-    fn recall_whole(&mut self, cfg: &AttentionConfig, layer: usize) -> bool {
-        let (hk, nb, cap) = (
-            self.geom.num_kv_heads,
-            self.num_blocks(),
-            self.device_cap(cfg),
-        );
-        if cap < nb {
-            return false;
-        }
-        let mut moved = 0u64;
-        for st in &mut self.heads[layer * hk..(layer + 1) * hk] {
-            if st.res.count() < nb {
-                moved += st.res.recall(0..nb, self.step, cap) as u64;
-            }
-        }
-        self.stats.recall_blocks += moved;
-        self.stats.recall_bytes += moved * self.geom.head_bytes() as u64;
-        moved > 0
     }
 
     /// Blocks of (`layer`, `head`) that the last [`SeqAttention::finish_layer`] of `layer`
@@ -964,10 +943,17 @@ const PARALLEL_SPARQ_BLOCKS: usize = 32;
 
 /// Which CPU blocks of a layer's plans a recall of at most `allowance` blocks moves, per head:
 /// the heads take turns, and each offers first the blocks its CPU part attended at the
-/// previous step too (a selection that persists is what a copy pays off on).
-fn recall_picks(heads: &[HeadState], plans: &[HeadPlan], allowance: usize) -> Vec<Vec<usize>> {
-    // Each queue pops its next pick from the end: persisting blocks, then the rest, each
-    // class in block order.
+/// previous step too (a selection that persists is what a copy pays off on). With `whole`
+/// (the layer's blocks, where the device holds them all), each then offers every other block
+/// still on the host, the newest first.
+fn recall_picks(
+    heads: &[HeadState],
+    plans: &[HeadPlan],
+    allowance: usize,
+    whole: Option<usize>,
+) -> Vec<Vec<usize>> {
+    // Each queue pops its next pick from the end: the rest (`whole`) below persisting blocks,
+    // then the plan's other CPU blocks, each class of those in block order.
     let mut queues: Vec<Vec<usize>> = heads
         .iter()
         .zip(plans)
@@ -980,6 +966,11 @@ fn recall_picks(heads: &[HeadState], plans: &[HeadPlan], allowance: usize) -> Ve
                 .collect();
             q.sort_by_key(|b| st.prev_cpu.binary_search(b).is_err());
             q.reverse();
+            if let Some(nb) = whole {
+                let rest =
+                    (0..nb).filter(|&b| !st.res.is_resident(b) && p.cpu.binary_search(&b).is_err());
+                q.splice(0..0, rest);
+            }
             q
         })
         .collect();
@@ -1240,6 +1231,53 @@ mod tests {
                 assert!(recalled.iter().all(|&r| r < 15), "cap {cap}: {recalled:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_prompt_the_device_can_hold_goes_up_within_the_recall_budget() {
+        // 19 blocks a head of 2 heads, all of which the device's share holds; 3 blocks a step
+        // for the layer (a step's credit; it saves up to four steps, all spent each step).
+        let (mem, digests, _) = setup(300, 2, 16, 47);
+        let mut cfg = AttentionConfig::scout(16);
+        cfg.budget_tokens = 64;
+        cfg.device_blocks_per_head = 19;
+        cfg.recall_limits.bytes_per_step = 3 * mem.geom.head_bytes() as u64;
+        let mut seq = SeqAttention::new(mem.geom, 1, 300, digests);
+        let mut resident = Vec::new();
+        let mut cpu_first = 0;
+        for step in 0..20u64 {
+            let q = values(100 + step, 2 * 3 * 16, 1.0);
+            let p = seq.plan_layer(&cfg, 0, &q, keys(&mem));
+            let before = seq.resident_blocks();
+            seq.finish_layer(&cfg, 0, &p);
+            let recalled: Vec<Vec<usize>> = (0..2)
+                .map(|h| seq.recalled(0, h).iter().map(|d| d.block).collect())
+                .collect();
+            assert!(
+                recalled.iter().map(Vec::len).sum::<usize>() <= 3,
+                "{recalled:?}"
+            );
+            // A plan's CPU blocks go before the rest.
+            for (h, r) in recalled.iter().enumerate() {
+                if r.iter().any(|b| !p[h].cpu.contains(b)) {
+                    assert!(p[h].cpu.iter().all(|&b| seq.is_resident(0, h, b)), "{r:?}");
+                }
+                cpu_first += r.iter().filter(|b| p[h].cpu.contains(b)).count();
+            }
+            resident.push(before);
+            seq.step += 1;
+        }
+        assert!(cpu_first > 0);
+        // Three a step until all 38 are up, then nothing left to move.
+        assert_eq!(seq.resident_blocks(), 2 * 19);
+        let q = values(999, 2 * 3 * 16, 1.0);
+        let p = seq.plan_layer(&cfg, 0, &q, keys(&mem));
+        assert!(p.iter().all(|p| p.cpu.is_empty()));
+        assert!(
+            resident
+                .windows(2)
+                .all(|w| w[1] >= w[0] && w[1] - w[0] <= 4)
+        );
     }
 
     #[test]
@@ -1603,14 +1641,29 @@ mod tests {
             cpu,
         };
         let plans = [plan(vec![1, 2, 3]), plan(vec![4, 5])];
-        assert_eq!(recall_picks(&heads, &plans, 3), vec![vec![3, 1], vec![4]]);
         assert_eq!(
-            recall_picks(&heads, &plans, 100),
+            recall_picks(&heads, &plans, 3, None),
+            vec![vec![3, 1], vec![4]]
+        );
+        assert_eq!(
+            recall_picks(&heads, &plans, 100, None),
             vec![vec![3, 1, 2], vec![4, 5]]
         );
         assert_eq!(
-            recall_picks(&heads, &plans, 0),
+            recall_picks(&heads, &plans, 0, None),
             vec![Vec::<usize>::new(); 2]
+        );
+        // Every block of 8, where the device holds them all: the plan's first, then the rest
+        // still on the host, the newest first (block 6 of head 1 is resident already).
+        let mut heads = heads;
+        assert!(heads[1].res.make_resident(6, 0, 8));
+        assert_eq!(
+            recall_picks(&heads, &plans, 9, Some(8)),
+            vec![vec![3, 1, 2, 7, 6], vec![4, 5, 7, 3]]
+        );
+        assert_eq!(
+            recall_picks(&heads, &plans, 100, Some(8)),
+            vec![vec![3, 1, 2, 7, 6, 5, 4, 0], vec![4, 5, 7, 3, 2, 1, 0]]
         );
     }
 

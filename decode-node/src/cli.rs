@@ -114,14 +114,15 @@ pub struct ModelArgs {
     /// each request: at twice a 2048-token budget, Qwen3-14B takes 671 MB a request (the
     /// budget alone 335 MB; `full` at 64k, 10.7 GB). Where device memory bounds how many
     /// requests run, the budget's blocks (`--device-blocks` = budget / block size) admit twice
-    /// as many. Where it holds every block of a request, the prompt's blocks that the first
-    /// plan leaves on the host go to the device at once: no CPU part from then on.
+    /// as many. Where it holds every block of a request, the blocks still on the host go up
+    /// at every step within `--recall-budget-mib` until none is left: no CPU part after that.
     #[arg(long, env = "DECODE_NODE_DEVICE_BLOCKS", default_value_t = 0)]
     pub device_blocks: u32,
     /// Device KV that no running request counts on, lent in `scout` and `recall` (`on`): a
     /// request whose every block (prompt and the tokens it may generate) fits in what is
-    /// spare takes room for all of them, its prompt goes up after its first step, and its CPU
-    /// part is empty from then on, as in `full`, while it still attends only its budget. The
+    /// spare takes room for all of them, its prompt goes up over its first steps (within
+    /// `--recall-budget-mib`, the selected blocks first), and its CPU part is then empty, as in
+    /// `full`, while it still attends only its budget. On a GPU only. The
     /// room goes back (the request keeps `--device-blocks`, its most recently used) as soon as
     /// a waiting request needs it to start, so a loan never turns a request away. `off`: each
     /// request keeps `--device-blocks` per layer and KV head, whatever is free.
@@ -290,7 +291,9 @@ pub struct ServeArgs {
     /// admission: a cached block never causes a refusal.
     #[arg(long, env = "DECODE_NODE_PREFIX_CACHE_BYTES", default_value = "0", value_parser = parse_bytes)]
     pub prefix_cache_bytes: u64,
-    /// Device memory for resident KV blocks (bytes; suffixes as above).
+    /// Device memory for resident KV blocks (bytes; suffixes as above). Where the device has
+    /// less free memory at start (1 GiB is left for scratch), the arena and admission take
+    /// what it has. What running requests do not count on is lent (`--spare-device-kv`).
     #[arg(long, env = "DECODE_NODE_DEVICE_KV_BYTES", default_value = "256Mi", value_parser = parse_bytes)]
     pub device_kv_bytes: u64,
     /// Seconds committed KV waits for its Generate before it is freed.

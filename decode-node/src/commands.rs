@@ -358,8 +358,8 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
         m.exact = true;
     };
     // Scout lent the spare device KV: its slot table grows to every block of the request,
-    // the blocks the first plan leaves on the host go up at once (one large recall), and the
-    // CPU part is empty after.
+    // the blocks the first plan leaves on the host go up within the recall budget (at this
+    // size, after the first step), and the CPU part is empty after.
     let whole = |m: &mut crate::cli::ModelArgs| {
         scout(m);
         m.spare_device_kv = "on".into();
