@@ -331,7 +331,7 @@ impl Metrics {
         );
         r.register(
             "device_kv_bytes",
-            "Device KV bytes by state",
+            "Device KV bytes by state: used (resident blocks), capacity (what admission counts against), lent (spare device KV on loan to running requests, beyond what admission counted for them)",
             self.device_kv_bytes.clone(),
         );
         r.register(

@@ -23,7 +23,7 @@ impl Share {
     }
 
     /// Bytes a loan adds to what admission counted.
-    fn extra(&self) -> u64 {
+    pub(crate) fn extra(&self) -> u64 {
         self.whole.saturating_sub(self.base)
     }
 }

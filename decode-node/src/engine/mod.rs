@@ -73,6 +73,8 @@ pub struct LoadSnapshot {
     /// Device KV bytes admission counts against: `--device-kv-bytes`, or what the device's
     /// arena holds where free memory allowed less.
     pub device_capacity: u64,
+    /// Of what admission counts, bytes lent from spare device KV (`--spare-device-kv`).
+    pub device_lent: u64,
     /// Tokens per second over the last steps.
     pub tokens_per_second: f64,
     /// The device was lost: the engine refuses everything until the process restarts.
@@ -495,7 +497,7 @@ impl StepLoop {
         let Some(back) = lend::call_back_for(&shares, room.device_capacity, need.device) else {
             return false;
         };
-        let freed: u64 = back.iter().map(|&i| shares[i].whole - shares[i].base).sum();
+        let freed: u64 = back.iter().map(|&i| shares[i].extra()).sum();
         let without = Room {
             device_used: room.device_used - freed,
             ..*room

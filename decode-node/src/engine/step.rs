@@ -424,6 +424,12 @@ impl StepLoop {
             waiting: self.waiting.len() as u32,
             device_bytes,
             device_capacity: self.cfg.device_kv_bytes,
+            device_lent: self
+                .running
+                .iter()
+                .filter(|r| r.device.lent)
+                .map(|r| r.device.extra())
+                .sum(),
             tokens_per_second: if span > 0.0 {
                 tokens as f64 / span
             } else {

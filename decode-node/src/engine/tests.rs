@@ -1343,6 +1343,7 @@ fn spare_device_kv_is_lent_to_a_request_alone_and_given_back_when_another_needs_
         let Some(Event::Token { id, .. }) = a.blocking_recv() else {
             panic!("no first token");
         };
+        let lent = rig.engine.load().device_lent;
         let mut b = rig.submit("b", &second, short);
         let (mut a_ids, a_end) = drain(&mut a);
         a_ids.insert(0, id);
@@ -1353,10 +1354,16 @@ fn spare_device_kv_is_lent_to_a_request_alone_and_given_back_when_another_needs_
         };
         let counts = dev.slot_counts.lock().unwrap().clone();
         rig.wait_pool_empty();
-        (a_ids, b_ids, ratio(&a_end), ratio(&b_end), counts)
+        (a_ids, b_ids, ratio(&a_end), ratio(&b_end), counts, lent)
     };
-    let (a_off, b_off, a_cpu_off, b_cpu_off, counts_off) = run("off");
-    let (a_on, b_on, a_cpu_on, b_cpu_on, counts_on) = run("on");
+    let (a_off, b_off, a_cpu_off, b_cpu_off, counts_off, lent_off) = run("off");
+    let (a_on, b_on, a_cpu_on, b_cpu_on, counts_on, lent_on) = run("on");
+    // GetLoad and the metrics see the loan.
+    assert_eq!(lent_off, 0);
+    assert_eq!(
+        lent_on,
+        device(&first, long, usize::MAX) - device(&first, long, 2)
+    );
     assert_eq!((a_on.len(), b_on.len()), (long as usize, short as usize));
     assert_eq!((&a_on, &b_on), (&a_off, &b_off));
     assert!(counts_off.is_empty(), "{counts_off:?}");

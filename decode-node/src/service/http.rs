@@ -39,6 +39,7 @@ async fn metrics(
     let load = s.engine.load();
     Metrics::set_bytes(&s.metrics.device_kv_bytes, "used", load.device_bytes);
     Metrics::set_bytes(&s.metrics.device_kv_bytes, "capacity", load.device_capacity);
+    Metrics::set_bytes(&s.metrics.device_kv_bytes, "lent", load.device_lent);
     let fraction = |used: u64, cap: u64| {
         if cap > 0 {
             used as f64 / cap as f64
