@@ -291,10 +291,13 @@ pub struct ServeArgs {
     /// admission: a cached block never causes a refusal.
     #[arg(long, env = "DECODE_NODE_PREFIX_CACHE_BYTES", default_value = "0", value_parser = parse_bytes)]
     pub prefix_cache_bytes: u64,
-    /// Device memory for resident KV blocks (bytes; suffixes as above). Where the device has
-    /// less free memory at start (1 GiB is left for scratch), the arena and admission take
-    /// what it has. What running requests do not count on is lent (`--spare-device-kv`).
-    #[arg(long, env = "DECODE_NODE_DEVICE_KV_BYTES", default_value = "256Mi", value_parser = parse_bytes)]
+    /// Device memory for resident KV blocks (bytes; suffixes as above). `auto`: on a GPU, its
+    /// free memory once the model is loaded, less 1 GiB left for scratch; on the CPU, no
+    /// limit (there is no device memory: both parts of attention read the host pool, and
+    /// GetLoad reports a device capacity of 0). Where a GPU has less free memory than a figure
+    /// given, the arena and admission take what it has. What running requests do not count on
+    /// is lent (`--spare-device-kv`).
+    #[arg(long, env = "DECODE_NODE_DEVICE_KV_BYTES", default_value = "auto", value_parser = parse_device_kv_bytes)]
     pub device_kv_bytes: u64,
     /// Seconds committed KV waits for its Generate before it is freed.
     #[arg(long, env = "DECODE_NODE_KV_LEASE", default_value_t = 60.0)]
@@ -863,6 +866,18 @@ fn parse_seconds_in(s: &str, lo: f64, lo_in: bool, hi: f64) -> Result<f64, Strin
 }
 
 /// Parses a byte count with an optional K/M/G (decimal) or Ki/Mi/Gi (binary) suffix.
+/// `--device-kv-bytes`: a byte count, or `auto` ([`DEVICE_KV_AUTO`]).
+pub fn parse_device_kv_bytes(s: &str) -> Result<u64, String> {
+    match s.trim() {
+        "auto" => Ok(DEVICE_KV_AUTO),
+        s => parse_bytes(s),
+    }
+}
+
+/// `--device-kv-bytes auto`: as much as the device has (a GPU's arena is capped by its free
+/// memory; the CPU has no device memory to count).
+pub const DEVICE_KV_AUTO: u64 = u64::MAX;
+
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
@@ -969,6 +984,9 @@ mod tests {
     #[test]
     fn byte_counts() {
         assert_eq!(parse_bytes("1Gi"), Ok(1 << 30));
+        assert_eq!(parse_device_kv_bytes("auto"), Ok(DEVICE_KV_AUTO));
+        assert_eq!(parse_device_kv_bytes("40Gi"), Ok(40 << 30));
+        assert!(parse_device_kv_bytes("most").is_err());
         assert_eq!(parse_bytes("256Mi"), Ok(256 << 20));
         assert_eq!(parse_bytes("2G"), Ok(2_000_000_000));
         assert_eq!(parse_bytes("1024"), Ok(1024));

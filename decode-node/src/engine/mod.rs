@@ -129,7 +129,7 @@ impl Engine {
         }
         if let Ok(mut l) = load.lock() {
             // What GetLoad and the metrics read before the loop's first publish.
-            l.device_capacity = cfg.device_kv_bytes;
+            l.device_capacity = reported_capacity(device_kv.is_some(), cfg.device_kv_bytes);
         }
         let mut lp = StepLoop {
             model,
@@ -159,6 +159,16 @@ impl Engine {
     /// Current load.
     pub fn load(&self) -> LoadSnapshot {
         *self.load.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The device KV capacity GetLoad and the metrics report: what admission counts against, or
+/// 0 where there is no device and no limit was given (`--device-kv-bytes auto` on the CPU).
+fn reported_capacity(device: bool, bytes: u64) -> u64 {
+    if !device && bytes == crate::cli::DEVICE_KV_AUTO {
+        0
+    } else {
+        bytes
     }
 }
 

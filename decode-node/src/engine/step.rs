@@ -423,7 +423,10 @@ impl StepLoop {
             running: self.running.len() as u32,
             waiting: self.waiting.len() as u32,
             device_bytes,
-            device_capacity: self.cfg.device_kv_bytes,
+            device_capacity: super::reported_capacity(
+                self.device_kv.is_some(),
+                self.cfg.device_kv_bytes,
+            ),
             device_lent: self
                 .running
                 .iter()

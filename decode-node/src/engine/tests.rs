@@ -407,6 +407,19 @@ fn admission_counts_what_the_device_arena_holds_not_what_was_asked() {
     rig.wait_pool_empty();
 }
 
+/// A CPU node has no device memory: `--device-kv-bytes auto` counts nothing against it and
+/// reports a capacity of 0; a figure given is counted and reported.
+#[test]
+fn a_cpu_node_reports_no_device_capacity_unless_one_is_given() {
+    let auto = Rig::start(4, crate::cli::DEVICE_KV_AUTO);
+    assert_eq!(auto.engine.load().device_capacity, 0);
+    let mut rx = auto.submit("a", &Rig::prompt(3), 4);
+    assert_eq!(drain(&mut rx).0.len(), 4);
+    let given = Rig::start(4, 1 << 30);
+    assert_eq!(given.engine.load().device_capacity, 1 << 30);
+    auto.wait_pool_empty();
+}
+
 #[test]
 fn shutdown_cancels_the_running_and_refuses_the_waiting() {
     let mut rig = Rig::start(1, 1 << 30);
@@ -1297,20 +1310,8 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
 /// requests without loans (`--spare-device-kv off`): a loan moves blocks, never the selection.
 #[test]
 fn spare_device_kv_is_lent_to_a_request_alone_and_given_back_when_another_needs_it() {
-    let flags = |spare: &'static str| {
-        [
-            "--attention",
-            "scout",
-            "--block-size",
-            "8",
-            "--budget-tokens",
-            "48",
-            "--device-blocks",
-            "2",
-            "--spare-device-kv",
-            spare,
-        ]
-    };
+    let flags =
+        |spare: &'static str| [SMALL_SCOUT.as_slice(), &["--spare-device-kv", spare]].concat();
     let (first, second) = (Rig::prompt(30), Rig::prompt(31));
     let (long, short) = (300u32, 6u32);
     // Device KV that holds the first's every block and the second's share, less one head
@@ -1410,9 +1411,9 @@ fn device_parts_submitted_for_the_whole_batch_give_each_sequence_its_own() {
     }
 }
 
-/// Scout on small blocks with the sketch scorer, three requests' worth of prompt: blocks
-/// both on the device and left to the CPU.
-const SKETCH_SCOUT: [&str; 10] = [
+/// Scout on small blocks: with three requests' worth of prompt, blocks both on the device and
+/// left to the CPU.
+const SMALL_SCOUT: [&str; 8] = [
     "--attention",
     "scout",
     "--block-size",
@@ -1421,9 +1422,12 @@ const SKETCH_SCOUT: [&str; 10] = [
     "48",
     "--device-blocks",
     "2",
-    "--block-scorer",
-    "sketch",
 ];
+
+/// [`SMALL_SCOUT`] with the sketch scorer.
+fn sketch_scout() -> Vec<&'static str> {
+    [SMALL_SCOUT.as_slice(), &["--block-scorer", "sketch"]].concat()
+}
 
 /// Selection scored by the device (`--block-scorer sketch` on a device that keeps the sketch)
 /// plans as the host's scores of the same sketch do: the same tokens as a node scoring on the
@@ -1431,7 +1435,7 @@ const SKETCH_SCOUT: [&str; 10] = [
 /// layer-ahead prediction. Through the host's layers and with layers resident.
 #[test]
 fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
-    let flags = SKETCH_SCOUT;
+    let flags = sketch_scout();
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 9 + 70)).collect();
     let run = |dev: Arc<TestDevice>, flags: &[&str]| greedy_on(dev, flags, &prompts, 6);
     let mut exact = flags.to_vec();
@@ -1481,7 +1485,7 @@ fn blocks_scored_on_the_device_give_the_host_scores_tokens() {
 /// over before those come back, and the host's.
 #[test]
 fn device_scores_queued_for_the_batch_plan_as_scores_asked_for() {
-    let base = SKETCH_SCOUT;
+    let base = sketch_scout();
     let ahead = [
         "--guard-predicted-cpu",
         "--guard-real-query-layers",
@@ -1546,7 +1550,7 @@ fn device_picks_give_the_tokens_of_scores_sent_back() {
     for split in ["layer", "head"] {
         for queue in [false, true] {
             let device = |picks: bool| sketch_device(queue, picks, false);
-            let mut flags = SKETCH_SCOUT.to_vec();
+            let mut flags = sketch_scout();
             flags.extend(["--budget-split", split]);
             let (scores, picks) = (device(false), device(true));
             let want = greedy_on(scores.clone(), &flags, &prompts, 6);
