@@ -357,27 +357,29 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
         m.block_scorer = "sketch".into();
         m.exact = true;
     };
-    // Scout lent the spare device KV: its slot table grows to every block of the request,
-    // the blocks the first plan leaves on the host go up within the recall budget (at this
-    // size, after the first step), and the CPU part is empty after.
+    // Scout lent the spare device KV (of all the free memory): its slot table grows to every
+    // block of the request, the blocks the first plan leaves on the host go up within the
+    // recall budget (at this size, after the first step), and the CPU part is empty after.
     let whole = |m: &mut crate::cli::ModelArgs| {
         scout(m);
         m.spare_device_kv = "on".into();
     };
     type Setting<'a> = &'a dyn Fn(&mut crate::cli::ModelArgs);
-    let cases: [(&str, Setting<'_>); 4] = [
-        ("full", &full),
-        ("scout", &scout),
-        ("scout, sketch scorer", &sketch),
-        ("scout, spare device KV lent (every block)", &whole),
+    // Device KV: 1 GiB, or in the last case the default (`auto`: the device's free memory).
+    let (gib, auto) = (1 << 30, crate::cli::DEVICE_KV_AUTO);
+    let cases: [(&str, Setting<'_>, u64); 4] = [
+        ("full", &full, gib),
+        ("scout", &scout, gib),
+        ("scout, sketch scorer", &sketch, gib),
+        ("scout, spare device KV lent (every block)", &whole, auto),
     ];
-    for (name, set) in cases {
+    for (name, set, device_kv) in cases {
         let mut outs = Vec::new();
         for dev in ["cpu", device.as_str()] {
             let mut m = args.model.clone();
             m.device = dev.into();
             set(&mut m);
-            let server = InProcess::start(InProcess::loopback_args(m, 1 << 30, 1 << 30)).await?;
+            let server = InProcess::start(InProcess::loopback_args(m, 1 << 30, device_kv)).await?;
             let ch = client::connect(&server.target()).await?;
             let mut push = kv.clone();
             push.header.request_id = format!("st-{name}-{dev}");

@@ -115,11 +115,13 @@ impl Engine {
         let mut cfg = cfg;
         if let Some(d) = &device_kv {
             if d.capacity_bytes() < cfg.device_kv_bytes {
-                tracing::warn!(
-                    asked = cfg.device_kv_bytes,
-                    holds = d.capacity_bytes(),
-                    "the device KV arena holds less than --device-kv-bytes (free device memory); admission counts what it holds"
-                );
+                if cfg.device_kv_bytes != crate::cli::DEVICE_KV_AUTO {
+                    tracing::warn!(
+                        asked = cfg.device_kv_bytes,
+                        holds = d.capacity_bytes(),
+                        "the device KV arena holds less than --device-kv-bytes (free device memory); admission counts what it holds"
+                    );
+                }
                 cfg.device_kv_bytes = d.capacity_bytes();
             }
             metrics
