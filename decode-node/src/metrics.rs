@@ -52,6 +52,13 @@ pub struct StateLabel {
     pub state: &'static str,
 }
 
+/// `event` label.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventLabel {
+    /// `lent`, `called_back`.
+    pub event: &'static str,
+}
+
 /// `layer` label (a model layer's index).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LayerLabel {
@@ -155,6 +162,8 @@ pub struct Metrics {
     pub device_kv_bytes: Family<StateLabel, Gauge>,
     /// 1 when the host pool could not be page-locked for the device, so copies are staged.
     pub device_kv_copies_staged: Gauge,
+    /// Loans of spare device KV by event: lent, called back.
+    pub device_kv_loans: Family<EventLabel, Counter>,
     /// Share of selected tokens attended on the CPU (last minute; totals in the counters).
     pub attention_cpu_ratio: FloatGauge,
     /// Blocks recalled host → device.
@@ -224,6 +233,7 @@ impl Metrics {
             kv_cache_usage: FloatGauge::default(),
             device_kv_bytes: Family::default(),
             device_kv_copies_staged: Gauge::default(),
+            device_kv_loans: Family::default(),
             attention_cpu_ratio: FloatGauge::default(),
             recall_blocks: Counter::default(),
             recall_bytes: Counter::default(),
@@ -333,6 +343,11 @@ impl Metrics {
             "device_kv_bytes",
             "Device KV bytes by state: used (resident blocks), capacity (what admission counts against), lent (spare device KV on loan to running requests, beyond what admission counted for them)",
             self.device_kv_bytes.clone(),
+        );
+        r.register(
+            "device_kv_loans",
+            "Loans of spare device KV (--spare-device-kv) by event: lent (a running request took room for every block it may hold) or called_back (given back so a waiting request could start); many of both mean the device is near full and loans come and go",
+            self.device_kv_loans.clone(),
         );
         r.register(
             "device_kv_copies_staged",
@@ -515,6 +530,13 @@ impl Metrics {
         if fell_back {
             self.guard_fallbacks.get_or_create(&l).inc();
         }
+    }
+
+    /// Counts a loan of spare device KV `event` (`lent`, `called_back`).
+    pub fn loan(&self, event: &'static str) {
+        self.device_kv_loans
+            .get_or_create(&EventLabel { event })
+            .inc();
     }
 
     /// Sets a `{state}` gauge family.

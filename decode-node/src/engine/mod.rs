@@ -484,13 +484,16 @@ impl StepLoop {
         for i in lend::lend_to(&shares, self.cfg.device_kv_bytes) {
             let r = &mut self.running[i];
             match r.take_loan(&self.cfg.attention) {
-                Ok(()) => r.job.span.in_scope(|| {
+                Ok(()) => {
+                    self.metrics.loan("lent");
+                    r.job.span.in_scope(|| {
                     tracing::debug!(
                         device_bytes = r.device.whole,
                         blocks_per_head = r.whole_blocks,
                         "lent spare device KV for every block"
                     )
-                }),
+                    })
+                }
                 Err(e) => r.job.span.in_scope(|| {
                     tracing::warn!(error = %e, "lending spare device KV failed; the request keeps its share")
                 }),
@@ -523,6 +526,7 @@ impl StepLoop {
             if let Err(e) = r.give_loan_back(&self.cfg.attention) {
                 failed.push((i, EngineError::from(crate::model::ModelError::Backend(e))));
             } else {
+                self.metrics.loan("called_back");
                 r.job
                     .span
                     .in_scope(|| tracing::debug!("gave its loan of spare device KV back"));

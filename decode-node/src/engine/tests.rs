@@ -27,6 +27,7 @@ struct Rig {
     pool: HostPool,
     engine: Engine,
     thread: Option<std::thread::JoinHandle<()>>,
+    metrics: Metrics,
 }
 
 impl Rig {
@@ -69,13 +70,15 @@ impl Rig {
             lend_spare_device: args.model.spare_device_kv == "on",
         };
         let on = engine_model.unwrap_or_else(|| node.model.clone());
-        let (engine, thread) = Engine::start(on, pool.clone(), cfg, Metrics::new()).unwrap();
+        let metrics = Metrics::new();
+        let (engine, thread) = Engine::start(on, pool.clone(), cfg, metrics.clone()).unwrap();
         Self {
             model: node.model,
             layout: node.layout,
             pool,
             engine,
             thread: Some(thread),
+            metrics,
         }
     }
 
@@ -1355,6 +1358,14 @@ fn spare_device_kv_is_lent_to_a_request_alone_and_given_back_when_another_needs_
         };
         let counts = dev.slot_counts.lock().unwrap().clone();
         rig.wait_pool_empty();
+        let text = rig.metrics.render();
+        let loans = |event: &str| {
+            let key = format!("decode_node_device_kv_loans_total{{event=\"{event}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(key.as_str()))
+                .map_or(0, |n| n.trim().parse::<u64>().unwrap())
+        };
+        let counts = (counts, loans("lent"), loans("called_back"));
         (a_ids, b_ids, ratio(&a_end), ratio(&b_end), counts, lent)
     };
     let (a_off, b_off, a_cpu_off, b_cpu_off, counts_off, lent_off) = run("off");
@@ -1367,11 +1378,15 @@ fn spare_device_kv_is_lent_to_a_request_alone_and_given_back_when_another_needs_
     );
     assert_eq!((a_on.len(), b_on.len()), (long as usize, short as usize));
     assert_eq!((&a_on, &b_on), (&a_off, &b_off));
-    assert!(counts_off.is_empty(), "{counts_off:?}");
+    assert_eq!(counts_off, (vec![], 0, 0));
     // Lent to the first, given back for the second; the second (short) fits whole beside
     // the first's share, and the first takes its loan again once the second is done.
     let second_whole = geom.blocks_for(second.len() + short as usize + 1);
-    assert_eq!(counts_on, vec![whole_blocks, 2, second_whole, whole_blocks]);
+    // The metrics count three loans and one call-back.
+    assert_eq!(
+        counts_on,
+        (vec![whole_blocks, 2, second_whole, whole_blocks], 3, 1)
+    );
     assert!(a_cpu_on < a_cpu_off, "{a_cpu_on} {a_cpu_off}");
     assert!(b_cpu_on < b_cpu_off, "{b_cpu_on} {b_cpu_off}");
 }
