@@ -128,8 +128,8 @@ impl Running {
         }
     }
 
-    /// Takes a loan of spare device KV: room for every block it may hold, so its next
-    /// finish of each layer brings up the rest of its blocks.
+    /// Takes a loan of spare device KV: room for every block it may hold, so each finish of
+    /// a layer brings up more of the blocks still on the host (within the recall budget).
     pub(super) fn take_loan(&mut self, cfg: &AttentionConfig) -> Result<(), BackendError> {
         if let Some(d) = self.dev.as_mut() {
             d.set_slots_per_head(self.whole_blocks)?;
