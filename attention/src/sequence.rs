@@ -206,11 +206,11 @@ impl SeqAttention {
 
     /// Gives the sequence `cap` device slots per (layer, KV head) instead of the config's
     /// share (`None`: back to it). More lets it keep more blocks on the device: where they
-    /// hold every block, each [`SeqAttention::finish_layer`] brings up more of the rest (within
-    /// the recall budget) until none is left on the host. Fewer drops blocks, the least recently used first, and moves the kept
-    /// ones into the slots below the new cap: a device must follow with the same number
-    /// (`DeviceSeq::set_slots_per_head`) before the next step. Returns true when any block
-    /// left the device.
+    /// hold every block, each [`SeqAttention::finish_layer`] brings up more of the rest
+    /// (within the recall budget) until none is left on the host. Fewer drops blocks, the
+    /// least recently used first, and moves the kept ones into the slots below the new cap: a
+    /// device must follow with the same number (`DeviceSeq::set_slots_per_head`) before the
+    /// next step. Returns true when any block left the device.
     pub fn set_device_cap(&mut self, cfg: &AttentionConfig, cap: Option<usize>) -> bool {
         self.device_cap = cap;
         let cap = self.device_cap(cfg);
@@ -837,17 +837,17 @@ impl SeqAttention {
             let ceiling = (share * RecallLimits::SAVED_STEPS).max(hk as u64 * head_bytes);
             ls.recall_credit = (ls.recall_credit + share).min(ceiling);
         }
-        let due = match &cfg.recall {
-            _ if whole => true,
-            RecallPolicy::Off => false,
-            RecallPolicy::Intervals(iv) => {
-                let i = iv.get(layer).copied().unwrap_or(0);
-                i > 0 && ls.steps_since_recall >= i
-            }
-            RecallPolicy::Adaptive { threshold } => {
-                sel > 0 && (cpu as f32 / sel as f32) > *threshold
-            }
-        } && (whole || ls.steps_since_recall >= ls.cooldown.max(1));
+        let due = whole
+            || match &cfg.recall {
+                RecallPolicy::Off => false,
+                RecallPolicy::Intervals(iv) => {
+                    let i = iv.get(layer).copied().unwrap_or(0);
+                    i > 0 && ls.steps_since_recall >= i
+                }
+                RecallPolicy::Adaptive { threshold } => {
+                    sel > 0 && (cpu as f32 / sel as f32) > *threshold
+                }
+            } && ls.steps_since_recall >= ls.cooldown.max(1);
         let allowance = if limits.bytes_per_step > 0 {
             (ls.recall_credit / head_bytes.max(1)) as usize
         } else {
@@ -952,8 +952,8 @@ fn recall_picks(
     allowance: usize,
     whole: Option<usize>,
 ) -> Vec<Vec<usize>> {
-    // Each queue pops its next pick from the end: the rest (`whole`) below persisting blocks,
-    // then the plan's other CPU blocks, each class of those in block order.
+    // Each queue pops its next pick from the end: the plan's CPU blocks that persist, then its
+    // other CPU blocks (each class in block order), then (`whole`) the rest, the newest first.
     let mut queues: Vec<Vec<usize>> = heads
         .iter()
         .zip(plans)
