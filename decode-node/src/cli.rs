@@ -118,14 +118,17 @@ pub struct ModelArgs {
     /// at every step within `--recall-budget-mib` until none is left: no CPU part after that.
     #[arg(long, env = "DECODE_NODE_DEVICE_BLOCKS", default_value_t = 0)]
     pub device_blocks: u32,
-    /// Device KV that no running request counts on, lent in `scout` and `recall` (`on`): a
-    /// request whose every block (prompt and the tokens it may generate) fits in what is
-    /// spare takes room for all of them, its prompt goes up over its first steps (within
-    /// `--recall-budget-mib`, the selected blocks first), and its CPU part is then empty, as in
-    /// `full`, while it still attends only its budget. On a GPU only. The
-    /// room goes back (the request keeps `--device-blocks`, its most recently used) as soon as
-    /// a waiting request needs it to start, so a loan never turns a request away. `off`: each
-    /// request keeps `--device-blocks` per layer and KV head, whatever is free.
+    /// Device KV that no running request counts on, lent in `scout` and `recall` (`on`), past
+    /// a reserve of one request's `--device-blocks` share (so the next request starts without
+    /// a call-back). A request whose every block (prompt and the tokens it may generate) fits
+    /// in what is spare takes room for all of them, the oldest first: its prompt goes up over
+    /// its first steps (within `--recall-budget-mib`, the selected blocks first), and its CPU
+    /// part is then empty, as in `full`, while it still attends only its budget. What is left
+    /// is shared evenly as more device slots per layer and KV head among the others, which
+    /// keep more of the blocks they attended on the device. On a GPU only. A waiting request
+    /// that needs the room to start takes it back from the largest loans, as many slots as it
+    /// needs (each keeps its most recently used blocks), so a loan never turns a request away.
+    /// `off`: each request keeps `--device-blocks` per layer and KV head, whatever is free.
     #[arg(long, env = "DECODE_NODE_SPARE_DEVICE_KV", default_value = "on", value_parser = ["on", "off"])]
     pub spare_device_kv: String,
     /// Per-layer recall intervals from `bench recall-profile` (a JSON file); without it,

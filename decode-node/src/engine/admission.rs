@@ -109,8 +109,7 @@ impl Need {
         let g = &r.geom;
         let room = max_context.saturating_sub(r.num_tokens + 1);
         let max_new = (r.max_new_tokens as usize).min(room.max(1));
-        // Positions it may ever hold: the prompt, the token fed first and `max_new` more.
-        let positions = r.num_tokens + max_new + 1;
+        let positions = r.num_tokens + max_new + 1; // as `Need::positions`
         let can_attend = g.blocks_for(positions);
         let per_head = can_attend.min(resident_per_head);
         let (device_sketch, sketch_pages) = match sketch {
@@ -118,8 +117,7 @@ impl Need {
             Some(s) => (0, s.pool_pages(positions, g.num_kv_heads)),
             None => (0, 0),
         };
-        let device =
-            ((per_head * r.num_layers + device_sketch) * g.head_bytes() * g.num_kv_heads) as u64;
+        let device = (per_head * r.num_layers + device_sketch) as u64 * head_slot_bytes(r);
         let grow_blocks = (can_attend - g.blocks_for(r.num_tokens)) * r.num_layers;
         Self {
             max_new: max_new as u32,
@@ -129,6 +127,42 @@ impl Need {
             host: ((grow_blocks + sketch_pages) * g.block_bytes()) as u64,
             prompt_bytes: r.prompt_bytes,
         }
+    }
+}
+
+/// Bytes of one head block across a request's KV heads: a device slot per (layer, KV head)
+/// costs this once per layer.
+fn head_slot_bytes(r: &Request) -> u64 {
+    (r.geom.head_bytes() * r.geom.num_kv_heads) as u64
+}
+
+impl Request {
+    /// The device KV lending sees for it ([`super::lend`]): what [`Need::of`] counts, split
+    /// into its sketch's bytes and its slots per (layer, KV head), with the slots that would
+    /// hold every block it may ever have.
+    pub(crate) fn share(
+        &self,
+        max_context: usize,
+        resident_per_head: usize,
+        sketch: Option<SketchSlots>,
+    ) -> super::lend::Share {
+        // No slots: what is left is the sketch.
+        let fixed = Need::of(self, max_context, 0, sketch);
+        let whole = self.geom.blocks_for(fixed.positions(self));
+        super::lend::Share {
+            fixed: fixed.device,
+            per_block: head_slot_bytes(self) * self.num_layers as u64,
+            base: whole.min(resident_per_head),
+            whole,
+            lent: 0,
+        }
+    }
+}
+
+impl Need {
+    /// Positions `r` may ever hold: its prompt, the token fed first and `max_new` more.
+    fn positions(&self, r: &Request) -> usize {
+        r.num_tokens + self.max_new as usize + 1
     }
 }
 
@@ -236,6 +270,34 @@ mod tests {
             prompt_bytes: (GEOM.blocks_for(num_tokens) * 3 * GEOM.block_bytes()) as u64,
             max_new_tokens,
         }
+    }
+
+    #[test]
+    fn a_requests_share_for_lending_counts_what_admission_counts() {
+        let sketch = SketchSlots {
+            tokens_per_slot: 8,
+            layers: 2,
+            on_device: true,
+        };
+        for (tokens, max_new, sketch) in [(20, 10, None), (20, 10, Some(sketch)), (300, 1, None)] {
+            let r = request(tokens, max_new);
+            let mut share = r.share(1000, 2, sketch);
+            assert_eq!(share.base, 2);
+            assert_eq!(
+                share.base_bytes(),
+                Need::of(&r, 1000, 2, sketch).device,
+                "{tokens} {sketch:?}"
+            );
+            assert_eq!(share.whole, GEOM.blocks_for(tokens + max_new as usize + 1));
+            share.lent = share.whole - share.base;
+            assert_eq!(
+                share.counted(),
+                Need::of(&r, 1000, usize::MAX, sketch).device
+            );
+        }
+        // A request shorter than the share: its base is every block.
+        let share = request(5, 3).share(1000, 2, None);
+        assert_eq!((share.base, share.whole), (1, 1));
     }
 
     #[test]

@@ -402,12 +402,11 @@ impl StepLoop {
                 self.cfg.attention.resident_blocks_per_head(),
                 sketch,
             );
-            let share = lend::Share {
-                base: need.device,
-                whole: Need::of(&request, max_context, usize::MAX, sketch).device,
-                lent: false,
-            };
-            let whole_blocks = geom.blocks_for(request.num_tokens + need.max_new as usize + 1);
+            let share = request.share(
+                max_context,
+                self.cfg.attention.resident_blocks_per_head(),
+                sketch,
+            );
             let mut room = self.room(!keep.is_empty());
             let mut decision = admission::decide(&need, &room);
             if decision == Decision::Wait && self.call_back_loans_for(&need, &room) {
@@ -421,7 +420,7 @@ impl StepLoop {
             if let Some(mut r) = grow {
                 let pages = running::take_pages(&mut r, need.sketch_pages);
                 job.kv.grow(r);
-                let mut run = self.start(job, (share, whole_blocks), now);
+                let mut run = self.start(job, share, now);
                 if let Some(s) = sketch.filter(|s| !s.on_device) {
                     run.seq
                         .keep_sketch(&self.cfg.attention, pages, s.tokens_per_slot);
@@ -475,23 +474,24 @@ impl StepLoop {
             )
     }
 
-    /// Lends what no running request counts on to those whose every block fits in it.
+    /// Lends what no running request counts on ([`lend::lend_to`]).
     fn lend_spare_device(&mut self) {
         if !self.lends() {
             return;
         }
         let shares: Vec<lend::Share> = self.running.iter().map(|r| r.device).collect();
-        for i in lend::lend_to(&shares, self.cfg.device_kv_bytes) {
-            let r = &mut self.running[i];
-            match r.take_loan(&self.cfg.attention) {
+        for loan in lend::lend_to(&shares, self.cfg.device_kv_bytes) {
+            let r = &mut self.running[loan.index];
+            match r.set_loan(&self.cfg.attention, loan.lent) {
                 Ok(()) => {
                     self.metrics.loan("lent");
                     r.job.span.in_scope(|| {
-                    tracing::debug!(
-                        device_bytes = r.device.whole,
-                        blocks_per_head = r.whole_blocks,
-                        "lent spare device KV for every block"
-                    )
+                        tracing::debug!(
+                            device_bytes = r.device.counted(),
+                            blocks_per_head = r.device.slots(),
+                            every_block = r.device.slots() >= r.device.whole,
+                            "lent spare device KV"
+                        )
                     })
                 }
                 Err(e) => r.job.span.in_scope(|| {
@@ -502,8 +502,9 @@ impl StepLoop {
     }
 
     /// Where `need` waits for device KV that loans hold and would start without them (in
-    /// `room`), calls back as few loans as make room; true when any went back. A request
-    /// whose device fails to give its loan back ends with that error.
+    /// `room`), shrinks the loans as little as makes room ([`lend::call_back_for`]); true
+    /// when any shrank. A request whose device fails to give its loan back ends with that
+    /// error.
     fn call_back_loans_for(&mut self, need: &Need, room: &Room) -> bool {
         if !self.lends() {
             return false;
@@ -512,7 +513,10 @@ impl StepLoop {
         let Some(back) = lend::call_back_for(&shares, room.device_capacity, need.device) else {
             return false;
         };
-        let freed: u64 = back.iter().map(|&i| shares[i].extra()).sum();
+        let freed: u64 = back
+            .iter()
+            .map(|l| shares[l.index].counted() - shares[l.index].with_lent(l.lent).counted())
+            .sum();
         let without = Room {
             device_used: room.device_used - freed,
             ..*room
@@ -521,15 +525,21 @@ impl StepLoop {
             return false;
         }
         let mut failed = Vec::new();
-        for &i in &back {
-            let r = &mut self.running[i];
-            if let Err(e) = r.give_loan_back(&self.cfg.attention) {
-                failed.push((i, EngineError::from(crate::model::ModelError::Backend(e))));
+        for loan in &back {
+            let r = &mut self.running[loan.index];
+            if let Err(e) = r.set_loan(&self.cfg.attention, loan.lent) {
+                failed.push((
+                    loan.index,
+                    EngineError::from(crate::model::ModelError::Backend(e)),
+                ));
             } else {
                 self.metrics.loan("called_back");
-                r.job
-                    .span
-                    .in_scope(|| tracing::debug!("gave its loan of spare device KV back"));
+                r.job.span.in_scope(|| {
+                    tracing::debug!(
+                        blocks_per_head = r.device.slots(),
+                        "gave spare device KV back"
+                    )
+                });
             }
         }
         // Highest index first: `swap_remove` moves only entries past the ones still to go.
@@ -551,7 +561,7 @@ impl StepLoop {
         true
     }
 
-    fn start(&self, job: Job, device: (lend::Share, usize), now: Instant) -> Running {
+    fn start(&self, job: Job, device: lend::Share, now: Instant) -> Running {
         let queue = now.duration_since(job.spec.arrived).as_secs_f64();
         self.metrics.queue_time.observe(queue);
         self.metrics
@@ -561,7 +571,7 @@ impl StepLoop {
             tracing::debug!(
                 mode = self.cfg.attention.mode.name(),
                 queue_s = queue,
-                device_bytes = device.0.base,
+                device_bytes = device.base_bytes(),
                 batch = self.running.len() + 1,
                 "admitted"
             )

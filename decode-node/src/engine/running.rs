@@ -33,11 +33,9 @@ pub(super) struct Running {
     pub(super) admitted: Instant,
     pub(super) first_token: Option<Instant>,
     pub(super) last_token: Instant,
-    /// Device KV admission counted for it, and what every block it may hold would take
-    /// (spare device KV lent, [`super::lend`]).
+    /// Device KV admission counted for it, the slots that would hold every block it may
+    /// have, and those lent to it (spare device KV, [`super::lend`]).
     pub(super) device: Share,
-    /// Blocks per (layer, KV head) it may ever hold: its device slots while it holds a loan.
-    pub(super) whole_blocks: usize,
     pub(super) text: TextState,
     pub(super) device_wait: f64,
     /// Device idle seconds of the steps it was in.
@@ -67,12 +65,12 @@ pub(super) enum Latency {
 }
 
 impl Running {
-    /// Starts `job`, admitted at `now` with its growth reserved and `device` counted (of it
-    /// `whole_blocks` a head where it holds a loan): digests go to the attention state, the
-    /// device (if any) gets a sequence with `resident_per_head` blocks per head.
+    /// Starts `job`, admitted at `now` with its growth reserved and `device` counted (no
+    /// loan yet): digests go to the attention state, the device (if any) gets a sequence
+    /// with `resident_per_head` blocks per head.
     pub(super) fn start(
         job: Job,
-        (device, whole_blocks): (Share, usize),
+        device: Share,
         now: Instant,
         tokenizer: &Tokenizer,
         device_kv: Option<&Arc<dyn DeviceKv>>,
@@ -105,11 +103,7 @@ impl Running {
             admitted: now,
             first_token: None,
             last_token: now,
-            device: Share {
-                lent: false,
-                ..device
-            },
-            whole_blocks,
+            device: device.with_lent(0),
             text,
             device_wait: 0.0,
             device_idle: 0.0,
@@ -128,25 +122,32 @@ impl Running {
         }
     }
 
-    /// Takes a loan of spare device KV: room for every block it may hold, so each finish of
-    /// a layer brings up more of the blocks still on the host (within the recall budget).
-    pub(super) fn take_loan(&mut self, cfg: &AttentionConfig) -> Result<(), BackendError> {
-        if let Some(d) = self.dev.as_mut() {
-            d.set_slots_per_head(self.whole_blocks)?;
+    /// Holds `lent` device slots per (layer, KV head) beyond its share. Growing, the device
+    /// takes the slots first, then the attention state: where it holds every block, each
+    /// finish of a layer brings up more of the blocks still on the host (within the recall
+    /// budget). Shrinking, the attention state keeps its most recently used blocks first,
+    /// then the device frees the rest before the next step. A device that refuses a larger
+    /// count leaves the loan as it was.
+    pub(super) fn set_loan(
+        &mut self,
+        cfg: &AttentionConfig,
+        lent: usize,
+    ) -> Result<(), BackendError> {
+        let next = self.device.with_lent(lent);
+        // No loan: the config's share, as the sequence started with.
+        let (cap, slots) = match lent {
+            0 => (None, cfg.resident_blocks_per_head()),
+            _ => (Some(next.slots()), next.slots()),
+        };
+        let growing = next.slots() > self.device.slots();
+        if growing && let Some(d) = self.dev.as_mut() {
+            d.set_slots_per_head(slots)?;
         }
-        self.seq.set_device_cap(cfg, Some(self.whole_blocks));
-        self.device.lent = true;
-        Ok(())
-    }
-
-    /// Gives its loan back: it keeps the config's share of its blocks (the most recently
-    /// used), and the device frees the rest before the next step.
-    pub(super) fn give_loan_back(&mut self, cfg: &AttentionConfig) -> Result<(), BackendError> {
-        self.seq.set_device_cap(cfg, None);
-        self.device.lent = false;
+        self.seq.set_device_cap(cfg, cap);
+        self.device = next;
         match self.dev.as_mut() {
-            Some(d) => d.set_slots_per_head(cfg.resident_blocks_per_head()),
-            None => Ok(()),
+            Some(d) if !growing => d.set_slots_per_head(slots),
+            _ => Ok(()),
         }
     }
 

@@ -427,12 +427,7 @@ impl StepLoop {
                 self.device_kv.is_some(),
                 self.cfg.device_kv_bytes,
             ),
-            device_lent: self
-                .running
-                .iter()
-                .filter(|r| r.device.lent)
-                .map(|r| r.device.extra())
-                .sum(),
+            device_lent: self.running.iter().map(|r| r.device.lent_bytes()).sum(),
             tokens_per_second: if span > 0.0 {
                 tokens as f64 / span
             } else {

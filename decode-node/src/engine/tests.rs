@@ -1307,18 +1307,19 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
     }
 }
 
-/// Spare device KV: a `scout` request alone takes room for every block it may hold (its CPU
-/// part empties after the first step), and gives it back when a second request needs the
-/// room to start; loans go out again as room allows. Tokens equal those of the same
-/// requests without loans (`--spare-device-kv off`): a loan moves blocks, never the selection.
+/// Spare device KV: a `scout` request alone takes what is spare beside the reserve (one
+/// request's share), the next request starts in that reserve without a call-back, the one
+/// after takes back just the slots it needs, and they are lent again once it is done. Tokens
+/// equal those of the same requests without loans (`--spare-device-kv off`): a loan moves
+/// blocks, never the selection.
 #[test]
-fn spare_device_kv_is_lent_to_a_request_alone_and_given_back_when_another_needs_it() {
+fn spare_device_kv_is_lent_beside_a_reserve_and_shrinks_by_what_a_newcomer_needs() {
     let flags =
         |spare: &'static str| [SMALL_SCOUT.as_slice(), &["--spare-device-kv", spare]].concat();
-    let (first, second) = (Rig::prompt(30), Rig::prompt(31));
-    let (long, short) = (300u32, 6u32);
-    // Device KV that holds the first's every block and the second's share, less one head
-    // block: the second starts only once the first's loan is back.
+    let prompts = [Rig::prompt(30), Rig::prompt(31), Rig::prompt(32)];
+    // The first long; the others long enough to be running when the third arrives, and
+    // apart, so they end at different steps.
+    let max_new = [300u32, 40, 60];
     let geom = attention::BlockGeometry {
         block_size: 8,
         ..Rig::start(1, 1 << 30).layout.geom
@@ -1333,28 +1334,31 @@ fn spare_device_kv_is_lent_to_a_request_alone_and_given_back_when_another_needs_
         };
         Need::of(&r, 32_768, per_head, None).device
     };
-    let whole_blocks = geom.blocks_for(first.len() + long as usize + 1);
-    let capacity =
-        device(&first, long, usize::MAX) + device(&second, short, 2) - geom.head_bytes() as u64;
+    // Each request's share is 2 slots per (layer, KV head); the first's every block takes
+    // `whole`. Room for `whole - 1`: alone, the first is lent all but the reserve (2), so
+    // it holds `whole - 3`; the second starts in the reserve; the third takes 2 back.
+    let whole = geom.blocks_for(prompts[0].len() + max_new[0] as usize + 1);
+    let capacity = device(&prompts[0], max_new[0], whole - 1);
     let run = |spare: &'static str| {
         let dev = Arc::new(TestDevice {
             kv: true,
             ..TestDevice::default()
         });
         let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
-        let rig = Rig::start_with(2, capacity, Some(model), &flags(spare));
-        let mut a = rig.submit("a", &first, long);
+        let rig = Rig::start_with(3, capacity, Some(model), &flags(spare));
+        let mut a = rig.submit("a", &prompts[0], max_new[0]);
         let Some(Event::Token { id, .. }) = a.blocking_recv() else {
             panic!("no first token");
         };
         let lent = rig.engine.load().device_lent;
-        let mut b = rig.submit("b", &second, short);
+        let mut b = rig.submit("b", &prompts[1], max_new[1]);
+        let mut c = rig.submit("c", &prompts[2], max_new[2]);
         let (mut a_ids, a_end) = drain(&mut a);
         a_ids.insert(0, id);
-        let (b_ids, b_end) = drain(&mut b);
-        let ratio = |e: &Event| match e {
-            Event::Finish { stats, .. } => stats.cpu_attention_ratio,
-            other => panic!("{other:?}"),
+        let (b_ids, _) = drain(&mut b);
+        let (c_ids, _) = drain(&mut c);
+        let Event::Finish { stats, .. } = a_end else {
+            panic!("{a_end:?}")
         };
         let counts = dev.slot_counts.lock().unwrap().clone();
         rig.wait_pool_empty();
@@ -1366,29 +1370,27 @@ fn spare_device_kv_is_lent_to_a_request_alone_and_given_back_when_another_needs_
                 .map_or(0, |n| n.trim().parse::<u64>().unwrap())
         };
         let counts = (counts, loans("lent"), loans("called_back"));
-        (a_ids, b_ids, ratio(&a_end), ratio(&b_end), counts, lent)
+        let ids = [a_ids, b_ids, c_ids];
+        (ids, stats.cpu_attention_ratio, counts, lent)
     };
-    let (a_off, b_off, a_cpu_off, b_cpu_off, counts_off, lent_off) = run("off");
-    let (a_on, b_on, a_cpu_on, b_cpu_on, counts_on, lent_on) = run("on");
+    let (ids_off, a_cpu_off, counts_off, lent_off) = run("off");
+    let (ids_on, a_cpu_on, counts_on, lent_on) = run("on");
     // GetLoad and the metrics see the loan.
     assert_eq!(lent_off, 0);
     assert_eq!(
         lent_on,
-        device(&first, long, usize::MAX) - device(&first, long, 2)
+        device(&prompts[0], max_new[0], whole - 3) - device(&prompts[0], max_new[0], 2)
     );
-    assert_eq!((a_on.len(), b_on.len()), (long as usize, short as usize));
-    assert_eq!((&a_on, &b_on), (&a_off, &b_off));
+    for (ids, n) in ids_on.iter().zip(max_new) {
+        assert_eq!(ids.len(), n as usize);
+    }
+    assert_eq!(ids_on, ids_off);
     assert_eq!(counts_off, (vec![], 0, 0));
-    // Lent to the first, given back for the second; the second (short) fits whole beside
-    // the first's share, and the first takes its loan again once the second is done.
-    let second_whole = geom.blocks_for(second.len() + short as usize + 1);
-    // The metrics count three loans and one call-back.
-    assert_eq!(
-        counts_on,
-        (vec![whole_blocks, 2, second_whole, whole_blocks], 3, 1)
-    );
+    // Lent to the first alone; the second needs no call-back; the third takes 2 slots back;
+    // once the others are done, the first is lent them again (the reserve still held). The
+    // others' loans would be their own slot counts: none, the reserve being theirs.
+    assert_eq!(counts_on, (vec![whole - 3, whole - 5, whole - 3], 2, 1));
     assert!(a_cpu_on < a_cpu_off, "{a_cpu_on} {a_cpu_off}");
-    assert!(b_cpu_on < b_cpu_off, "{b_cpu_on} {b_cpu_off}");
 }
 
 /// With device memory, a step submits every sequence's device part before it collects the
