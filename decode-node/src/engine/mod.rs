@@ -494,9 +494,13 @@ impl StepLoop {
                         )
                     })
                 }
-                Err(e) => r.job.span.in_scope(|| {
-                    tracing::warn!(error = %e, "lending spare device KV failed; the request keeps its share")
-                }),
+                Err(e) => {
+                    // Asked no more: its device holds what it has.
+                    r.device.whole = r.device.slots();
+                    r.job.span.in_scope(|| {
+                        tracing::warn!(error = %e, "lending spare device KV failed; the request keeps what it holds")
+                    })
+                }
             }
         }
     }
