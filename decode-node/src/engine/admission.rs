@@ -128,6 +128,11 @@ impl Need {
             prompt_bytes: r.prompt_bytes,
         }
     }
+
+    /// Positions `r` may ever hold: its prompt, the token fed first and `max_new` more.
+    fn positions(&self, r: &Request) -> usize {
+        r.num_tokens + self.max_new as usize + 1
+    }
 }
 
 /// Bytes of one head block across a request's KV heads: a device slot per (layer, KV head)
@@ -156,13 +161,6 @@ impl Request {
             whole,
             lent: 0,
         }
-    }
-}
-
-impl Need {
-    /// Positions `r` may ever hold: its prompt, the token fed first and `max_new` more.
-    fn positions(&self, r: &Request) -> usize {
-        r.num_tokens + self.max_new as usize + 1
     }
 }
 
