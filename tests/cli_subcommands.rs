@@ -646,5 +646,11 @@ fn bench_capacity_bounds_full_by_the_device_and_scout_by_the_host() {
         assert_eq!(r["queued"], 0, "{r}");
         assert_eq!(r["failed"], 0, "{r}");
         assert!(r["aggregate_tokens_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        // No device here: nothing lent, and no more in use than admission counted.
+        assert_eq!(r["device_kv_bytes_lent_max"], 0, "{r}");
+        assert!(
+            r["device_kv_bytes_used_max"].as_u64().unwrap() <= n * device,
+            "{r}"
+        );
     }
 }

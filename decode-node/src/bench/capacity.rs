@@ -130,6 +130,23 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
             need.device,
             args.host_kv_bytes
         );
+        // Device KV in use as GetLoad reports it, at its most: past what admission counted
+        // for the requests, what spare device KV lent them (scout, recall).
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let poll = tokio::spawn({
+            let (ch, stop) = (ch.clone(), std::sync::Arc::clone(&stop));
+            async move {
+                let mut dc = client::decode_client(ch, None);
+                let mut most = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if let Ok(r) = dc.get_load(pb::GetLoadRequest {}).await {
+                        most = most.max(r.into_inner().device_kv_bytes_used);
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                most
+            }
+        });
         // A request that finds no room waits for one to finish: counted as queued below.
         let t = Instant::now();
         let mut gens = Vec::new();
@@ -158,6 +175,9 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
             }
         }
         let secs = t.elapsed().as_secs_f64();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let device_used = poll.await.unwrap_or(0);
+        let counted = need.device.saturating_mul(admitted - refused);
         // A request whose first token came after another had finished did not run alongside
         // the rest: it waited for room.
         if let Some(end) = earliest_end {
@@ -181,14 +201,18 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
             "aggregate_tokens_per_s": tps, "tokens_per_s_per_request": tps / n,
             "ratio_to_full": full_tps.map(|f| tps / f),
             "first_token_s": first_token_s, "cpu_share": cpu / n,
+            "device_kv_bytes_used_max": device_used,
+            "device_kv_bytes_lent_max": device_used.saturating_sub(counted),
         });
         if !args.common.json {
             eprintln!(
-                "capacity ctx={ctx} {mode:>6}: {concurrent} concurrent (bound: {}; {queued} queued, {refused} failed), {tps:8.1} tok/s aggregate, {:.1} per request, x{} of full, CPU share {:.1}%",
+                "capacity ctx={ctx} {mode:>6}: {concurrent} concurrent (bound: {}; {queued} queued, {refused} failed), {tps:8.1} tok/s aggregate, {:.1} per request, x{} of full, CPU share {:.1}%, device KV up to {:.2} GB ({:.2} GB lent)",
                 bound.name(),
                 tps / n,
                 full_tps.map_or("-".to_string(), |f| format!("{:.2}", tps / f)),
                 cpu / n * 100.0,
+                device_used as f64 / 1e9,
+                device_used.saturating_sub(counted) as f64 / 1e9,
             );
         }
         rows.push(row);
