@@ -130,8 +130,9 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
             need.device,
             args.host_kv_bytes
         );
-        // Device KV in use as GetLoad reports it, at its most: past what admission counted
-        // for the requests, what spare device KV lent them (scout, recall).
+        // Device KV in use as GetLoad reports it (in the sparse modes, the blocks resident),
+        // at its most: what is past the shares admission counted can only be blocks held on
+        // loans of spare device KV (scout, recall).
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let poll = tokio::spawn({
             let (ch, stop) = (ch.clone(), std::sync::Arc::clone(&stop));
