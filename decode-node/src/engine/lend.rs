@@ -94,7 +94,9 @@ fn reserve(shares: &[Share]) -> u64 {
 /// Loans to make now from what the running `shares` leave of `capacity` (less the reserve):
 /// each grows, none shrinks. First, oldest first, room for every block of each request
 /// whose remaining blocks fit; then the rest evenly, to the same number of lent slots per
-/// (layer, KV head) where each can take it, the fewest lent raised first.
+/// (layer, KV head) where each can take it, the fewest lent raised first, and what is less
+/// than a level for all a slot each for the fewest lent. Everything spare past the reserve
+/// that a slot of a request short of its whole fits in is lent.
 pub(crate) fn lend_to(shares: &[Share], capacity: u64) -> Vec<Loan> {
     let used: u64 = shares.iter().map(Share::counted).sum();
     let mut spare = capacity
@@ -139,9 +141,30 @@ pub(crate) fn lend_to(shares: &[Share], capacity: u64) -> Vec<Loan> {
             hi = mid - 1;
         }
     }
+    let mut left = spare.saturating_sub(cost(lo));
     for &i in &short {
         let s = &shares[i];
         lent[i] = lent[i].max(lo.min(s.whole.saturating_sub(s.base)));
+    }
+    // What is left is less than a level for all: a slot more each for as many as it pays
+    // for, the fewest lent first (then the oldest), again while any takes one (slots cost
+    // the same for every request of one model, so once).
+    loop {
+        let mut order: Vec<usize> = short
+            .iter()
+            .copied()
+            .filter(|&i| room(i, &lent) > 0 && shares[i].per_block <= left)
+            .collect();
+        if order.is_empty() {
+            break;
+        }
+        order.sort_by_key(|&i| (lent[i], i));
+        for i in order {
+            if shares[i].per_block <= left {
+                left -= shares[i].per_block;
+                lent[i] += 1;
+            }
+        }
     }
     lent.iter()
         .enumerate()
@@ -239,18 +262,105 @@ mod tests {
         // Nobody's every block fits; 150 spare past the 100 counted and 50 reserved.
         let shares = [share(5, 40, 0), share(5, 30, 6), share(5, 40, 1)];
         // The first and third rise to the second's 6 lent (11 slots, 110 bytes), then all
-        // three by one (30): 7 each.
+        // three by one (30): 7 each; the 10 left is one more slot, for the oldest.
         let counted: u64 = shares.iter().map(Share::counted).sum();
         assert_eq!(counted, 220);
         assert_eq!(
             lend_to(&shares, 220 + 50 + 150),
-            loans(&[(0, 7), (1, 7), (2, 7)])
+            loans(&[(0, 8), (1, 7), (2, 7)])
         );
-        // 139: one short of the last round, so the level stays at 6; the second gets nothing.
-        assert_eq!(lend_to(&shares, 220 + 50 + 139), loans(&[(0, 6), (2, 6)]));
+        // 139: one short of the round to 7, so the level stays at 6, and the 29 left is a
+        // slot more for the two oldest; 110: the level alone.
+        assert_eq!(
+            lend_to(&shares, 220 + 50 + 139),
+            loans(&[(0, 7), (1, 7), (2, 6)])
+        );
+        assert_eq!(lend_to(&shares, 220 + 50 + 110), loans(&[(0, 6), (2, 6)]));
         // One whose every block fits takes them first; another shares what is left.
         let shares = [share(1, 3, 0), share(1, 20, 0)];
         assert_eq!(lend_to(&shares, 20 + 10 + 100), loans(&[(0, 2), (1, 8)]));
+    }
+
+    /// Running shares as admission could leave them: each within its whole, loans on top.
+    fn shares_strategy() -> impl proptest::strategy::Strategy<Value = Vec<Share>> {
+        use proptest::prelude::*;
+        proptest::collection::vec(
+            (0u64..50, 1u64..40, 1usize..20, 0usize..60, 0usize..60),
+            0..8,
+        )
+        .prop_map(|v| {
+            v.into_iter()
+                .map(|(fixed, per_block, base, more, lent)| Share {
+                    fixed,
+                    per_block,
+                    base,
+                    whole: base + more,
+                    lent: lent.min(more),
+                })
+                .collect()
+        })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 2000,
+            rng_seed: proptest::test_runner::RngSeed::Fixed(59),
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+        /// Lending only grows loans, never past a request's whole, and leaves the reserve
+        /// spare where it was spare; taking back shrinks only loans, by no more than the room
+        /// missing takes, and the waiting request then fits.
+        #[test]
+        fn loans_respect_the_capacity_the_reserve_and_each_whole(
+            shares in shares_strategy(),
+            extra in 0u64..4000,
+            need in 0u64..3000,
+        ) {
+            let used: u64 = shares.iter().map(Share::counted).sum();
+            let capacity = used + extra;
+            let mut after = shares.clone();
+            for l in lend_to(&shares, capacity) {
+                let s = &shares[l.index];
+                proptest::prop_assert!(l.lent > s.lent && s.base + l.lent <= s.whole, "{l:?} {s:?}");
+                after[l.index].lent = l.lent;
+            }
+            let lent_used: u64 = after.iter().map(Share::counted).sum();
+            let spare_before = capacity - used;
+            proptest::prop_assert!(
+                lent_used <= used + spare_before.saturating_sub(reserve(&shares)),
+                "{lent_used} {used} {capacity}"
+            );
+            // Nothing left that one more slot of a short request would fit in, past the
+            // reserve: what is spare is lent.
+            let left = capacity.saturating_sub(lent_used).saturating_sub(reserve(&shares));
+            for s in &after {
+                if s.room() > 0 {
+                    proptest::prop_assert!(s.per_block > left, "{s:?} {left}");
+                }
+            }
+            match call_back_for(&after, capacity, need) {
+                None => {
+                    let base: u64 = after.iter().map(Share::base_bytes).sum();
+                    proptest::prop_assert!(base + need > capacity);
+                }
+                Some(back) => {
+                    let mut shrunk = after.clone();
+                    for l in &back {
+                        let s = &after[l.index];
+                        proptest::prop_assert!(l.lent < s.lent, "{l:?} {s:?}");
+                        shrunk[l.index].lent = l.lent;
+                    }
+                    let total: u64 = shrunk.iter().map(Share::counted).sum();
+                    proptest::prop_assert!(total + need <= capacity, "{total} {need} {capacity}");
+                    // No loan shrank by a slot more than it had to: one slot back on the
+                    // last loan that shrank would not fit.
+                    if let Some(l) = back.last() {
+                        let s = &after[l.index];
+                        proptest::prop_assert!(total + s.per_block + need > capacity, "{back:?}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
