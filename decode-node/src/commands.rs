@@ -365,13 +365,41 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
         m.spare_device_kv = "on".into();
     };
     type Setting<'a> = &'a dyn Fn(&mut crate::cli::ModelArgs);
-    // Device KV: 1 GiB, or in the last case the default (`auto`: the device's free memory).
+    // Device KV: 1 GiB, or in the last cases the default (`auto`: the device's free memory)
+    // and room for the request's share, the reserve (as much again) and half its other
+    // blocks: a loan of part of them, which its slot table grows to, and within which it
+    // keeps the blocks it attended most recently.
     let (gib, auto) = (1 << 30, crate::cli::DEVICE_KV_AUTO);
-    let cases: [(&str, Setting<'_>, u64); 4] = [
+    let part = {
+        let mut m = args.model.clone();
+        scout(&mut m);
+        let request = crate::engine::admission::Request {
+            geom: attention::BlockGeometry {
+                block_size: m.block_size as usize,
+                ..cpu_node.layout.geom
+            },
+            num_layers: cpu_node.model.model.cfg.num_layers,
+            num_tokens: kv.header.num_tokens as usize,
+            prompt_bytes: 0,
+            max_new_tokens: args.tokens.max(1),
+        };
+        let share = request.share(
+            cpu_node.model.model.cfg.max_context(),
+            m.device_blocks as usize,
+            None,
+        );
+        2 * share.base_bytes() + share.per_block * ((share.whole - share.base) / 2) as u64
+    };
+    let cases: [(&str, Setting<'_>, u64); 5] = [
         ("full", &full, gib),
         ("scout", &scout, gib),
         ("scout, sketch scorer", &sketch, gib),
         ("scout, spare device KV lent (every block)", &whole, auto),
+        (
+            "scout, spare device KV lent (half the blocks)",
+            &whole,
+            part,
+        ),
     ];
     for (name, set, device_kv) in cases {
         let mut outs = Vec::new();
