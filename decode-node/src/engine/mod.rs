@@ -479,9 +479,13 @@ impl StepLoop {
         if !self.lends() {
             return;
         }
-        let shares: Vec<lend::Share> = self.running.iter().map(|r| r.device).collect();
+        // Oldest first: the batch's order is not the order of admission once a request
+        // has left it.
+        let mut order: Vec<usize> = (0..self.running.len()).collect();
+        order.sort_by_key(|&i| self.running[i].admitted);
+        let shares: Vec<lend::Share> = order.iter().map(|&i| self.running[i].device).collect();
         for loan in lend::lend_to(&shares, self.cfg.device_kv_bytes) {
-            let r = &mut self.running[loan.index];
+            let r = &mut self.running[order[loan.index]];
             match r.set_loan(&self.cfg.attention, loan.lent) {
                 Ok(()) => {
                     self.metrics.loan("lent");
