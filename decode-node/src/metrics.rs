@@ -301,7 +301,7 @@ impl Metrics {
         );
         r.register(
             "kv_cache_usage_ratio",
-            "Fraction of KV memory in use: the fuller of the host pool (used + reserved) and the device KV",
+            "Fraction of KV memory in use: the fuller of the host pool (used + reserved) and the device KV (not counting spare device KV on loan, which goes back as soon as a request needs it)",
             self.kv_cache_usage.clone(),
         );
         r.register(

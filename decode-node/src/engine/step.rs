@@ -411,14 +411,19 @@ impl StepLoop {
             .recent
             .front()
             .map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64());
-        let device_bytes: u64 = self
+        // Each request's device bytes in use, and of them what is within its share.
+        let held: Vec<(u64, u64)> = self
             .running
             .iter()
-            .map(|r| match self.cfg.attention.mode {
-                Mode::Full => r.kv.bytes().min(r.device.counted()),
-                _ => r.seq.device_bytes() as u64,
+            .map(|r| {
+                let used = match self.cfg.attention.mode {
+                    Mode::Full => r.kv.bytes().min(r.device.counted()),
+                    _ => r.seq.device_bytes() as u64,
+                };
+                (used, used.min(r.device.base_bytes()))
             })
-            .sum();
+            .collect();
+        let device_bytes = held.iter().map(|h| h.0).sum();
         let snap = LoadSnapshot {
             running: self.running.len() as u32,
             waiting: self.waiting.len() as u32,
@@ -428,6 +433,7 @@ impl StepLoop {
                 self.cfg.device_kv_bytes,
             ),
             device_lent: self.running.iter().map(|r| r.device.lent_bytes()).sum(),
+            device_committed: held.iter().map(|h| h.1).sum(),
             tokens_per_second: if span > 0.0 {
                 tokens as f64 / span
             } else {

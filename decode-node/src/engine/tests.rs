@@ -1367,10 +1367,21 @@ fn spare_device_kv_is_lent_beside_a_reserve_and_shrinks_by_what_a_newcomer_needs
             panic!("no first token");
         };
         let lent = rig.engine.load().device_lent;
+        // Two more steps: the load published after the second (the prompt is up by then).
+        let mut first = vec![id];
+        for _ in 0..2 {
+            let Some(Event::Token { id, .. }) = a.blocking_recv() else {
+                panic!("no token");
+            };
+            first.push(id);
+        }
+        let load = rig.engine.load();
+        let held = (load.device_bytes, load.device_committed);
         let mut b = rig.submit("b", &prompts[1], max_new[1]);
         let mut c = rig.submit("c", &prompts[2], max_new[2]);
-        let (mut a_ids, a_end) = drain(&mut a);
-        a_ids.insert(0, id);
+        let (a_rest, a_end) = drain(&mut a);
+        let mut a_ids = first;
+        a_ids.extend(a_rest);
         let (b_ids, _) = drain(&mut b);
         let (c_ids, _) = drain(&mut c);
         let Event::Finish { stats, .. } = a_end else {
@@ -1392,15 +1403,20 @@ fn spare_device_kv_is_lent_beside_a_reserve_and_shrinks_by_what_a_newcomer_needs
         // flipped the first's 253rd greedy token in some orders of events.
         a_ids.truncate(150);
         let ids = [a_ids, b_ids, c_ids];
-        (ids, stats.cpu_attention_ratio, counts, lent)
+        (ids, stats.cpu_attention_ratio, counts, (lent, held))
     };
-    let (ids_off, a_cpu_off, counts_off, lent_off) = run("off", 0);
-    let (ids_on, a_cpu_on, counts_on, lent_on) = run("on", 0);
+    let (ids_off, a_cpu_off, counts_off, (lent_off, held_off)) = run("off", 0);
+    let (ids_on, a_cpu_on, counts_on, (lent_on, held_on)) = run("on", 0);
     // GetLoad and the metrics see the loan.
     assert_eq!(lent_off, 0);
-    assert_eq!(
-        lent_on,
-        device(&prompts[0], max_new[0], whole - 3) - device(&prompts[0], max_new[0], 2)
+    let share = device(&prompts[0], max_new[0], 2);
+    assert_eq!(lent_on, device(&prompts[0], max_new[0], whole - 3) - share);
+    // The blocks on loan are in use but not taken (a router reads the node's KV usage from
+    // what is): the share is, the rest of the prompt is on loan.
+    assert_eq!(held_off, (share, share));
+    assert!(
+        held_on.0 > share && held_on.1 == share,
+        "{held_on:?} {share}"
     );
     for (ids, n) in ids_on.iter().zip([150, max_new[1], max_new[2]]) {
         assert_eq!(ids.len(), n as usize);
@@ -1415,7 +1431,7 @@ fn spare_device_kv_is_lent_beside_a_reserve_and_shrinks_by_what_a_newcomer_needs
     // A device that refuses a loan's slots: each request keeps its share and is asked once
     // (not at every step): the first as above, then the others, each for every block (the
     // room the first could not take), and nothing is counted as lent.
-    let (ids_refused, _, counts_refused, lent_refused) = run("on", 2);
+    let (ids_refused, _, counts_refused, (lent_refused, _)) = run("on", 2);
     assert_eq!(ids_refused, ids_off);
     let whole_of = |i: usize| geom.blocks_for(prompts[i].len() + max_new[i] as usize + 1);
     assert_eq!(
