@@ -131,17 +131,18 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
             args.host_kv_bytes
         );
         // Device KV in use as GetLoad reports it (in the sparse modes, the blocks resident),
-        // at its most: what is past the shares admission counted can only be blocks held on
-        // loans of spare device KV (scout, recall).
+        // and of it what loans of spare device KV hold (scout, recall), each at its most.
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let poll = tokio::spawn({
             let (ch, stop) = (ch.clone(), std::sync::Arc::clone(&stop));
             async move {
                 let mut dc = client::decode_client(ch, None);
-                let mut most = 0u64;
+                let mut most = (0u64, 0u64);
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     if let Ok(r) = dc.get_load(pb::GetLoadRequest {}).await {
-                        most = most.max(r.into_inner().device_kv_bytes_used);
+                        let r = r.into_inner();
+                        most.0 = most.0.max(r.device_kv_bytes_used);
+                        most.1 = most.1.max(r.device_kv_bytes_lent);
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
@@ -177,8 +178,7 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
         }
         let secs = t.elapsed().as_secs_f64();
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let device_used = poll.await.unwrap_or(0);
-        let counted = need.device.saturating_mul(admitted - refused);
+        let (device_used, device_lent) = poll.await.unwrap_or_default();
         // A request whose first token came after another had finished did not run alongside
         // the rest: it waited for room.
         if let Some(end) = earliest_end {
@@ -203,7 +203,7 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
             "ratio_to_full": full_tps.map(|f| tps / f),
             "first_token_s": first_token_s, "cpu_share": cpu / n,
             "device_kv_bytes_used_max": device_used,
-            "device_kv_bytes_lent_max": device_used.saturating_sub(counted),
+            "device_kv_bytes_lent_max": device_lent,
         });
         if !args.common.json {
             eprintln!(
@@ -213,7 +213,7 @@ pub(super) async fn capacity(args: &CapacityBench) -> anyhow::Result<serde_json:
                 full_tps.map_or("-".to_string(), |f| format!("{:.2}", tps / f)),
                 cpu / n * 100.0,
                 device_used as f64 / 1e9,
-                device_used.saturating_sub(counted) as f64 / 1e9,
+                device_lent as f64 / 1e9,
             );
         }
         rows.push(row);

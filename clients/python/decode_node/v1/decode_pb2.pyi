@@ -158,7 +158,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "host_kv_bytes_used", "host_kv_bytes_capacity", "device_kv_bytes_used", "device_kv_bytes_capacity", "tokens_per_second", "draining", "committed_unclaimed")
+    __slots__ = ("running", "waiting", "host_kv_bytes_used", "host_kv_bytes_capacity", "device_kv_bytes_used", "device_kv_bytes_capacity", "tokens_per_second", "draining", "committed_unclaimed", "device_kv_bytes_lent")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     HOST_KV_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class LoadReport(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_UNCLAIMED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KV_BYTES_LENT_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     host_kv_bytes_used: int
@@ -177,7 +178,8 @@ class LoadReport(_message.Message):
     tokens_per_second: float
     draining: bool
     committed_unclaimed: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., host_kv_bytes_used: _Optional[int] = ..., host_kv_bytes_capacity: _Optional[int] = ..., device_kv_bytes_used: _Optional[int] = ..., device_kv_bytes_capacity: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., draining: _Optional[bool] = ..., committed_unclaimed: _Optional[int] = ...) -> None: ...
+    device_kv_bytes_lent: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., host_kv_bytes_used: _Optional[int] = ..., host_kv_bytes_capacity: _Optional[int] = ..., device_kv_bytes_used: _Optional[int] = ..., device_kv_bytes_capacity: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., draining: _Optional[bool] = ..., committed_unclaimed: _Optional[int] = ..., device_kv_bytes_lent: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
