@@ -341,12 +341,12 @@ impl Metrics {
         );
         r.register(
             "device_kv_bytes",
-            "Device KV bytes by state: used (resident blocks), capacity (what admission counts against), lent (spare device KV on loan to running requests, beyond what admission counted for them)",
+            "Device KV bytes by state: used (resident blocks), capacity (what admission counts against), lent (of used, the blocks running requests hold on loans of spare device KV, past what admission counted for them)",
             self.device_kv_bytes.clone(),
         );
         r.register(
             "device_kv_loans",
-            "Loans of spare device KV (--spare-device-kv) by event: lent (a running request took room for every block it may hold) or called_back (given back so a waiting request could start); many of both mean the device is near full and loans come and go",
+            "Loans of spare device KV (--spare-device-kv) by event: lent (a running request was lent more device slots) or called_back (a loan shrank so a waiting request could start); many of both mean the device is near full and loans come and go",
             self.device_kv_loans.clone(),
         );
         r.register(

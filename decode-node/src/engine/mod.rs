@@ -73,12 +73,10 @@ pub struct LoadSnapshot {
     /// Device KV bytes admission counts against: `--device-kv-bytes`, or what the device's
     /// arena holds where free memory allowed less.
     pub device_capacity: u64,
-    /// Of what admission counts, bytes lent from spare device KV (`--spare-device-kv`).
+    /// Of `device_bytes`, what requests hold past the share admission counted for them: blocks
+    /// on loans of spare device KV (`--spare-device-kv`). Not taken, to a router: a loan goes
+    /// back as soon as a request needs the room to start.
     pub device_lent: u64,
-    /// Of `device_bytes`, what no loan holds: per request, what it holds up to the share
-    /// admission counted for it. What a router should read as taken: a loan goes back as soon
-    /// as a request needs the room to start.
-    pub device_committed: u64,
     /// Tokens per second over the last steps.
     pub tokens_per_second: f64,
     /// The device was lost: the engine refuses everything until the process restarts.

@@ -411,8 +411,8 @@ impl StepLoop {
             .recent
             .front()
             .map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64());
-        // Each request's device bytes in use, and of them what is within its share.
-        let held: Vec<(u64, u64)> = self
+        // Each request's device bytes in use, and of them what is past its share (on loan).
+        let (device_bytes, device_lent) = self
             .running
             .iter()
             .map(|r| {
@@ -420,10 +420,9 @@ impl StepLoop {
                     Mode::Full => r.kv.bytes().min(r.device.counted()),
                     _ => r.seq.device_bytes() as u64,
                 };
-                (used, used.min(r.device.base_bytes()))
+                (used, used.saturating_sub(r.device.base_bytes()))
             })
-            .collect();
-        let device_bytes = held.iter().map(|h| h.0).sum();
+            .fold((0, 0), |(u, l), (du, dl)| (u + du, l + dl));
         let snap = LoadSnapshot {
             running: self.running.len() as u32,
             waiting: self.waiting.len() as u32,
@@ -432,8 +431,7 @@ impl StepLoop {
                 self.device_kv.is_some(),
                 self.cfg.device_kv_bytes,
             ),
-            device_lent: self.running.iter().map(|r| r.device.lent_bytes()).sum(),
-            device_committed: held.iter().map(|h| h.1).sum(),
+            device_lent,
             tokens_per_second: if span > 0.0 {
                 tokens as f64 / span
             } else {

@@ -175,7 +175,7 @@ fn load_report(st: &NodeState) -> pb::LoadReport {
         host_kv_bytes_capacity: pool.capacity,
         device_kv_bytes_used: load.device_bytes,
         device_kv_bytes_capacity: load.device_capacity,
-        device_kv_bytes_lent: load.device_bytes.saturating_sub(load.device_committed),
+        device_kv_bytes_lent: load.device_lent,
         tokens_per_second: load.tokens_per_second,
         draining: st.registry.is_draining(),
         committed_unclaimed: st.registry.committed_unclaimed() as u32,

@@ -49,10 +49,12 @@ async fn metrics(
     };
     // Device KV on loan is not counted: it goes back as soon as a request needs the room, so
     // a lending node is not full to a router.
-    s.metrics.kv_cache_usage.set(
-        fraction(u.used + u.reserved, u.capacity)
-            .max(fraction(load.device_committed, load.device_capacity)),
-    );
+    s.metrics
+        .kv_cache_usage
+        .set(fraction(u.used + u.reserved, u.capacity).max(fraction(
+            load.device_bytes - load.device_lent,
+            load.device_capacity,
+        )));
     // OpenMetrics to a scraper that asks for it (Prometheus does, first), the classic text
     // format to everything else.
     let open = headers
