@@ -285,10 +285,10 @@ impl HeadSketch {
                         len => (sketch_of(b), len),
                     })
                     .collect();
-                // Where the attention kernel takes AVX-512 (not on Zen 4's half-width units).
-                let avx512 = crate::kernel_avx512::preferred();
+                // Where the attention kernel takes AVX-512.
+                let avx512 = crate::kernel_avx512::available();
                 // SAFETY: `QueryI8::for_blocks` made one only where AVX2 is present and 16
-                // divides `bs`, `preferred` checked AVX-512; each sketch is a whole block's
+                // divides `bs`, `available` checked AVX-512; each sketch is a whole block's
                 // (or empty, with no tokens).
                 unsafe { avx2::chunk_lse_i8(qi, d, bs, temp, &sketches, buf, chunk, avx512) };
                 return;
@@ -730,7 +730,7 @@ mod avx2 {
                 };
                 let top = &mut top;
                 if wide512 {
-                    // SAFETY: `preferred` checked AVX-512 F and BW, `vnni` VNNI and VBMI; the
+                    // SAFETY: `available` checked AVX-512 F and BW, `vnni` VNNI and VBMI; the
                     // loops assert the sizes.
                     unsafe {
                         if vnni() {
@@ -1558,7 +1558,7 @@ mod avx2 {
             if !super::super::avx2::available() {
                 return;
             }
-            // The AVX-512 rows where this CPU has them (not only where they are preferred).
+            // The AVX-512 rows where this CPU has them.
             let avx512 = crate::kernel_avx512::available();
             let mut seed = 31;
             for (d, bs) in [(64, 32), (65, 32), (128, 64)] {

@@ -103,24 +103,15 @@ impl KernelPath {
         }
     }
 
-    /// The fastest path this CPU has for blocks of `geom` (the widest it runs, but AVX2 over
-    /// AVX-512 where that measured faster: `kernel_avx512::preferred`).
+    /// The fastest path this CPU has for blocks of `geom`: the widest it runs (AVX-512 on
+    /// Zen 4's half-width units too: see `kernel_avx512`).
     pub fn best(geom: &BlockGeometry) -> Self {
         Self::ALL
             .iter()
             .rev()
             .copied()
-            .find(|p| p.runs(geom) && p.preferred())
+            .find(|p| p.runs(geom))
             .unwrap_or(Self::Scalar)
-    }
-
-    /// False for a path [`KernelPath::best`] passes over although it runs.
-    fn preferred(self) -> bool {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => crate::kernel_avx512::preferred(),
-            _ => true,
-        }
     }
 }
 

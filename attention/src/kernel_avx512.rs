@@ -20,6 +20,14 @@
 //! two V rows of 32 channels: the whole next block of a 16-bit dtype), as the AVX2 loops do;
 //! without it, the kernel ran at 0.26-0.42 of read bandwidth on a 256 MiB working set instead
 //! of 0.6-0.97.
+//!
+//! AMD Zen 4 issues each 512-bit operation as two 256-bit halves, and once took the AVX2 path
+//! (3-10% faster there before these loops were compiled per type and the softmax came here).
+//! Measured again on a 2-core EPYC (Zen 4), `bench kernels` 256 MiB, paths alternated, three
+//! runs, AVX-512 over AVX2 in GB/s: bf16 G=3-8 1.07-1.21 at one thread, 1.03-1.44 at two;
+//! f16 0.95-1.15; bf16 G=2 D=128 the one loss, 0.83-0.87 (equal or faster with the blocks in
+//! L2). `bench decode` SmolLM2-135M (G=3) at 7.8k, three rounds each: full 46-55 -> 58-60
+//! tok/s, scout 57-65 -> 70-71. So every CPU that has AVX-512 takes it.
 
 use std::arch::x86_64::*;
 
@@ -43,46 +51,6 @@ pub(crate) fn available() -> bool {
 /// `DECODE_NODE_AVX512=0` does not turn them off.
 pub fn avx512_enabled() -> bool {
     available()
-}
-
-/// Whether [`crate::KernelPath::best`] takes the attention kernel's AVX-512 path: where it
-/// can run, unless the CPU issues each 512-bit operation as two 256-bit halves (AMD Zen 4),
-/// where the AVX2 path measured faster; `DECODE_NODE_AVX512=1` takes it there too. Read once.
-///
-/// `bench kernels`, one thread, bf16 and head dim 128, paths alternated in one run on a 2-core
-/// EPYC (Zen 4), GB/s AVX2 against AVX-512: G=2 24.2-25.0 / 22.5, G=4 17.0 / 16.2, G=5
-/// 14.8-15.0 / 14.0, G=8 10.2-10.3 / 9.9, G=3 19.1-19.3 / 19.5. That was before these loops
-/// were compiled once per element type and the softmax moved here (25-40% faster on a Xeon),
-/// so it wants measuring again on Zen 4. The model executor's row loops do not follow this:
-/// there the two measured alike.
-pub(crate) fn preferred() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        let forced = std::env::var("DECODE_NODE_AVX512").is_ok_and(|v| v.trim() == "1");
-        available() && (forced || !half_width(cpu_id()))
-    })
-}
-
-/// The CPU's vendor string and family/model signature (CPUID leaves 0 and 1).
-fn cpu_id() -> ([u8; 12], u32) {
-    let v = __cpuid(0);
-    let mut vendor = [0u8; 12];
-    for (dst, r) in vendor.chunks_exact_mut(4).zip([v.ebx, v.edx, v.ecx]) {
-        dst.copy_from_slice(&r.to_le_bytes());
-    }
-    (vendor, __cpuid(1).eax)
-}
-
-/// True for a CPU that has AVX-512 but runs it on 256-bit units: AMD family 19h (Zen 4; Zen 3
-/// in the same family has no AVX-512). Zen 5 (family 1Ah) has full-width units.
-fn half_width((vendor, signature): ([u8; 12], u32)) -> bool {
-    let base = (signature >> 8) & 0xf;
-    let family = if base == 0xf {
-        base + ((signature >> 20) & 0xff)
-    } else {
-        base
-    };
-    &vendor == b"AuthenticAMD" && family == 0x19
 }
 
 /// An element type's loads on AVX-512, implemented for the AVX2 path's element types so
@@ -646,21 +614,4 @@ pub(crate) unsafe fn accumulate_v_dyn<E: Elem512>(
     );
     // SAFETY: the CPU is the caller's promise; the lengths are checked above.
     unsafe { with_group!(g, G => accumulate_v::<E, G>(vs, d, p, b, acc, pf)) }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// CPUID signatures of real parts: only AMD's family 19h with AVX-512 is half width.
-    #[test]
-    fn half_width_is_amd_family_19h() {
-        let (amd, intel) = (*b"AuthenticAMD", *b"GenuineIntel");
-        assert!(half_width((amd, 0x00A1_0F11))); // EPYC 9004 (Zen 4), family 19h model 11h
-        assert!(half_width((amd, 0x00A6_0F12))); // Ryzen 7040 (Zen 4)
-        assert!(!half_width((amd, 0x00B0_0F21))); // EPYC 9005 (Zen 5), family 1Ah
-        assert!(!half_width((amd, 0x0083_0F10))); // EPYC 7002 (Zen 2), family 17h
-        assert!(!half_width((intel, 0x0008_06F8))); // Xeon Sapphire Rapids, family 6
-        assert!(!half_width((intel, 0x00A1_0F11))); // Zen 4's signature, another vendor
-    }
 }
