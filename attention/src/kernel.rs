@@ -29,9 +29,9 @@ pub struct Scratch {
 pub(crate) struct State<'a> {
     /// `[G][D]` unnormalised output.
     pub(crate) acc: &'a mut [f32],
-    /// `[G]` running max (base 2), the point the weights are taken against; the AVX-512
-    /// path may leave it up to `LAZY_MAX_SLACK` below the true maximum, which every path
-    /// accepts (`l` and `acc` are kept against whatever `m` holds).
+    /// `[G]` running max (base 2), the point the weights are taken against; the AVX2 and
+    /// AVX-512 paths may leave it up to `LAZY_MAX_SLACK` below the true maximum, which every
+    /// path accepts (`l` and `acc` are kept against whatever `m` holds).
     pub(crate) m: &'a mut [f32],
     /// `[G]` running denominator.
     pub(crate) l: &'a mut [f32],

@@ -14,6 +14,7 @@ use crate::avx2::{AsBf16, AsF8, AsF16, AsF32, AsI8, Elem, deinterleave, hsum, in
 use crate::block::BlockGeometry;
 use crate::dtype::KvDType;
 use crate::kernel::State;
+use crate::kernel_avx512::LAZY_MAX_SLACK;
 
 /// True when this CPU can run the path.
 pub(crate) fn available() -> bool {
@@ -284,6 +285,8 @@ unsafe fn block_as<E: crate::kernel_avx512::Elem512>(
 /// maximum (a NaN score makes the head's output NaN, as on the scalar path), the eight
 /// rescale factors of the running state in one vector `exp2`, then the weights in place of
 /// the scores. Only a partly filled last vector is masked (its slots may hold stale bytes).
+/// Where every score of the eight lies within [`LAZY_MAX_SLACK`] of its head's maximum, the
+/// maxima stay as they are and only the weights are computed.
 ///
 /// # Safety
 /// AVX2 and FMA; `st.s` holds `g * b` scores with `8 * nv <= b`, `len <= 8 * nv`; `st.acc`
@@ -298,8 +301,10 @@ unsafe fn softmax_block(st: &mut State<'_>, g: usize, b: usize, d: usize, nv: us
     );
     for h0 in (0..g).step_by(8) {
         let n = (g - h0).min(8);
-        let mut m_old = [f32::NEG_INFINITY; 8];
-        let mut m_new = [f32::NEG_INFINITY; 8];
+        // Whether no head's scores rise more than `LAZY_MAX_SLACK` above its running maximum
+        // (ordered compares: a NaN score fails, so does a head with no maximum yet), as the
+        // AVX-512 softmax does it.
+        let mut near = true;
         for i in 0..n {
             let sh = &mut st.s[(h0 + i) * b..(h0 + i) * b + nv * 8];
             if tail < 8 {
@@ -309,6 +314,42 @@ unsafe fn softmax_block(st: &mut State<'_>, g: usize, b: usize, d: usize, nv: us
                     _mm256_storeu_ps(p, _mm256_blendv_ps(neg, _mm256_loadu_ps(p), tail_mask));
                 }
             }
+            let m = st.m[h0 + i];
+            near &= m.is_finite() && {
+                let top = _mm256_set1_ps(m + LAZY_MAX_SLACK);
+                let mut le = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+                for j in 0..nv {
+                    // SAFETY: in bounds of sh.
+                    let v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
+                    le = _mm256_and_ps(le, _mm256_cmp_ps::<_CMP_LE_OQ>(v, top));
+                }
+                _mm256_movemask_ps(le) == 0xff
+            };
+        }
+        if near {
+            // The weights against each maximum as it stands (each at most 2^LAZY_MAX_SLACK):
+            // no block maximum, no rescale of the state.
+            for i in 0..n {
+                let h = h0 + i;
+                let sh = &mut st.s[h * b..h * b + nv * 8];
+                let mb = _mm256_set1_ps(st.m[h]);
+                let mut vsum = _mm256_setzero_ps();
+                for j in 0..nv {
+                    // SAFETY: in bounds of sh.
+                    let v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
+                    let p = exp2_ps(_mm256_sub_ps(v, mb));
+                    vsum = _mm256_add_ps(vsum, p);
+                    // SAFETY: in bounds of sh.
+                    unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * j), p) };
+                }
+                st.l[h] += hsum(vsum);
+            }
+            continue;
+        }
+        let mut m_old = [f32::NEG_INFINITY; 8];
+        let mut m_new = [f32::NEG_INFINITY; 8];
+        for i in 0..n {
+            let sh = &st.s[(h0 + i) * b..(h0 + i) * b + nv * 8];
             let mut vmax = neg;
             let mut nan = _mm256_setzero_ps();
             for j in 0..nv {

@@ -380,7 +380,7 @@ pub(crate) fn exp2_ps(x: __m512) -> __m512 {
 /// rescale of the state is computed. The state holds `l = sum 2^(s - m)` and the matching
 /// `acc` for whatever `m` it holds, so every path may fold the next block into it; `m` is
 /// then a lower bound of the running maximum, within this slack of it.
-const LAZY_MAX_SLACK: f32 = 8.0;
+pub(crate) const LAZY_MAX_SLACK: f32 = 8.0;
 
 /// The online softmax over a full 32-token block's scores for all `G` heads, as
 /// `kernel_avx2::softmax_block` does it (a NaN score makes its head's output NaN; a head with
