@@ -26,8 +26,11 @@
 //! Measured again on a 2-core EPYC (Zen 4), `bench kernels` 256 MiB, paths alternated, three
 //! runs, AVX-512 over AVX2 in GB/s: bf16 G=3-8 1.07-1.21 at one thread, 1.03-1.44 at two;
 //! f16 0.95-1.15; bf16 G=2 D=128 the one loss, 0.83-0.87 (equal or faster with the blocks in
-//! L2). `bench decode` SmolLM2-135M (G=3) at 7.8k, three rounds each: full 46-55 -> 58-60
-//! tok/s, scout 57-65 -> 70-71. So every CPU that has AVX-512 takes it.
+//! L2). A later run with the VM quiet: bf16 G=4-8 0.95-1.19 (all but one above 1), G=2
+//! D=128 0.88-0.91; f16 0.93-1.13, G=2 D=128 0.88-0.96, G=5 0.93-0.98. `bench decode` SmolLM2-135M (G=3, bf16) at 7.8k, three
+//! rounds each: full 46-55 -> 58-60 tok/s, scout 57-65 -> 70-71. So every CPU that has
+//! AVX-512 takes it; a rule per dtype and group on Zen 4 would win a few percent in the
+//! cases it loses.
 
 use std::arch::x86_64::*;
 
