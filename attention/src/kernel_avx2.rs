@@ -331,18 +331,7 @@ unsafe fn softmax_block(st: &mut State<'_>, g: usize, b: usize, d: usize, nv: us
             // no block maximum, no rescale of the state.
             for i in 0..n {
                 let h = h0 + i;
-                let sh = &mut st.s[h * b..h * b + nv * 8];
-                let mb = _mm256_set1_ps(st.m[h]);
-                let mut vsum = _mm256_setzero_ps();
-                for j in 0..nv {
-                    // SAFETY: in bounds of sh.
-                    let v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
-                    let p = exp2_ps(_mm256_sub_ps(v, mb));
-                    vsum = _mm256_add_ps(vsum, p);
-                    // SAFETY: in bounds of sh.
-                    unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * j), p) };
-                }
-                st.l[h] += hsum(vsum);
+                st.l[h] += weights(&mut st.s[h * b..h * b + nv * 8], st.m[h]);
             }
             continue;
         }
@@ -382,17 +371,7 @@ unsafe fn softmax_block(st: &mut State<'_>, g: usize, b: usize, d: usize, nv: us
                 sh.fill(0.0);
                 continue;
             }
-            let mb = _mm256_set1_ps(m_new[i]);
-            let mut vsum = _mm256_setzero_ps();
-            for j in 0..nv {
-                // SAFETY: in bounds of sh.
-                let v = unsafe { _mm256_loadu_ps(sh.as_ptr().add(8 * j)) };
-                let p = exp2_ps(_mm256_sub_ps(v, mb));
-                vsum = _mm256_add_ps(vsum, p);
-                // SAFETY: in bounds of sh.
-                unsafe { _mm256_storeu_ps(sh.as_mut_ptr().add(8 * j), p) };
-            }
-            st.l[h] = st.l[h] * alpha[i] + hsum(vsum);
+            st.l[h] = st.l[h] * alpha[i] + weights(sh, m_new[i]);
             st.m[h] = m_new[i];
             if alpha[i] != 1.0 {
                 for x in &mut st.acc[h * d..(h + 1) * d] {
@@ -401,6 +380,22 @@ unsafe fn softmax_block(st: &mut State<'_>, g: usize, b: usize, d: usize, nv: us
             }
         }
     }
+}
+
+/// `2^(s - m)` in place of each score of `sh` (whole vectors of 8); returns their sum.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn weights(sh: &mut [f32], m: f32) -> f32 {
+    let mb = _mm256_set1_ps(m);
+    let mut vsum = _mm256_setzero_ps();
+    for v in sh.chunks_exact_mut(8) {
+        // SAFETY: eight floats of `v`.
+        let p = exp2_ps(_mm256_sub_ps(unsafe { _mm256_loadu_ps(v.as_ptr()) }, mb));
+        vsum = _mm256_add_ps(vsum, p);
+        // SAFETY: as the load.
+        unsafe { _mm256_storeu_ps(v.as_mut_ptr(), p) };
+    }
+    hsum(vsum)
 }
 
 /// Heads in the next register tile when `rest` heads are left: all of them up to six; eight
