@@ -287,7 +287,7 @@ fn bench_multiturn_pushes_less_with_reuse() {
 }
 
 /// `bench kernels --json` on a 1 MiB working set, one thread, head dim 64, for `groups` and
-/// `paths`, with `DECODE_NODE_AVX512` set to `avx512` where given.
+/// `paths`, with `DECODE_NODE_AVX512` set to `avx512` where given (unset otherwise).
 fn kernels_bench(groups: &str, paths: &str, avx512: Option<&str>) -> serde_json::Value {
     kernels_bench_with(groups, paths, avx512, &[])
 }
@@ -318,9 +318,12 @@ fn kernels_bench_with(
         paths,
     ]);
     cmd.args(extra);
-    if let Some(v) = avx512 {
-        cmd.env("DECODE_NODE_AVX512", v);
-    }
+    // Unset where not given: a suite run with `DECODE_NODE_AVX512=0` (the AVX2 paths on an
+    // AVX-512 host) must not turn the default case off.
+    match avx512 {
+        Some(v) => cmd.env("DECODE_NODE_AVX512", v),
+        None => cmd.env_remove("DECODE_NODE_AVX512"),
+    };
     let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
