@@ -3,7 +3,8 @@
 //!
 //! Per block: scores come from register tiles of heads x token vectors read straight from the
 //! stored keys (each key vector converted once per tile); the softmax uses a vector `exp2`
-//! (a degree-6 polynomial on [-0.5, 0.5], error below 1e-7 relative); V rows are converted as they
+//! (a degree-6 polynomial on [-0.5, 0.5], error below 1e-7 relative) and keeps a head's maximum
+//! until a block rises 2^8 past it, as the AVX-512 one does; V rows are converted as they
 //! stream and accumulated into up to six heads held in registers. Every loop is compiled once
 //! per element type ([`Elem`]), so no branch on the type sits inside one.
 

@@ -378,7 +378,7 @@ pub(crate) fn exp2_ps(x: __m512) -> __m512 {
 }
 
 /// How far (base 2) a block's scores may rise above a head's running maximum before
-/// [`softmax`] moves the maximum: up to it, the weights are taken against the maximum as it
+/// [`softmax`] (and the AVX2 path's `softmax_block`) moves the maximum: up to it, the weights are taken against the maximum as it
 /// stands (at most 2^8 each, far from overflow), and neither the block's maximum nor a
 /// rescale of the state is computed. The state holds `l = sum 2^(s - m)` and the matching
 /// `acc` for whatever `m` it holds, so every path may fold the next block into it; `m` is
