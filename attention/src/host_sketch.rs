@@ -285,7 +285,7 @@ impl HeadSketch {
                         len => (sketch_of(b), len),
                     })
                     .collect();
-                // Where the attention kernel takes AVX-512.
+                // AVX-512 where the CPU has it, as the attention kernel takes it.
                 let avx512 = crate::kernel_avx512::available();
                 // SAFETY: `QueryI8::for_blocks` made one only where AVX2 is present and 16
                 // divides `bs`, `available` checked AVX-512; each sketch is a whole block's

@@ -27,10 +27,10 @@
 //! runs, AVX-512 over AVX2 in GB/s: bf16 G=3-8 1.07-1.21 at one thread, 1.03-1.44 at two;
 //! f16 0.95-1.15; bf16 G=2 D=128 the one loss, 0.83-0.87 (equal or faster with the blocks in
 //! L2). A later run with the VM quiet: bf16 G=4-8 0.95-1.19 (all but one above 1), G=2
-//! D=128 0.88-0.91; f16 0.93-1.13, G=2 D=128 0.88-0.96, G=5 0.93-0.98. `bench decode` SmolLM2-135M (G=3, bf16) at 7.8k, three
-//! rounds each: full 46-55 -> 58-60 tok/s, scout 57-65 -> 70-71. So every CPU that has
-//! AVX-512 takes it; a rule per dtype and group on Zen 4 would win a few percent in the
-//! cases it loses.
+//! D=128 0.88-0.91; f16 0.93-1.13, G=2 D=128 0.88-0.96, G=5 0.93-0.98. `bench decode`
+//! SmolLM2-135M (G=3, bf16) at 7.8k, three rounds each: full 46-55 -> 58-60 tok/s, scout
+//! 57-65 -> 70-71. So every CPU that has AVX-512 takes it; a rule per dtype and group on
+//! Zen 4 would win a few percent in the cases it loses.
 
 use std::arch::x86_64::*;
 
@@ -378,9 +378,9 @@ pub(crate) fn exp2_ps(x: __m512) -> __m512 {
 }
 
 /// How far (base 2) a block's scores may rise above a head's running maximum before
-/// [`softmax`] (and the AVX2 path's `softmax_block`) moves the maximum: up to it, the weights are taken against the maximum as it
-/// stands (at most 2^8 each, far from overflow), and neither the block's maximum nor a
-/// rescale of the state is computed. The state holds `l = sum 2^(s - m)` and the matching
+/// [`softmax`] (and the AVX2 path's `softmax_block`) moves the maximum: up to it, the
+/// weights are taken against the maximum as it stands (at most 2^8 each, far from overflow),
+/// and neither the block's maximum nor a rescale of the state is computed. The state holds `l = sum 2^(s - m)` and the matching
 /// `acc` for whatever `m` it holds, so every path may fold the next block into it; `m` is
 /// then a lower bound of the running maximum, within this slack of it.
 pub(crate) const LAZY_MAX_SLACK: f32 = 8.0;

@@ -115,7 +115,7 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
             }
         }
         // The bounds once more after the rows, the higher of each pair kept: on a shared
-        // machine one probe can land in a busy moment (a 2-core VM's read probe moved 32-58
+        // machine one probe can land in a busy moment (a 2-core VM's read probe moved 32-60
         // GB/s at two threads, its AVX-512 FMA probe 68-118 G/s), and a row then passed its
         // bound (ratios of 1.3-1.5). The rows print once both are in.
         let bw = bw_before.max(read_bandwidth(buf.floats(), t, args.seconds.min(1.0)));
