@@ -11,6 +11,7 @@
 use crate::block::{BlockGeometry, HeadBlock};
 use crate::dtype::decode_to_f32;
 use crate::merge::Partial;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Reusable buffers of [`attend_blocks`]; one per worker thread avoids allocation per call.
 #[derive(Debug, Default)]
@@ -21,6 +22,8 @@ pub struct Scratch {
     acc: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
+    /// The pre-scaled query rounded to bf16 (the `avx512bf16` path's bf16 blocks).
+    qb: Vec<u16>,
 }
 
 /// Running softmax state of a group over the blocks seen so far, as the SIMD paths fold
@@ -53,6 +56,11 @@ pub enum KernelPath {
     /// 8 heads, where the CPU has it.
     #[cfg(target_arch = "x86_64")]
     Avx512,
+    /// [`KernelPath::Avx512`] with AVX-512 BF16 dot products for full 32-token bf16 blocks of
+    /// groups of 2 to 8 heads: the query and each block's weights rounded to bf16 before the
+    /// products, as tensor cores take them (`kernel_bf16`).
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16,
     /// NEON (arm64).
     #[cfg(target_arch = "aarch64")]
     Neon,
@@ -66,6 +74,8 @@ impl KernelPath {
         Self::Avx2,
         #[cfg(target_arch = "x86_64")]
         Self::Avx512,
+        #[cfg(target_arch = "x86_64")]
+        Self::Avx512Bf16,
         #[cfg(target_arch = "aarch64")]
         Self::Neon,
     ];
@@ -78,6 +88,8 @@ impl KernelPath {
             Self::Avx2 => "avx2",
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => "avx512",
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Bf16 => "avx512bf16",
             #[cfg(target_arch = "aarch64")]
             Self::Neon => "neon",
         }
@@ -98,9 +110,49 @@ impl KernelPath {
             Self::Avx512 => {
                 simd_shape && crate::kernel_avx2::available() && crate::kernel_avx512::available()
             }
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Bf16 => Self::Avx512.runs(geom) && crate::kernel_bf16::available(),
             #[cfg(target_arch = "aarch64")]
             Self::Neon => simd_shape && crate::kernel_neon::available(),
         }
+    }
+
+    /// The fastest path this CPU has for blocks of `geom` that multiplies in f32 throughout
+    /// (not [`KernelPath::Avx512Bf16`]): the reference other implementations of the same
+    /// attention (a GPU's kernels) are held to at f32 precision.
+    pub fn best_f32(geom: &BlockGeometry) -> Self {
+        Self::ALL
+            .iter()
+            .rev()
+            .copied()
+            .filter(|p| {
+                #[cfg(target_arch = "x86_64")]
+                return *p != Self::Avx512Bf16;
+                #[cfg(not(target_arch = "x86_64"))]
+                return {
+                    let _ = p;
+                    true
+                };
+            })
+            .find(|p| p.runs(geom))
+            .unwrap_or(Self::Scalar)
+    }
+
+    /// Whether this path, for a group of `g` query heads over blocks of `geom`, multiplies
+    /// bf16 pairs (`VDPBF16PS`: the query and the weights rounded to bf16) rather than f32 FMAs:
+    /// [`KernelPath::Avx512Bf16`] on bf16 blocks of the shapes it takes. Its multiply-add
+    /// rate is then [`crate::bf16_dot_peak`]'s, not [`crate::fma_peak_on`]'s.
+    pub fn multiplies_bf16(self, geom: &BlockGeometry, g: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return self == Self::Avx512Bf16
+            && self.runs(geom)
+            && geom.dtype == crate::KvDType::Bf16
+            && crate::kernel_bf16::shape(g, geom.block_size, geom.head_dim);
+        #[cfg(not(target_arch = "x86_64"))]
+        return {
+            let _ = (geom, g);
+            false
+        };
     }
 
     /// The fastest path this CPU has for blocks of `geom`: the widest it runs (AVX-512 on
@@ -115,7 +167,21 @@ impl KernelPath {
     }
 }
 
-/// Attends `q` (`[G][head_dim]`, unscaled) over `blocks` of one KV head.
+/// The path [`attend_blocks`] takes in this process, where a bench set one: an index into
+/// [`KernelPath::ALL`] plus one, 0 for [`KernelPath::best`].
+static FORCED_PATH: AtomicUsize = AtomicUsize::new(0);
+
+/// Makes every later [`attend_blocks`] call in this process take `path` (one this CPU cannot
+/// run falls back as [`attend_blocks_on`] says) instead of [`KernelPath::best`]; `None`
+/// restores the choice. For benches that compare paths on a whole model (`bench fidelity
+/// --cpu-paths`): a server never calls it.
+pub fn force_kernel_path(path: Option<KernelPath>) {
+    let i = path.and_then(|p| KernelPath::ALL.iter().position(|x| *x == p));
+    FORCED_PATH.store(i.map_or(0, |i| i + 1), Ordering::Relaxed);
+}
+
+/// Attends `q` (`[G][head_dim]`, unscaled) over `blocks` of one KV head, on the fastest path
+/// this CPU has ([`KernelPath::best`]).
 ///
 /// `scale` is the softmax scale (usually `1/sqrt(head_dim)`). Returns per-head normalised
 /// output and `lse2`; with no blocks the partial is empty.
@@ -126,7 +192,11 @@ pub fn attend_blocks<'a>(
     blocks: impl IntoIterator<Item = HeadBlock<'a>>,
     scratch: &mut Scratch,
 ) -> Partial {
-    attend_blocks_on(KernelPath::best(geom), geom, q, scale, blocks, scratch)
+    let path = match FORCED_PATH.load(Ordering::Relaxed) {
+        0 => KernelPath::best(geom),
+        i => KernelPath::ALL[i - 1],
+    };
+    attend_blocks_on(path, geom, q, scale, blocks, scratch)
 }
 
 /// [`attend_blocks`] on a given path (a path this CPU or shape cannot run falls back to
@@ -149,6 +219,7 @@ pub fn attend_blocks_on<'a>(
         acc,
         m,
         l,
+        qb,
     } = scratch;
     // Pre-scaling by log2(e) turns exp into exp2 for the whole crate.
     qs.clear();
@@ -166,7 +237,17 @@ pub fn attend_blocks_on<'a>(
     #[cfg(target_arch = "x86_64")]
     let simd = path != KernelPath::Scalar && path.runs(geom);
     #[cfg(target_arch = "x86_64")]
-    let wide = path == KernelPath::Avx512 && simd;
+    let wide = matches!(path, KernelPath::Avx512 | KernelPath::Avx512Bf16) && simd;
+    // The bf16 dot products' query, rounded once a call.
+    #[cfg(target_arch = "x86_64")]
+    let qb = if path.multiplies_bf16(geom, g) {
+        crate::kernel_bf16::round_query(qs, qb);
+        Some(&qb[..])
+    } else {
+        None
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = qb;
     #[cfg(target_arch = "aarch64")]
     let simd = path == KernelPath::Neon && path.runs(geom);
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
@@ -192,7 +273,9 @@ pub fn attend_blocks_on<'a>(
             let mut st = State { acc, m, l, s };
             // SAFETY: `best` checked the CPU and that block size and head dim are multiples of
             // 8; the block holds a whole head block.
-            unsafe { crate::kernel_avx2::block(geom, qs, blk.bytes, len, &mut st, &mut pf, wide) };
+            unsafe {
+                crate::kernel_avx2::block(geom, qs, qb, blk.bytes, len, &mut st, &mut pf, wide)
+            };
             continue;
         }
         #[cfg(target_arch = "aarch64")]
@@ -378,6 +461,42 @@ pub(crate) mod tests {
             .collect()
     }
 
+    /// The query as `path` reads it for `g` heads of blocks of `geom` (unscaled, for
+    /// [`reference`]): rounded to bf16 after its scaling where the bf16 dot products take
+    /// the call (`kernel_bf16`), else as it is.
+    pub(crate) fn query_as_read(
+        path: KernelPath,
+        geom: &BlockGeometry,
+        q: &[f32],
+        scale: f32,
+    ) -> Vec<f32> {
+        if !path.multiplies_bf16(geom, q.len() / geom.head_dim) {
+            return q.to_vec();
+        }
+        let k = scale as f64 * std::f64::consts::LOG2_E;
+        q.iter()
+            .map(|x| {
+                (half::bf16::from_f32(x * scale * std::f32::consts::LOG2_E).to_f64() / k) as f32
+            })
+            .collect()
+    }
+
+    /// What `path` may add to an output against [`reference`] by the query from
+    /// [`query_as_read`]: where it rounds each weight to bf16 (relative error at most 2^-9)
+    /// before the products with V, up to 2^-9 of the largest |V| it reads (twice that, for
+    /// the f32 sums).
+    pub(crate) fn weight_rounding(
+        path: KernelPath,
+        geom: &BlockGeometry,
+        g: usize,
+        vals: &[f32],
+    ) -> f64 {
+        if !path.multiplies_bf16(geom, g) {
+            return 0.0;
+        }
+        2f64.powi(-8) * vals.iter().fold(0f64, |m, v| m.max(v.abs() as f64))
+    }
+
     /// Scalar f64 reference over the values as stored (after rounding to the dtype).
     fn reference(
         q: &[f32],
@@ -489,12 +608,13 @@ pub(crate) mod tests {
             // The reference attends the values as stored (rounded, or quantized with scales).
             let (keys, vals) = read_back(&geom, &blocks);
             let scale = 1.0 / (d as f32).sqrt();
-            let (ro, rl) = reference(&q, &keys, &vals, d, scale);
             // Every path this CPU runs (on an AVX-512 host, the AVX2-only one too).
             for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
+                let (ro, rl) = reference(&query_as_read(path, &geom, &q, scale), &keys, &vals, d, scale);
+                let slack = weight_rounding(path, &geom, g, &vals);
                 let p = attend_blocks_on(path, &geom, &q, scale, blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }), &mut Scratch::default());
                 for (a, b) in p.out.iter().zip(&ro) {
-                    prop_assert!((*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0), "{path:?}: {a} vs {b}");
+                    prop_assert!((*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0) + slack, "{path:?}: {a} vs {b}");
                 }
                 for (a, b) in p.lse2.iter().zip(&rl) {
                     prop_assert!((*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0), "{path:?}: {a} vs {b}");
@@ -527,17 +647,20 @@ pub(crate) mod tests {
                 v[i] = *x;
             }
             let blocks = build_blocks(&geom, &keys, &vals);
-            let run = |path| attend_blocks_on(path, &geom, &q, 0.125, blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }), &mut Scratch::default());
-            let want = run(KernelPath::Scalar);
+            let run = |path, q: &[f32]| attend_blocks_on(path, &geom, q, 0.125, blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }), &mut Scratch::default());
             for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
-            let got = run(path);
+            // The scalar path given the query as this path reads it.
+            let want = run(KernelPath::Scalar, &query_as_read(path, &geom, &q, 0.125));
+            let finite_vals: Vec<f32> = vals.iter().copied().filter(|v| v.is_finite()).collect();
+            let slack = weight_rounding(path, &geom, g, &finite_vals);
+            let got = run(path, &q);
             for h in 0..g {
                 let (w, o) = (&want.out[h * d..(h + 1) * d], &got.out[h * d..(h + 1) * d]);
                 let finite = |x: &[f32]| x.iter().all(|v| v.is_finite());
                 prop_assert_eq!(finite(w), finite(o), "head {}: {:?} vs {:?}", h, &w[..4.min(d)], &o[..4.min(d)]);
                 if finite(w) {
                     for (a, b) in o.iter().zip(w) {
-                        prop_assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{:?}: {} vs {}", path, a, b);
+                        prop_assert!(((a - b).abs() as f64) <= 1e-4 * b.abs().max(1.0) as f64 + slack, "{:?}: {} vs {}", path, a, b);
                     }
                 }
             }
@@ -574,8 +697,15 @@ pub(crate) mod tests {
                     let blocks = build_blocks(&geom, &keys, &values(5, n * d, 1.0));
                     let (keys, vals) = read_back(&geom, &blocks);
                     let scale = 1.0 / (d as f32).sqrt();
-                    let (ro, rl) = reference(&q, &keys, &vals, d, scale);
                     for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
+                        let (ro, rl) = reference(
+                            &query_as_read(path, &geom, &q, scale),
+                            &keys,
+                            &vals,
+                            d,
+                            scale,
+                        );
+                        let slack = weight_rounding(path, &geom, g, &vals);
                         let p = attend_blocks_on(
                             path,
                             &geom,
@@ -586,11 +716,128 @@ pub(crate) mod tests {
                         );
                         for (a, b) in p.out.iter().zip(&ro).chain(p.lse2.iter().zip(&rl)) {
                             assert!(
-                                (*a as f64 - b).abs() <= tol * b.abs().max(1.0),
+                                (*a as f64 - b).abs() <= tol * b.abs().max(1.0) + slack,
                                 "{path:?} {dt} G={g}: {a} vs {b}"
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Every head dim a SIMD path takes (a multiple of 8) and every group size, on full
+    /// blocks of 32 and a partly filled last one, equals the reference: the AVX-512 pieces
+    /// take some of a block's phases and leave the others to the AVX2 loops (scores and
+    /// softmax where V does not divide in 32-channel slices), which must read the weights in
+    /// the order they were left (bf16's even-then-odd tokens once reached the AVX2 V loop,
+    /// which read them in token order, at head dims 8, 16, 24, 48, 80, 112).
+    #[test]
+    fn every_head_dim_and_group_matches_the_reference() {
+        let n = 2 * 32 + 9;
+        for dt in [KvDType::F32, KvDType::F16, KvDType::Bf16, KvDType::I8] {
+            for d in [8, 16, 24, 40, 48, 80, 96, 112] {
+                for g in 1..=8 {
+                    let geom = BlockGeometry {
+                        block_size: 32,
+                        num_kv_heads: 1,
+                        head_dim: d,
+                        dtype: dt,
+                    };
+                    let q = values(31, g * d, 2.0);
+                    let blocks =
+                        build_blocks(&geom, &values(32, n * d, 2.0), &values(33, n * d, 1.0));
+                    let (keys, vals) = read_back(&geom, &blocks);
+                    let scale = 1.0 / (d as f32).sqrt();
+                    for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
+                        let (ro, rl) = reference(
+                            &query_as_read(path, &geom, &q, scale),
+                            &keys,
+                            &vals,
+                            d,
+                            scale,
+                        );
+                        let slack = weight_rounding(path, &geom, g, &vals);
+                        let p = attend_blocks_on(
+                            path,
+                            &geom,
+                            &q,
+                            scale,
+                            blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }),
+                            &mut Scratch::default(),
+                        );
+                        for (a, b) in p.out.iter().zip(&ro) {
+                            assert!(
+                                (*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0) + slack,
+                                "{path:?} {dt} G={g} D={d}: {a} vs {b}"
+                            );
+                        }
+                        for (a, b) in p.lse2.iter().zip(&rl) {
+                            assert!(
+                                (*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0),
+                                "{path:?} {dt} G={g} D={d}: lse2 {a} vs {b}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Where rounding to bf16 changes nothing, the bf16 dot products equal the reference to
+    /// f32 precision, with the query and the weights as every other path reads them: the
+    /// scaled query and the keys small integers (exact in bf16), so every score is an integer
+    /// and every weight a power of two. This pins what the looser tests cannot: each token's
+    /// weight meets its own V row, each channel lands in its place, each pair of rows and
+    /// tokens is summed once, for every group size the path takes and a partly filled last
+    /// block.
+    #[test]
+    fn bf16_dot_products_are_exact_where_rounding_is() {
+        let n = 5 * 32 + 7;
+        for (g, d) in [
+            (2, 64),
+            (3, 128),
+            (4, 64),
+            (5, 64),
+            (6, 128),
+            (7, 64),
+            (8, 64),
+            (8, 128),
+        ] {
+            let geom = BlockGeometry {
+                block_size: 32,
+                num_kv_heads: 1,
+                head_dim: d,
+                dtype: KvDType::Bf16,
+            };
+            let scale = 1.0 / (d as f32).sqrt();
+            let int = |seed, len| -> Vec<f32> {
+                values(seed, len, 1.5).iter().map(|x| x.round()).collect()
+            };
+            // Scaled by `scale * log2(e)` in the kernel, each is within a few ulps of an
+            // integer in -1..=1, which bf16 rounds to the integer.
+            let q: Vec<f32> = int(21, g * d)
+                .iter()
+                .map(|x| x / (scale * std::f32::consts::LOG2_E))
+                .collect();
+            let keys = int(22, n * d);
+            let blocks = build_blocks(&geom, &keys, &values(23, n * d, 1.0));
+            let (keys, vals) = read_back(&geom, &blocks);
+            let (ro, rl) = reference(&q, &keys, &vals, d, scale);
+            for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
+                let p = attend_blocks_on(
+                    path,
+                    &geom,
+                    &q,
+                    scale,
+                    blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }),
+                    &mut Scratch::default(),
+                );
+                for (a, b) in p.out.iter().zip(&ro).chain(p.lse2.iter().zip(&rl)) {
+                    assert!(
+                        (*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0),
+                        "{path:?} G={g} D={d}: {a} vs {b}"
+                    );
                 }
             }
         }

@@ -182,22 +182,40 @@ fn line_calls(g: usize, d: usize, nv: usize, len: usize) -> usize {
     calls
 }
 
-/// Folds one block (`len` tokens) into `st`. `qs` is the pre-scaled `[G][D]` query.
+/// Folds one block (`len` tokens) into `st`. `qs` is the pre-scaled `[G][D]` query; `qb`,
+/// where given, the same rounded to bf16, for bf16 blocks that `kernel_bf16` takes.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`available`]), and AVX-512 F/BW when `avx512`;
+/// The CPU must support AVX2, FMA and F16C ([`available`]), AVX-512 F/BW when `avx512`, and
+/// AVX-512 BF16 too when `qb` is given;
 /// `bytes` must hold a whole head block of `geom`; `geom.block_size` and `geom.head_dim` must
 /// be multiples of 8.
+#[allow(clippy::too_many_arguments)] // the block, the state and how to run it
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn block(
     geom: &BlockGeometry,
     qs: &[f32],
+    qb: Option<&[u16]>,
     bytes: &[u8],
     len: usize,
     st: &mut State<'_>,
     pf: &mut Prefetch<'_>,
     avx512: bool,
 ) {
+    let (b, d) = (geom.block_size, geom.head_dim);
+    if let Some(qb) = qb
+        && geom.dtype == KvDType::Bf16
+        && crate::kernel_bf16::takes(qs.len() / d, b, len, d)
+    {
+        let (kt, vs) = bytes.split_at(b * d * 2);
+        // One request of the next block's lines per two K rows and per two V rows of 32
+        // channels, as the AVX-512 loops.
+        pf.spread_over(d);
+        // SAFETY: the CPU is the caller's promise; the lengths are checked inside.
+        if unsafe { crate::kernel_bf16::block(kt, vs, d, qb, st, pf) } {
+            return;
+        }
+    }
     // SAFETY (every arm): forwarded; the element type is the block's.
     unsafe {
         match geom.dtype {
@@ -231,8 +249,14 @@ unsafe fn block_as<E: crate::kernel_avx512::Elem512>(
     let (kt, vs) = bytes.split_at(b * d * es);
     let scaled = dt.scaled();
     // AVX-512 keeps a whole group of 2..8 heads in registers for full 32-token blocks (each K
-    // and V element converted once per group); `avx512` says the CPU has it.
-    let wide = avx512 && b == 32 && len == 32 && (2..=8).contains(&g);
+    // and V element converted once per group); `avx512` says the CPU has it. Its scores of a
+    // split type leave the tokens even-then-odd, which only its own V loop reads: where that
+    // loop cannot take the head dim (not a multiple of 32), the AVX2 loops take the block.
+    let wide = avx512
+        && b == 32
+        && len == 32
+        && (2..=8).contains(&g)
+        && (!E::SPLIT || d.is_multiple_of(32));
     // SAFETY: forwarded from this function's contract; `s` holds G x b scores; `wide` checked
     // the CPU.
     pf.spread_over(if wide { d } else { line_calls(g, d, nv, len) });
@@ -693,7 +717,7 @@ mod tests {
                         };
                         let mut pf = Prefetch::new(&next);
                         // SAFETY: checked the CPU; a whole head block; 32 and d multiples of 8.
-                        unsafe { block(&geom, &qs, &bytes, len, &mut st, &mut pf, false) };
+                        unsafe { block(&geom, &qs, None, &bytes, len, &mut st, &mut pf, false) };
                         let nv = len.div_ceil(8);
                         let calls = line_calls(g, d, nv, len);
                         let case = format!("{dtype:?} d={d} g={g} len={len}");

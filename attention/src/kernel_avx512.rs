@@ -542,6 +542,7 @@ macro_rules! with_group {
         }
     };
 }
+pub(crate) use with_group;
 
 /// [`scores`] for a run-time group size; false (nothing done) outside 2..=8.
 ///

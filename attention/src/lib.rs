@@ -52,6 +52,8 @@ mod kernel;
 mod kernel_avx2;
 #[cfg(target_arch = "x86_64")]
 mod kernel_avx512;
+#[cfg(target_arch = "x86_64")]
+mod kernel_bf16;
 #[cfg(target_arch = "aarch64")]
 mod kernel_neon;
 mod merge;
@@ -67,11 +69,11 @@ mod sparq;
 pub use block::{BlockGeometry, HeadBlock, Rows, WireTokens};
 pub use digest::{Digest, GroupQuery, GroupScore, HeadDigests};
 pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
-pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on};
+pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on, force_kernel_path};
 #[cfg(target_arch = "x86_64")]
 pub use kernel_avx512::avx512_enabled;
 pub use merge::Partial;
-pub use peak::{fma_peak, fma_peak_on};
+pub use peak::{bf16_dot_peak, fma_peak, fma_peak_on};
 pub use policy::{AttentionConfig, BlockScorer, Mode, PredictionGuard, RecallLimits, RecallPolicy};
 pub use residency::DeviceBlock;
 pub use select::{TopCut, best_in, select_shared, select_spans, select_top_k};

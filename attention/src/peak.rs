@@ -29,6 +29,27 @@ pub fn fma_peak_on(path: KernelPath, seconds: f64) -> f64 {
     best
 }
 
+/// Products a second one thread's `VDPBF16PS` issue over `seconds` (32 a 512-bit
+/// instruction, each pair's two), the multiply-add rate of [`KernelPath::Avx512Bf16`]'s bf16
+/// blocks; 0 where the path cannot run.
+pub fn bf16_dot_peak(seconds: f64) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernel_bf16::available() {
+        let end = Instant::now() + Duration::from_secs_f64(seconds.max(0.01));
+        let mut best = 0f64;
+        while Instant::now() < end || best == 0.0 {
+            let reps = 1 << 20;
+            let t = Instant::now();
+            // SAFETY: `available` checked AVX-512F and BF16.
+            unsafe { x86::dot512(reps) };
+            best = best.max((reps * CHAINS * 32) as f64 / t.elapsed().as_secs_f64());
+        }
+        return best;
+    }
+    let _ = seconds;
+    0.0
+}
+
 /// `reps` rounds of `CHAINS` FMAs; returns the lanes per FMA of the path used.
 fn run(reps: usize, path: KernelPath) -> usize {
     #[cfg(target_arch = "x86_64")]
@@ -106,6 +127,25 @@ mod x86 {
         }
         std::hint::black_box(acc);
     }
+
+    /// # Safety
+    /// The CPU must have AVX-512F and AVX-512 BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn dot512(reps: usize) {
+        // SAFETY: 512 bits of bf16 pairs either way.
+        let a = unsafe {
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(std::hint::black_box(
+                0x3f80,
+            )))
+        };
+        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+        for _ in 0..reps {
+            for x in &mut acc {
+                *x = _mm512_dpbf16_ps(*x, a, a);
+            }
+        }
+        std::hint::black_box(acc);
+    }
 }
 
 #[cfg(test)]
@@ -117,5 +157,8 @@ mod tests {
         // once) and a wide server core with two 16-lane FMA ports; a broken measurement gives
         // zero, infinity or NaN.
         assert!((1e6..2e12).contains(&p), "{p}");
+        // None, or a rate of the same order as the FMAs' (twice the products an instruction).
+        let d = super::bf16_dot_peak(0.02);
+        assert!(d == 0.0 || (1e8..4e12).contains(&d), "{d}");
     }
 }

@@ -571,7 +571,9 @@ pub struct KernelsBench {
     pub working_set_mib: usize,
     /// Kernel paths: `best` (what the node runs on this CPU), `scalar` (the portable path,
     /// which is what a CPU with no SIMD path of ours gets, e.g. arm64), `avx2` (AVX2 only, as
-    /// on a CPU without AVX-512), `avx512`; a path this CPU lacks is skipped.
+    /// on a CPU without AVX-512), `avx512`, `avx512bf16` (`avx512` with bf16 blocks of groups
+    /// of 5 to 8 multiplied in bf16 pairs, held to that instruction's product rate); a path
+    /// this CPU lacks is skipped.
     #[arg(long, default_value = "best")]
     pub paths: String,
     /// With `--device cuda`: tokens per KV head each timed call attends, every block of them
@@ -792,6 +794,11 @@ pub struct FidelityBench {
     /// on the first one listed. Without it, the pool is `--kv-dtype`'s.
     #[arg(long)]
     pub kv_dtypes: Option<String>,
+    /// CPU attention kernel paths compared, e.g. `avx512,avx512bf16` (names as in `bench kernels
+    /// --paths`): every case runs on each, measured against `full` on the first one listed.
+    /// Without it, each call takes the fastest path this CPU has.
+    #[arg(long)]
+    pub cpu_paths: Option<String>,
     /// Print each passkey answer.
     #[arg(long)]
     pub verbose: bool,

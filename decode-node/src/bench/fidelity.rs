@@ -23,7 +23,7 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use attention::{AttentionConfig, KvDType, Mode, PredictionGuard};
+use attention::{AttentionConfig, KernelPath, KvDType, Mode, PredictionGuard};
 use kv_transfer::HostPool;
 use kv_transfer::client::PromptKv;
 use serde_json::json;
@@ -55,6 +55,8 @@ struct Case {
     label: String,
     cfg: AttentionConfig,
     guard: bool,
+    /// The CPU kernel path its calls take (`--cpu-paths`); `None`: the best.
+    cpu_path: Option<KernelPath>,
 }
 
 /// The configurations: `full` first (the reference), then each sparse mode at each budget;
@@ -74,6 +76,7 @@ fn cases(args: &FidelityBench, base: &AttentionConfig, block: usize) -> anyhow::
             ..base.clone()
         },
         guard: false,
+        cpu_path: None,
     }];
     for m in args.modes.split(',').map(str::trim) {
         let mode = Mode::parse(m).with_context(|| format!("--modes: unknown mode {m:?}"))?;
@@ -107,6 +110,7 @@ fn cases(args: &FidelityBench, base: &AttentionConfig, block: usize) -> anyhow::
                     label: format!("{m} b{b}{guard_label}"),
                     cfg,
                     guard: g,
+                    cpu_path: None,
                 });
             }
         }
@@ -290,6 +294,31 @@ fn kv_dtypes(args: &FidelityBench, node: &Node) -> anyhow::Result<Vec<KvDType>> 
     Ok(out)
 }
 
+/// The CPU kernel paths to compare: `--cpu-paths`, else the best one (`None`).
+fn cpu_paths(args: &FidelityBench) -> anyhow::Result<Vec<Option<KernelPath>>> {
+    let Some(list) = &args.cpu_paths else {
+        return Ok(vec![None]);
+    };
+    let mut out = Vec::new();
+    for s in list.split(',').map(str::trim) {
+        let p = KernelPath::ALL
+            .iter()
+            .copied()
+            .find(|p| p.name() == s)
+            .with_context(|| {
+                let names: Vec<&str> = KernelPath::ALL.iter().map(|p| p.name()).collect();
+                format!(
+                    "--cpu-paths: unknown path {s:?} (this build has {})",
+                    names.join(", ")
+                )
+            })?;
+        anyhow::ensure!(!out.contains(&Some(p)), "--cpu-paths: {s} is listed twice");
+        out.push(Some(p));
+    }
+    anyhow::ensure!(!out.is_empty(), "--cpu-paths is empty");
+    Ok(out)
+}
+
 /// `bench fidelity`.
 pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value> {
     let node = Node::build(&args.common.model)?;
@@ -336,16 +365,31 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             Ok(Store { layout, pool })
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    // Each case on each pool; the reference (`full` on the first pool) comes first.
+    let paths = cpu_paths(args)?;
+    // Each case on each pool and path; the reference (`full` on the first of each) comes first.
     let cases: Vec<(usize, Case)> = (0..stores.len())
-        .flat_map(|s| base_cases.iter().map(move |c| (s, c.clone())))
-        .map(|(s, mut c)| {
+        .flat_map(|s| paths.iter().map(move |p| (s, *p)))
+        .flat_map(|(s, p)| base_cases.iter().map(move |c| (s, p, c.clone())))
+        .map(|(s, p, mut c)| {
             if args.kv_dtypes.is_some() {
                 c.label = format!("{} {}", c.label, dtypes[s]);
             }
+            if let Some(p) = p {
+                c.label = format!("{} {}", c.label, p.name());
+            }
+            c.cpu_path = p;
             (s, c)
         })
         .collect();
+    // Every path's rows come from the calls of this thread's engine: the choice is the
+    // process's, restored when the bench returns however it returns.
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            attention::force_kernel_path(None);
+        }
+    }
+    let _restore = Restore;
     let cpu_pool = rayon::ThreadPoolBuilder::new()
         .num_threads(rayon::current_num_threads())
         .thread_name(|i| format!("cpu-attn-{i}"))
@@ -369,6 +413,7 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             let mut reference: Option<(Vec<u32>, bool, Vec<Vec<f64>>)> = None;
             for (c, (s, case)) in cases.iter().enumerate() {
                 let mut generated = vec![first];
+                attention::force_kernel_path(case.cpu_path);
                 let run = run_case(
                     &cx,
                     &stores[*s],
@@ -415,6 +460,7 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
         let feed = &text_ids[ctx..ctx + forced + 1];
         let mut reference: Option<Vec<Vec<f64>>> = None;
         for (c, (s, case)) in cases.iter().enumerate() {
+            attention::force_kernel_path(case.cpu_path);
             let run = run_case(&cx, &stores[*s], &case.cfg, &kv, feed[0], forced, |i, _| {
                 feed[i + 1]
             })?;
@@ -467,7 +513,10 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
         "budget_split": if node.attention.shared_budget { "layer" } else { "head" },
         "prompts": args.prompts,
         "forced_tokens": forced,
-        "reference": format!("full {}", dtypes[0]),
+        "reference": match paths[0] {
+            Some(p) => format!("full {} {}", dtypes[0], p.name()),
+            None => format!("full {}", dtypes[0]),
+        },
         "results": rows,
     }))
 }

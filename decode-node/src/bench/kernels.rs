@@ -32,7 +32,7 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
         paths
             .iter()
             .all(|p| p == "best" || KernelPath::ALL.iter().any(|k| k.name() == p)),
-        "--paths takes `best`, `scalar`, `avx2` and/or `avx512`"
+        "--paths takes `best`, `scalar`, `avx2`, `avx512` and/or `avx512bf16`"
     );
     // f16 and bf16 (most models' KV) unless `--kv-dtype` names one.
     let dtypes = match args.common.model.kv_dtype.as_str() {
@@ -49,8 +49,10 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
             );
         }
         let bw_before = read_bandwidth(buf.floats(), t, args.seconds.min(1.0));
-        // Per path: the AVX2 path is held to AVX2's FMA rate, the others to the widest.
-        let mut peaks: Vec<(KernelPath, f64)> = Vec::new();
+        // Per path: the AVX2 path is held to AVX2's FMA rate, the others to the widest, and
+        // bf16 blocks that `avx512bf16` multiplies in bf16 pairs to `VDPBF16PS`'s product
+        // rate (`bf16` in the key).
+        let mut peaks: Vec<((KernelPath, bool), f64)> = Vec::new();
         let mut scans: Vec<Scan> = Vec::new();
         for &dtype in &dtypes {
             for &g in &groups {
@@ -97,9 +99,10 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                             eprintln!("kernels: this CPU has no {} path; skipped", path.name());
                             continue;
                         }
-                        if !peaks.iter().any(|(p, _)| *p == path) {
-                            let peak = fma_peak_threads(path, t, args.seconds.min(0.5));
-                            peaks.push((path, peak));
+                        let key = (path, path.multiplies_bf16(&geom, g));
+                        if !peaks.iter().any(|(k, _)| *k == key) {
+                            let peak = peak_threads(key, t, args.seconds.min(0.5));
+                            peaks.push((key, peak));
                         }
                         let best =
                             scan_rate(&geom, path, &q, &data.0[..nblocks * hb], t, args.seconds);
@@ -107,7 +110,7 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                             dtype,
                             g,
                             d,
-                            path,
+                            path: key,
                             best,
                         });
                     }
@@ -119,8 +122,8 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
         // GB/s at two threads, its AVX-512 FMA probe 68-118 G/s), and a row then passed its
         // bound (ratios of 1.3-1.5). The rows print once both are in.
         let bw = bw_before.max(read_bandwidth(buf.floats(), t, args.seconds.min(1.0)));
-        for (path, peak) in &mut peaks {
-            *peak = peak.max(fma_peak_threads(*path, t, args.seconds.min(0.5)));
+        for (key, peak) in &mut peaks {
+            *peak = peak.max(peak_threads(*key, t, args.seconds.min(0.5)));
         }
         for sc in scans {
             let peak = peaks
@@ -137,18 +140,33 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
     Ok(json!({ "bench": "kernels", "goal_ratio_to_roofline": 0.8, "results": rows }))
 }
 
+/// Multiply-adds a second of `threads` threads at once: `path`'s FMAs, or with `bf16` its
+/// bf16 pair products (`VDPBF16PS`).
+fn peak_threads((path, bf16): (KernelPath, bool), threads: usize, seconds: f64) -> f64 {
+    if !bf16 {
+        return fma_peak_threads(path, threads, seconds);
+    }
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads.max(1))
+            .map(|_| s.spawn(move || attention::bf16_dot_peak(seconds)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+    })
+}
+
 /// One configuration's measured rate, waiting for the bounds it is held to.
 struct Scan {
     dtype: KvDType,
     g: usize,
     d: usize,
-    path: KernelPath,
+    /// The path, and whether its multiply-adds are bf16 pair products.
+    path: (KernelPath, bool),
     /// KV bytes a second.
     best: f64,
 }
 
 impl Scan {
-    /// FMAs per KV byte: every K and V element once per query head.
+    /// FMAs (or bf16 products) per KV byte: every K and V element once per query head.
     fn fmas_per_byte(&self) -> f64 {
         self.g as f64 / self.dtype.size() as f64
     }
@@ -163,7 +181,7 @@ impl Scan {
         let roofline = self.roofline(bw, peak);
         json!({
             "dtype": self.dtype.name(), "group": self.g, "head_dim": self.d, "threads": threads,
-            "path": self.path.name(),
+            "path": self.path.0.name(), "bf16_products": self.path.1,
             "kv_gb_per_s": self.best / 1e9, "read_gb_per_s": bw / 1e9, "ratio": self.best / bw,
             "fma_g_per_s": peak / 1e9, "fmas_per_byte": self.fmas_per_byte(),
             "roofline_gb_per_s": roofline / 1e9, "ratio_to_roofline": self.best / roofline,
@@ -174,15 +192,16 @@ impl Scan {
     fn line(&self, threads: usize, bw: f64, peak: f64) -> String {
         let roofline = self.roofline(bw, peak);
         format!(
-            "kernels {:>4} G={} D={:>3} threads={threads} {:>6}: {:6.2} GB/s of KV / {:6.2} GB/s read = {:.2}; roofline {:6.2} GB/s (FMA {:.0} G/s) -> {:.2}",
+            "kernels {:>4} G={} D={:>3} threads={threads} {:>10}: {:6.2} GB/s of KV / {:6.2} GB/s read = {:.2}; roofline {:6.2} GB/s ({} {:.0} G/s) -> {:.2}",
             self.dtype.name(),
             self.g,
             self.d,
-            self.path.name(),
+            self.path.0.name(),
             self.best / 1e9,
             bw / 1e9,
             self.best / bw,
             roofline / 1e9,
+            if self.path.1 { "bf16 products" } else { "FMA" },
             peak / 1e9,
             self.best / roofline
         )

@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 
 use attention::cuda::NORM_THREADS;
 use attention::{
-    BlockGeometry, DeviceBlock, Digest, HeadBlock, KvDType, KvSource, Partial, Scratch,
-    attend_blocks, decode_to_f32, encode_from_f32,
+    BlockGeometry, DeviceBlock, Digest, HeadBlock, KernelPath, KvDType, KvSource, Partial, Scratch,
+    attend_blocks_on, decode_to_f32, encode_from_f32,
 };
 use cudarc::driver::{CudaSlice, DevicePtr};
 use kv_transfer::HostPool;
@@ -1124,7 +1124,8 @@ fn cpu_attention(
         bytes: &kv.blocks[b][geom.head_range(0)],
         len: (kv.n - b * geom.block_size).min(geom.block_size),
     });
-    attend_blocks(geom, q, scale, it, &mut scratch)
+    // f32 throughout: the bf16 pair products' rounding is not what the device is held to.
+    attend_blocks_on(KernelPath::best_f32(geom), geom, q, scale, it, &mut scratch)
 }
 
 /// Largest relative error `sparse_attention_split` may show against the CPU kernel.

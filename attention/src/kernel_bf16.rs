@@ -1,0 +1,424 @@
+//! AVX-512 BF16 pieces of the CPU kernel: full 32-token blocks of bf16 KV for GQA groups of
+//! 5 to 8 heads, where the CPU has `VDPBF16PS` (AMD Zen 4 on, Intel Cooper Lake and Sapphire
+//! Rapids on: the CPUs beside today's GPUs).
+//!
+//! `VDPBF16PS` multiplies pairs of bf16 values and adds both products to an f32 lane: 32
+//! products an instruction against an f32 FMA's 16, at the same rate (a 2-core Zen 4: 3.55
+//! against 3.61 G instructions a second). A group of four or more heads is bound by its FMAs
+//! on one core (G=8: 4 per KV byte), so this path halves the bound that held G=8 at 0.75-0.81
+//! of the FMA roofline. The price is the rounding tensor cores take too: the (pre-scaled)
+//! query is rounded to bf16 once a call, and each block's softmax weights once, before the
+//! products; sums, the softmax and the running state stay f32. Keys and values are bf16
+//! already, so nothing else changes.
+//!
+//! The pairs a lane sums are two key channels (scores) or two tokens (V). `VPUNPCKLWD` and
+//! `VPUNPCKHWD` of two rows give those pairs, for the tokens (or channels) 0-3, 8-11, 16-19
+//! and 24-27 and for the other half; the scores stay in that order through the softmax (which
+//! does not care) and the weights' pairs name the V rows to read, so only the V
+//! accumulators are put in order, once per 32-channel slice and block.
+//!
+//! Groups of 5 to 8 heads take it, where a core's f32 FMAs bound the kernel below its read
+//! bandwidth (bf16, 2.5 to 4 FMAs a byte). Smaller groups are bound by memory: there this
+//! path ran 1.4x faster with the blocks in L2 but 10-25% slower streaming from DRAM (one
+//! thread of a 2-core Zen 4, `bench kernels` 256 MiB, G=2-3), for reasons not found without
+//! hardware counters. `DECODE_NODE_BF16_DOT=0` turns the path off (the `avx512` path runs
+//! those blocks), `all` gives it groups of 2 to 8: for measuring what the rounding costs.
+
+use std::arch::x86_64::*;
+
+use crate::kernel::State;
+use crate::kernel_avx2::Prefetch;
+
+/// True when this CPU has AVX-512 BF16 beside what `kernel_avx512` needs, and neither
+/// `DECODE_NODE_BF16_DOT=0` nor `DECODE_NODE_AVX512=0` turns it off.
+pub(crate) fn available() -> bool {
+    switch().is_some()
+}
+
+/// The smallest group the path takes: 5, or 2 with `DECODE_NODE_BF16_DOT=all`; `None` where
+/// the path is off or the CPU lacks it. Read once.
+fn switch() -> Option<usize> {
+    static ON: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let var = std::env::var("DECODE_NODE_BF16_DOT").unwrap_or_default();
+        let cpu = crate::kernel_avx512::available() && is_x86_feature_detected!("avx512bf16");
+        match var.trim() {
+            _ if !cpu => None,
+            "0" => None,
+            "all" => Some(2),
+            _ => Some(MIN_GROUP),
+        }
+    })
+}
+
+/// The smallest group the path takes by default (see the module doc).
+const MIN_GROUP: usize = 5;
+
+/// Rounds `qs` to bf16 (to nearest, ties to even) in place, and puts the bf16 bits in `out`
+/// for the products: a call the path takes rounds its query for every block, its partly
+/// filled last one (which the f32 loops attend) too, so all its scores come from one query.
+pub(crate) fn round_query(qs: &mut [f32], out: &mut Vec<u16>) {
+    out.clear();
+    for x in qs {
+        let r = half::bf16::from_f32(*x);
+        *x = r.to_f32();
+        out.push(r.to_bits());
+    }
+}
+
+/// Whether [`block`] takes full blocks of this shape: blocks of 32 tokens, a group of 5 to 8
+/// heads (2 to 8 with `DECODE_NODE_BF16_DOT=all`), head dim a multiple of 32.
+pub(crate) fn shape(g: usize, b: usize, d: usize) -> bool {
+    let min = switch().unwrap_or(MIN_GROUP);
+    b == 32 && (min..=8).contains(&g) && d.is_multiple_of(32)
+}
+
+/// Whether [`block`] takes this block: [`shape`], and full.
+pub(crate) fn takes(g: usize, b: usize, len: usize, d: usize) -> bool {
+    shape(g, b, d) && len == b
+}
+
+/// Folds one full 32-token bf16 block (`kt` its keys, `vs` its values) into `st`: scores by
+/// bf16 products with `qb` (the pre-scaled query rounded, `[G][d]`), the AVX-512 softmax, V
+/// by bf16 products with the weights rounded. False (nothing done) where [`shape`] does not
+/// hold for blocks of 32.
+///
+/// # Safety
+/// The CPU has what [`available`] checks (the environment switch aside); all 32 tokens of the
+/// block are filled. The slices' lengths are checked here, once a block, so the loops index
+/// without checks.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(crate) unsafe fn block(
+    kt: &[u8],
+    vs: &[u8],
+    d: usize,
+    qb: &[u16],
+    st: &mut State<'_>,
+    pf: &mut Prefetch<'_>,
+) -> bool {
+    let g = qb.len() / d.max(1);
+    if !shape(g, 32, d) {
+        return false;
+    }
+    assert!(
+        kt.len() >= 32 * d * 2
+            && vs.len() >= 32 * d * 2
+            && qb.len() == g * d
+            && st.s.len() >= g * 32
+            && st.acc.len() >= g * d
+            && st.m.len() >= g
+            && st.l.len() >= g
+    );
+    let mut w = [0u16; 8 * 32];
+    // SAFETY: the CPU is the caller's promise; the lengths are checked above; `g` is 2..=8
+    // and `d` a multiple of 32, which every piece takes.
+    unsafe {
+        crate::kernel_avx512::with_group!(g, G => {
+            scores::<G>(kt, qb, d, st.s, pf);
+            crate::kernel_avx512::softmax_dyn(g, st.s, 32, st.m, st.l, st.acc, d);
+            round_weights::<G>(st.s, &mut w);
+            accumulate_v::<G>(vs, d, &w, st.acc, pf);
+        })
+    }
+}
+
+/// Whether a group of `G` heads sums every other pair of rows (scores) or tokens (V) in
+/// accumulators of its own: two a head leave fewer than the ~12 chains that hide the
+/// products' latency on both pipes, and more than five heads' second set would not fit in
+/// the registers (as `kernel_avx512`'s `two_sets`).
+const fn two_sets<const G: usize>() -> bool {
+    G <= 5
+}
+
+/// Rows `r` and `r + 1` (64 bytes each, at `p` and `p + stride`) as the bf16 pairs of their
+/// elements 0-3, 8-11, 16-19, 24-27 (first) and 4-7, 12-15, 20-23, 28-31 (second), row `r` in
+/// each pair's low half.
+///
+/// # Safety
+/// Both rows readable; AVX-512BW.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn pairs(p: *const u8, stride: usize) -> (__m512bh, __m512bh) {
+    // SAFETY: the caller guarantees both rows.
+    let (r0, r1) = unsafe {
+        (
+            _mm512_loadu_si512(p.cast()),
+            _mm512_loadu_si512(p.add(stride).cast()),
+        )
+    };
+    // SAFETY: both are 512 bits of bf16 pairs.
+    unsafe {
+        (
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_unpacklo_epi16(r0, r1)),
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_unpackhi_epi16(r0, r1)),
+        )
+    }
+}
+
+/// The 32-bit pair at `p` (two bf16) in every lane.
+///
+/// # Safety
+/// Four readable bytes at `p`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn broadcast_pair(p: *const u16) -> __m512bh {
+    // SAFETY: the caller guarantees four bytes; a bf16 pair is 32 bits.
+    unsafe {
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+            p.cast::<i32>().read_unaligned(),
+        ))
+    }
+}
+
+/// Scores of a full 32-token block, `s[g][..32] = sum_c q[g][c] K[c][t]`, with each head's
+/// tokens in the order of [`pairs`] (0-3, 8-11, 16-19, 24-27, then 4-7, ...).
+///
+/// # Safety
+/// AVX-512F/BW/BF16; `kt` holds `d` rows of 32 bf16, `d` a multiple of 4; `qb` is `[G][d]`;
+/// `s` holds `G * 32`.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn scores<const G: usize>(
+    kt: &[u8],
+    qb: &[u16],
+    d: usize,
+    s: &mut [f32],
+    pf: &mut Prefetch<'_>,
+) {
+    let mut even = [[_mm512_setzero_ps(); 2]; G];
+    let mut odd = [[_mm512_setzero_ps(); 2]; G];
+    // A local copy of the cursor stays in a register (see `Prefetch`).
+    let mut next = *pf;
+    let (k, q) = (kt.as_ptr(), qb.as_ptr());
+    // Four rows a pass: two pairs, the second into `odd` where there is a second set.
+    for c in (0..d).step_by(4) {
+        // As many requests as the f32 loop makes (one per two rows).
+        next.line();
+        next.line();
+        // SAFETY: rows c..c + 4 <= d of 64 bytes lie inside `kt` (the contract).
+        let (a0, a1) = unsafe { pairs(k.add(c * 64), 64) };
+        let (b0, b1) = unsafe { pairs(k.add((c + 2) * 64), 64) };
+        for g in 0..G {
+            // SAFETY: g < G, c + 4 <= d: inside `qb` (the contract).
+            let (qa, qc) = unsafe {
+                (
+                    broadcast_pair(q.add(g * d + c)),
+                    broadcast_pair(q.add(g * d + c + 2)),
+                )
+            };
+            let e = &mut even[g];
+            e[0] = _mm512_dpbf16_ps(e[0], a0, qa);
+            e[1] = _mm512_dpbf16_ps(e[1], a1, qa);
+            let o = if two_sets::<G>() {
+                &mut odd[g]
+            } else {
+                &mut even[g]
+            };
+            o[0] = _mm512_dpbf16_ps(o[0], b0, qc);
+            o[1] = _mm512_dpbf16_ps(o[1], b1, qc);
+        }
+    }
+    *pf = next;
+    for g in 0..G {
+        let (mut lo, mut hi) = (even[g][0], even[g][1]);
+        if two_sets::<G>() {
+            lo = _mm512_add_ps(lo, odd[g][0]);
+            hi = _mm512_add_ps(hi, odd[g][1]);
+        }
+        // SAFETY: s holds G*32 elements.
+        unsafe {
+            _mm512_storeu_ps(s.as_mut_ptr().add(g * 32), lo);
+            _mm512_storeu_ps(s.as_mut_ptr().add(g * 32 + 16), hi);
+        }
+    }
+}
+
+/// Each head's 32 weights (in [`scores`]' order) rounded to bf16 into `w[g * 32..]`, two to
+/// a 32-bit pair ([`pair_of`]).
+///
+/// # Safety
+/// AVX-512F/BF16; `s` holds `G * 32`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn round_weights<const G: usize>(s: &[f32], w: &mut [u16; 8 * 32]) {
+    for g in 0..G {
+        // SAFETY: s holds G*32 elements, w 8*32.
+        unsafe {
+            let lo = _mm512_loadu_ps(s.as_ptr().add(g * 32));
+            let hi = _mm512_loadu_ps(s.as_ptr().add(g * 32 + 16));
+            // Words 0..16 from the second operand, 16..32 from the first.
+            let r = _mm512_cvtne2ps_pbh(hi, lo);
+            _mm512_storeu_si512(
+                w.as_mut_ptr().add(g * 32).cast(),
+                std::mem::transmute::<__m512bh, __m512i>(r),
+            );
+        }
+    }
+}
+
+/// The weights' 32-bit pair that holds (even) token `t` and the one after: pairs 0..8 are
+/// lanes 0..16 of [`scores`]' first vector (tokens 0-3, 8-11, ...), pairs 8..16 its second
+/// (tokens 4-7, 12-15, ...).
+const fn pair_of(t: usize) -> usize {
+    let (eight, within) = (t / 8, t % 8);
+    if within < 4 {
+        2 * eight + within / 2
+    } else {
+        8 + 2 * eight + (within - 4) / 2
+    }
+}
+
+/// Channel `c` of a 32-channel slice in the order of [`pairs`]: lane `c` of the first vector
+/// for `c` < 16, of the second for `c` >= 16.
+const PAIR_ORDER: [i32; 32] = {
+    let mut o = [0i32; 32];
+    let mut i = 0;
+    while i < 32 {
+        let (half, lane) = (i / 16, i % 16);
+        o[i] = (8 * (lane / 4) + lane % 4 + 4 * half) as i32;
+        i += 1;
+    }
+    o
+};
+
+/// The inverse of [`PAIR_ORDER`]: where channel `c` lies in the two vectors (16 on: the
+/// second).
+const NATURAL_ORDER: [i32; 32] = {
+    let mut o = [0i32; 32];
+    let mut i = 0;
+    while i < 32 {
+        o[PAIR_ORDER[i] as usize] = i as i32;
+        i += 1;
+    }
+    o
+};
+
+/// `acc[g] += sum_t w[g][t] V[t]` over a full 32-token block, 32 channels at a time, by bf16
+/// products of token pairs.
+///
+/// # Safety
+/// AVX-512F/BW/BF16; `vs` holds 32 rows of `d` bf16, `d` a multiple of 32; `w` as
+/// [`round_weights`] left it for `G` heads; `acc` is `[G][d]`.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn accumulate_v<const G: usize>(
+    vs: &[u8],
+    d: usize,
+    w: &[u16; 8 * 32],
+    acc: &mut [f32],
+    pf: &mut Prefetch<'_>,
+) {
+    // SAFETY: 16 i32 from each half of the tables.
+    let (to_lo, to_hi) = unsafe {
+        (
+            _mm512_loadu_si512(PAIR_ORDER.as_ptr().cast()),
+            _mm512_loadu_si512(PAIR_ORDER.as_ptr().add(16).cast()),
+        )
+    };
+    // SAFETY: as above.
+    let (from_lo, from_hi) = unsafe {
+        (
+            _mm512_loadu_si512(NATURAL_ORDER.as_ptr().cast()),
+            _mm512_loadu_si512(NATURAL_ORDER.as_ptr().add(16).cast()),
+        )
+    };
+    let (a, v, wp) = (acc.as_mut_ptr(), vs.as_ptr(), w.as_ptr());
+    let row = 2 * d; // bytes of a V row
+    let mut next = *pf;
+    for c0 in (0..d).step_by(32) {
+        let mut even = [[_mm512_setzero_ps(); 2]; G];
+        let mut odd = [[_mm512_setzero_ps(); 2]; G];
+        for g in 0..G {
+            // SAFETY: g*d + c0 + 32 <= G*d.
+            let (n0, n1) = unsafe {
+                (
+                    _mm512_loadu_ps(a.add(g * d + c0)),
+                    _mm512_loadu_ps(a.add(g * d + c0 + 16)),
+                )
+            };
+            even[g] = [
+                _mm512_permutex2var_ps(n0, to_lo, n1),
+                _mm512_permutex2var_ps(n0, to_hi, n1),
+            ];
+        }
+        // Two token pairs a pass, the second into `odd` where there is a second set.
+        for ta in (0..32).step_by(4) {
+            next.line();
+            next.line();
+            let tb = ta + 2;
+            let (ja, jb) = (pair_of(ta), pair_of(tb));
+            // SAFETY: tokens ta, ta + 1, tb, tb + 1 < 32 rows of `row` bytes; c0 + 32 <= d.
+            let (a0, a1) = unsafe { pairs(v.add(ta * row + 2 * c0), row) };
+            let (b0, b1) = unsafe { pairs(v.add(tb * row + 2 * c0), row) };
+            for g in 0..G {
+                // SAFETY: g < G, j + 1 < 16: pairs j, j + 1 of head g inside `w`.
+                let (wa, wb) = unsafe {
+                    (
+                        broadcast_pair(wp.add(g * 32 + 2 * ja)),
+                        broadcast_pair(wp.add(g * 32 + 2 * jb)),
+                    )
+                };
+                let e = &mut even[g];
+                e[0] = _mm512_dpbf16_ps(e[0], a0, wa);
+                e[1] = _mm512_dpbf16_ps(e[1], a1, wa);
+                let o = if two_sets::<G>() {
+                    &mut odd[g]
+                } else {
+                    &mut even[g]
+                };
+                o[0] = _mm512_dpbf16_ps(o[0], b0, wb);
+                o[1] = _mm512_dpbf16_ps(o[1], b1, wb);
+            }
+        }
+        for g in 0..G {
+            let (mut lo, mut hi) = (even[g][0], even[g][1]);
+            if two_sets::<G>() {
+                lo = _mm512_add_ps(lo, odd[g][0]);
+                hi = _mm512_add_ps(hi, odd[g][1]);
+            }
+            // SAFETY: as the loads above.
+            unsafe {
+                _mm512_storeu_ps(a.add(g * d + c0), _mm512_permutex2var_ps(lo, from_lo, hi));
+                _mm512_storeu_ps(
+                    a.add(g * d + c0 + 16),
+                    _mm512_permutex2var_ps(lo, from_hi, hi),
+                );
+            }
+        }
+    }
+    *pf = next;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first of the two tokens in the weights' 32-bit pair `j` (0..16): pairs 0..8 are lanes
+    /// 0..16 of `scores`' first vector (tokens 0-3, 8-11, ...), pairs 8..16 its second (4 on).
+    const fn first_token(j: usize) -> usize {
+        8 * ((j % 8) / 2) + 2 * (j % 2) + 4 * (j / 8)
+    }
+
+    /// The pairs' order, the weights' token pairs and the accumulators' channel order say the
+    /// same thing: each of 0..32 once, pairs of adjacent tokens.
+    #[test]
+    fn orders_cover_every_token_and_channel_once() {
+        let mut seen = [false; 32];
+        for c in PAIR_ORDER {
+            assert!(!seen[c as usize]);
+            seen[c as usize] = true;
+        }
+        for j in 0..16 {
+            assert_eq!(pair_of(first_token(j)), j);
+        }
+        let mut tokens = [false; 32];
+        for j in 0..16 {
+            let t = first_token(j);
+            // Pair j is lanes 2j, 2j + 1 of the scores' order.
+            assert_eq!(t, PAIR_ORDER[2 * j] as usize);
+            assert_eq!(t + 1, PAIR_ORDER[2 * j + 1] as usize);
+            assert!(!tokens[t] && !tokens[t + 1]);
+            tokens[t] = true;
+            tokens[t + 1] = true;
+        }
+    }
+}
