@@ -235,6 +235,49 @@ fn bench_fidelity_compares_host_kv_dtypes() {
     assert!((kl_hgca - kl).abs() < 1e-9, "{hgca8} against {full8}");
 }
 
+/// `bench fidelity --cpu-paths`: every case on each CPU kernel path, all against `full` on
+/// the first; the portable path sums in another order than the SIMD one, so its distribution
+/// is measured (near, not assumed, equal). A path this build lacks is refused.
+#[test]
+fn bench_fidelity_compares_cpu_kernel_paths() {
+    let args = [
+        "bench",
+        "fidelity",
+        "--json",
+        "--model",
+        "tiny",
+        "--context",
+        "300",
+        "--prompts",
+        "1",
+        "--forced",
+        "8",
+        "--modes",
+        "full",
+        "--block-size",
+        "16",
+    ];
+    let v = run_json(&[&args[..], &["--cpu-paths", "best,scalar"]].concat());
+    assert_eq!(v["reference"], "full f32 best", "{v}");
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let case = |name: &str| rows.iter().find(|r| r["case"] == name).unwrap();
+    assert_eq!(case("full best")["mean_kl_from_full"], 0.0);
+    let kl = case("full scalar")["mean_kl_from_full"].as_f64().unwrap();
+    assert!((0.0..1e-6).contains(&kl), "{v}");
+    assert_eq!(case("full scalar")["top1_agreement_with_full"], 1.0, "{v}");
+    let bad = bin()
+        .args([&args[..], &["--cpu-paths", "best,sve"]].concat())
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("unknown path \"sve\""),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}
+
 /// A short `bench soak`: requests with random cancels, killed pushes and gone orchestrators,
 /// and a fault every second (stalled push, bad CRC, DropKv mid-push, pusher gone, wrong lease,
 /// waiter gone) each answered with its code; the pool comes back to its start byte for byte.

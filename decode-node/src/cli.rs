@@ -795,8 +795,9 @@ pub struct FidelityBench {
     #[arg(long)]
     pub kv_dtypes: Option<String>,
     /// CPU attention kernel paths compared, e.g. `avx512,avx512bf16` (names as in `bench kernels
-    /// --paths`): every case runs on each, measured against `full` on the first one listed.
-    /// Without it, each call takes the fastest path this CPU has.
+    /// --paths`; `best`: the one each call would take): every case runs on each, measured
+    /// against `full` on the first one listed. `DECODE_NODE_BF16_DOT=all` gives `avx512bf16`
+    /// groups of 2 to 8, to measure its rounding on a model with small groups.
     #[arg(long)]
     pub cpu_paths: Option<String>,
     /// Print each passkey answer.

@@ -294,29 +294,35 @@ fn kv_dtypes(args: &FidelityBench, node: &Node) -> anyhow::Result<Vec<KvDType>> 
     Ok(out)
 }
 
-/// The CPU kernel paths to compare: `--cpu-paths`, else the best one (`None`).
+/// The CPU kernel paths to compare, as `--cpu-paths` lists them (`best`: the one each call
+/// would take, `None`); without it, the best alone.
 fn cpu_paths(args: &FidelityBench) -> anyhow::Result<Vec<Option<KernelPath>>> {
     let Some(list) = &args.cpu_paths else {
         return Ok(vec![None]);
     };
     let mut out = Vec::new();
     for s in list.split(',').map(str::trim) {
-        let p = KernelPath::ALL
-            .iter()
-            .copied()
-            .find(|p| p.name() == s)
-            .with_context(|| {
+        let p = if s == "best" {
+            None
+        } else {
+            let p = KernelPath::ALL.iter().copied().find(|p| p.name() == s);
+            Some(p.with_context(|| {
                 let names: Vec<&str> = KernelPath::ALL.iter().map(|p| p.name()).collect();
                 format!(
-                    "--cpu-paths: unknown path {s:?} (this build has {})",
+                    "--cpu-paths: unknown path {s:?} (best, or one this build has: {})",
                     names.join(", ")
                 )
-            })?;
-        anyhow::ensure!(!out.contains(&Some(p)), "--cpu-paths: {s} is listed twice");
-        out.push(Some(p));
+            })?)
+        };
+        anyhow::ensure!(!out.contains(&p), "--cpu-paths: {s} is listed twice");
+        out.push(p);
     }
-    anyhow::ensure!(!out.is_empty(), "--cpu-paths is empty");
     Ok(out)
+}
+
+/// A path's name in labels: `best` for the one each call would take.
+fn path_name(p: Option<KernelPath>) -> &'static str {
+    p.map_or("best", KernelPath::name)
 }
 
 /// `bench fidelity`.
@@ -374,8 +380,8 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             if args.kv_dtypes.is_some() {
                 c.label = format!("{} {}", c.label, dtypes[s]);
             }
-            if let Some(p) = p {
-                c.label = format!("{} {}", c.label, p.name());
+            if args.cpu_paths.is_some() {
+                c.label = format!("{} {}", c.label, path_name(p));
             }
             c.cpu_path = p;
             (s, c)
@@ -513,8 +519,8 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
         "budget_split": if node.attention.shared_budget { "layer" } else { "head" },
         "prompts": args.prompts,
         "forced_tokens": forced,
-        "reference": match paths[0] {
-            Some(p) => format!("full {} {}", dtypes[0], p.name()),
+        "reference": match &args.cpu_paths {
+            Some(_) => format!("full {} {}", dtypes[0], path_name(paths[0])),
             None => format!("full {}", dtypes[0]),
         },
         "results": rows,
