@@ -497,6 +497,46 @@ pub(crate) mod tests {
         2f64.powi(-8) * vals.iter().fold(0f64, |m, v| m.max(v.abs() as f64))
     }
 
+    /// Every path this CPU runs for `geom`, over `blocks` with query `q`, against
+    /// [`reference`] on the query as the path reads it: outputs within `tol` relative (plus
+    /// what the path's weight rounding adds), `lse2` within `lse_tol`.
+    fn assert_paths_match(
+        geom: &BlockGeometry,
+        q: &[f32],
+        blocks: &[(Vec<u8>, usize)],
+        (tol, lse_tol): (f64, f64),
+        what: &str,
+    ) {
+        let d = geom.head_dim;
+        let g = q.len() / d;
+        let (keys, vals) = read_back(geom, blocks);
+        let scale = 1.0 / (d as f32).sqrt();
+        for &path in KernelPath::ALL.iter().filter(|p| p.runs(geom)) {
+            let (ro, rl) = reference(&query_as_read(path, geom, q, scale), &keys, &vals, d, scale);
+            let slack = weight_rounding(path, geom, g, &vals);
+            let p = attend_blocks_on(
+                path,
+                geom,
+                q,
+                scale,
+                blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }),
+                &mut Scratch::default(),
+            );
+            for (a, b) in p.out.iter().zip(&ro) {
+                assert!(
+                    (*a as f64 - b).abs() <= tol * b.abs().max(1.0) + slack,
+                    "{path:?} {what}: {a} vs {b}"
+                );
+            }
+            for (a, b) in p.lse2.iter().zip(&rl) {
+                assert!(
+                    (*a as f64 - b).abs() <= lse_tol * b.abs().max(1.0),
+                    "{path:?} {what}: lse2 {a} vs {b}"
+                );
+            }
+        }
+    }
+
     /// Scalar f64 reference over the values as stored (after rounding to the dtype).
     fn reference(
         q: &[f32],
@@ -695,32 +735,7 @@ pub(crate) mod tests {
                         k.iter_mut().for_each(|v| *v *= x);
                     }
                     let blocks = build_blocks(&geom, &keys, &values(5, n * d, 1.0));
-                    let (keys, vals) = read_back(&geom, &blocks);
-                    let scale = 1.0 / (d as f32).sqrt();
-                    for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
-                        let (ro, rl) = reference(
-                            &query_as_read(path, &geom, &q, scale),
-                            &keys,
-                            &vals,
-                            d,
-                            scale,
-                        );
-                        let slack = weight_rounding(path, &geom, g, &vals);
-                        let p = attend_blocks_on(
-                            path,
-                            &geom,
-                            &q,
-                            scale,
-                            blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }),
-                            &mut Scratch::default(),
-                        );
-                        for (a, b) in p.out.iter().zip(&ro).chain(p.lse2.iter().zip(&rl)) {
-                            assert!(
-                                (*a as f64 - b).abs() <= tol * b.abs().max(1.0) + slack,
-                                "{path:?} {dt} G={g}: {a} vs {b}"
-                            );
-                        }
-                    }
+                    assert_paths_match(&geom, &q, &blocks, (tol, tol), &format!("{dt} G={g}"));
                 }
             }
         }
@@ -747,38 +762,13 @@ pub(crate) mod tests {
                     let q = values(31, g * d, 2.0);
                     let blocks =
                         build_blocks(&geom, &values(32, n * d, 2.0), &values(33, n * d, 1.0));
-                    let (keys, vals) = read_back(&geom, &blocks);
-                    let scale = 1.0 / (d as f32).sqrt();
-                    for &path in KernelPath::ALL.iter().filter(|p| p.runs(&geom)) {
-                        let (ro, rl) = reference(
-                            &query_as_read(path, &geom, &q, scale),
-                            &keys,
-                            &vals,
-                            d,
-                            scale,
-                        );
-                        let slack = weight_rounding(path, &geom, g, &vals);
-                        let p = attend_blocks_on(
-                            path,
-                            &geom,
-                            &q,
-                            scale,
-                            blocks.iter().map(|(b, l)| HeadBlock { bytes: b, len: *l }),
-                            &mut Scratch::default(),
-                        );
-                        for (a, b) in p.out.iter().zip(&ro) {
-                            assert!(
-                                (*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0) + slack,
-                                "{path:?} {dt} G={g} D={d}: {a} vs {b}"
-                            );
-                        }
-                        for (a, b) in p.lse2.iter().zip(&rl) {
-                            assert!(
-                                (*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0),
-                                "{path:?} {dt} G={g} D={d}: lse2 {a} vs {b}"
-                            );
-                        }
-                    }
+                    assert_paths_match(
+                        &geom,
+                        &q,
+                        &blocks,
+                        (1e-5, 1e-5),
+                        &format!("{dt} G={g} D={d}"),
+                    );
                 }
             }
         }

@@ -180,13 +180,14 @@ pub(crate) fn deinterleave16(lo: __m512, hi: __m512) -> (__m512, __m512) {
 /// accumulators of their own: with two per head, fewer than eight chains would leave the
 /// FMA units waiting on their four-cycle latency (G=3: 0.75 of their rate at best), and
 /// more than five heads' second set would not fit in the registers.
-const fn two_sets<const G: usize>() -> bool {
+/// `kernel_bf16`'s pair products take the same rule (their latency is longer still).
+pub(crate) const fn two_sets<const G: usize>() -> bool {
     G <= 5
 }
 
 /// A group's accumulators, two vectors a head, and the second set of [`two_sets`].
-struct Sets<const G: usize> {
-    even: [[__m512; 2]; G],
+pub(crate) struct Sets<const G: usize> {
+    pub(crate) even: [[__m512; 2]; G],
     odd: [[__m512; 2]; G],
 }
 
@@ -194,7 +195,7 @@ impl<const G: usize> Sets<G> {
     /// Starts from `even` (the second set at zero).
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn from(even: [[__m512; 2]; G]) -> Self {
+    pub(crate) fn from(even: [[__m512; 2]; G]) -> Self {
         Self {
             even,
             odd: [[_mm512_setzero_ps(); 2]; G],
@@ -209,19 +210,25 @@ impl<const G: usize> Sets<G> {
         let e = &mut self.even[g];
         e[0] = _mm512_fmadd_ps(a, x[0], e[0]);
         e[1] = _mm512_fmadd_ps(a, x[1], e[1]);
-        let o = if two_sets::<G>() {
+        let o = self.second(g);
+        o[0] = _mm512_fmadd_ps(b, y[0], o[0]);
+        o[1] = _mm512_fmadd_ps(b, y[1], o[1]);
+    }
+
+    /// Head `g`'s vectors in the second set: its own where [`two_sets`], else the first's.
+    #[inline]
+    pub(crate) fn second(&mut self, g: usize) -> &mut [__m512; 2] {
+        if two_sets::<G>() {
             &mut self.odd[g]
         } else {
             &mut self.even[g]
-        };
-        o[0] = _mm512_fmadd_ps(b, y[0], o[0]);
-        o[1] = _mm512_fmadd_ps(b, y[1], o[1]);
+        }
     }
 
     /// Each head's two vectors, the sets added.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn sums(self) -> [[__m512; 2]; G] {
+    pub(crate) fn sums(self) -> [[__m512; 2]; G] {
         let mut out = self.even;
         if two_sets::<G>() {
             for (o, d) in out.iter_mut().zip(&self.odd) {

@@ -28,6 +28,7 @@ use std::arch::x86_64::*;
 
 use crate::kernel::State;
 use crate::kernel_avx2::Prefetch;
+use crate::kernel_avx512::Sets;
 
 /// True when this CPU has AVX-512 BF16 beside what `kernel_avx512` needs, and neither
 /// `DECODE_NODE_BF16_DOT=0` nor `DECODE_NODE_AVX512=0` turns it off.
@@ -122,12 +123,23 @@ pub(crate) unsafe fn block(
     }
 }
 
-/// Whether a group of `G` heads sums every other pair of rows (scores) or tokens (V) in
-/// accumulators of its own: two a head leave fewer than the ~12 chains that hide the
-/// products' latency on both pipes, and more than five heads' second set would not fit in
-/// the registers (as `kernel_avx512`'s `two_sets`).
-const fn two_sets<const G: usize>() -> bool {
-    G <= 5
+/// Head `g`'s pass: the pairs `x` times the broadcast pair `a` into the first set of
+/// `sets`, `y` times `b` into the second (`kernel_avx512`'s sets and their rule: two a head
+/// leave fewer than the chains that hide the products' latency on both pipes).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn fold<const G: usize>(
+    sets: &mut Sets<G>,
+    g: usize,
+    (x, a): ((__m512bh, __m512bh), __m512bh),
+    (y, b): ((__m512bh, __m512bh), __m512bh),
+) {
+    let e = &mut sets.even[g];
+    e[0] = _mm512_dpbf16_ps(e[0], x.0, a);
+    e[1] = _mm512_dpbf16_ps(e[1], x.1, a);
+    let o = sets.second(g);
+    o[0] = _mm512_dpbf16_ps(o[0], y.0, b);
+    o[1] = _mm512_dpbf16_ps(o[1], y.1, b);
 }
 
 /// Rows `r` and `r + 1` (64 bytes each, at `p` and `p + stride`) as the bf16 pairs of their
@@ -185,46 +197,30 @@ unsafe fn scores<const G: usize>(
     s: &mut [f32],
     pf: &mut Prefetch<'_>,
 ) {
-    let mut even = [[_mm512_setzero_ps(); 2]; G];
-    let mut odd = [[_mm512_setzero_ps(); 2]; G];
+    let mut sets = Sets::<G>::from([[_mm512_setzero_ps(); 2]; G]);
     // A local copy of the cursor stays in a register (see `Prefetch`).
     let mut next = *pf;
     let (k, q) = (kt.as_ptr(), qb.as_ptr());
-    // Four rows a pass: two pairs, the second into `odd` where there is a second set.
+    // Four rows a pass: two pairs, the second into the second set where there is one.
     for c in (0..d).step_by(4) {
         // As many requests as the f32 loop makes (one per two rows).
         next.line();
         next.line();
         // SAFETY: rows c..c + 4 <= d of 64 bytes lie inside `kt` (the contract).
-        let (a0, a1) = unsafe { pairs(k.add(c * 64), 64) };
-        let (b0, b1) = unsafe { pairs(k.add((c + 2) * 64), 64) };
+        let (x, y) = unsafe { (pairs(k.add(c * 64), 64), pairs(k.add((c + 2) * 64), 64)) };
         for g in 0..G {
             // SAFETY: g < G, c + 4 <= d: inside `qb` (the contract).
-            let (qa, qc) = unsafe {
+            let (a, b) = unsafe {
                 (
                     broadcast_pair(q.add(g * d + c)),
                     broadcast_pair(q.add(g * d + c + 2)),
                 )
             };
-            let e = &mut even[g];
-            e[0] = _mm512_dpbf16_ps(e[0], a0, qa);
-            e[1] = _mm512_dpbf16_ps(e[1], a1, qa);
-            let o = if two_sets::<G>() {
-                &mut odd[g]
-            } else {
-                &mut even[g]
-            };
-            o[0] = _mm512_dpbf16_ps(o[0], b0, qc);
-            o[1] = _mm512_dpbf16_ps(o[1], b1, qc);
+            fold(&mut sets, g, (x, a), (y, b));
         }
     }
     *pf = next;
-    for g in 0..G {
-        let (mut lo, mut hi) = (even[g][0], even[g][1]);
-        if two_sets::<G>() {
-            lo = _mm512_add_ps(lo, odd[g][0]);
-            hi = _mm512_add_ps(hi, odd[g][1]);
-        }
+    for (g, [lo, hi]) in sets.sums().into_iter().enumerate() {
         // SAFETY: s holds G*32 elements.
         unsafe {
             _mm512_storeu_ps(s.as_mut_ptr().add(g * 32), lo);
@@ -325,8 +321,7 @@ unsafe fn accumulate_v<const G: usize>(
     let row = 2 * d; // bytes of a V row
     let mut next = *pf;
     for c0 in (0..d).step_by(32) {
-        let mut even = [[_mm512_setzero_ps(); 2]; G];
-        let mut odd = [[_mm512_setzero_ps(); 2]; G];
+        let mut start = [[_mm512_setzero_ps(); 2]; G];
         for g in 0..G {
             // SAFETY: g*d + c0 + 32 <= G*d.
             let (n0, n1) = unsafe {
@@ -335,46 +330,37 @@ unsafe fn accumulate_v<const G: usize>(
                     _mm512_loadu_ps(a.add(g * d + c0 + 16)),
                 )
             };
-            even[g] = [
+            start[g] = [
                 _mm512_permutex2var_ps(n0, to_lo, n1),
                 _mm512_permutex2var_ps(n0, to_hi, n1),
             ];
         }
-        // Two token pairs a pass, the second into `odd` where there is a second set.
+        let mut sets = Sets::<G>::from(start);
+        // Two token pairs a pass, the second into the second set where there is one.
         for ta in (0..32).step_by(4) {
             next.line();
             next.line();
             let tb = ta + 2;
             let (ja, jb) = (pair_of(ta), pair_of(tb));
-            // SAFETY: tokens ta, ta + 1, tb, tb + 1 < 32 rows of `row` bytes; c0 + 32 <= d.
-            let (a0, a1) = unsafe { pairs(v.add(ta * row + 2 * c0), row) };
-            let (b0, b1) = unsafe { pairs(v.add(tb * row + 2 * c0), row) };
+            // SAFETY: tokens ta..ta + 4 < 32 rows of `row` bytes; c0 + 32 <= d.
+            let (x, y) = unsafe {
+                (
+                    pairs(v.add(ta * row + 2 * c0), row),
+                    pairs(v.add(tb * row + 2 * c0), row),
+                )
+            };
             for g in 0..G {
-                // SAFETY: g < G, j + 1 < 16: pairs j, j + 1 of head g inside `w`.
+                // SAFETY: g < G, pairs ja, jb < 16 of head g inside `w`.
                 let (wa, wb) = unsafe {
                     (
                         broadcast_pair(wp.add(g * 32 + 2 * ja)),
                         broadcast_pair(wp.add(g * 32 + 2 * jb)),
                     )
                 };
-                let e = &mut even[g];
-                e[0] = _mm512_dpbf16_ps(e[0], a0, wa);
-                e[1] = _mm512_dpbf16_ps(e[1], a1, wa);
-                let o = if two_sets::<G>() {
-                    &mut odd[g]
-                } else {
-                    &mut even[g]
-                };
-                o[0] = _mm512_dpbf16_ps(o[0], b0, wb);
-                o[1] = _mm512_dpbf16_ps(o[1], b1, wb);
+                fold(&mut sets, g, (x, wa), (y, wb));
             }
         }
-        for g in 0..G {
-            let (mut lo, mut hi) = (even[g][0], even[g][1]);
-            if two_sets::<G>() {
-                lo = _mm512_add_ps(lo, odd[g][0]);
-                hi = _mm512_add_ps(hi, odd[g][1]);
-            }
+        for (g, [lo, hi]) in sets.sums().into_iter().enumerate() {
             // SAFETY: as the loads above.
             unsafe {
                 _mm512_storeu_ps(a.add(g * d + c0), _mm512_permutex2var_ps(lo, from_lo, hi));
