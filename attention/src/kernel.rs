@@ -741,8 +741,9 @@ pub(crate) mod tests {
         }
     }
 
-    /// Every head dim a SIMD path takes (a multiple of 8) and every group size, on full
-    /// blocks of 32 and a partly filled last one, equals the reference: the AVX-512 pieces
+    /// Every head dim a SIMD path takes (a multiple of 8), every group size and dtype, on
+    /// blocks of 32 and of 16 tokens (full, and a partly filled last one), equals the
+    /// reference: the AVX-512 pieces
     /// take some of a block's phases and leave the others to the AVX2 loops (scores and
     /// softmax where V does not divide in 32-channel slices), which must read the weights in
     /// the order they were left (bf16's even-then-odd tokens once reached the AVX2 V loop,
@@ -750,11 +751,18 @@ pub(crate) mod tests {
     #[test]
     fn every_head_dim_and_group_matches_the_reference() {
         let n = 2 * 32 + 9;
-        for dt in [KvDType::F32, KvDType::F16, KvDType::Bf16, KvDType::I8] {
+        let dtypes = [
+            KvDType::F32,
+            KvDType::F16,
+            KvDType::Bf16,
+            KvDType::I8,
+            KvDType::F8E4M3,
+        ];
+        for (dt, block_size) in dtypes.into_iter().flat_map(|dt| [(dt, 32), (dt, 16)]) {
             for d in [8, 16, 24, 40, 48, 80, 96, 112] {
                 for g in 1..=8 {
                     let geom = BlockGeometry {
-                        block_size: 32,
+                        block_size,
                         num_kv_heads: 1,
                         head_dim: d,
                         dtype: dt,
@@ -767,7 +775,7 @@ pub(crate) mod tests {
                         &q,
                         &blocks,
                         (1e-5, 1e-5),
-                        &format!("{dt} G={g} D={d}"),
+                        &format!("{dt} G={g} D={d} B={block_size}"),
                     );
                 }
             }
