@@ -438,6 +438,60 @@ fn avx512_switch_turns_the_wide_paths_off() {
     }
 }
 
+/// `bench kernels --paths avx512bf16` holds bf16 blocks of groups of 5 to 8 (which it
+/// multiplies in bf16 pairs) to the pair products' rate and every other row to the FMAs';
+/// `DECODE_NODE_BF16_DOT=0` turns the path off like a path the CPU lacks.
+#[test]
+fn bf16_products_are_held_to_their_own_rate() {
+    let rows = |switch: Option<&str>| -> Vec<serde_json::Value> {
+        let mut cmd = bin();
+        cmd.args([
+            "bench",
+            "kernels",
+            "--json",
+            "--threads",
+            "1",
+            "--seconds",
+            "0.02",
+            "--groups",
+            "4,5",
+            "--head-dims",
+            "64",
+            "--working-set-mib",
+            "1",
+            "--paths",
+            "avx512bf16",
+        ]);
+        cmd.env_remove("DECODE_NODE_AVX512");
+        match switch {
+            Some(v) => cmd.env("DECODE_NODE_BF16_DOT", v),
+            None => cmd.env_remove("DECODE_NODE_BF16_DOT"),
+        };
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["results"].as_array().unwrap().clone()
+    };
+    assert!(rows(Some("0")).is_empty());
+    let on = rows(None);
+    #[cfg(target_arch = "x86_64")]
+    let cpu = std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512bf16");
+    #[cfg(not(target_arch = "x86_64"))]
+    let cpu = false;
+    assert_eq!(on.len(), if cpu { 4 } else { 0 }, "{on:?}");
+    for r in &on {
+        let bf16 = r["dtype"] == "bf16" && r["group"] == 5;
+        assert_eq!(r["bf16_products"], bf16, "{r}");
+        assert!(r["fma_g_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}
+
 /// `bench select --json` on a small shape (2 KV heads of 3 query heads, head dim 64, 2
 /// layers, budget 128), with `extra` flags.
 fn bench_select_json(extra: &[&str]) -> serde_json::Value {
