@@ -20,9 +20,12 @@
 //! Groups of 5 to 8 heads take it, where a core's f32 FMAs bound the kernel below its read
 //! bandwidth (bf16, 2.5 to 4 FMAs a byte). Smaller groups are bound by memory: there this
 //! path ran 1.4x faster with the blocks in L2 but 10-25% slower streaming from DRAM (one
-//! thread of a 2-core Zen 4, `bench kernels` 256 MiB, G=2-3), for reasons not found without
-//! hardware counters. `DECODE_NODE_BF16_DOT=0` turns the path off (the `avx512` path runs
-//! those blocks), `all` gives it groups of 2 to 8: for measuring what the rounding costs.
+//! thread of a 2-core Zen 4, `bench kernels` 256 MiB, G=2-3). The scores' pair products are
+//! what lose there (why, not found without hardware counters): a throwaway build with the f32
+//! score loop and these V products matched the f32 kernel from DRAM at G=2-3 and ran 10%
+//! faster at G=4 (slower than this path at G=5-8). `DECODE_NODE_BF16_DOT=0` turns the path
+//! off (the `avx512` path runs those blocks), `all` gives it groups of 2 to 8: for measuring
+//! what the rounding costs.
 
 use std::arch::x86_64::*;
 
