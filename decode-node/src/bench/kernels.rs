@@ -146,12 +146,7 @@ fn peak_threads((path, bf16): (KernelPath, bool), threads: usize, seconds: f64) 
     if !bf16 {
         return fma_peak_threads(path, threads, seconds);
     }
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..threads.max(1))
-            .map(|_| s.spawn(move || attention::bf16_dot_peak(seconds)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
-    })
+    summed_over_threads(threads, move || attention::bf16_dot_peak(seconds))
 }
 
 /// One configuration's measured rate, waiting for the bounds it is held to.

@@ -135,10 +135,13 @@ fn host_read_passes(threads: usize) -> anyhow::Result<ReadPasses> {
 
 /// Scalar FMAs per second of `threads` threads issuing at once, at `path`'s vector width.
 pub(crate) fn fma_peak_threads(path: KernelPath, threads: usize, seconds: f64) -> f64 {
+    summed_over_threads(threads, move || attention::fma_peak_on(path, seconds))
+}
+
+/// The sum of `rate` measured on `threads` threads at once (a rate probe per thread).
+pub(crate) fn summed_over_threads(threads: usize, rate: impl Fn() -> f64 + Copy + Send) -> f64 {
     std::thread::scope(|s| {
-        let hs: Vec<_> = (0..threads.max(1))
-            .map(|_| s.spawn(move || attention::fma_peak_on(path, seconds)))
-            .collect();
+        let hs: Vec<_> = (0..threads.max(1)).map(|_| s.spawn(rate)).collect();
         hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
     })
 }
