@@ -88,9 +88,9 @@ pub(crate) fn takes(g: usize, b: usize, len: usize, d: usize) -> bool {
 /// hold for blocks of 32.
 ///
 /// # Safety
-/// The CPU has what [`available`] checks (the environment switch aside); all 32 tokens of the
-/// block are filled. The slices' lengths are checked here, once a block, so the loops index
-/// without checks.
+/// The CPU has what [`available`] checks (the environment switch aside); the block holds 32
+/// tokens, all filled, so `st.s` is `[G][32]`. The slices' lengths are checked here, once a
+/// block, so the loops index without checks.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 pub(crate) unsafe fn block(
     kt: &[u8],
