@@ -372,7 +372,8 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let paths = cpu_paths(args)?;
-    // Each case on each pool and path; the reference (`full` on the first of each) comes first.
+    // Each case on each pool and path; the reference (`full` on the first pool and path) comes
+    // first.
     let cases: Vec<(usize, Case)> = (0..stores.len())
         .flat_map(|s| paths.iter().map(move |p| (s, *p)))
         .flat_map(|(s, p)| base_cases.iter().map(move |c| (s, p, c.clone())))
@@ -387,8 +388,8 @@ pub(super) fn fidelity(args: &FidelityBench) -> anyhow::Result<serde_json::Value
             (s, c)
         })
         .collect();
-    // Every path's rows come from the calls of this thread's engine: the choice is the
-    // process's, restored when the bench returns however it returns.
+    // The path is the process's choice (every thread's calls take it), set before each run
+    // and restored when the bench returns, however it returns.
     struct Restore;
     impl Drop for Restore {
         fn drop(&mut self) {
