@@ -77,7 +77,7 @@ pub struct AsF8;
 
 impl Elem for AsF8 {
     const SIZE: usize = 1;
-    /// As [`crate::dtype::f8_e4m3_value`]: sign-extend each code to 32 bits and shift it so
+    /// As `dtype::f8_e4m3_value`: sign-extend each code to 32 bits and shift it so
     /// its exponent and mantissa sit at the top of f32's fields; the mask keeps those and the
     /// sign; one multiply by 2^120 moves the exponent bias from 7 to 127.
     #[inline]

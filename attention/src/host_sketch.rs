@@ -11,7 +11,7 @@
 //! sketched yet are quantized from the KV (the prompt at the first step, then a block each
 //! time one fills) exactly as [`crate::sketch::sketch_tokens`] does, so the scores are the
 //! definition's up to the order of sums and a polynomial `exp2` on AVX2, where the query is
-//! also rounded to int8 ([`QueryI8`]) for blocks of a multiple of 16 tokens: integer dot
+//! also rounded to int8 (`QueryI8`) for blocks of a multiple of 16 tokens: integer dot
 //! products, 1.2-1.7x faster than widening each nibble to f32 (G=3 to 8), for a rounding far
 //! below the keys' own 4 bits.
 

@@ -12,7 +12,7 @@
 //! The sketch is an eighth of a 16-bit K+V cache, so a GPU can hold all of it and score every
 //! block of a long context in microseconds: selection then never reads host KV. This module is
 //! the definition (and the CPU path, which quantizes the keys it reads); the CUDA backend
-//! keeps the sketch on the device and must agree with [`block_scores`].
+//! keeps the sketch on the device and must agree with `block_scores`.
 
 use rayon::prelude::*;
 
@@ -303,7 +303,7 @@ pub(crate) fn block_scores(
     crate::sparq::group_shares(&lse, g, how)
 }
 
-/// [`block_scores`] from a sketch already made: `nib`/`scales` hold tokens `0 ..
+/// `block_scores` from a sketch already made: `nib`/`scales` hold tokens `0 ..
 /// num_tokens` of one KV head, and every block `0 .. blocks` is scored. What a device holding
 /// the sketch computes; the tests hold the two to the same scores.
 #[allow(clippy::too_many_arguments)]
