@@ -3,7 +3,7 @@
 //! Callers never lock: they send [`Control`] messages (a new [`Job`], a cancel, shutdown)
 //! and read [`Event`]s from the job's channel. Each step admits waiting jobs (by batch size,
 //! host KV for their growth, and device KV), runs one batched decode step through the model
-//! with [`attend::BatchAttention`], appends the new KV, samples and streams a token per
+//! with `attend::BatchAttention`, appends the new KV, samples and streams a token per
 //! request, and retires finished ones (dropping their KV returns it to the pool).
 
 pub(crate) mod admission;

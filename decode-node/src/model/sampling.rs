@@ -54,7 +54,7 @@ pub fn logprob(logits: &[f32], token: usize) -> f32 {
 
 /// `ln(sum(exp(logits)))`, computed stably: the maximum `m` comes out first and each
 /// `exp(x - m)` is summed in f64. Every token of every request pays for it over the whole
-/// vocabulary, so the exponential is [`exp_le0`], which the compiler vectorises, not libm's
+/// vocabulary, so the exponential is `exp_le0`, which the compiler vectorises, not libm's
 /// f64 `exp` (272 us a token on a 49k vocabulary, 2-core EPYC; about 2% of a SmolLM2 step).
 pub fn log_sum_exp(logits: &[f32]) -> f32 {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -232,7 +232,7 @@ impl Sampler {
 }
 
 /// Tokens sorted by partial selection before sampling walks them (see
-/// [`Sampler::sample_tempered`]); a device that samples sorts as many.
+/// `Sampler::sample_tempered`); a device that samples sorts as many.
 pub const SORTED_HEAD: usize = 256;
 
 #[cfg(test)]
