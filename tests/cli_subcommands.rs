@@ -146,28 +146,38 @@ fn assert_failed_for_want_of_a_gpu(out: &std::process::Output) {
     );
 }
 
+/// `bench fidelity --json` on the embedded model: a 300-token context, one passkey prompt,
+/// 8 forced tokens, blocks of 16.
+const FIDELITY_TINY: [&str; 13] = [
+    "bench",
+    "fidelity",
+    "--json",
+    "--model",
+    "tiny",
+    "--context",
+    "300",
+    "--prompts",
+    "1",
+    "--forced",
+    "8",
+    "--block-size",
+    "16",
+];
+
+/// [`FIDELITY_TINY`] with `extra` flags, its JSON.
+fn fidelity_json(extra: &[&str]) -> serde_json::Value {
+    run_json(&[&FIDELITY_TINY[..], extra].concat())
+}
+
 /// `bench fidelity` runs end to end on the embedded model: `full` is its own reference, and
 /// `scout` with a budget covering the whole context agrees with it on every token.
 #[test]
 fn bench_fidelity_reports_each_case_against_full() {
-    let v = run_json(&[
-        "bench",
-        "fidelity",
-        "--json",
-        "--model",
-        "tiny",
-        "--context",
-        "300",
-        "--prompts",
-        "1",
-        "--forced",
-        "8",
+    let v = fidelity_json(&[
         "--budgets",
         "64,4096",
         "--modes",
         "full,scout,hgca",
-        "--block-size",
-        "16",
         "--guard",
         "both",
         "--layer-ahead",
@@ -201,24 +211,11 @@ fn bench_fidelity_reports_each_case_against_full() {
 /// hgca with a budget over the whole context equals full on the same pool.
 #[test]
 fn bench_fidelity_compares_host_kv_dtypes() {
-    let v = run_json(&[
-        "bench",
-        "fidelity",
-        "--json",
-        "--model",
-        "tiny",
-        "--context",
-        "300",
-        "--prompts",
-        "1",
-        "--forced",
-        "8",
+    let v = fidelity_json(&[
         "--budgets",
         "4096",
         "--modes",
         "full,hgca",
-        "--block-size",
-        "16",
         "--kv-dtypes",
         "f32,int8",
     ]);
@@ -240,24 +237,7 @@ fn bench_fidelity_compares_host_kv_dtypes() {
 /// is measured (near, not assumed, equal). A path this build lacks is refused.
 #[test]
 fn bench_fidelity_compares_cpu_kernel_paths() {
-    let args = [
-        "bench",
-        "fidelity",
-        "--json",
-        "--model",
-        "tiny",
-        "--context",
-        "300",
-        "--prompts",
-        "1",
-        "--forced",
-        "8",
-        "--modes",
-        "full",
-        "--block-size",
-        "16",
-    ];
-    let v = run_json(&[&args[..], &["--cpu-paths", "best,scalar"]].concat());
+    let v = fidelity_json(&["--modes", "full", "--cpu-paths", "best,scalar"]);
     assert_eq!(v["reference"], "full f32 best", "{v}");
     let rows = v["results"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{rows:?}");
@@ -267,7 +247,13 @@ fn bench_fidelity_compares_cpu_kernel_paths() {
     assert!((0.0..1e-6).contains(&kl), "{v}");
     assert_eq!(case("full scalar")["top1_agreement_with_full"], 1.0, "{v}");
     let bad = bin()
-        .args([&args[..], &["--cpu-paths", "best,sve"]].concat())
+        .args(
+            [
+                &FIDELITY_TINY[..],
+                &["--modes", "full", "--cpu-paths", "best,sve"],
+            ]
+            .concat(),
+        )
         .output()
         .unwrap();
     assert!(!bad.status.success());
