@@ -202,17 +202,28 @@ impl<const G: usize> Sets<G> {
         }
     }
 
-    /// Head `g`'s pass of two rows (tokens): `a * x` into the first set, `b * y` into the
-    /// second where there is one.
+    /// Head `g`'s pass of two rows (tokens): `*pa * x` into the first set, `*pb * y` into
+    /// the second where there is one, each factor broadcast inside its FMA ([`fmadd_at`]).
+    ///
+    /// # Safety
+    /// `pa` and `pb` point at readable f32s.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn fold(&mut self, g: usize, (a, x): (__m512, [__m512; 2]), (b, y): (__m512, [__m512; 2])) {
+    unsafe fn fold(
+        &mut self,
+        g: usize,
+        (pa, x): (*const f32, [__m512; 2]),
+        (pb, y): (*const f32, [__m512; 2]),
+    ) {
         let e = &mut self.even[g];
-        e[0] = _mm512_fmadd_ps(a, x[0], e[0]);
-        e[1] = _mm512_fmadd_ps(a, x[1], e[1]);
-        let o = self.second(g);
-        o[0] = _mm512_fmadd_ps(b, y[0], o[0]);
-        o[1] = _mm512_fmadd_ps(b, y[1], o[1]);
+        // SAFETY: the caller's promise.
+        unsafe {
+            e[0] = fmadd_at(x[0], pa, e[0]);
+            e[1] = fmadd_at(x[1], pa, e[1]);
+            let o = self.second(g);
+            o[0] = fmadd_at(y[0], pb, o[0]);
+            o[1] = fmadd_at(y[1], pb, o[1]);
+        }
     }
 
     /// Head `g`'s vectors in the second set: its own where [`two_sets`], else the first's.
@@ -237,6 +248,37 @@ impl<const G: usize> Sets<G> {
         }
         out
     }
+}
+
+/// `acc + x * *p`, the broadcast of `*p` folded into the FMA (`{1to16}`).
+///
+/// Zen 4 runs a separate `VBROADCASTSS` from memory on a vector pipe, as it does
+/// `VCVTPH2PS`: with both in a loop their pipes, not the FMAs, set its pace (a loop of eight
+/// FMAs, two f16 conversions and four broadcasts ran at 0.73-0.77 of the FMA rate; with the
+/// broadcasts folded into the FMAs, 0.97). The folded form is a load uop only, as a separate
+/// broadcast is on Intel. LLVM folds a broadcast only into its single use, and each factor
+/// here has two or four, hence the `asm!`. Measured in the kernel (`bench kernels`
+/// `--paths avx512`, one thread, blocks in L2, three alternated runs): f16 G=4 0.60-0.70 ->
+/// 0.82-0.88 of the roofline, G=5 0.63-0.73 -> 0.83-0.89, G=8 0.69-0.79 -> 0.83-0.89; bf16
+/// G=4 0.73-0.80 -> 0.81-0.86, G=5 0.72-0.80 -> 0.81-0.87, G=8 0.78-0.83 -> 0.81-0.87.
+///
+/// # Safety
+/// `p` points at a readable f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn fmadd_at(x: __m512, p: *const f32, acc: __m512) -> __m512 {
+    let mut acc = acc;
+    // SAFETY: the caller's promise; the instruction reads four bytes at `p` and writes `acc`.
+    unsafe {
+        std::arch::asm!(
+            "vfmadd231ps {a}, {x}, dword ptr [{p}]{{1to16}}",
+            a = inout(zmm_reg) acc,
+            x = in(zmm_reg) x,
+            p = in(reg) p,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    acc
 }
 
 /// Scores of a full 32-token block for all `G` query heads: `s[g][t] = sum_c q[g][c] K[c][t]`,
@@ -269,13 +311,10 @@ unsafe fn scores<E: Elem512, const G: usize>(
         let (k2, k3) = unsafe { E::load32(k.add((c + 1) * 32 * es)) };
         for g in 0..G {
             // SAFETY: g < G, c + 1 < d: inside `qs` (the contract).
-            let (qa, qb) = unsafe {
-                (
-                    _mm512_set1_ps(*q.add(g * d + c)),
-                    _mm512_set1_ps(*q.add(g * d + c + 1)),
-                )
-            };
-            sets.fold(g, (qa, [k0, k1]), (qb, [k2, k3]));
+            unsafe {
+                let qa = q.add(g * d + c);
+                sets.fold(g, (qa, [k0, k1]), (qa.add(1), [k2, k3]));
+            }
         }
     }
     let acc = sets.sums();
@@ -339,13 +378,13 @@ unsafe fn accumulate_v<E: Elem512, const G: usize>(
             let (at, bt) = if E::SPLIT { (j, 16 + j) } else { (t, t + 1) };
             for g in 0..G {
                 // SAFETY: g < G, at, bt < 32 <= b: inside `p` (the contract).
-                let (wa, wb) = unsafe {
-                    (
-                        _mm512_set1_ps(*w.add(g * b + at)),
-                        _mm512_set1_ps(*w.add(g * b + bt)),
+                unsafe {
+                    sets.fold(
+                        g,
+                        (w.add(g * b + at), [v0, v1]),
+                        (w.add(g * b + bt), [v2, v3]),
                     )
                 };
-                sets.fold(g, (wa, [v0, v1]), (wb, [v2, v3]));
             }
         }
         let r = sets.sums();
