@@ -21,6 +21,11 @@
 //! without it, the kernel ran at 0.26-0.42 of read bandwidth on a 256 MiB working set instead
 //! of 0.6-0.97.
 //!
+//! Each FMA of both loops takes its factor (a query channel, a weight) from memory as a
+//! broadcast operand ([`fmadd_at`]): on Zen 4 a separate broadcast runs on the vector pipes
+//! that the f16 conversions need, and held f16 groups of 4 to 8 at 0.60-0.79 of the FMA
+//! rate (0.82-0.89 after, blocks in L2).
+//!
 //! AMD Zen 4 issues each 512-bit operation as two 256-bit halves, and once took the AVX2 path
 //! (3-10% faster there before these loops were compiled per type and the softmax came here).
 //! Measured again on a 2-core EPYC (Zen 4), `bench kernels` 256 MiB, paths alternated, three
