@@ -40,6 +40,22 @@ pub(crate) struct State<'a> {
     pub(crate) l: &'a mut [f32],
     /// `[G][B]` scores, then weights.
     pub(crate) s: &'a mut [f32],
+    /// Whether `acc` holds each 32-channel slice in the order the bf16 pair products leave
+    /// it (`kernel_bf16`), which keeps it so from block to block of a call; every other
+    /// piece reads it in channel order ([`State::in_channel_order`]).
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) pairs: &'a mut bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl State<'_> {
+    /// Puts `acc` back in channel order if the pair products left it in theirs.
+    pub(crate) fn in_channel_order(&mut self) {
+        if *self.pairs {
+            crate::kernel_bf16::to_channel_order(self.acc);
+            *self.pairs = false;
+        }
+    }
 }
 
 /// The implementation that runs a call's blocks, picked per call from the CPU's features
@@ -253,6 +269,9 @@ pub fn attend_blocks_on<'a>(
     let simd = path == KernelPath::Neon && path.runs(geom);
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = path;
+    // Whether `acc` is in the bf16 pair products' order (`State::pairs`).
+    #[cfg(target_arch = "x86_64")]
+    let mut pairs = false;
     let mut blocks = blocks.into_iter().peekable();
     // The SIMD paths peek at the next block to prefetch it.
     #[cfg_attr(not(target_arch = "x86_64"), allow(clippy::while_let_on_iterator))]
@@ -271,7 +290,13 @@ pub fn attend_blocks_on<'a>(
                 None => &[],
             };
             let mut pf = crate::kernel_avx2::Prefetch::new(next);
-            let mut st = State { acc, m, l, s };
+            let mut st = State {
+                acc,
+                m,
+                l,
+                s,
+                pairs: &mut pairs,
+            };
             // SAFETY: `best` checked the CPU and that block size and head dim are multiples of
             // 8; the block holds a whole head block.
             unsafe {
@@ -286,6 +311,10 @@ pub fn attend_blocks_on<'a>(
             // of 8; the block holds a whole head block; `len <= b`.
             unsafe { crate::kernel_neon::block(geom, qs, blk.bytes, len, &mut st) };
             continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::mem::take(&mut pairs) {
+            crate::kernel_bf16::to_channel_order(acc);
         }
         let (kt, vs) = blk.bytes.split_at(b * d * es);
         // Int8 and fp8: each token's K and V scale (1 for the float dtypes).
@@ -328,6 +357,10 @@ pub fn attend_blocks_on<'a>(
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
+    if pairs {
+        crate::kernel_bf16::to_channel_order(acc);
+    }
     let mut out = Partial::empty(g, d);
     for h in 0..g {
         // A NaN denominator is passed on (as NaN output), never read as "no blocks".
@@ -782,17 +815,21 @@ pub(crate) mod tests {
     /// block.
     #[test]
     fn bf16_dot_products_are_exact_where_rounding_is() {
-        let n = 5 * 32 + 7;
-        for (g, d) in [
-            (2, 64),
-            (3, 128),
-            (4, 64),
-            (5, 64),
-            (6, 128),
-            (7, 64),
-            (8, 64),
-            (8, 128),
-        ] {
+        // A partly filled last block (the f32 loops take it) and none (the call ends on
+        // the pair products, which leave the output in their own channel order).
+        for (n, g, d) in [5 * 32 + 7, 4 * 32].into_iter().flat_map(|n| {
+            [
+                (2, 64),
+                (3, 128),
+                (4, 64),
+                (5, 64),
+                (6, 128),
+                (7, 64),
+                (8, 64),
+                (8, 128),
+            ]
+            .map(|(g, d)| (n, g, d))
+        }) {
             let geom = BlockGeometry {
                 block_size: 32,
                 num_kv_heads: 1,

@@ -216,6 +216,7 @@ pub(crate) unsafe fn block(
             return;
         }
     }
+    st.in_channel_order();
     // SAFETY (every arm): forwarded; the element type is the block's.
     unsafe {
         match geom.dtype {
@@ -709,11 +710,13 @@ mod tests {
                             vec![0f32; g],
                             vec![0f32; g * 32],
                         );
+                        let mut pairs = false;
                         let mut st = State {
                             acc: &mut acc,
                             m: &mut m,
                             l: &mut l,
                             s: &mut sc,
+                            pairs: &mut pairs,
                         };
                         let mut pf = Prefetch::new(&next);
                         // SAFETY: checked the CPU; a whole head block; 32 and d multiples of 8.
