@@ -436,6 +436,15 @@ fn tile_heads(rest: usize) -> usize {
     }
 }
 
+/// Steps a pass of a register tile of `heads` heads takes: two phases of channels (scores)
+/// or two tokens (V) for a lone head, else one. `bench kernels --paths avx2`, one thread,
+/// blocks in L2 (Zen 4, four alternated runs, median GB/s): G=1 bf16 32-37 -> 43-47, f16
+/// 26 -> 38-42; two heads: bf16 +3-15%, f16 D=128 37 -> 30 (the second step's vectors
+/// spill), so they keep one.
+const fn phases(heads: usize) -> usize {
+    if heads == 1 { 2 } else { 1 }
+}
+
 /// Scores of the first `nv` token vectors of a block for every query head,
 /// `s[h][t] = sum_c q[h][c] K[c][t]`, read straight from the stored keys (K is `[d][b]`). The
 /// group is cut in register tiles of `H` heads x `T` token vectors (x `P` channel phases for a
@@ -547,10 +556,17 @@ impl<E: Elem> Tile<'_, E> {
         let mut acc = [[[_mm256_setzero_ps(); T]; H]; P];
         let q = self.qs.as_ptr();
         let k = self.kt.as_ptr();
+        // A lone head's tile takes two phases of P channels a pass: with one, its loop took
+        // as many issue slots as its FMAs ([`phases`]). One prefetch call a phase still, so
+        // its two lines a call cover the whole next block.
+        let u = phases(H);
+        debug_assert!(d.is_multiple_of(u * P));
         let mut c = 0;
-        while c + P <= d {
-            pfl.line();
-            for p in 0..P {
+        while c + u * P <= d {
+            for _ in 0..u {
+                pfl.line();
+            }
+            for p in 0..u * P {
                 let mut kv = [_mm256_setzero_ps(); T];
                 // SAFETY: row c+p < d, vectors j0..j0+T <= b/8: inside the block's keys.
                 let row = unsafe { k.add(((c + p) * b + 8 * j0) * es) };
@@ -569,11 +585,11 @@ impl<E: Elem> Tile<'_, E> {
                     // SAFETY: head h0+i < g, channel c+p < d: inside `qs`.
                     let qv = unsafe { _mm256_broadcast_ss(&*q.add((h0 + i) * d + c + p)) };
                     for j in 0..T {
-                        acc[p][i][j] = _mm256_fmadd_ps(qv, kv[j], acc[p][i][j]);
+                        acc[p % P][i][j] = _mm256_fmadd_ps(qv, kv[j], acc[p % P][i][j]);
                     }
                 }
             }
-            c += P;
+            c += u * P;
         }
         *pf = pfl;
         for i in 0..H {
@@ -620,7 +636,6 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
         // SAFETY: forwarded; W = 1 divides any head dim that is a multiple of 8.
         return unsafe { accumulate_v::<E, N, 1>(vs, len, b, d, h0, st, pf) };
     }
-    let es = E::SIZE;
     let mut pfl = *pf; // in a register through the loop
     let (acc_ptr, s) = (st.acc.as_mut_ptr(), st.s[h0 * b..(h0 + N) * b].as_ptr());
     for c0 in (0..d).step_by(8 * W) {
@@ -640,29 +655,22 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
                 }
             }
         }
-        for t in 0..len {
+        // Two tokens a pass where the score tiles take two phases (a prefetch call each).
+        let mut t = 0;
+        if phases(N) == 2 {
+            while t + 2 <= len {
+                pfl.line();
+                pfl.line();
+                // SAFETY: tokens t, t + 1 < len.
+                unsafe { v_rows::<E, N, W, 2>(vs, s, b, d, c0, t, split, &mut acc) };
+                t += 2;
+            }
+        }
+        while t < len {
             pfl.line();
-            let mut v = [_mm256_setzero_ps(); W];
-            // SAFETY: t < len <= b rows of d elements; c0 + 8W <= d.
-            let row = unsafe { vs.as_ptr().add((t * d + c0) * es) };
-            if split {
-                for j in 0..W / 2 {
-                    // SAFETY: as above, 16 elements from channel c0 + 16j.
-                    (v[2 * j], v[2 * j + 1]) = unsafe { E::load16(row.add(16 * j * es)) };
-                }
-            } else {
-                for j in 0..W {
-                    // SAFETY: as above, 8 elements from channel c0 + 8j.
-                    v[j] = unsafe { E::load8(row.add(8 * j * es)) };
-                }
-            }
-            for i in 0..N {
-                // SAFETY: i < N heads of b weights each, t < len <= b.
-                let p = unsafe { _mm256_broadcast_ss(&*s.add(i * b + t)) };
-                for j in 0..W {
-                    acc[i][j] = _mm256_fmadd_ps(p, v[j], acc[i][j]);
-                }
-            }
+            // SAFETY: token t < len.
+            unsafe { v_rows::<E, N, W, 1>(vs, s, b, d, c0, t, split, &mut acc) };
+            t += 1;
         }
         for i in 0..N {
             if split {
@@ -678,6 +686,49 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
         }
     }
     *pf = pfl;
+}
+
+/// Tokens `t..t + U` of [`accumulate_v`]'s slice at channel `c0`, into `acc`.
+///
+/// # Safety
+/// As [`accumulate_v`]; `t + U <= len`; `s` points at head `h0`'s weights (`N` rows of `b`).
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn v_rows<E: Elem, const N: usize, const W: usize, const U: usize>(
+    vs: &[u8],
+    s: *const f32,
+    b: usize,
+    d: usize,
+    c0: usize,
+    t: usize,
+    split: bool,
+    acc: &mut [[__m256; W]; N],
+) {
+    let es = E::SIZE;
+    for u in 0..U {
+        let mut v = [_mm256_setzero_ps(); W];
+        // SAFETY: t + u < len <= b rows of d elements; c0 + 8W <= d.
+        let row = unsafe { vs.as_ptr().add(((t + u) * d + c0) * es) };
+        if split {
+            for j in 0..W / 2 {
+                // SAFETY: as above, 16 elements from channel c0 + 16j.
+                (v[2 * j], v[2 * j + 1]) = unsafe { E::load16(row.add(16 * j * es)) };
+            }
+        } else {
+            for j in 0..W {
+                // SAFETY: as above, 8 elements from channel c0 + 8j.
+                v[j] = unsafe { E::load8(row.add(8 * j * es)) };
+            }
+        }
+        for i in 0..N {
+            // SAFETY: i < N heads of b weights each, t + u < len <= b.
+            let p = unsafe { _mm256_broadcast_ss(&*s.add(i * b + t + u)) };
+            for j in 0..W {
+                acc[i][j] = _mm256_fmadd_ps(p, v[j], acc[i][j]);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
