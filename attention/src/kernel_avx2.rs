@@ -567,20 +567,10 @@ impl<E: Elem> Tile<'_, E> {
                 pfl.line();
             }
             for p in 0..u * P {
-                let mut kv = [_mm256_setzero_ps(); T];
                 // SAFETY: row c+p < d, vectors j0..j0+T <= b/8: inside the block's keys.
-                let row = unsafe { k.add(((c + p) * b + 8 * j0) * es) };
-                if E::SPLIT && T.is_multiple_of(2) {
-                    for j in 0..T / 2 {
-                        // SAFETY: as above, 16 elements from vector j0+2j.
-                        (kv[2 * j], kv[2 * j + 1]) = unsafe { E::load16(row.add(16 * j * es)) };
-                    }
-                } else {
-                    for j in 0..T {
-                        // SAFETY: as above, vector j0+j.
-                        kv[j] = unsafe { E::load8(row.add(8 * j * es)) };
-                    }
-                }
+                let kv = unsafe {
+                    load_row::<E, T>(k.add(((c + p) * b + 8 * j0) * es), T.is_multiple_of(2))
+                };
                 for i in 0..H {
                     // SAFETY: head h0+i < g, channel c+p < d: inside `qs`.
                     let qv = unsafe { _mm256_broadcast_ss(&*q.add((h0 + i) * d + c + p)) };
@@ -688,6 +678,30 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
     *pf = pfl;
 }
 
+/// `W` vectors of 8 elements from `row`: where `pairs` (and `W` even) and `E` is a split
+/// type, each 16 as their even elements, then the odd ones ([`Elem::load16`]).
+///
+/// # Safety
+/// `8 W` readable elements at `row`; AVX2, FMA and F16C.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_row<E: Elem, const W: usize>(row: *const u8, pairs: bool) -> [__m256; W] {
+    let (es, mut v) = (E::SIZE, [_mm256_setzero_ps(); W]);
+    if E::SPLIT && pairs && W.is_multiple_of(2) {
+        for j in 0..W / 2 {
+            // SAFETY: 16 elements from element 16j < 8W.
+            (v[2 * j], v[2 * j + 1]) = unsafe { E::load16(row.add(16 * j * es)) };
+        }
+    } else {
+        for j in 0..W {
+            // SAFETY: 8 elements from element 8j < 8W.
+            v[j] = unsafe { E::load8(row.add(8 * j * es)) };
+        }
+    }
+    v
+}
+
 /// Tokens `t..t + U` of [`accumulate_v`]'s slice at channel `c0`, into `acc`.
 ///
 /// # Safety
@@ -707,20 +721,8 @@ unsafe fn v_rows<E: Elem, const N: usize, const W: usize, const U: usize>(
 ) {
     let es = E::SIZE;
     for u in 0..U {
-        let mut v = [_mm256_setzero_ps(); W];
         // SAFETY: t + u < len <= b rows of d elements; c0 + 8W <= d.
-        let row = unsafe { vs.as_ptr().add(((t + u) * d + c0) * es) };
-        if split {
-            for j in 0..W / 2 {
-                // SAFETY: as above, 16 elements from channel c0 + 16j.
-                (v[2 * j], v[2 * j + 1]) = unsafe { E::load16(row.add(16 * j * es)) };
-            }
-        } else {
-            for j in 0..W {
-                // SAFETY: as above, 8 elements from channel c0 + 8j.
-                v[j] = unsafe { E::load8(row.add(8 * j * es)) };
-            }
-        }
+        let v = unsafe { load_row::<E, W>(vs.as_ptr().add(((t + u) * d + c0) * es), split) };
         for i in 0..N {
             // SAFETY: i < N heads of b weights each, t + u < len <= b.
             let p = unsafe { _mm256_broadcast_ss(&*s.add(i * b + t + u)) };
