@@ -318,14 +318,19 @@ fn bench_multiturn_pushes_less_with_reuse() {
 /// `bench kernels --json` on a 1 MiB working set, one thread, head dim 64, for `groups` and
 /// `paths`, with `DECODE_NODE_AVX512` set to `avx512` where given (unset otherwise).
 fn kernels_bench(groups: &str, paths: &str, avx512: Option<&str>) -> serde_json::Value {
-    kernels_bench_with(groups, paths, avx512, &[])
+    kernels_bench_with(groups, paths, &[("DECODE_NODE_AVX512", avx512)], &[])
 }
 
-/// [`kernels_bench`] with `extra` arguments.
+/// The kernel switches these tests set: each is unset unless given, so a suite run under one
+/// (`DECODE_NODE_AVX512=0`: the AVX2 paths on an AVX-512 host) leaves the default case alone.
+const KERNEL_SWITCHES: [&str; 2] = ["DECODE_NODE_AVX512", "DECODE_NODE_BF16_DOT"];
+
+/// [`kernels_bench`] with `switches` (of [`KERNEL_SWITCHES`], set where `Some`) and `extra`
+/// arguments.
 fn kernels_bench_with(
     groups: &str,
     paths: &str,
-    avx512: Option<&str>,
+    switches: &[(&str, Option<&str>)],
     extra: &[&str],
 ) -> serde_json::Value {
     let mut cmd = bin();
@@ -347,12 +352,14 @@ fn kernels_bench_with(
         paths,
     ]);
     cmd.args(extra);
-    // Unset where not given: a suite run with `DECODE_NODE_AVX512=0` (the AVX2 paths on an
-    // AVX-512 host) must not turn the default case off.
-    match avx512 {
-        Some(v) => cmd.env("DECODE_NODE_AVX512", v),
-        None => cmd.env_remove("DECODE_NODE_AVX512"),
-    };
+    for name in KERNEL_SWITCHES {
+        cmd.env_remove(name);
+    }
+    for (name, value) in switches {
+        if let Some(v) = value {
+            cmd.env(name, v);
+        }
+    }
     let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
@@ -367,7 +374,7 @@ fn kernels_bench_with(
 #[test]
 fn bench_kernels_measures_the_kv_dtype_asked_for() {
     for dtype in ["int8", "fp8", "f32"] {
-        let v = kernels_bench_with("4", "best,scalar", None, &["--kv-dtype", dtype]);
+        let v = kernels_bench_with("4", "best,scalar", &[], &["--kv-dtype", dtype]);
         let rows = v["results"].as_array().unwrap();
         assert_eq!(rows.len(), 2, "{v}");
         for r in rows {
@@ -430,36 +437,12 @@ fn avx512_switch_turns_the_wide_paths_off() {
 #[test]
 fn bf16_products_are_held_to_their_own_rate() {
     let rows = |switch: Option<&str>| -> Vec<serde_json::Value> {
-        let mut cmd = bin();
-        cmd.args([
-            "bench",
-            "kernels",
-            "--json",
-            "--threads",
-            "1",
-            "--seconds",
-            "0.02",
-            "--groups",
+        let v = kernels_bench_with(
             "4,5",
-            "--head-dims",
-            "64",
-            "--working-set-mib",
-            "1",
-            "--paths",
             "avx512bf16",
-        ]);
-        cmd.env_remove("DECODE_NODE_AVX512");
-        match switch {
-            Some(v) => cmd.env("DECODE_NODE_BF16_DOT", v),
-            None => cmd.env_remove("DECODE_NODE_BF16_DOT"),
-        };
-        let out = cmd.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+            &[("DECODE_NODE_BF16_DOT", switch)],
+            &[],
         );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         v["results"].as_array().unwrap().clone()
     };
     assert!(rows(Some("0")).is_empty());
