@@ -403,6 +403,10 @@ fn bench_kernels_reports_each_path_against_its_roofline() {
         );
         assert!(got > 0.0 && roof > 0.0, "{r}");
         assert!((r["ratio_to_roofline"].as_f64().unwrap() - got / roof).abs() < 1e-9);
+        // Every round paired a probe of the same bytes with a pass over them.
+        assert!(r["rounds"].as_u64().unwrap() >= 1, "{r}");
+        assert!(r["paired_read_gb_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["paired_ratio_to_roofline"].as_f64().unwrap() > 0.0, "{r}");
     }
     let bad = bin()
         .args(["bench", "kernels", "--paths", "neon"])

@@ -104,7 +104,7 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                             let peak = peak_threads(key, t, args.seconds.min(0.5));
                             peaks.push((key, peak));
                         }
-                        let best =
+                        let (best, rounds) =
                             scan_rate(&geom, path, &q, &data.0[..nblocks * hb], t, args.seconds);
                         scans.push(Scan {
                             dtype,
@@ -112,6 +112,7 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                             d,
                             path: key,
                             best,
+                            rounds,
                         });
                     }
                 }
@@ -158,6 +159,8 @@ struct Scan {
     path: (KernelPath, bool),
     /// KV bytes a second.
     best: f64,
+    /// Alternated passes over the same bytes: (read probe, kernel), bytes a second each.
+    rounds: Vec<(f64, f64)>,
 }
 
 impl Scan {
@@ -171,15 +174,33 @@ impl Scan {
         bw.min(peak / self.fmas_per_byte())
     }
 
+    /// The median over the alternated rounds of the kernel's rate over the roofline of its
+    /// round (the probe read just before it, or the FMA rate `peak`), and the median probe.
+    /// On a shared host the bandwidth moves between one probe and the next (a 2-core VM read
+    /// 34 and 50 GB/s at two threads minutes apart while the kernel held 32): a ratio from a
+    /// probe and a pass seconds apart moved with it, one from neighbouring passes much less.
+    fn paired(&self, peak: f64) -> (f64, f64) {
+        let mut ratios: Vec<f64> = self
+            .rounds
+            .iter()
+            .map(|&(read, kv)| kv / self.roofline(read, peak))
+            .collect();
+        let mut reads: Vec<f64> = self.rounds.iter().map(|r| r.0).collect();
+        (median(&mut ratios), median(&mut reads))
+    }
+
     /// The JSON row at `threads` threads.
     fn row(&self, threads: usize, bw: f64, peak: f64) -> serde_json::Value {
         let roofline = self.roofline(bw, peak);
+        let (paired, paired_read) = self.paired(peak);
         json!({
             "dtype": self.dtype.name(), "group": self.g, "head_dim": self.d, "threads": threads,
             "path": self.path.0.name(), "bf16_products": self.path.1,
             "kv_gb_per_s": self.best / 1e9, "read_gb_per_s": bw / 1e9, "ratio": self.best / bw,
             "fma_g_per_s": peak / 1e9, "fmas_per_byte": self.fmas_per_byte(),
             "roofline_gb_per_s": roofline / 1e9, "ratio_to_roofline": self.best / roofline,
+            "rounds": self.rounds.len(), "paired_read_gb_per_s": paired_read / 1e9,
+            "paired_ratio_to_roofline": paired,
         })
     }
 
@@ -187,7 +208,7 @@ impl Scan {
     fn line(&self, threads: usize, bw: f64, peak: f64) -> String {
         let roofline = self.roofline(bw, peak);
         format!(
-            "kernels {:>4} G={} D={:>3} threads={threads} {:>10}: {:6.2} GB/s of KV / {:6.2} GB/s read = {:.2}; roofline {:6.2} GB/s ({} {:.0} G/s) -> {:.2}",
+            "kernels {:>4} G={} D={:>3} threads={threads} {:>10}: {:6.2} GB/s of KV / {:6.2} GB/s read = {:.2}; roofline {:6.2} GB/s ({} {:.0} G/s) -> {:.2}; paired with the read of the same bytes (median of {}) -> {:.2}",
             self.dtype.name(),
             self.g,
             self.d,
@@ -198,14 +219,17 @@ impl Scan {
             roofline / 1e9,
             if self.path.1 { "bf16 products" } else { "FMA" },
             peak / 1e9,
-            self.best / roofline
+            self.best / roofline,
+            self.rounds.len(),
+            self.paired(peak).0,
         )
     }
 }
 
 /// The best KV bytes per second over `seconds` of `threads` threads attending their share of
 /// `data` (whole head blocks of `geom`) on `path`, each its share several times a pass where
-/// the share is small (a working set sized to a cache).
+/// the share is small (a working set sized to a cache); and every round's pair of rates: the
+/// same threads reading the same shares as the read probe does, then attending them.
 fn scan_rate(
     geom: &BlockGeometry,
     path: KernelPath,
@@ -213,13 +237,27 @@ fn scan_rate(
     data: &[u8],
     threads: usize,
     seconds: f64,
-) -> f64 {
+) -> (f64, Vec<(f64, f64)>) {
     let hb = geom.head_bytes();
     let per = (data.len() / hb).div_ceil(threads.max(1)).max(1);
     let reps = scans_per_pass(per * hb);
     let mut best = 0f64;
+    let mut rounds = Vec::new();
+    // The probe reads the bytes as floats: the blocks start 4-aligned (a page-aligned
+    // mapping, head blocks of whole 4-byte words), any odd tail is left out.
+    let floats: &[f32] = bytemuck::cast_slice(&data[..data.len() / 4 * 4]);
     let end = Instant::now() + Duration::from_secs_f64(seconds);
     while Instant::now() < end || best == 0.0 {
+        let start = Instant::now();
+        let sums: f32 = std::thread::scope(|s| {
+            let hs: Vec<_> = floats
+                .chunks(per * hb / 4)
+                .map(|c| s.spawn(move || (0..reps).map(|_| sum(c)).sum::<f32>()))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+        });
+        std::hint::black_box(sums);
+        let read = (floats.len() * 4 * reps) as f64 / start.elapsed().as_secs_f64();
         let start = Instant::now();
         std::thread::scope(|s| {
             for part in data.chunks(per * hb) {
@@ -241,9 +279,17 @@ fn scan_rate(
                 });
             }
         });
-        best = best.max((data.len() * reps) as f64 / start.elapsed().as_secs_f64());
+        let kv = (data.len() * reps) as f64 / start.elapsed().as_secs_f64();
+        best = best.max(kv);
+        rounds.push((read, kv));
     }
-    best
+    (best, rounds)
+}
+
+/// The middle value (the upper of the two middle ones); 0 for none.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// `bench kernels --device cuda`: the device part of attention over every block of a
@@ -333,4 +379,37 @@ fn device_kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
     anyhow::bail!(
         "--device {device}: this binary was built without CUDA support; rebuild with `--features cuda`"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(g: usize, rounds: Vec<(f64, f64)>) -> Scan {
+        Scan {
+            dtype: KvDType::F16,
+            g,
+            d: 64,
+            path: (KernelPath::Scalar, false),
+            best: rounds.iter().map(|r| r.1).fold(0.0, f64::max),
+            rounds,
+        }
+    }
+
+    /// Each round's rate is held to its own round's probe (or the FMA bound, where lower),
+    /// and the middle of those ratios is the paired ratio: a fast probe in one round and a
+    /// fast pass in another do not pair up.
+    #[test]
+    fn paired_ratio_is_the_median_of_each_rounds_own_ratio() {
+        // Read-bound (a huge FMA rate): ratios 0.5, 0.25, 0.75.
+        let s = scan(4, vec![(10.0, 5.0), (20.0, 5.0), (40.0, 30.0)]);
+        assert_eq!(s.paired(1e12), (0.5, 20.0));
+        // Best over best would say 30 / 40.
+        assert_eq!(s.best / s.roofline(40.0, 1e12), 0.75);
+        // FMA-bound: G=4 f16 is 2 FMAs a byte, so 40 FMAs/s allow 20 bytes/s, below the
+        // probes of the last two rounds: ratios 0.5, 0.25, 1.5.
+        assert_eq!(s.paired(40.0).0, 0.5);
+        // No rounds: zeros, not a panic.
+        assert_eq!(scan(1, Vec::new()).paired(1.0), (0.0, 0.0));
+    }
 }
