@@ -507,8 +507,9 @@ pub enum Bench {
     /// Sparse attention kernels against this machine's memory bandwidth, per thread count
     /// (f16 and bf16 KV, or the one `--kv-dtype` names). Each row's roofline is the lower of
     /// the read bandwidth and the FMA rate; its ratio is given best pass over best probe, and
-    /// paired: the median over rounds that read the same bytes just before attending them
-    /// (steadier on a shared host, whose bandwidth moves between probes).
+    /// paired: where reads bound it, the median over rounds that read the same bytes just
+    /// before attending them (steadier on a shared host, whose bandwidth moves between
+    /// probes).
     Kernels(KernelsBench),
     /// Loopback PushKv throughput against memcpy, one or several concurrent pushes.
     Ingest(IngestBench),

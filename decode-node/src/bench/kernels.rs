@@ -104,8 +104,8 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                             let peak = peak_threads(key, t, args.seconds.min(0.5));
                             peaks.push((key, peak));
                         }
-                        let (best, rounds) =
-                            scan_rate(&geom, path, &q, &data.0[..nblocks * hb], t, args.seconds);
+                        let bytes = &data.0[..nblocks * hb];
+                        let (best, rounds) = scan_rate(&geom, path, &q, bytes, t, args.seconds);
                         scans.push(Scan {
                             dtype,
                             g,
@@ -159,8 +159,17 @@ struct Scan {
     path: (KernelPath, bool),
     /// KV bytes a second.
     best: f64,
-    /// Alternated passes over the same bytes: (read probe, kernel), bytes a second each.
-    rounds: Vec<(f64, f64)>,
+    /// Rounds of a read probe over the bytes the kernel reads, then a pass of the kernel.
+    rounds: Vec<Round>,
+}
+
+/// One round of [`scan_rate`]: bytes a second.
+#[derive(Debug, Clone, Copy)]
+struct Round {
+    /// The read probe's, over the kernel's bytes with its threads.
+    read: f64,
+    /// The kernel's.
+    kv: f64,
 }
 
 impl Scan {
@@ -174,19 +183,25 @@ impl Scan {
         bw.min(peak / self.fmas_per_byte())
     }
 
-    /// The median over the alternated rounds of the kernel's rate over the roofline of its
-    /// round (the probe read just before it, or the FMA rate `peak`), and the median probe.
-    /// On a shared host the bandwidth moves between one probe and the next (a 2-core VM read
-    /// 34 and 50 GB/s at two threads minutes apart while the kernel held 32): a ratio from a
-    /// probe and a pass seconds apart moved with it, one from neighbouring passes much less.
+    /// Read-bound rows held to their own rounds: the median over rounds of the kernel's rate
+    /// over the lower of the probe read just before it and the FMA rate `peak`, and the
+    /// median probe. On a shared host the bandwidth moves between one probe and the next (a
+    /// 2-core VM read 34 and 50 GB/s at two threads minutes apart while the kernel held 32):
+    /// a ratio from a probe and a pass seconds apart moved with it, one from neighbouring
+    /// passes much less. Where the FMA rate is the lower bound, the best pass is held to it
+    /// instead, as the unpaired ratio does (the FMA probe is a best of its own passes; a
+    /// median pass against it would count the host's stolen cycles against the kernel).
     fn paired(&self, peak: f64) -> (f64, f64) {
-        let mut ratios: Vec<f64> = self
-            .rounds
-            .iter()
-            .map(|&(read, kv)| kv / self.roofline(read, peak))
-            .collect();
-        let mut reads: Vec<f64> = self.rounds.iter().map(|r| r.0).collect();
-        (median(&mut ratios), median(&mut reads))
+        let mut reads: Vec<f64> = self.rounds.iter().map(|r| r.read).collect();
+        let read = median(&mut reads);
+        let fma = peak / self.fmas_per_byte();
+        let ratio = if read <= fma {
+            let mut ratios: Vec<f64> = self.rounds.iter().map(|r| r.kv / r.read.min(fma)).collect();
+            median(&mut ratios)
+        } else {
+            self.best / fma
+        };
+        (ratio, read)
     }
 
     /// The JSON row at `threads` threads.
@@ -237,7 +252,7 @@ fn scan_rate(
     data: &[u8],
     threads: usize,
     seconds: f64,
-) -> (f64, Vec<(f64, f64)>) {
+) -> (f64, Vec<Round>) {
     let hb = geom.head_bytes();
     let per = (data.len() / hb).div_ceil(threads.max(1)).max(1);
     let reps = scans_per_pass(per * hb);
@@ -281,7 +296,7 @@ fn scan_rate(
         });
         let kv = (data.len() * reps) as f64 / start.elapsed().as_secs_f64();
         best = best.max(kv);
-        rounds.push((read, kv));
+        rounds.push(Round { read, kv });
     }
     (best, rounds)
 }
@@ -385,31 +400,38 @@ fn device_kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> {
 mod tests {
     use super::*;
 
-    fn scan(g: usize, rounds: Vec<(f64, f64)>) -> Scan {
+    fn scan(g: usize, rounds: &[(f64, f64)]) -> Scan {
+        let rounds: Vec<Round> = rounds
+            .iter()
+            .map(|&(read, kv)| Round { read, kv })
+            .collect();
         Scan {
             dtype: KvDType::F16,
             g,
             d: 64,
             path: (KernelPath::Scalar, false),
-            best: rounds.iter().map(|r| r.1).fold(0.0, f64::max),
+            best: rounds.iter().map(|r| r.kv).fold(0.0, f64::max),
             rounds,
         }
     }
 
-    /// Each round's rate is held to its own round's probe (or the FMA bound, where lower),
-    /// and the middle of those ratios is the paired ratio: a fast probe in one round and a
-    /// fast pass in another do not pair up.
+    /// A read-bound row's rounds are each held to their own probe (or the FMA bound, where
+    /// lower), and the middle of those ratios is the paired ratio: a fast probe in one round
+    /// and a fast pass in another do not pair up. An FMA-bound row is its best pass over the
+    /// FMA bound.
     #[test]
-    fn paired_ratio_is_the_median_of_each_rounds_own_ratio() {
+    fn paired_ratio_holds_each_round_to_its_own_probe() {
         // Read-bound (a huge FMA rate): ratios 0.5, 0.25, 0.75.
-        let s = scan(4, vec![(10.0, 5.0), (20.0, 5.0), (40.0, 30.0)]);
+        let s = scan(4, &[(10.0, 5.0), (20.0, 5.0), (40.0, 30.0)]);
         assert_eq!(s.paired(1e12), (0.5, 20.0));
         // Best over best would say 30 / 40.
         assert_eq!(s.best / s.roofline(40.0, 1e12), 0.75);
-        // FMA-bound: G=4 f16 is 2 FMAs a byte, so 40 FMAs/s allow 20 bytes/s, below the
-        // probes of the last two rounds: ratios 0.5, 0.25, 1.5.
-        assert_eq!(s.paired(40.0).0, 0.5);
+        // G=4 f16 is 2 FMAs a byte, so 60 FMAs/s allow 30 bytes/s: above the median probe
+        // (20), below the last: ratios 0.5, 0.25, 1.0.
+        assert_eq!(s.paired(60.0).0, 0.5);
+        // 20 FMAs/s allow 10 bytes/s, below the median probe: the best pass over it.
+        assert_eq!(s.paired(20.0), (3.0, 20.0));
         // No rounds: zeros, not a panic.
-        assert_eq!(scan(1, Vec::new()).paired(1.0), (0.0, 0.0));
+        assert_eq!(scan(1, &[]).paired(1.0), (0.0, 0.0));
     }
 }
