@@ -761,39 +761,97 @@ mod avx2 {
             }
             for (h, m) in top.iter().take(gn).enumerate() {
                 let m = _mm256_cvtss_f32(all_lanes(*m, |a, b| _mm256_max_ps(a, b)));
-                let mv = _mm256_set1_ps(m);
-                for j0 in (0..n).step_by(8) {
-                    let k = (n - j0).min(8);
-                    let mut sums = [_mm256_setzero_ps(); 8];
-                    for (i, s) in sums.iter_mut().take(k).enumerate() {
-                        let row = &x[((j0 + i) * gn + h) * bs..][..bs];
-                        if wide512 {
-                            // SAFETY: the caller checked AVX-512; 32 divides the row.
-                            *s = unsafe { exp_sums_512(row, m, *s) };
-                            continue;
-                        }
-                        for v in row.chunks_exact(8) {
-                            // SAFETY: eight floats of the row.
-                            let v = unsafe { _mm256_loadu_ps(v.as_ptr()) };
-                            *s = _mm256_add_ps(
-                                *s,
-                                crate::kernel_avx2::exp2_ps(_mm256_sub_ps(v, mv)),
-                            );
-                        }
-                    }
-                    let mut lse = [0f32; 8];
-                    // SAFETY: eight floats.
-                    unsafe {
-                        _mm256_storeu_ps(
-                            lse.as_mut_ptr(),
-                            _mm256_add_ps(mv, log2_ps(sum_each(sums))),
-                        )
-                    };
-                    for (i, l) in lse.iter().take(k).enumerate() {
-                        out[(j0 + i) * g + h0 + h] = if m.is_finite() { *l } else { m };
-                    }
+                let rows = Rows { x, n, gn, h, bs };
+                let out = Out { out, g, h: h0 + h };
+                if wide512 {
+                    // SAFETY: the caller checked AVX-512; 32 divides `bs`.
+                    unsafe { lse_rows_512(rows, m, out) };
+                } else {
+                    lse_rows(rows, m, out);
                 }
             }
+        }
+    }
+
+    /// Head `h`'s score rows of [`chunk_lse_i8`]'s `x` (`[n][gn][bs]`).
+    #[derive(Clone, Copy)]
+    struct Rows<'a> {
+        x: &'a [f32],
+        n: usize,
+        gn: usize,
+        h: usize,
+        bs: usize,
+    }
+
+    impl<'a> Rows<'a> {
+        /// Block `j`'s row.
+        fn row(&self, j: usize) -> &'a [f32] {
+            &self.x[(j * self.gn + self.h) * self.bs..][..self.bs]
+        }
+    }
+
+    /// Where [`chunk_lse_i8`] puts head `h`'s block scores: `out[j * g + h]`.
+    struct Out<'a> {
+        out: &'a mut [f32],
+        g: usize,
+        h: usize,
+    }
+
+    impl Out<'_> {
+        /// Blocks `j0..j0 + k`'s scores from the sums of their rows' `2^(x - m)`.
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        fn put(&mut self, j0: usize, k: usize, m: f32, sums: [__m256; 8]) {
+            let mut lse = [0f32; 8];
+            // SAFETY: eight floats.
+            unsafe {
+                _mm256_storeu_ps(
+                    lse.as_mut_ptr(),
+                    _mm256_add_ps(_mm256_set1_ps(m), log2_ps(sum_each(sums))),
+                )
+            };
+            for (i, l) in lse.iter().take(k).enumerate() {
+                self.out[(j0 + i) * self.g + self.h] = if m.is_finite() { *l } else { m };
+            }
+        }
+    }
+
+    /// Each block's `m + log2(sum 2^(x - m))` of head `rows.h`, eight blocks' sums reduced
+    /// together.
+    #[target_feature(enable = "avx2,fma")]
+    fn lse_rows(rows: Rows<'_>, m: f32, mut out: Out<'_>) {
+        let mv = _mm256_set1_ps(m);
+        for j0 in (0..rows.n).step_by(8) {
+            let k = (rows.n - j0).min(8);
+            let mut sums = [_mm256_setzero_ps(); 8];
+            for (i, s) in sums.iter_mut().take(k).enumerate() {
+                for v in rows.row(j0 + i).chunks_exact(8) {
+                    // SAFETY: eight floats of the row.
+                    let v = unsafe { _mm256_loadu_ps(v.as_ptr()) };
+                    *s = _mm256_add_ps(*s, crate::kernel_avx2::exp2_ps(_mm256_sub_ps(v, mv)));
+                }
+            }
+            out.put(j0, k, m, sums);
+        }
+    }
+
+    /// [`lse_rows`] with each `exp2` sixteen lanes at a time ([`exp_sums_512`]): the same
+    /// bits. One function for the head, so the AVX-512 sums inline into it: called a row at
+    /// a time from AVX2 code, each call went through memory and `vzeroupper`, and the
+    /// rows' exponentials could not overlap (a fifth of `bench select`'s sketch time).
+    ///
+    /// # Safety
+    /// AVX-512 F; 16 divides `rows.bs`.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn lse_rows_512(rows: Rows<'_>, m: f32, mut out: Out<'_>) {
+        for j0 in (0..rows.n).step_by(8) {
+            let k = (rows.n - j0).min(8);
+            let mut sums = [_mm256_setzero_ps(); 8];
+            for (i, s) in sums.iter_mut().take(k).enumerate() {
+                // SAFETY: forwarded.
+                *s = unsafe { exp_sums_512(rows.row(j0 + i), m, *s) };
+            }
+            out.put(j0, k, m, sums);
         }
     }
 
