@@ -627,8 +627,9 @@ pub struct SelectBench {
     #[arg(long, default_value_t = 128)]
     pub head_dim: usize,
     /// Layers of KV held and selected in turn, so digests and keys come from memory, not
-    /// cache, as over a model's layers.
-    #[arg(long, default_value_t = 4)]
+    /// cache, as over a model's layers (0: per context, enough layers that their digests and
+    /// sketches are twice the last-level cache, 4 to 64, at most 4 GiB of KV).
+    #[arg(long, default_value_t = 0)]
     pub layers: usize,
 }
 

@@ -90,10 +90,10 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
         (1..=64).contains(&args.kv_heads)
             && (1..=16).contains(&args.group)
             && [64, 128, 256].contains(&args.head_dim)
-            && (1..=64).contains(&args.layers)
+            && args.layers <= 64
             && threads.iter().all(|&t| (1..=1024).contains(&t))
             && contexts.iter().all(|&c| (1..=1 << 20).contains(&c)),
-        "--kv-heads 1..=64, --group 1..=16, --head-dim 64/128/256, --layers 1..=64, \
+        "--kv-heads 1..=64, --group 1..=16, --head-dim 64/128/256, --layers 0..=64, \
          --threads 1..=1024, --context 1..=1M tokens"
     );
     // `auto`: a bf16 model's KV.
@@ -108,24 +108,28 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
         geom.block_size.is_power_of_two() && (8..=256).contains(&geom.block_size),
         "--block-size must be a power of two in 8..=256"
     );
-    let base = crate::node::attention_config(&args.common.model, geom, args.layers, args.group)?;
     let (hk, g, d) = (args.kv_heads, args.group, args.head_dim);
     let scale = 1.0 / (d as f32).sqrt();
     let bw_buf = HugeBuf::probe(beyond_cache(256 << 20) / 4)?;
     let mut rows = Vec::new();
     for &ctx in &contexts {
+        let layers = match args.layers {
+            0 => layers_beyond_cache(geom, ctx),
+            n => n,
+        };
+        let base = crate::node::attention_config(&args.common.model, geom, layers, args.group)?;
         // The KV, and the pages of a host-kept sketch for every (layer, KV head).
         let tpp = attention::host_sketch::tokens_per_page(geom.block_bytes(), d, geom.block_size);
-        let sketch_pages = attention::host_sketch::pages_for(ctx, tpp) * hk * args.layers;
-        let blocks = args.layers * geom.blocks_for(ctx) + sketch_pages;
+        let sketch_pages = attention::host_sketch::pages_for(ctx, tpp) * hk * layers;
+        let blocks = layers * geom.blocks_for(ctx) + sketch_pages;
         let pool = kv_transfer::HostPool::new(geom, (blocks * geom.block_bytes()) as u64)?;
-        let (src, digests) = sequence(&pool, args.layers, ctx)?;
-        let seq = SeqAttention::new(geom, args.layers, ctx, digests.clone());
+        let (src, digests) = sequence(&pool, layers, ctx)?;
+        let seq = SeqAttention::new(geom, layers, ctx, digests.clone());
         let keys = BlockKeys { src: &src, scale };
         // A query per layer: a few large channels per head over small ones, as trained
         // models' are (SparQ's channel union then depends on the data, as it would).
         let mut r = SplitMix(ctx as u64);
-        let queries: Vec<Vec<f32>> = (0..args.layers)
+        let queries: Vec<Vec<f32>> = (0..layers)
             .map(|_| {
                 (0..hk * g * d)
                     .map(|_| {
@@ -140,7 +144,7 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
                 rows.push(device_scored(
                     &args.common,
                     &base,
-                    (geom, args.layers, ctx),
+                    (geom, layers, ctx),
                     &digests,
                     args.seconds,
                     name == "device-picks",
@@ -163,7 +167,7 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
             // The sketch as a node keeps it: in pool pages, made before the first step.
             let kept = (cfg.scorer == BlockScorer::Sketch)
                 .then(|| -> anyhow::Result<SeqAttention> {
-                    let mut kept = SeqAttention::new(geom, args.layers, ctx, digests.clone());
+                    let mut kept = SeqAttention::new(geom, layers, ctx, digests.clone());
                     let mut r = pool.reserve(sketch_pages)?;
                     kept.keep_sketch(&cfg, crate::engine::take_pages(&mut r, sketch_pages), tpp);
                     for (layer, q) in queries.iter().enumerate() {
@@ -188,8 +192,8 @@ pub(super) fn select(args: &SelectBench) -> anyhow::Result<serde_json::Value> {
                 let mut times = Vec::new();
                 let end = Instant::now() + Duration::from_secs_f64(args.seconds);
                 pool.install(|| {
-                    while Instant::now() < end || times.len() < args.layers {
-                        let layer = times.len() % args.layers;
+                    while Instant::now() < end || times.len() < layers {
+                        let layer = times.len() % layers;
                         let q = &queries[layer];
                         let start = Instant::now();
                         let picked: Vec<Vec<usize>> = (0..hk)
@@ -320,6 +324,28 @@ fn device_scored(
 /// Bytes one layer's selection reads, averaged over `queries`' layers: every digest of
 /// every head (Quest's bound), for SparQ the key rows it reads of the blocks it scores, and
 /// for the sketch every token's nibbles and scale.
+/// Most layers `--layers 0` takes.
+const MAX_LAYERS: usize = 64;
+
+/// `--layers 0`: as many layers as make every scorer's data for `ctx` (digests and the
+/// sketch) at least twice the last-level cache, so a layer's are read from memory on its
+/// next visit, as in a node, where a step's weights stream through the cache between two
+/// visits; 4..=64 layers, and at most 4 GiB of KV. With 4 layers, SmolLM2's shape at 8k (0.9
+/// MB of sketch a layer) stayed in a 32 MiB cache: 0.08 ms a layer against 0.12 with 30.
+fn layers_beyond_cache(geom: BlockGeometry, ctx: usize) -> usize {
+    let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
+    let older = geom.blocks_for(ctx).saturating_sub(1).max(1);
+    let digests = hk * older * 2 * d * 4;
+    let sketch = hk * older * bs * (attention::sketch::nibble_bytes(d) + 4);
+    let per_layer = digests + sketch;
+    let cache = last_level_cache_bytes().unwrap_or(32 << 20);
+    let kv = (geom.blocks_for(ctx) * geom.block_bytes()).max(1);
+    (2 * cache)
+        .div_ceil(per_layer)
+        .min((4usize << 30) / kv)
+        .clamp(4, MAX_LAYERS)
+}
+
 fn bytes_per_layer(
     cfg: &AttentionConfig,
     geom: BlockGeometry,
@@ -354,4 +380,46 @@ fn bytes_per_layer(
         .sum();
     let rows_per_head = rows as f64 / (queries.len() * hk) as f64;
     bound + hk as f64 * scored as f64 * rows_per_head * row_bytes as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geom(hk: usize, d: usize) -> BlockGeometry {
+        BlockGeometry {
+            block_size: 32,
+            num_kv_heads: hk,
+            head_dim: d,
+            dtype: KvDType::Bf16,
+        }
+    }
+
+    /// `--layers 0` takes layers until their selection data are twice the last-level cache,
+    /// between 4 and 64 layers and within 4 GiB of KV.
+    #[test]
+    fn auto_layers_outgrow_the_cache_within_their_bounds() {
+        let cache = last_level_cache_bytes().unwrap_or(32 << 20);
+        for (hk, d, ctx) in [
+            (3, 64, 8192),
+            (8, 128, 32768),
+            (8, 128, 1 << 20),
+            (1, 64, 33),
+        ] {
+            let g = geom(hk, d);
+            let n = layers_beyond_cache(g, ctx);
+            assert!((4..=MAX_LAYERS).contains(&n), "{hk} {d} {ctx}: {n}");
+            let kv = g.blocks_for(ctx) * g.block_bytes();
+            assert!(n == 4 || n * kv <= 4 << 30, "{hk} {d} {ctx}: {n}");
+            let older = g.blocks_for(ctx) - 1;
+            let per_layer = hk * older * (2 * d * 4 + 32 * (d / 2 + 4));
+            // Short of twice the cache only where a bound stopped it.
+            assert!(
+                n * per_layer >= 2 * cache || n == MAX_LAYERS || (n + 1) * kv > 4 << 30,
+                "{hk} {d} {ctx}: {n}"
+            );
+        }
+        // A million tokens of Qwen3-14B's shape: 4 GiB of KV a layer, so the floor.
+        assert_eq!(layers_beyond_cache(geom(8, 128), 1 << 20), 4);
+    }
 }
