@@ -263,16 +263,7 @@ fn scan_rate(
     let floats: &[f32] = bytemuck::cast_slice(&data[..data.len() / 4 * 4]);
     let end = Instant::now() + Duration::from_secs_f64(seconds);
     while Instant::now() < end || best == 0.0 {
-        let start = Instant::now();
-        let sums: f32 = std::thread::scope(|s| {
-            let hs: Vec<_> = floats
-                .chunks(per * hb / 4)
-                .map(|c| s.spawn(move || (0..reps).map(|_| sum(c)).sum::<f32>()))
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
-        });
-        std::hint::black_box(sums);
-        let read = (floats.len() * 4 * reps) as f64 / start.elapsed().as_secs_f64();
+        let read = read_pass(floats, per * hb / 4, reps);
         let start = Instant::now();
         std::thread::scope(|s| {
             for part in data.chunks(per * hb) {

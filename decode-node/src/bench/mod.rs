@@ -189,25 +189,29 @@ fn read_passes(buf: &[f32], threads: usize, seconds: f64) -> ReadPasses {
     let reps = scans_per_pass(chunk * 4);
     let mut rates = Vec::new();
     let end = Instant::now() + Duration::from_secs_f64(seconds);
-    let mut sink = 0f32;
     while Instant::now() < end || rates.is_empty() {
-        let t = Instant::now();
-        let sums: Vec<f32> = std::thread::scope(|s| {
-            let hs: Vec<_> = buf
-                .chunks(chunk)
-                .map(|c| s.spawn(move || (0..reps).map(|_| sum(c)).sum::<f32>()))
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap_or(0.0)).collect()
-        });
-        sink += sums.iter().sum::<f32>();
-        rates.push((buf.len() * 4 * reps) as f64 / t.elapsed().as_secs_f64());
+        rates.push(read_pass(buf, chunk, reps));
     }
-    std::hint::black_box(sink);
     rates.sort_by(f64::total_cmp);
     ReadPasses {
         best: rates[rates.len() - 1],
         median: rates[rates.len() / 2],
     }
+}
+
+/// Bytes a second of one pass of a thread per `chunk` floats of `buf`, each reading its part
+/// `reps` times.
+fn read_pass(buf: &[f32], chunk: usize, reps: usize) -> f64 {
+    let t = Instant::now();
+    let sums: f32 = std::thread::scope(|s| {
+        let hs: Vec<_> = buf
+            .chunks(chunk.max(1))
+            .map(|c| s.spawn(move || (0..reps).map(|_| sum(c)).sum::<f32>()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+    });
+    std::hint::black_box(sums);
+    (buf.len() * 4 * reps) as f64 / t.elapsed().as_secs_f64()
 }
 
 /// Sum of `c`, read as fast as this core reads memory: the loads of each 64-byte line come
