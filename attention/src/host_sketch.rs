@@ -837,8 +837,10 @@ mod avx2 {
 
     /// [`lse_rows`] with each `exp2` sixteen lanes at a time ([`exp_sums_512`]): the same
     /// bits. One function for the head, so the AVX-512 sums inline into it: called a row at
-    /// a time from AVX2 code, each call went through memory and `vzeroupper`, and the
-    /// rows' exponentials could not overlap (a fifth of `bench select`'s sketch time).
+    /// a time from AVX2 code, each call went through memory and `vzeroupper`, and the rows'
+    /// exponentials could not overlap (`chunk_lse_i8`'s own code, mostly waiting after those
+    /// calls, was a quarter of `bench select`'s sketch samples; this way the sketch scores
+    /// 5-7% faster, one thread).
     ///
     /// # Safety
     /// AVX-512 F; 16 divides `rows.bs`.
