@@ -321,11 +321,19 @@ fn device_scored(
     })
 }
 
-/// Bytes one layer's selection reads, averaged over `queries`' layers: every digest of
-/// every head (Quest's bound), for SparQ the key rows it reads of the blocks it scores, and
-/// for the sketch every token's nibbles and scale.
 /// Most layers `--layers 0` takes.
 const MAX_LAYERS: usize = 64;
+
+/// A layer's digests (Quest's bound: two f32 vectors a block and head) and host sketch
+/// (each token's nibbles and scale), in bytes, over the blocks before the newest.
+fn digest_and_sketch_bytes(geom: BlockGeometry, ctx: usize) -> (usize, usize) {
+    let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
+    let older = geom.blocks_for(ctx).saturating_sub(1);
+    (
+        hk * older * 2 * d * 4,
+        hk * older * bs * (attention::sketch::nibble_bytes(d) + 4),
+    )
+}
 
 /// `--layers 0`: as many layers as make every scorer's data for `ctx` (digests and the
 /// sketch) at least twice the last-level cache, so a layer's are read from memory on its
@@ -333,19 +341,18 @@ const MAX_LAYERS: usize = 64;
 /// visits; 4..=64 layers, and at most 4 GiB of KV. With 4 layers, SmolLM2's shape at 8k (0.9
 /// MB of sketch a layer) stayed in a 32 MiB cache: 0.08 ms a layer against 0.12 with 30.
 fn layers_beyond_cache(geom: BlockGeometry, ctx: usize) -> usize {
-    let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
-    let older = geom.blocks_for(ctx).saturating_sub(1).max(1);
-    let digests = hk * older * 2 * d * 4;
-    let sketch = hk * older * bs * (attention::sketch::nibble_bytes(d) + 4);
-    let per_layer = digests + sketch;
+    let (digests, sketch) = digest_and_sketch_bytes(geom, ctx);
     let cache = last_level_cache_bytes().unwrap_or(32 << 20);
     let kv = (geom.blocks_for(ctx) * geom.block_bytes()).max(1);
     (2 * cache)
-        .div_ceil(per_layer)
+        .div_ceil((digests + sketch).max(1))
         .min((4usize << 30) / kv)
         .clamp(4, MAX_LAYERS)
 }
 
+/// Bytes one layer's selection reads, averaged over `queries`' layers: every digest of
+/// every head (Quest's bound), for SparQ the key rows it reads of the blocks it scores, and
+/// for the sketch every token's nibbles and scale.
 fn bytes_per_layer(
     cfg: &AttentionConfig,
     geom: BlockGeometry,
@@ -355,9 +362,10 @@ fn bytes_per_layer(
 ) -> f64 {
     let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
     let older = geom.blocks_for(ctx).saturating_sub(1);
-    let digests = (hk * older * 2 * d * 4) as f64;
+    let (digests, sketch) = digest_and_sketch_bytes(geom, ctx);
+    let digests = digests as f64;
     if cfg.scorer == BlockScorer::Sketch {
-        return (hk * older * bs * (attention::sketch::nibble_bytes(d) + 4)) as f64;
+        return sketch as f64;
     }
     let BlockScorer::Sparq {
         channels,
