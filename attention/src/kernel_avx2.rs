@@ -432,6 +432,11 @@ fn weights(sh: &mut [f32], m: f32) -> f32 {
 /// one thread, L2, three alternated runs); else four. A 7- or 8-head tile has room for one
 /// vector per head only, so it spends a load per FMA, and measured ~30% slower than two
 /// 4-head tiles.
+///
+/// Where the loops' code lands moves these figures too: after the seven-head change, which
+/// touches no G=3 code, bf16 G=3 ran 5% slower (L2, one thread). A build with every loop on a
+/// 64-byte boundary (`-C llvm-args=-align-loops=64`) ran it as before and kept the G=7 gain. So
+/// an A/B of two builds within ~5% at one group size says little without such a build.
 fn tile_heads(rest: usize) -> usize {
     match rest {
         0..=6 => rest,
