@@ -428,7 +428,7 @@ fn weights(sh: &mut [f32], m: f32) -> f32 {
 /// as six and two (12 accumulator chains for most of the FMAs: +5-20% over four and four on
 /// Zen 3, `bench kernels` G=8; five and three measured 3-4% slower on Zen 4); seven as five
 /// and two (10 chains, then 8 over four token vectors: +3-5% over four and three, whose
-/// three-head tile takes two channel phases, and +2-8% over six and one; Zen 4, AVX2 path,
+/// three-head tile takes two channel phases, and +2-9% over six and one; Zen 4, AVX2 path,
 /// one thread, L2, three alternated runs); else four. A 7- or 8-head tile has room for one
 /// vector per head only, so it spends a load per FMA, and measured ~30% slower than two
 /// 4-head tiles.
