@@ -783,13 +783,14 @@ mod tests {
                             vec![0f32; g],
                             vec![0f32; g * 32],
                         );
-                        let mut pairs = false;
+                        let (mut pairs, mut bf16_weights) = (false, [0u16; 8 * 32]);
                         let mut st = State {
                             acc: &mut acc,
                             m: &mut m,
                             l: &mut l,
                             s: &mut sc,
                             pairs: &mut pairs,
+                            bf16_weights: &mut bf16_weights,
                         };
                         let mut pf = Prefetch::new(&next);
                         // SAFETY: checked the CPU; a whole head block; 32 and d multiples of 8.

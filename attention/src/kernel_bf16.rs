@@ -121,15 +121,15 @@ pub(crate) unsafe fn block(
         to_pair_order(st.acc);
         *st.pairs = true;
     }
-    let mut w = [0u16; 8 * 32];
+    let w = &mut *st.bf16_weights;
     // SAFETY: the CPU is the caller's promise; the lengths are checked above; `g` is 2..=8
     // and `d` a multiple of 32, which every piece takes.
     unsafe {
         crate::kernel_avx512::with_group!(g, G => {
             scores::<G>(kt, qb, d, st.s, pf);
             crate::kernel_avx512::softmax_dyn(g, st.s, 32, st.m, st.l, st.acc, d);
-            round_weights::<G>(st.s, &mut w);
-            accumulate_v::<G>(vs, d, &w, st.acc, pf);
+            round_weights::<G>(st.s, w);
+            accumulate_v::<G>(vs, d, w, st.acc, pf);
         })
     }
 }
