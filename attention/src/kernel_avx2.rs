@@ -14,9 +14,9 @@
 //! 0.63-0.65 / 0.66-0.70 at G=4 and 0.76 / 0.79 at G=8, and the softmax is 11-17% of a
 //! block at D=64, 6-9% at D=128. Without any softmax, G=4 would run at 0.77-0.78. Measured
 //! no faster, so not kept: one V pass over two blocks' tokens per accumulator fill (V alone
-//! over the same 32 rows twice reached 0.77, but the second pass read L1), the softmax's
-//! sums reduced eight heads at a time, two channels a pass of the score tiles, and V's bf16
-//! accumulators left in their split order.
+//! over the same 32 rows twice reached 0.77; over two blocks it did not), V's rows fetched
+//! into L1 ahead (1-5% slower), the softmax's sums reduced eight heads at a time, two
+//! channels a pass of the score tiles, and V's bf16 accumulators left in their split order.
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
