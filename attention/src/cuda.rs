@@ -26,6 +26,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "sketch_lse",
     "sketch_shares",
     "top_blocks",
+    "place_picks",
     "scatter_runs",
     "row_max_parts",
     "row_sum_parts",

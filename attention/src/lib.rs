@@ -78,7 +78,7 @@ pub use policy::{AttentionConfig, BlockScorer, Mode, PredictionGuard, RecallLimi
 pub use residency::DeviceBlock;
 pub use select::{TopCut, best_in, select_shared, select_spans, select_top_k};
 pub use sequence::{
-    BlockKeys, HeadPlan, HeadQuery, KvSource, NotResident, SeqAttention, SeqStats, attend_head,
-    cosine, recall_intervals,
+    BlockKeys, DevicePlan, HeadPlan, HeadQuery, KvSource, NotResident, SeqAttention, SeqStats,
+    attend_head, cosine, recall_intervals,
 };
 pub use sparq::rows_read as sparq_rows_read;

@@ -79,6 +79,18 @@ impl HeadPlan {
     }
 }
 
+/// A layer a device plans alone ([`SeqAttention::device_plan`]): each KV head attends its
+/// fixed blocks and its picks of `cut`, every one on the device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DevicePlan {
+    /// What the device picks of: each KV head's own, or (`cut.shared`) the layer's.
+    pub cut: TopCut,
+    /// Per KV head, the blocks attended whatever the picks, with their slots: the sink, then
+    /// the window (`cut.to ..`). A head's list is the sink, its picks (ascending, all in
+    /// `cut.from .. cut.to`), then the window: ascending, as a host plan's device part.
+    pub fixed: Vec<Vec<DeviceBlock>>,
+}
+
 /// Counters of one sequence, read by the engine for metrics and `Finish` stats.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SeqStats {
@@ -689,6 +701,32 @@ impl SeqAttention {
         }
         let sels = cut.selections(self.num_blocks(), picks)?;
         Some(self.plan_layer_selected(cfg, layer, &sels))
+    }
+
+    /// Where a device that picks blocks ([`SeqAttention::top_cut`]) can plan `layer` alone
+    /// (#21 item 4): `recall` or `scout`, a layer with a cut, planned before, and every KV
+    /// head holding every block of the sequence on the device. The plan of
+    /// such a layer is the sink, the head's picks and the window, all on the device; making
+    /// it changes only recency and counters (nothing is fetched, evicted or recalled), so
+    /// the host may make it after the attention ran, from the picks the device sends back
+    /// ([`SeqAttention::plan_layer_picked`], then [`SeqAttention::finish_layer`]), with the
+    /// same result. `None`: the host plans `layer` before its attention.
+    pub fn device_plan(&self, cfg: &AttentionConfig, layer: usize) -> Option<DevicePlan> {
+        if !matches!(cfg.mode, Mode::Recall | Mode::Scout) || !self.layers.get(layer)?.initialised {
+            return None;
+        }
+        let cut = self.top_cut(cfg, layer)?;
+        let (hk, n) = (self.geom.num_kv_heads, self.num_blocks());
+        let heads = &self.heads[layer * hk..(layer + 1) * hk];
+        if cut.to > n || heads.iter().any(|st| st.res.count() < n) {
+            return None;
+        }
+        let fixed: Vec<usize> = std::iter::once(0).chain(cut.to..n).collect();
+        let fixed = heads
+            .iter()
+            .map(|st| st.res.device_blocks(&fixed).ok())
+            .collect::<Option<Vec<_>>>()?;
+        Some(DevicePlan { cut, fixed })
     }
 
     /// True when planning `layer` reads block scores (a sparse mode past the dense layers):
@@ -1414,6 +1452,75 @@ mod tests {
                 there.step += 1;
                 picked.step += 1;
             }
+        }
+    }
+
+    #[test]
+    fn a_layer_whose_every_block_is_resident_is_planned_by_the_device_as_the_host_plans_it() {
+        // 700 tokens in blocks of 16: 44 blocks a head, 2 heads; a budget of 10 blocks.
+        let (mem, digests, _) = setup(700, 2, 16, 61);
+        for (mode, shared, cap) in [
+            (Mode::Scout, false, 44),
+            (Mode::Recall, false, 60),
+            (Mode::Scout, true, 44),
+            (Mode::Scout, false, 43),
+        ] {
+            let mut cfg = AttentionConfig::scout(16);
+            cfg.mode = mode;
+            cfg.scorer = BlockScorer::Sketch;
+            cfg.shared_budget = shared;
+            cfg.budget_tokens = 160;
+            cfg.device_blocks_per_head = cap;
+            cfg.recall_limits.bytes_per_step = 0;
+            let mut host = SeqAttention::new(mem.geom, 1, 700, digests.clone());
+            let mut dev = SeqAttention::new(mem.geom, 1, 700, digests.clone());
+            let what = format!("{mode:?} shared {shared} cap {cap}");
+            assert_eq!(dev.device_plan(&cfg, 0), None, "{what}: never planned");
+            let mut planned = 0;
+            for seed in 70u64..76 {
+                let q = values(seed, 2 * 3 * 16, 1.0);
+                let scores: Vec<Vec<f32>> = (0..2)
+                    .map(|h| host.block_scores(&cfg, 0, h, &q[h * 48..(h + 1) * 48], keys(&mem)))
+                    .collect();
+                let refs: Vec<&[f32]> = scores.iter().map(Vec::as_slice).collect();
+                let cut = host.top_cut(&cfg, 0).unwrap();
+                let picks = crate::best_in(&refs, cut);
+                let a = host.plan_layer_picked(&cfg, 0, &picks).unwrap();
+                let ahead = dev.device_plan(&cfg, 0);
+                if let Some(p) = &ahead {
+                    planned += 1;
+                    assert_eq!(p.cut, cut, "{what}");
+                    // The device's lists: the sink, the picks, the window; all resident.
+                    for (h, plan) in a.iter().enumerate() {
+                        let (sink, window) = p.fixed[h].split_first().unwrap();
+                        let list: Vec<usize> = std::iter::once(sink.block)
+                            .chain(picks[h].iter().copied())
+                            .chain(window.iter().map(|b| b.block))
+                            .collect();
+                        assert_eq!(list, plan.device, "{what}");
+                        assert!(plan.cpu.is_empty(), "{what}");
+                        for b in &p.fixed[h] {
+                            assert_eq!(dev.heads[h].res.slot(b.block), Some(b.slot), "{what}");
+                        }
+                    }
+                }
+                let b = dev.plan_layer_picked(&cfg, 0, &picks).unwrap();
+                assert_eq!(a, b, "{what}");
+                host.finish_layer(&cfg, 0, &a);
+                dev.finish_layer(&cfg, 0, &b);
+                assert_eq!(host.stats(), dev.stats(), "{what}");
+                host.step += 1;
+                dev.step += 1;
+            }
+            // In `scout` the prompt goes up after the first plan: every later step is the
+            // device's, where each head's share holds every block. `recall` fetches only what
+            // it selects, so never the whole prompt here.
+            let want = if cap < 44 || mode == Mode::Recall {
+                0
+            } else {
+                5
+            };
+            assert_eq!(planned, want, "{what}");
         }
     }
 

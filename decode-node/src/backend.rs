@@ -376,6 +376,25 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
         blocks: &[&[DeviceBlock]],
     ) -> Result<(), BackendError>;
 
+    /// True when this device can plan `call.layer` alone this step (#21 item 4): pick each
+    /// KV head's blocks of `call.pick` by the layer's query rows where they are (a resident
+    /// layer's, [`ResidentSeq::picks`]) and attend them with no host list, each pick's slot
+    /// read from a table the device keeps of every block it holds whole. It holds every block
+    /// below the cut's end of the layer whole, and scores and picks `call` itself.
+    fn picks_resident(&self, _call: &SketchCall) -> bool {
+        false
+    }
+
+    /// The picks of `layer` this device made for a resident layer this step
+    /// ([`ResidentSeq::picks`]), per KV head in ascending order, taken once after the step's
+    /// wait (the LM head's). `Ok(None)`: none made for `layer`.
+    fn take_device_picks(
+        &mut self,
+        _layer: usize,
+    ) -> Result<Option<Vec<Vec<usize>>>, BackendError> {
+        Ok(None)
+    }
+
     /// From now on the sequence's residency numbers `blocks_per_head` slots per (layer, KV
     /// head), more or fewer than it was created with (a share of spare device memory lent, or
     /// given back after [`attention::SeqAttention::set_device_cap`] moved every block into

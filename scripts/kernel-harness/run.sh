@@ -25,3 +25,5 @@ trap 'rm -rf "$out"' EXIT
 "$out/sketch"
 "$cxx" -std=c++20 -O2 -w -pthread -o "$out/top_blocks" top_blocks.cpp
 "$out/top_blocks"
+"$cxx" -std=c++20 -O2 -w -pthread -o "$out/place_picks" place_picks.cpp
+"$out/place_picks"

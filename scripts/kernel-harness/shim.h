@@ -7,6 +7,7 @@ static D3 threadIdx{0, 0, 0}, blockIdx{0, 0, 0}, blockDim{1, 1, 1};
 static inline void __syncthreads() {}
 static inline void __syncwarp() {}
 static inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p += v; return o; }
+static inline unsigned atomicMin(unsigned* p, unsigned v) { unsigned o = *p; *p = v < o ? v : o; return o; }
 static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
 static inline float __shfl_sync(unsigned, float v, int) { return v; }
 static inline unsigned __shfl_sync(unsigned, unsigned v, int) { return v; }

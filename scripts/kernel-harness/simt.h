@@ -95,6 +95,12 @@ static inline void mma_m16n8k16(float* c, unsigned a0, unsigned a1, unsigned a2,
 static inline unsigned atomicAdd(unsigned* p, unsigned v) {
     return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
 }
+static inline unsigned atomicMin(unsigned* p, unsigned v) {
+    unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+    }
+    return old;
+}
 
 // Runs `kernel` over `grid` with `threads` threads per block (a multiple of 32), one block
 // after another.

@@ -2280,3 +2280,86 @@ extern "C" __global__ void __launch_bounds__(TOP_THREADS)
         __syncthreads();
     }
 }
+
+// place_picks (#21 item 4): the list of a resident layer's sequence whose device plans it
+// alone. One CUDA block per such sequence lays out its KV heads' entries of the attention's
+// list: each head's sink, its picks (`top_blocks`' places, ascending) and its window, each
+// pick's arena slot read from the sequence's block table of the layer (`[head][stride]`: the
+// arena slot of each block the device holds whole, PLACE_NONE elsewhere), and the heads'
+// starts. The host leaves the sequence's range as every head's fixed entries (the sink, then
+// the window) in head order, then one placeholder a pick. A pick outside the cut or without a
+// slot becomes an empty entry over the head's sink (the host refuses such picks after the
+// step); picks out of order stay inside their head's range. Job words (i64): entry start,
+// first head, heads, fixed entries a head, picks a group (k), heads a group (rows), scored
+// blocks, cut from, cut to, picks address, table address, table stride.
+#define PLACE_WORDS 12
+#define PLACE_THREADS 256
+#define PLACE_MAX_HEADS 64
+#define PLACE_MAX_FIXED 1024
+#define PLACE_NONE 0xffffffffu
+// The head of pick `i` (place `place`, in group i / k of `rows` heads): as the host reads it,
+// kept inside the group and the heads.
+__device__ __forceinline__ int place_head(unsigned place, int i, int k, int rows, long long blocks, int hk) {
+    const long long within = (long long)place / blocks;
+    const int h = (i / k) * rows + (int)(within < rows - 1 ? within : rows - 1);
+    return h < hk - 1 ? h : hk - 1;
+}
+extern "C" __global__ void __launch_bounds__(PLACE_THREADS)
+    place_picks(long long* offs, int* lens, int* head_start, const long long* jobs, long long slot_bytes,
+                int block_size) {
+    __shared__ long long f_off[PLACE_MAX_FIXED];
+    __shared__ int f_len[PLACE_MAX_FIXED];
+    __shared__ unsigned count[PLACE_MAX_HEADS], first[PLACE_MAX_HEADS];
+    __shared__ int base[PLACE_MAX_HEADS];
+    const long long* j = jobs + (long long)blockIdx.x * PLACE_WORDS;
+    const int start = (int)j[0], h0 = (int)j[1], hk = (int)j[2], w1 = (int)j[3], k = (int)j[4], rows = (int)j[5];
+    const long long blocks = j[6], from = j[7], to = j[8], stride = j[11];
+    const unsigned* picks = (const unsigned*)j[9];
+    const unsigned* table = (const unsigned*)j[10];
+    const int tid = threadIdx.x, nf = hk * w1;
+    // The host sends none of these (each block returns as a whole: no barrier is left waiting).
+    if (hk <= 0 || hk > PLACE_MAX_HEADS || w1 <= 0 || nf > PLACE_MAX_FIXED || rows <= 0 || hk % rows != 0 ||
+        k <= 0 || blocks <= 0 || to > stride)
+        return;
+    const int total = hk / rows * k;
+    for (int i = tid; i < nf; i += blockDim.x) {
+        f_off[i] = offs[start + i];
+        f_len[i] = lens[start + i];
+    }
+    if (tid < hk) {
+        count[tid] = 0;
+        first[tid] = 0xffffffffu;
+    }
+    __syncthreads();
+    for (int i = tid; i < total; i += blockDim.x) {
+        const int h = place_head(picks[i], i, k, rows, blocks, hk);
+        atomicAdd(&count[h], 1u);
+        atomicMin(&first[h], (unsigned)i);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int at = start;
+        for (int h = 0; h < hk; h++) {
+            base[h] = at;
+            head_start[h0 + h] = at;
+            at += w1 + (int)count[h];
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < nf; i += blockDim.x) {
+        const int h = i / w1, e = i % w1;
+        const int at = base[h] + (e == 0 ? 0 : (int)count[h] + e);
+        offs[at] = f_off[i];
+        lens[at] = f_len[i];
+    }
+    for (int i = tid; i < total; i += blockDim.x) {
+        const unsigned place = picks[i];
+        const int h = place_head(place, i, k, rows, blocks, hk);
+        const long long b = (long long)place % blocks;
+        const unsigned rank = min((unsigned)i - first[h], count[h] - 1u);
+        const int at = base[h] + 1 + (int)rank;
+        const unsigned slot = (b >= from && b < to) ? table[(long long)h * stride + b] : PLACE_NONE;
+        offs[at] = slot == PLACE_NONE ? f_off[h * w1] : (long long)slot * slot_bytes;
+        lens[at] = slot == PLACE_NONE ? 0 : block_size;
+    }
+}

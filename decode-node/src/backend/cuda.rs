@@ -168,6 +168,7 @@ impl CudaBackend {
             sketch_lse: f("sketch_lse")?,
             sketch_shares: f("sketch_shares")?,
             top_blocks: f("top_blocks")?,
+            place_picks: f("place_picks")?,
             scatter_runs: f("scatter_runs")?,
             warps: Kernels::warps_names()
                 .map(|n| f(&n))
@@ -228,6 +229,9 @@ impl CudaBackend {
                 sketch_int8: std::env::var("DECODE_NODE_SKETCH_SUMS").map_or(true, |v| v != "f32"),
                 sketch_picks: std::sync::atomic::AtomicBool::new(
                     std::env::var("DECODE_NODE_DEVICE_TOPK").map_or(true, |v| v != "off"),
+                ),
+                device_plan: std::sync::atomic::AtomicBool::new(
+                    std::env::var("DECODE_NODE_DEVICE_PLAN").is_ok_and(|v| v == "on"),
                 ),
                 sketch_blocks_per_warp: std::sync::atomic::AtomicUsize::new(
                     sketch_blocks_per_warp(),
@@ -543,6 +547,7 @@ impl Backend for CudaBackend {
         attend_pick::pick(&self.shared, &geom);
         selftest::check_sketch_or_off(&self.shared, &geom);
         selftest::check_picks_or_off(&self.shared);
+        selftest::check_plan_or_off(&self.shared);
         // Int8 and fp8 blocks go to the device as the pool holds them (codes and per-token
         // scales, about half of f16's bytes to copy and keep); the attention kernel applies
         // the scales as it loads each tile. That path is checked on this device before it

@@ -54,6 +54,12 @@ pub struct ResidentSeq<'a> {
     pub dev: &'a mut dyn DeviceSeq,
     /// Per KV head, the device blocks to attend.
     pub blocks: Vec<Vec<DeviceBlock>>,
+    /// Where the device plans the layer alone ([`super::DeviceSeq::picks_resident`]): each
+    /// head's `blocks` are an `attention::DevicePlan`'s fixed blocks (the sink, then the
+    /// window), and the device attends its picks of this call between the two, scored by
+    /// the sequence's query row of the layer where it is; the host learns them after the
+    /// step ([`super::DeviceSeq::take_device_picks`]).
+    pub picks: Option<super::SketchCall>,
 }
 
 impl std::fmt::Debug for ResidentSeq<'_> {
@@ -62,6 +68,7 @@ impl std::fmt::Debug for ResidentSeq<'_> {
             .field("tokens", &self.kv.num_tokens())
             .field("dev", &self.dev)
             .field("blocks", &self.blocks)
+            .field("picks", &self.picks)
             .finish()
     }
 }
@@ -260,6 +267,7 @@ impl crate::model::DecodeAttention for Probe {
             kv: &self.kv,
             dev: self.dev.as_mut(),
             blocks,
+            picks: None,
         }])
     }
 
@@ -451,8 +459,11 @@ pub(crate) mod host {
             let (hd, hk) = (l.head_dim, l.num_kv_heads);
             let (width, kvw) = (l.num_heads * hd, hk * hd);
             for (i, s) in seqs.iter_mut().enumerate() {
-                let lists: Vec<&[DeviceBlock]> = s.blocks.iter().map(Vec::as_slice).collect();
                 let qi = &st.q[i * width..(i + 1) * width];
+                if let Some(call) = s.picks {
+                    Self::insert_picks(s, qi, call)?;
+                }
+                let lists: Vec<&[DeviceBlock]> = s.blocks.iter().map(Vec::as_slice).collect();
                 s.dev.submit(s.kv, l.layer, &lists, qi, l.scale)?;
             }
             st.parts = Vec::with_capacity(seqs.len());
@@ -465,6 +476,40 @@ pub(crate) mod host {
                 );
                 merge_own_key(&mut parts, rows, l.scale);
                 st.parts.push(parts);
+            }
+            Ok(())
+        }
+
+        /// A layer the device plans alone: its picks of `call`, made by the row `q`, go
+        /// between each head's sink and window. A device that reads blocks by index (this
+        /// one) takes them in the sink's slot; a GPU reads each pick's slot from its table.
+        fn insert_picks(
+            s: &mut ResidentSeq<'_>,
+            q: &[f32],
+            call: crate::backend::SketchCall,
+        ) -> Result<(), BackendError> {
+            let picks = match s.dev.sketch_scores(s.kv, q, call)? {
+                Some(crate::backend::Scored::Picks(p)) if p.len() == s.blocks.len() => p,
+                other => {
+                    return Err(BackendError::Unsupported(format!(
+                        "a layer planned on the device answered {other:?}"
+                    )));
+                }
+            };
+            for (list, picks) in s.blocks.iter_mut().zip(picks) {
+                let Some(&sink) = list.first() else {
+                    return Err(BackendError::Unsupported(
+                        "a layer planned on the device without its sink".into(),
+                    ));
+                };
+                let at = list.len().min(1);
+                list.splice(
+                    at..at,
+                    picks.into_iter().map(|block| DeviceBlock {
+                        block,
+                        slot: sink.slot,
+                    }),
+                );
             }
             Ok(())
         }

@@ -9,8 +9,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use attention::{
-    AttentionConfig, BlockKeys, BlockScorer, DeviceBlock, HeadPlan, HeadQuery, Mode, Partial,
-    Scratch, SeqAttention, attend_head, cosine,
+    AttentionConfig, BlockKeys, BlockScorer, DeviceBlock, DevicePlan, HeadPlan, HeadQuery, Mode,
+    Partial, Scratch, SeqAttention, attend_head, cosine,
 };
 use kv_transfer::CommittedKv;
 use rayon::prelude::*;
@@ -134,8 +134,12 @@ pub(crate) struct BatchAttention<'a> {
     pub(crate) timing: AttnTiming,
     /// This step's guard checks, for the per-layer metrics.
     pub(crate) guard_checks: Vec<GuardCheck>,
-    /// Per sequence, the resident layer planned last: its plans and CPU part.
+    /// Per sequence, the resident layer planned last: its plans and CPU part (none where its
+    /// device planned it).
     resident_pending: Vec<Planned>,
+    /// Per sequence, the layers its device planned alone this step (`device_plan`), planned
+    /// on the host from their picks once the step's wait brought them back (`resident_done`).
+    on_device: Vec<Vec<usize>>,
     /// Each layer's plans, whether its CPU part used the predicted query, and each head's
     /// resident blocks when the plan was made (a recall after the layer changes them).
     #[cfg(test)]
@@ -361,9 +365,31 @@ impl<'a> BatchAttention<'a> {
             timing: AttnTiming::default(),
             guard_checks: Vec::new(),
             resident_pending: Vec::new(),
+            on_device: vec![Vec::new(); n],
             #[cfg(test)]
             plan_log: Vec::new(),
         }
+    }
+
+    /// Sequence `b`'s `layer` as its device can plan it alone this step (#21 item 4): where
+    /// every sequence selects on its device, the sequence's residency allows it
+    /// ([`SeqAttention::device_plan`]: every block on the device) and the device holds every
+    /// block it may pick and picks them itself. The layer's query then stays on the device,
+    /// and the layer waits for nothing: no host round trip between its projections and its
+    /// attention.
+    fn device_plan(&self, b: usize, layer: usize) -> Option<(DevicePlan, SketchCall)> {
+        if !self.selects_on_device() {
+            return None;
+        }
+        let n = self.scored_blocks(b, layer)?;
+        let slot = &self.slots[b];
+        let plan = slot.seq.device_plan(self.cfg, layer)?;
+        let call = SketchCall {
+            pick: Some(plan.cut),
+            ..self.sketch_call(b, layer, n - 1)
+        };
+        let dev = slot.dev.as_deref()?;
+        dev.picks_resident(&call).then_some((plan, call))
     }
 
     fn spawn_cpu(&self, b: usize, layer: usize, plans: &[HeadPlan], q: &[f32]) -> CpuJob {
@@ -830,6 +856,26 @@ impl<'a> BatchAttention<'a> {
         Ok(())
     }
 
+    /// The plans of sequence `b`'s `layer`, which its device planned alone this step: made
+    /// from the picks it sends back, as the host would have made them before the attention
+    /// (every block was resident: nothing else changes). Picks that are not an answer of the
+    /// layer's cut, or a plan with a CPU part, are a device defect: the attention already
+    /// ran on them.
+    fn planned_by_device(&mut self, b: usize, layer: usize) -> Result<Vec<HeadPlan>, ModelError> {
+        let slot = &mut self.slots[b];
+        let picks = match slot.dev.as_deref_mut() {
+            Some(dev) => dev.take_device_picks(layer)?,
+            None => None,
+        };
+        let plans = picks.and_then(|p| slot.seq.plan_layer_picked(self.cfg, layer, &p));
+        match plans {
+            Some(plans) if plans.iter().all(|p| p.cpu.is_empty()) => Ok(plans),
+            other => Err(ModelError::Attention(format!(
+                "layer {layer} was planned on the device, but its picks plan as {other:?}"
+            ))),
+        }
+    }
+
     /// Measures the prediction's hit ratio against a selection with the real query (its
     /// block scores `real` where a device made them): sampled, as that costs as much as the
     /// selection itself.
@@ -888,9 +934,11 @@ impl DecodeAttention for BatchAttention<'_> {
         self.slots.iter().all(|s| s.dev.is_some())
     }
 
-    fn needs_query(&self, _layer: usize) -> bool {
-        // `full` plans read no query and have no CPU part.
+    fn needs_query(&self, layer: usize) -> bool {
+        // `full` plans read no query and have no CPU part; a layer every device plans alone
+        // reads it where it is.
         self.cfg.mode != Mode::Full
+            && !(0..self.slots.len()).all(|b| self.device_plan(b, layer).is_some())
     }
 
     fn queue_scores_by(&mut self, layer: usize, rows: &dyn std::any::Any) {
@@ -900,7 +948,7 @@ impl DecodeAttention for BatchAttention<'_> {
             predicted: false,
         };
         for b in 0..self.slots.len() {
-            if self.wants_real_scores(b, layer) {
+            if self.wants_real_scores(b, layer) && self.device_plan(b, layer).is_none() {
                 self.queue_with(b, key, |dev, kv, call| {
                     dev.queue_sketch_scores_by(kv, (rows, b), call)
                 });
@@ -922,7 +970,11 @@ impl DecodeAttention for BatchAttention<'_> {
         }
         let n = self.slots.len();
         let full = self.cfg.mode == Mode::Full;
-        if !full && q.len() != n * width {
+        let mut on_device: Vec<Option<(DevicePlan, SketchCall)>> =
+            (0..n).map(|b| self.device_plan(b, layer)).collect();
+        let all_on_device = on_device.iter().all(Option::is_some);
+        let q_fits = full || (all_on_device && q.is_empty()) || q.len() == n * width;
+        if !q_fits {
             return Err(ModelError::Attention(format!(
                 "{} query floats for a batch of {n}",
                 q.len()
@@ -935,13 +987,18 @@ impl DecodeAttention for BatchAttention<'_> {
                 &q[b * width..(b + 1) * width]
             }
         };
-        if !full {
-            self.queue_real_scores(layer, q);
+        if !full && !q.is_empty() {
+            let width = self.shape.num_heads * self.shape.head_dim;
+            for (b, qb) in q.chunks_exact(width).enumerate().take(n) {
+                if on_device[b].is_none() && self.wants_real_scores(b, layer) {
+                    self.queue_scores(b, layer, qb, false);
+                }
+            }
         }
         // Plans accepted from a layer ahead, then every other sequence's selection at once.
         let mut accepted = Vec::with_capacity(n);
-        for b in 0..n {
-            accepted.push(if full {
+        for (b, dp) in on_device.iter().enumerate() {
+            accepted.push(if full || dp.is_some() {
                 None
             } else {
                 self.accepted(b, layer, qb(b))?
@@ -950,12 +1007,21 @@ impl DecodeAttention for BatchAttention<'_> {
         let fresh: Vec<Option<&[f32]>> = accepted
             .iter()
             .enumerate()
-            .map(|(b, a)| a.is_none().then(|| qb(b)))
+            .map(|(b, a)| (a.is_none() && on_device[b].is_none()).then(|| qb(b)))
             .collect();
         let fresh = self.plan_layers(layer, &fresh, false);
         let mut lists = Vec::with_capacity(n);
+        let mut picks = Vec::with_capacity(n);
         self.resident_pending.clear();
         for (b, (accepted, fresh)) in accepted.into_iter().zip(fresh).enumerate() {
+            if let Some((plan, call)) = on_device[b].take() {
+                lists.push(plan.fixed);
+                picks.push(Some(call));
+                self.on_device[b].push(layer);
+                self.resident_pending.push((Vec::new(), None));
+                continue;
+            }
+            picks.push(None);
             let (plans, job) = match accepted {
                 Some(a) => a,
                 None => {
@@ -981,12 +1047,14 @@ impl DecodeAttention for BatchAttention<'_> {
             .slots
             .iter_mut()
             .zip(lists)
-            .filter_map(|(slot, blocks)| {
+            .zip(picks)
+            .filter_map(|((slot, blocks), picks)| {
                 let dev = slot.dev.as_deref_mut()?;
                 Some(ResidentSeq {
                     kv: slot.kv.as_ref(),
                     dev: dev.as_mut(),
                     blocks,
+                    picks,
                 })
             })
             .collect();
@@ -1015,10 +1083,27 @@ impl DecodeAttention for BatchAttention<'_> {
             }
             let t_fin = Instant::now();
             self.timing.device += (t_fin - t).as_secs_f64();
-            self.finish_plans(b, layer, &plans)?;
+            if self.on_device[b].last() != Some(&layer) {
+                self.finish_plans(b, layer, &plans)?;
+            }
             self.timing.finish += t_fin.elapsed().as_secs_f64();
         }
         Ok(cpu)
+    }
+
+    fn resident_done(&mut self) -> Result<(), ModelError> {
+        let t = Instant::now();
+        for b in 0..self.slots.len() {
+            for layer in std::mem::take(&mut self.on_device[b]) {
+                let plans = self.planned_by_device(b, layer)?;
+                #[cfg(test)]
+                self.plan_log
+                    .push((layer, plans.clone(), false, Vec::new()));
+                self.finish_plans(b, layer, &plans)?;
+            }
+        }
+        self.timing.finish += t.elapsed().as_secs_f64();
+        Ok(())
     }
 
     fn resident_queued(&mut self, _layer: usize) {

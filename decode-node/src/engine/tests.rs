@@ -769,7 +769,11 @@ struct SketchSpy {
     queue: bool,
     picks: bool,
     wrong_picks: bool,
+    /// It plans a resident layer alone where every block is on it (`picks_resident`).
+    alone: bool,
     picked: Arc<std::sync::atomic::AtomicUsize>,
+    /// Layers it planned alone whose picks the engine took after the step.
+    planned_alone: Arc<std::sync::atomic::AtomicUsize>,
     scored: Arc<std::sync::atomic::AtomicUsize>,
     queued: Arc<std::sync::atomic::AtomicUsize>,
     taken: Arc<std::sync::atomic::AtomicUsize>,
@@ -785,6 +789,8 @@ struct HostDeviceSeq {
     sketch: SketchSpy,
     /// The queued scores and their layer.
     ahead: Option<(usize, crate::backend::Scored)>,
+    /// The picks last answered for each layer, for `take_device_picks`.
+    made: std::collections::HashMap<usize, Vec<Vec<usize>>>,
     /// Slots per (layer, KV head): a block handed over in a slot past them is refused, as
     /// a GPU's slot table refuses it.
     slots: usize,
@@ -804,6 +810,7 @@ impl crate::backend::DeviceKv for HostDeviceKv {
             collected: self.collected.clone(),
             sketch: self.sketch.clone(),
             ahead: None,
+            made: std::collections::HashMap::new(),
             slots: blocks_per_head,
             slot_counts: self.slot_counts.clone(),
             slot_limit: self.slot_limit,
@@ -977,7 +984,28 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
         self.sketch
             .scored
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(Some(self.sketch_scores_here(kv, q, call)))
+        let scored = self.sketch_scores_here(kv, q, call);
+        if let crate::backend::Scored::Picks(p) = &scored {
+            self.made.insert(call.layer, p.clone());
+        }
+        Ok(Some(scored))
+    }
+
+    fn picks_resident(&self, call: &crate::backend::SketchCall) -> bool {
+        self.sketch.on && self.sketch.picks && self.sketch.alone && call.pick.is_some()
+    }
+
+    fn take_device_picks(
+        &mut self,
+        layer: usize,
+    ) -> Result<Option<Vec<Vec<usize>>>, crate::backend::BackendError> {
+        let made = self.made.remove(&layer);
+        if made.is_some() {
+            self.sketch
+                .planned_alone
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(made)
     }
 
     fn queue_sketch_scores(
@@ -1638,6 +1666,81 @@ fn device_picks_give_the_tokens_of_scores_sent_back() {
             let got = greedy_on(wrong.clone(), &flags, &prompts, 6);
             assert_eq!(got, want, "split {split}, queue {queue}, wrong picks");
             assert!(count(&wrong.sketch.picked) >= 3 * 5);
+        }
+    }
+}
+
+/// Resident layers a device plans alone (#21 item 4: every block on the device, so its picks
+/// go straight into the attention's lists and the query never comes back) give the tokens of
+/// the same device planned by the host, for a batch whose requests hold every block on loans
+/// of the spare device KV; and once the loans are taken back (`--spare-device-kv off`), the
+/// host plans every layer again. The host's bookkeeping from the picks after the step leaves
+/// the sequences as the host's own plans do: the next steps agree too.
+#[test]
+fn layers_a_device_plans_alone_give_the_tokens_of_host_plans() {
+    let three: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 9 + 70)).collect();
+    let count = |c: &std::sync::atomic::AtomicUsize| c.load(std::sync::atomic::Ordering::Relaxed);
+    // A request alone (its loans, so its figures, do not depend on when the engine woke),
+    // then three.
+    for (prompts, spare) in [(&three[..1], "on"), (&three[..], "on"), (&three[..], "off")] {
+        let mut flags = sketch_scout();
+        flags.extend(["--spare-device-kv", spare]);
+        let device = |alone: bool| {
+            Arc::new(TestDevice {
+                kv: true,
+                resident: true.into(),
+                sketch: SketchSpy {
+                    on: true,
+                    queue: true,
+                    picks: true,
+                    alone,
+                    ..SketchSpy::default()
+                },
+                ..TestDevice::default()
+            })
+        };
+        let (host, dev) = (device(false), device(true));
+        // Tokens, and the figures the host's bookkeeping keeps of each request.
+        let run = |dev: Arc<TestDevice>| {
+            let model = Arc::new(crate::model::load("tiny", dev).unwrap());
+            let rig = Rig::start_with(3, 1 << 30, Some(model), &flags);
+            let mut streams = rig.submit_together(prompts, 12);
+            let out: Vec<_> = streams
+                .iter_mut()
+                .map(|rx| match drain(rx) {
+                    (ids, Event::Finish { stats, .. }) => (
+                        ids,
+                        stats.cpu_attention_ratio,
+                        stats.recalled_blocks,
+                        stats.recalled_blocks_used,
+                    ),
+                    (_, e) => panic!("{e:?}"),
+                })
+                .collect();
+            rig.wait_pool_empty();
+            out
+        };
+        let (want, got) = (run(host.clone()), run(dev.clone()));
+        let tokens = |r: &[(Vec<u32>, f64, u64, u64)]| -> Vec<Vec<u32>> {
+            r.iter().map(|x| x.0.clone()).collect()
+        };
+        assert_eq!(tokens(&got), tokens(&want), "spare {spare}");
+        if prompts.len() == 1 {
+            assert_eq!(got, want, "figures");
+        }
+        let alone = count(&dev.sketch.planned_alone);
+        assert_eq!(count(&host.sketch.planned_alone), 0);
+        // Of the resident layers (as many steps as the batch's admissions made), those that
+        // brought their query back.
+        let [host_q, dev_q] = [&host, &dev]
+            .map(|d| count(&d.resident_queries) as f64 / count(&d.resident_layers) as f64);
+        if spare == "on" {
+            // After the first steps (the prompt going up) most layers plan on the device,
+            // and a layer that every request plans there brings no query back.
+            assert!(alone >= 3 * 5, "{alone} planned alone");
+            assert!(dev_q < host_q, "queries a layer: {dev_q} against {host_q}");
+        } else {
+            assert_eq!(alone, 0);
         }
     }
 }

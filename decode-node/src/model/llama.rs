@@ -91,6 +91,11 @@ pub trait DecodeAttention: Send {
     /// After the step: the K and V rows (`[batch][num_kv_heads*head_dim]`) of a layer that ran
     /// resident.
     fn resident_kv(&mut self, _layer: usize, _k: &[f32], _v: &[f32]) {}
+    /// After the step and [`DecodeAttention::resident_kv`]: the bookkeeping of the layers a
+    /// device planned alone (`DeviceSeq::picks_resident`), from the picks it made.
+    fn resident_done(&mut self) -> Result<(), ModelError> {
+        Ok(())
+    }
     /// Attention of layer `layer` for the batch: `q` is `[batch][num_heads*head_dim]`,
     /// `k`/`v` the new token's `[batch][num_kv_heads*head_dim]`; writes `out` like `q`.
     fn attend(
@@ -586,6 +591,7 @@ impl Model {
         for kv in r.resident_kv()? {
             attn.resident_kv(kv.layer, &kv.k, &kv.v);
         }
+        attn.resident_done()?;
         Ok(rows)
     }
 

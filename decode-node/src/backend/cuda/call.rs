@@ -44,6 +44,38 @@ pub(super) struct SlotList {
     pub lens: Vec<i32>,
     /// Where each KV head's entries start (one more than the heads: the end).
     pub head_start: Vec<i32>,
+    /// Sequences whose heads' entries `place_picks` lays out on the device before the
+    /// attention reads them (#21 item 4), as `place_picks`' job words.
+    pub picked: Vec<[i64; PLACE_WORDS]>,
+    /// The most entries a head of a picked sequence may get (all of a shared cut's picks).
+    pub longest_picked: usize,
+}
+
+/// Words of a `place_picks` job (the kernels' `PLACE_WORDS`).
+pub(super) const PLACE_WORDS: usize = 12;
+/// Most KV heads and fixed entries (sink and window, all heads) of a sequence `place_picks`
+/// lays out (the kernels' `PLACE_MAX_HEADS`, `PLACE_MAX_FIXED`).
+pub(super) const PLACE_MAX_HEADS: usize = 64;
+pub(super) const PLACE_MAX_FIXED: usize = 1024;
+/// Threads of a `place_picks` CUDA block (the kernels' `PLACE_THREADS`).
+pub(super) const PLACE_THREADS: u32 = 256;
+
+/// A sequence's heads laid out on the device by `place_picks` from its picks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Picked {
+    /// Picks of each group of heads ranked together (`k`), and the heads of a group.
+    pub k: usize,
+    pub rows: usize,
+    /// Blocks scored (a pick's place is `head in the group * blocks + block`).
+    pub blocks: usize,
+    /// The cut's range.
+    pub from: usize,
+    pub to: usize,
+    /// Device addresses of the picks (`[heads / rows][k]` places) and of the layer's block
+    /// table (`[heads][stride]` arena slots).
+    pub picks: u64,
+    pub table: u64,
+    pub stride: usize,
 }
 
 impl SlotList {
@@ -79,10 +111,69 @@ impl SlotList {
     /// each KV head of each a head of the call).
     pub fn append(&mut self, other: &SlotList) {
         let at = self.offs.len() as i32;
+        let heads = self.heads() as i64;
         self.offs.extend_from_slice(&other.offs);
         self.lens.extend_from_slice(&other.lens);
         self.head_start
             .extend(other.head_start.iter().skip(1).map(|s| s + at));
+        self.picked.extend(other.picked.iter().map(|j| {
+            let mut j = *j;
+            j[0] += i64::from(at);
+            j[1] += heads;
+            j
+        }));
+        self.longest_picked = self.longest_picked.max(other.longest_picked);
+    }
+
+    /// The list of one sequence whose device lays out its heads from `p` (`place_picks`):
+    /// `fixed`, every head's sink and window in head order (`fixed.heads()` heads of as many
+    /// entries each), then a placeholder for each pick; each head's start is the kernel's
+    /// to write, the end stays.
+    pub fn picked(fixed: &SlotList, p: Picked) -> Option<Self> {
+        let heads = fixed.heads();
+        let each = fixed.head_start.get(1).copied().unwrap_or(0) as usize;
+        let even = fixed
+            .head_start
+            .windows(2)
+            .all(|w| (w[1] - w[0]) as usize == each);
+        if heads == 0
+            || heads > PLACE_MAX_HEADS
+            || each == 0
+            || !even
+            || heads * each > PLACE_MAX_FIXED
+            || p.rows == 0
+            || !heads.is_multiple_of(p.rows)
+            || p.k == 0
+            || p.to > p.stride
+        {
+            return None;
+        }
+        let total = heads / p.rows * p.k;
+        let mut list = fixed.clone();
+        list.offs.resize(list.offs.len() + total, fixed.offs[0]);
+        list.lens.resize(list.lens.len() + total, 0);
+        // Provisional starts, none further apart than a head's most (`longest_picked`), so
+        // that the launch's split is sized by the bound, not by them.
+        let share = (each + total / heads) as i32;
+        list.head_start = (0..heads as i32).map(|h| h * share).collect();
+        list.head_start.push(list.offs.len() as i32);
+        let words = |x: usize| i64::try_from(x).ok();
+        list.picked.push([
+            0,
+            0,
+            words(heads)?,
+            words(each)?,
+            words(p.k)?,
+            words(p.rows)?,
+            words(p.blocks)?,
+            words(p.from)?,
+            words(p.to)?,
+            p.picks as i64,
+            p.table as i64,
+            words(p.stride)?,
+        ]);
+        list.longest_picked = each + p.k;
+        Some(list)
     }
 
     /// KV heads in the list.
@@ -90,13 +181,15 @@ impl SlotList {
         self.head_start.len() - 1
     }
 
-    /// Entries of the head with the most.
+    /// Entries of the head with the most (where `place_picks` lays a sequence out, the most
+    /// it may give one).
     pub fn longest_head(&self) -> usize {
         self.head_start
             .windows(2)
             .map(|w| (w[1] - w[0]) as usize)
             .max()
             .unwrap_or(0)
+            .max(self.longest_picked)
     }
 }
 
@@ -136,25 +229,86 @@ pub(super) struct Upload {
     pub at_heads: usize,
     /// 16-byte aligned, for the kernel's vector loads of the query.
     pub at_q: usize,
+    /// `place_picks`' jobs, 8-byte aligned (none: the end).
+    pub at_jobs: usize,
 }
 
-/// Offsets (i64), lengths (i32), head starts (i32), then the query (f32), little-endian.
+/// Offsets (i64), lengths (i32), head starts (i32), the query (f32), then `place_picks`' jobs
+/// (i64), little-endian.
 pub(super) fn pack(list: &SlotList, q: &[f32]) -> Upload {
     let total = list.offs.len();
     let at_lens = total * 8;
     let at_heads = at_lens + total * 4;
     let at_q = (at_heads + list.head_start.len() * 4).next_multiple_of(16);
-    let mut bytes = Vec::with_capacity(at_q + q.len() * 4);
+    let at_jobs = (at_q + q.len() * 4).next_multiple_of(8);
+    let mut bytes = Vec::with_capacity(at_jobs + list.picked.len() * PLACE_WORDS * 8);
     bytes.extend(list.offs.iter().flat_map(|o| o.to_le_bytes()));
     bytes.extend(list.lens.iter().flat_map(|l| l.to_le_bytes()));
     bytes.extend(list.head_start.iter().flat_map(|s| s.to_le_bytes()));
     bytes.resize(at_q, 0);
     bytes.extend(q.iter().flat_map(|x| x.to_le_bytes()));
+    if !list.picked.is_empty() {
+        bytes.resize(at_jobs, 0);
+        bytes.extend(list.picked.iter().flatten().flat_map(|w| w.to_le_bytes()));
+    }
     Upload {
         bytes,
         at_lens,
         at_heads,
         at_q,
+        at_jobs,
+    }
+}
+
+/// What `place_picks` makes of `list` (the definition `selftest` holds the device to): each
+/// picked sequence's heads laid out as the sink, the head's picks in order and the window,
+/// each pick in the arena slot its block table names (`slot_bytes` apart; a pick outside
+/// the cut or without a slot is an empty entry over the head's sink), and the heads' starts.
+/// `picks` and `table` read a job's picks (`[heads / rows][k]` places) and block table rows
+/// (`[heads][stride]`) where the job's addresses point. The job list is left as it is.
+pub(super) fn place_picks_host(
+    list: &mut SlotList,
+    picks: impl Fn(&[i64; PLACE_WORDS]) -> Vec<u32>,
+    table: impl Fn(&[i64; PLACE_WORDS]) -> Vec<u32>,
+    slot_bytes: i64,
+    block_size: i32,
+) {
+    for job in list.picked.clone() {
+        let w = |i: usize| job[i] as usize;
+        let (start, h0, hk, each, k, rows) = (w(0), w(1), w(2), w(3), w(4), w(5));
+        let (blocks, from, to, stride) = (w(6), w(7), w(8), w(11));
+        let (picks, table) = (picks(&job), table(&job));
+        let fixed: Vec<(i64, i32)> = (start..start + hk * each)
+            .map(|i| (list.offs[i], list.lens[i]))
+            .collect();
+        let mut mine: Vec<Vec<(i64, i32)>> = vec![Vec::new(); hk];
+        for (i, &place) in picks.iter().enumerate() {
+            let within = (place as usize / blocks).min(rows - 1);
+            let h = ((i / k) * rows + within).min(hk - 1);
+            let b = place as usize % blocks;
+            let slot = if (from..to).contains(&b) {
+                table[h * stride + b]
+            } else {
+                super::slots::NOT_WHOLE
+            };
+            mine[h].push(if slot == super::slots::NOT_WHOLE {
+                (fixed[h * each].0, 0)
+            } else {
+                (i64::from(slot) * slot_bytes, block_size)
+            });
+        }
+        let mut at = start;
+        for (h, picked) in mine.iter().enumerate() {
+            list.head_start[h0 + h] = at as i32;
+            let head = std::iter::once(fixed[h * each])
+                .chain(picked.iter().copied())
+                .chain(fixed[h * each + 1..(h + 1) * each].iter().copied());
+            for (o, l) in head {
+                list.offs[at] = o;
+                list.lens[at] = l;
+                at += 1;
+            }
+        }
     }
 }
 
@@ -207,6 +361,97 @@ mod tests {
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();
         assert_eq!(qs, q);
+    }
+
+    #[test]
+    fn a_picked_sequence_is_laid_out_on_the_device_as_the_host_plan_lists_it() {
+        // A head before, then 2 KV heads whose fixed entries are the sink and one window
+        // block; 3 picks each (own cut), then the same heads sharing 5 picks.
+        let mut before = SlotList::new();
+        before.push(9 * 100, 32);
+        before.end_head();
+        let mut fixed = SlotList::new();
+        for h in 0..2i64 {
+            fixed.push(h * 100, 32); // sink
+            fixed.push((h + 50) * 100, 7); // the newest block, partial
+            fixed.end_head();
+        }
+        // Block b of head h in arena slot 10 * h + b; block 4 held by none.
+        let stride = 12;
+        let table: Vec<u32> = (0..2 * stride as u32)
+            .map(|i| {
+                if i % 12 == 4 {
+                    u32::MAX
+                } else {
+                    10 * (i / 12) + i % 12
+                }
+            })
+            .collect();
+        let own = Picked {
+            k: 3,
+            rows: 1,
+            blocks: 10,
+            from: 1,
+            to: 9,
+            picks: 0xaaa,
+            table: 0xbbb,
+            stride,
+        };
+        let shared = Picked {
+            k: 5,
+            rows: 2,
+            picks: 0xccc,
+            ..own
+        };
+        let mut all = SlotList::new();
+        all.append(&before);
+        all.append(&SlotList::picked(&fixed, own).unwrap());
+        all.append(&SlotList::picked(&fixed, shared).unwrap());
+        assert_eq!(all.heads(), 5);
+        assert_eq!(all.offs.len(), 1 + (4 + 6) + (4 + 5));
+        assert_eq!(
+            all.longest_head(),
+            2 + 5,
+            "a head may take every shared pick"
+        );
+        assert_eq!(all.picked.len(), 2);
+        assert_eq!((all.picked[0][0], all.picked[0][1]), (1, 1));
+        assert_eq!((all.picked[1][0], all.picked[1][1]), (11, 3));
+        // Each head's start past the fixed ones is the kernel's; the sequences' ends stay.
+        assert_eq!(all.head_start[3], 11);
+        assert_eq!(all.head_start[5], 20);
+        let u = pack(&all, &[]);
+        let words: Vec<i64> = u.bytes[u.at_jobs..]
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(words, all.picked.concat());
+        // Own: head 0 picks 2, 5, 8; head 1 picks 1, 4 (no slot), 7. Shared: places of
+        // head 0's 3 and head 1's 1, 2, 6, 8.
+        let picks = |job: &[i64; PLACE_WORDS]| match job[9] {
+            0xaaa => vec![2, 5, 8, 1, 4, 7],
+            _ => vec![3, 11, 12, 16, 18],
+        };
+        let mut laid = all.clone();
+        place_picks_host(&mut laid, picks, |_| table.clone(), 100, 32);
+        assert_eq!(laid.head_start, [0, 1, 6, 11, 14, 20]);
+        assert_eq!(&laid.offs[..1], [900]);
+        assert_eq!(laid.offs[1..6], [0, 200, 500, 800, 5000]);
+        assert_eq!(laid.lens[1..6], [32, 32, 32, 32, 7]);
+        // Head 1's block 4 has no slot: an empty entry over its sink.
+        assert_eq!(laid.offs[6..11], [100, 1100, 100, 1700, 5100]);
+        assert_eq!(laid.lens[6..11], [32, 32, 0, 32, 7]);
+        assert_eq!(
+            laid.offs[11..20],
+            [0, 300, 5000, 100, 1100, 1200, 1600, 1800, 5100]
+        );
+        assert_eq!(laid.lens[11..20], [32, 32, 7, 32, 32, 32, 32, 32, 7]);
+        // What place_picks cannot take.
+        let none = |p: Picked| SlotList::picked(&fixed, p).is_none();
+        assert!(none(Picked { k: 0, ..own }));
+        assert!(none(Picked { rows: 3, ..own }));
+        assert!(none(Picked { stride: 8, ..own }));
+        assert!(SlotList::picked(&SlotList::new(), own).is_none());
     }
 
     #[test]

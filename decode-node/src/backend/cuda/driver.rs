@@ -224,6 +224,7 @@ pub(crate) struct Kernels {
     pub(crate) sketch_lse: CudaFunction,
     pub(crate) sketch_shares: CudaFunction,
     pub(crate) top_blocks: CudaFunction,
+    pub(crate) place_picks: CudaFunction,
     pub(crate) scatter_runs: CudaFunction,
     /// `attend_warps_g{G}_d{D}`: [`Kernels::warps`] picks one.
     pub(crate) warps: Vec<CudaFunction>,
@@ -427,6 +428,11 @@ pub(crate) struct Shared {
     /// every score; off: every score comes back and the host picks
     /// (`DECODE_NODE_DEVICE_TOPK=off`, or a start-up check that found the picks wrong).
     pub(crate) sketch_picks: std::sync::atomic::AtomicBool,
+    /// A resident layer whose every block a sequence holds here is planned by the device
+    /// alone (#21 item 4: `top_blocks`' picks laid into the attention's list by `place_picks`,
+    /// no query back to the host). Off unless `DECODE_NODE_DEVICE_PLAN=on`: not yet run on a
+    /// GPU; a start-up check that finds `place_picks` wrong turns it off.
+    pub(crate) device_plan: std::sync::atomic::AtomicBool,
     /// Blocks each warp of `sketch_lse` scores (`DECODE_NODE_SKETCH_BLOCKS_PER_WARP`); 0: as
     /// many as bring a call to about [`Shared::sketch_target_warps`] warps
     /// (`sketch::blocks_per_warp`).

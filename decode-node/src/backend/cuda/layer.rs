@@ -27,6 +27,7 @@ use cudarc::driver::{result as drv, sys};
 use super::blas::{Blas, weight_ptr};
 use super::call::SlotList;
 use super::driver::{Shared, dev_err, dtype_code, f32_bytes, htod};
+use super::sketch::SketchQuery;
 use super::store::{CudaSeq, ResidentRows};
 use super::{BackendError, CudaBackend};
 pub(super) use crate::backend::rel_diff;
@@ -973,7 +974,8 @@ impl CudaResidual<'_> {
         let group = hq / hk;
         let mut list = SlotList::new();
         let mut store: Option<Arc<super::store::CudaKvStore>> = None;
-        for s in seqs.iter_mut() {
+        let width = hq * l.head_dim;
+        for (row, s) in seqs.iter_mut().enumerate() {
             let kv = s.kv;
             let lists: Vec<&[DeviceBlock]> = s.blocks.iter().map(Vec::as_slice).collect();
             let seq = s
@@ -988,7 +990,24 @@ impl CudaResidual<'_> {
                         "a resident layer over device state of another device or arena".into(),
                     )
                 })?;
-            list.append(&seq.place_resident(kv, l.layer, &lists, group)?);
+            let placed = match s.picks {
+                // Planned on the device: its query row scored where it is.
+                Some(call) if call.layer == l.layer => {
+                    let q = SketchQuery::Device {
+                        addr: at.q + (row * width * 4) as u64,
+                        len: width,
+                    };
+                    seq.place_picked(kv, &lists, group, call, q)?
+                }
+                Some(call) => {
+                    return Err(BackendError::Unsupported(format!(
+                        "layer {} attended with picks of layer {}",
+                        l.layer, call.layer
+                    )));
+                }
+                None => seq.place_resident(kv, l.layer, &lists, group)?,
+            };
+            list.append(&placed);
             store = Some(Arc::clone(seq.store()));
         }
         let Some(store) = store else {

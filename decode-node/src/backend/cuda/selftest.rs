@@ -230,6 +230,11 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         0.0,
         check_top_blocks(sh),
     );
+    add(
+        "place_picks (lists of layers planned on the device) vs the host's",
+        0.0,
+        check_place_picks(sh),
+    );
     add("lse2_merge", 1e-5, check_merge(sh));
     add("kv_append", 0.0, check_append(sh));
     add(
@@ -1012,6 +1017,126 @@ pub(super) fn check_picks_or_off(sh: &Shared) {
         r => {
             tracing::error!(result = ?r, "top_blocks disagrees with the host's ranking on this device; the host picks the blocks");
             sh.sketch_picks.store(false, Ordering::Release);
+        }
+    }
+}
+
+/// `place_picks` against `call::place_picks_host` (#21 item 4): a head before, a sequence
+/// whose 3 heads pick their own blocks (one with a block no slot holds), one whose 8 heads
+/// share more picks than a CUDA block has threads, with windows of 1 and 3 blocks. The error
+/// is the number of entries and head starts that differ.
+fn check_place_picks(sh: &Shared) -> Result<f64, BackendError> {
+    use super::call::{PLACE_THREADS, Picked, SlotList, pack, place_picks_host};
+    let mut r = SplitMix(29);
+    let (slot_bytes, bs) = (4096i64, 32i32);
+    let mut dev = Dev { sh, held: vec![] };
+    let mut list = SlotList::new();
+    list.push(77 * slot_bytes, 5);
+    list.end_head();
+    let mut inputs = Vec::new();
+    for (hk, rows, k, window, blocks) in [(3, 1, 4, 1, 40), (8, 8, 300, 3, 200)] {
+        let (to, stride) = (blocks + 1 - window, blocks + 5);
+        // Block b of head h in a shuffled arena slot; head 1's block 2 held by none.
+        let mut slots: Vec<u32> = (0..(hk * stride) as u32).collect();
+        for i in (1..slots.len()).rev() {
+            slots.swap(i, r.next_u64() as usize % (i + 1));
+        }
+        slots[stride + 2] = super::slots::NOT_WHOLE;
+        // Each group's picks: distinct places of the cut, ascending.
+        let mut picks = Vec::new();
+        for _ in 0..hk / rows {
+            let mut cand: Vec<u32> = (0..rows)
+                .flat_map(|h| (1..to).map(move |b| (h * blocks + b) as u32))
+                .collect();
+            for i in (1..cand.len()).rev() {
+                cand.swap(i, r.next_u64() as usize % (i + 1));
+            }
+            cand.truncate(k);
+            cand.sort_unstable();
+            picks.extend(cand);
+        }
+        if rows == 1 {
+            picks[k] = 2; // head 1's first pick: the block without a slot
+            picks[k..2 * k].sort_unstable();
+        }
+        let mut fixed = SlotList::new();
+        for h in 0..hk {
+            for b in std::iter::once(0).chain(to..blocks + 1) {
+                let len = if b == blocks { 9 } else { bs as usize };
+                fixed.push(i64::from(slots[h * stride + b]) * slot_bytes, len);
+            }
+            fixed.end_head();
+        }
+        let bytes = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let (pp, tp) = (dev.up(&bytes(&picks))?, dev.up(&bytes(&slots))?);
+        let p = Picked {
+            k,
+            rows,
+            blocks,
+            from: 1,
+            to,
+            picks: pp,
+            table: tp,
+            stride,
+        };
+        let seq = SlotList::picked(&fixed, p)
+            .ok_or_else(|| BackendError::Unsupported(format!("place_picks check: {p:?}")))?;
+        list.append(&seq);
+        inputs.push((pp, picks, slots));
+    }
+    let of = |job: &[i64; super::call::PLACE_WORDS], i: usize| {
+        inputs
+            .iter()
+            .find(|x| x.0 as i64 == job[9])
+            .map(|x| if i == 1 { x.1.clone() } else { x.2.clone() })
+            .unwrap_or_default()
+    };
+    let mut want = list.clone();
+    place_picks_host(&mut want, |j| of(j, 1), |j| of(j, 2), slot_bytes, bs);
+    let up = pack(&list, &[]);
+    let io = dev.up(&up.bytes)?;
+    let (offs, lens, heads, jobs) = (
+        io,
+        io + up.at_lens as u64,
+        io + up.at_heads as u64,
+        io + up.at_jobs as u64,
+    );
+    // SAFETY: the upload holds the list's entries, head starts and jobs (`pack`); each job's
+    // picks and table were uploaded above, as many as it names.
+    unsafe {
+        sh.launch(
+            &sh.k.place_picks,
+            (list.picked.len() as u32, 1),
+            PLACE_THREADS,
+            &[&offs, &lens, &heads, &jobs, &slot_bytes, &bs],
+        )?
+    };
+    let words = dev.down(io, up.at_jobs.div_ceil(4))?;
+    let raw: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let i64_at = |at: usize| i64::from_le_bytes(raw[at..at + 8].try_into().unwrap_or([0; 8]));
+    let i32_at = |at: usize| i32::from_le_bytes(raw[at..at + 4].try_into().unwrap_or([0; 4]));
+    let n = list.offs.len();
+    let wrong = (0..n)
+        .filter(|&i| i64_at(8 * i) != want.offs[i] || i32_at(up.at_lens + 4 * i) != want.lens[i])
+        .count()
+        + (0..want.head_start.len())
+            .filter(|&h| i32_at(up.at_heads + 4 * h) != want.head_start[h])
+            .count();
+    Ok(wrong as f64)
+}
+
+/// Checks `place_picks` (`check_place_picks`) where layers may be planned on the device, and
+/// turns that off on `sh` where the device lays the lists out wrong: the host then plans
+/// every layer.
+pub(super) fn check_plan_or_off(sh: &Shared) {
+    if !sh.device_plan.load(Ordering::Acquire) {
+        return;
+    }
+    match check_place_picks(sh) {
+        Ok(0.0) => {}
+        r => {
+            tracing::error!(result = ?r, "place_picks disagrees with the host's lists on this device; the host plans every layer");
+            sh.device_plan.store(false, Ordering::Release);
         }
     }
 }

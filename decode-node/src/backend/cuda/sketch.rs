@@ -147,6 +147,30 @@ pub(super) struct SeqSketch {
     /// The scoring queued without a wait ([`SeqSketch::queue`]): its own staging, which the
     /// stream reads until it reaches the call, and where its scores come back.
     ahead: Ahead,
+    /// Per layer, the staging and the picks brought back of a layer its device planned alone
+    /// ([`SeqSketch::plan`]): each used once a step, so the step's wait (the LM head's) has
+    /// ended every copy from and into them before they are written again.
+    planned: Vec<Planned>,
+}
+
+/// [`SeqSketch::plan`]'s buffers for one layer, and what its last call picked.
+#[derive(Debug)]
+struct Planned {
+    staging: Pinned,
+    back: Pinned,
+    /// What the picks in `back` answer, until taken.
+    made: Option<Back>,
+}
+
+/// Which page-locked staging a scoring's upload goes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Staging {
+    /// A call that waits for its answer.
+    Call,
+    /// The call queued without a wait.
+    Ahead,
+    /// A layer planned on the device.
+    Layer(usize),
 }
 
 /// [`SeqSketch::queue`]'s buffers, its completion event and what it scored. The device
@@ -236,6 +260,7 @@ impl Default for SeqSketch {
                 done: None,
                 pending: None,
             },
+            planned: Vec::new(),
         }
     }
 }
@@ -417,7 +442,7 @@ impl SeqSketch {
         q: &[f32],
         call: SketchCall,
     ) -> Result<Scored, BackendError> {
-        let (out, hk, back) = self.launch(store, kv, SketchQuery::Host(q), call, false)?;
+        let (out, hk, back) = self.launch(store, kv, SketchQuery::Host(q), call, Staging::Call)?;
         let mut host = vec![0f32; back.words(hk)];
         store.shared().read_back(&mut host, out)?;
         Ok(back.answer(hk, &host))
@@ -434,7 +459,7 @@ impl SeqSketch {
     ) -> Result<(), BackendError> {
         // Its staging is about to be written again.
         self.ahead.settle()?;
-        let (out, hk, back) = self.launch(store, kv, q, call, true)?;
+        let (out, hk, back) = self.launch(store, kv, q, call, Staging::Ahead)?;
         let r = self.queue_back(store, out, hk, call.layer, back);
         if r.is_err() {
             // Nothing is held: the next call must find the stream past this one's copies.
@@ -481,6 +506,67 @@ impl SeqSketch {
         Ok(())
     }
 
+    /// A layer its device plans alone (#21 item 4): queues the scoring of `call` by the query
+    /// rows `q` where they are and `top_blocks`' picks, and the copy of the picks back into
+    /// page-locked memory for [`SeqSketch::take_planned`] after the step's wait. Returns the
+    /// picks' device address and what they answer, for `place_picks`. Nothing waits.
+    pub(super) fn plan(
+        &mut self,
+        store: &CudaKvStore,
+        kv: &dyn KvSource,
+        q: SketchQuery<'_>,
+        call: SketchCall,
+    ) -> Result<(u64, Back), BackendError> {
+        let layer = call.layer;
+        while self.planned.len() <= layer {
+            self.planned.push(Planned {
+                staging: Pinned::empty(),
+                back: Pinned::empty(),
+                made: None,
+            });
+        }
+        self.planned[layer].made = None;
+        let (out, hk, back) = self.launch(store, kv, q, call, Staging::Layer(layer))?;
+        if !matches!(back, Back::Picks { .. }) {
+            return Err(BackendError::Unsupported(format!(
+                "layer {layer} planned on the device, but its sketch call picks nothing here"
+            )));
+        }
+        let words = back.words(hk);
+        let dst = &mut self.planned[layer].back.get(words)?[..words];
+        // SAFETY: `out` holds `words` 4-byte words (the launch above); `dst` is page-locked,
+        // owned by this sketch and read only after the step's wait (`take_planned`), before
+        // this layer is planned again.
+        unsafe { drv::memcpy_dtoh_async(dst, out, store.shared().stream.cu_stream()) }
+            .map_err(|e| dev_err("copying a planned layer's picks back", e))?;
+        self.planned[layer].made = Some(back);
+        Ok((out, back))
+    }
+
+    /// The picks [`SeqSketch::plan`] made for `layer` (per KV head, ascending), once the
+    /// stream has passed them (after the step's wait); `None` where none were made since the
+    /// last take.
+    pub(super) fn take_planned(
+        &mut self,
+        layer: usize,
+        hk: usize,
+    ) -> Result<Option<Scored>, BackendError> {
+        let Some(p) = self.planned.get_mut(layer) else {
+            return Ok(None);
+        };
+        let Some(back) = p.made.take() else {
+            return Ok(None);
+        };
+        let words = back.words(hk);
+        Ok(Some(back.answer(hk, &p.back.get(words)?[..words])))
+    }
+
+    /// True while a layer planned on the device has picks not yet taken (their copy back
+    /// may still be under way).
+    pub(super) fn plans_pending(&self) -> bool {
+        self.planned.iter().any(|p| p.made.is_some())
+    }
+
     /// Waits until the stream is past a queued scoring, if any (dropping its scores).
     pub(super) fn settle(&mut self) -> Result<(), BackendError> {
         self.ahead.settle().map(drop)
@@ -499,7 +585,7 @@ impl SeqSketch {
     }
 
     /// Queues the sketch's fill and both kernels for blocks `0 .. blocks` of `layer` by `q`
-    /// (`ahead`: from the queued call's staging), and `top_blocks` where the call asks for
+    /// (uploaded through `staging`), and `top_blocks` where the call asks for
     /// picks and the device makes them; returns the device address of what comes back,
     /// `hk` and its shape. On a failure the stream is waited for: a copy queued from the
     /// staging must not read it once the next call writes it.
@@ -509,9 +595,9 @@ impl SeqSketch {
         kv: &dyn KvSource,
         q: SketchQuery<'_>,
         call: SketchCall,
-        ahead: bool,
+        staging: Staging,
     ) -> Result<(u64, usize, Back), BackendError> {
-        let r = self.launch_unsettled(store, kv, q, call, ahead);
+        let r = self.launch_unsettled(store, kv, q, call, staging);
         if r.is_err() {
             let _ = store.shared().stream.synchronize();
         }
@@ -530,7 +616,7 @@ impl SeqSketch {
             blocks,
             pick,
         }: SketchCall,
-        ahead: bool,
+        staging: Staging,
     ) -> Result<(u64, usize, Back), BackendError> {
         let geom = *store.geom();
         let sh = store.shared();
@@ -562,10 +648,13 @@ impl SeqSketch {
         let data_at = runs_at + staged.runs.len() * 24;
         let total = data_at + staged.data.len();
         let up_at = if total > 0 {
-            let staging = if ahead {
-                &mut self.ahead.staging
-            } else {
-                &mut self.staging
+            let staging = match staging {
+                Staging::Call => &mut self.staging,
+                Staging::Ahead => &mut self.ahead.staging,
+                Staging::Layer(l) => match self.planned.get_mut(l) {
+                    Some(p) => &mut p.staging,
+                    None => &mut self.staging,
+                },
             };
             let up = staging.bytes(total)?;
             up[..host_q.len() * 4].copy_from_slice(f32_bytes(host_q));

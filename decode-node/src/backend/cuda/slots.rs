@@ -21,6 +21,50 @@ struct HeadSlots {
     losses: u64,
     /// The last list placed for this head.
     placed: Placed,
+    /// By block of the sequence, the arena slot that holds it whole (`block_size` tokens) or
+    /// [`NOT_WHOLE`]: what the device's block table of this head says (`place_picks` reads
+    /// each pick's slot there, #21 item 4).
+    whole: Vec<u32>,
+    /// Blocks held whole.
+    whole_count: usize,
+    /// The range of `whole` changed since [`SlotTable::take_dirty`] last took it.
+    dirty: Option<(usize, usize)>,
+}
+
+/// No arena slot holds the block whole (the kernels' `PLACE_NONE`).
+pub(crate) const NOT_WHOLE: u32 = u32::MAX;
+
+impl HeadSlots {
+    /// Records that arena slot `arena` holds `block` whole, or (`NOT_WHOLE`) that none does.
+    fn set_whole(&mut self, block: usize, arena: u32) {
+        if self.whole.len() <= block {
+            if arena == NOT_WHOLE {
+                return;
+            }
+            self.whole.resize(block + 1, NOT_WHOLE);
+        }
+        let was = std::mem::replace(&mut self.whole[block], arena);
+        if was == arena {
+            return;
+        }
+        match (was == NOT_WHOLE, arena == NOT_WHOLE) {
+            (true, false) => self.whole_count += 1,
+            (false, true) => self.whole_count -= 1,
+            _ => {}
+        }
+        self.dirty = Some(match self.dirty {
+            Some((lo, hi)) => (lo.min(block), hi.max(block + 1)),
+            None => (block, block + 1),
+        });
+    }
+
+    /// Arena slot `arena` no longer holds `block` (handed to another block, or given back):
+    /// it is not whole there, though it may be in the slot it moved to.
+    fn lose(&mut self, block: usize, arena: u32) {
+        if self.whole.get(block) == Some(&arena) {
+            self.set_whole(block, NOT_WHOLE);
+        }
+    }
 }
 
 /// A head's last placed list, kept so the next step's same blocks skip the table (#21: at
@@ -69,14 +113,18 @@ pub(crate) struct SlotTable {
     heads: Vec<HeadSlots>,
     /// Residency slots per head.
     cap: usize,
+    /// Tokens of a whole block.
+    block_size: usize,
 }
 
 impl SlotTable {
-    /// A table for `heads` (layer, KV head) pairs with `cap` residency slots each.
-    pub(crate) fn new(heads: usize, cap: usize) -> Self {
+    /// A table for `heads` (layer, KV head) pairs with `cap` residency slots each, of blocks
+    /// of `block_size` tokens.
+    pub(crate) fn new(heads: usize, cap: usize, block_size: usize) -> Self {
         Self {
             heads: vec![HeadSlots::default(); heads],
             cap,
+            block_size,
         }
     }
 
@@ -115,18 +163,60 @@ impl SlotTable {
         if block != b.block {
             hs.holds[s] = (b.block, 0);
             hs.losses += 1;
+            let arena = hs.arena[s];
+            hs.lose(block, arena);
         }
         Ok((hs.arena[s], fill))
     }
 
     /// Records that `b` of head `lh` now holds `len` tokens on the device.
     pub(crate) fn set_valid(&mut self, lh: usize, b: DeviceBlock, len: usize) {
+        let bs = self.block_size;
         let hs = &mut self.heads[lh];
-        if let Some(h) = hs.holds.get_mut(b.slot as usize) {
-            if h.0 != b.block || (len as u32) < h.1 {
-                hs.losses += 1;
-            }
-            *h = (b.block, len as u32);
+        let s = b.slot as usize;
+        let (Some(h), Some(&arena)) = (hs.holds.get_mut(s), hs.arena.get(s)) else {
+            return;
+        };
+        let was = h.0;
+        if was != b.block || (len as u32) < h.1 {
+            hs.losses += 1;
+        }
+        *h = (b.block, len as u32);
+        if was != b.block {
+            hs.lose(was, arena);
+        }
+        if len == bs {
+            hs.set_whole(b.block, arena);
+        } else {
+            hs.lose(b.block, arena);
+        }
+    }
+
+    /// True when head `lh` holds every block below `upto` whole, where the blocks of the
+    /// sequence below `whole_blocks` are whole (its newest may be partial); each of those
+    /// blocks' arena slots is then in the device's table ([`SlotTable::take_dirty`]).
+    pub(crate) fn holds_whole_below(&self, lh: usize, upto: usize, whole_blocks: usize) -> bool {
+        let hs = &self.heads[lh];
+        let above = hs
+            .whole
+            .get(upto.min(whole_blocks)..)
+            .map_or(0, |w| w.iter().filter(|&&a| a != NOT_WHOLE).count());
+        upto <= whole_blocks && hs.whole_count.checked_sub(above) == Some(upto)
+    }
+
+    /// Head `lh`'s table entries that changed since it was last taken, and where they start
+    /// (all of them after [`SlotTable::all_dirty`]), for the device's copy.
+    pub(crate) fn take_dirty(&mut self, lh: usize) -> Option<(usize, &[u32])> {
+        let hs = &mut self.heads[lh];
+        let (lo, hi) = hs.dirty.take()?;
+        let hi = hi.min(hs.whole.len());
+        (lo < hi).then(|| (lo, &hs.whole[lo..hi]))
+    }
+
+    /// Every head's table as changed: the device's copy was made anew.
+    pub(crate) fn all_dirty(&mut self) {
+        for hs in &mut self.heads {
+            hs.dirty = (!hs.whole.is_empty()).then_some((0, hs.whole.len()));
         }
     }
 
@@ -190,6 +280,14 @@ impl SlotTable {
         let mut freed = Vec::new();
         for hs in &mut self.heads {
             if hs.arena.len() > cap {
+                let gone: Vec<(usize, u32)> = hs.holds[cap..]
+                    .iter()
+                    .zip(&hs.arena[cap..])
+                    .map(|(h, &a)| (h.0, a))
+                    .collect();
+                for (block, arena) in gone {
+                    hs.lose(block, arena);
+                }
                 freed.extend(hs.arena.drain(cap..));
                 hs.holds.truncate(cap);
                 hs.losses += 1;
@@ -220,7 +318,7 @@ mod tests {
     #[test]
     fn blocks_are_filled_once_then_by_their_new_tokens_and_again_when_their_slot_changes_hands() {
         let mut free = arena(8);
-        let mut t = SlotTable::new(2, 4);
+        let mut t = SlotTable::new(2, 4, 32);
         let (s, fill) = t.slot_for(0, at(5, 0), 32, &mut || free.pop()).unwrap();
         assert_eq!(fill, Fill::Whole);
         t.set_valid(0, at(5, 0), 32);
@@ -269,7 +367,7 @@ mod tests {
     #[test]
     fn arena_slots_are_taken_once_per_residency_slot_and_all_given_back() {
         let mut free = arena(3);
-        let mut t = SlotTable::new(1, 4);
+        let mut t = SlotTable::new(1, 4, 32);
         // Slot 2 first: the slots below it are taken too (residency numbers them densely).
         t.slot_for(0, at(40, 2), 32, &mut || free.pop()).unwrap();
         assert!(free.is_empty());
@@ -289,7 +387,7 @@ mod tests {
     #[test]
     fn a_cap_lent_takes_more_slots_and_one_given_back_frees_those_past_it() {
         let mut free = arena(16);
-        let mut t = SlotTable::new(2, 2);
+        let mut t = SlotTable::new(2, 2, 32);
         assert_eq!(
             t.slot_for(0, at(9, 5), 32, &mut || free.pop()),
             Err(NoSlot::PastCap { slot: 5, cap: 2 })
@@ -358,7 +456,7 @@ mod tests {
     #[test]
     fn a_heads_whole_blocks_placed_before_skip_the_table_until_a_slot_changes_hands() {
         let mut free = arena(64);
-        let mut t = SlotTable::new(2, 16);
+        let mut t = SlotTable::new(2, 16, 32);
         // Blocks 0..4 in slots 0..4; the sequence has 4 whole blocks and 5 tokens of a fifth.
         let list: Vec<_> = (0..5).map(|b| at(b, b as u32)).collect();
         let (first, reused) = place(&mut t, 0, &list, 4 * 32 + 5, &mut free);
@@ -410,7 +508,7 @@ mod tests {
             )
         ) {
             let mut free = arena(64);
-            let mut t = SlotTable::new(2, 6);
+            let mut t = SlotTable::new(2, 6, 32);
             let mut tokens = 100usize;
             for (lh, raw, grow, shrink) in steps {
                 tokens = if shrink && tokens > 40 { tokens - 40 } else { tokens + grow };
@@ -428,7 +526,99 @@ mod tests {
                     proptest::prop_assert_eq!(answer, Ok((slot, Fill::Keep)));
                 }
                 place(&mut t, lh, &list, tokens, &mut free);
+                check_whole(&t)?;
             }
         }
+
+        /// The block table the device keeps (`whole`) says of each block an arena slot that
+        /// holds it whole, or that none does, through fills, tails, slots handed to other
+        /// blocks, copies that failed (`slot_for` without `set_valid`), and caps lent and
+        /// given back; the copy brought up to date from `take_dirty` equals it.
+        #[test]
+        fn the_block_table_names_a_slot_holding_each_block_whole(
+            steps in proptest::collection::vec(
+                (0usize..2, 0usize..14, 0u32..8, 1usize..=32, 0u8..10),
+                1..80,
+            )
+        ) {
+            let mut free = arena(64);
+            let mut t = SlotTable::new(2, 8, 32);
+            let mut copy: Vec<Vec<u32>> = vec![Vec::new(); 2];
+            for (lh, block, slot, len, what) in steps {
+                let b = at(block, slot);
+                match what {
+                    0 => {
+                        let freed = t.set_cap(if t.cap() == 8 { 4 } else { 8 });
+                        free.extend(freed);
+                    }
+                    1 => {
+                        let _ = t.slot_for(lh, b, len, &mut || free.pop());
+                    }
+                    _ => {
+                        if let Ok((arena, _)) = t.slot_for(lh, b, len, &mut || free.pop()) {
+                            let len = if what < 6 { 32 } else { len };
+                            t.set_valid(lh, b, len);
+                            // A block filled whole is in the table at once, in its slot.
+                            let entry = t.heads[lh].whole.get(block).copied();
+                            proptest::prop_assert_eq!(entry == Some(arena), len == 32);
+                        }
+                    }
+                }
+                check_whole(&t)?;
+                for (h, c) in copy.iter_mut().enumerate() {
+                    if let Some((from, entries)) = t.take_dirty(h) {
+                        if c.len() < from + entries.len() {
+                            c.resize(from + entries.len(), NOT_WHOLE);
+                        }
+                        c[from..from + entries.len()].copy_from_slice(entries);
+                    }
+                    let mut want = t.heads[h].whole.clone();
+                    want.resize(c.len().max(want.len()), NOT_WHOLE);
+                    c.resize(want.len(), NOT_WHOLE);
+                    proptest::prop_assert_eq!(&*c, &want);
+                }
+            }
+        }
+    }
+
+    /// `whole` against the slots' own record: each block's entry is `NOT_WHOLE` or the arena
+    /// slot of a residency slot holding it with every token (a slot the residency table
+    /// moved it away from may still hold it: the entry may then say none, never a wrong
+    /// slot); the count and `holds_whole_below` agree with the entries.
+    fn check_whole(t: &SlotTable) -> Result<(), proptest::test_runner::TestCaseError> {
+        for (lh, hs) in t.heads.iter().enumerate() {
+            let holding = |b: usize| -> Vec<u32> {
+                hs.holds
+                    .iter()
+                    .zip(&hs.arena)
+                    .filter(|(h, _)| **h == (b, 32))
+                    .map(|(_, &a)| a)
+                    .collect()
+            };
+            for b in 0..16 {
+                let entry = hs.whole.get(b).copied().unwrap_or(NOT_WHOLE);
+                let held = holding(b);
+                proptest::prop_assert!(
+                    entry == NOT_WHOLE || held.contains(&entry),
+                    "block {b}: {entry} of {held:?}"
+                );
+            }
+            let whole: Vec<bool> = (0..16)
+                .map(|b| hs.whole.get(b).is_some_and(|&a| a != NOT_WHOLE))
+                .collect();
+            proptest::prop_assert_eq!(hs.whole_count, whole.iter().filter(|w| **w).count());
+            for upto in 0..16 {
+                for whole_blocks in upto..16 {
+                    proptest::prop_assert_eq!(
+                        t.holds_whole_below(lh, upto, whole_blocks),
+                        whole[..upto].iter().all(|w| *w),
+                        "upto {} of {}",
+                        upto,
+                        whole_blocks
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 }

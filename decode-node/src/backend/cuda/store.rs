@@ -460,6 +460,22 @@ impl CudaKvStore {
             Query::Host(_) => io_dev + up.at_q as u64,
             Query::Device(at) => at,
         };
+        if !list.picked.is_empty() {
+            let jobs = io_dev + up.at_jobs as u64;
+            let (slot_bytes, bs) = (self.geom.head_bytes() as i64, self.geom.block_size as i32);
+            // SAFETY: the jobs (uploaded above) name ranges of this list, laid out by
+            // `SlotList::picked` within its bounds, picks written before this in stream order
+            // (`top_blocks`) and a block table of `stride` entries a head at least to the cut's
+            // end; each table entry names an arena slot or none.
+            unsafe {
+                sh.launch(
+                    &sh.k.place_picks,
+                    (list.picked.len() as u32, 1),
+                    super::call::PLACE_THREADS,
+                    &[&offs_dev, &lens_dev, &heads_dev, &jobs, &slot_bytes, &bs],
+                )?;
+            }
+        }
         let dtype = super::dtype_code(self.geom.dtype);
         let (g, dd, b, c, s) = (
             group as i32,
@@ -603,12 +619,14 @@ impl DeviceKv for CudaKvStore {
     fn new_seq(self: Arc<Self>, num_layers: usize, blocks_per_head: usize) -> Box<dyn DeviceSeq> {
         let hk = self.geom.num_kv_heads;
         Box::new(CudaSeq {
-            table: SlotTable::new(num_layers * hk, blocks_per_head),
+            table: SlotTable::new(num_layers * hk, blocks_per_head, self.geom.block_size),
             recall_events: vec![None; num_layers],
             out: DevBuf::default(),
             pending: None,
             main_mark: None,
             sketch: SeqSketch::default(),
+            block_table: DevBuf::default(),
+            table_stride: 0,
             store: self,
         })
     }
@@ -664,6 +682,11 @@ pub(super) struct CudaSeq {
     main_mark: Option<Event>,
     /// The keys' 4-bit sketch, for `--block-scorer sketch` (empty until first scored).
     sketch: SeqSketch,
+    /// The device's copy of [`SlotTable`]'s block table, `[layer * num_kv_heads + head]`
+    /// rows of `table_stride` arena slots (`slots::NOT_WHOLE` where none holds the block
+    /// whole), which `place_picks` reads for a layer planned on the device.
+    block_table: DevBuf,
+    table_stride: usize,
 }
 
 /// A submitted device part, for [`DeviceSeq::collect`].
@@ -824,6 +847,93 @@ impl CudaSeq {
         Ok(self.place_all(kv, layer, blocks)?.0)
     }
 
+    /// A resident layer its device plans alone (#21 item 4): the fixed blocks (each head's
+    /// sink, then its window) placed as [`CudaSeq::place_resident`] places them, the layer's
+    /// blocks scored by its query row `q` where it is and picked (`call`), and the list laid
+    /// out on the device from those picks (`place_picks`, in the attention's launch). The
+    /// picks come back for [`DeviceSeq::take_device_picks`] after the step's wait. Nothing
+    /// waits.
+    pub(super) fn place_picked(
+        &mut self,
+        kv: &dyn KvSource,
+        fixed: &[&[DeviceBlock]],
+        group: usize,
+        call: SketchCall,
+        q: SketchQuery<'_>,
+    ) -> Result<SlotList, BackendError> {
+        let layer = call.layer;
+        let (Some(cut), true) = (call.pick, self.picks_resident(&call)) else {
+            return Err(BackendError::Unsupported(format!(
+                "layer {layer} planned on a device that cannot plan it"
+            )));
+        };
+        let list = self.place_resident(kv, layer, fixed, group)?;
+        let store = Arc::clone(&self.store);
+        let (picks, back) = self.sketch.plan(&store, kv, q, call)?;
+        let super::sketch::Back::Picks { k, rows, blocks } = back else {
+            return Err(BackendError::Unsupported(format!(
+                "layer {layer} planned on the device without picks"
+            )));
+        };
+        let (table, stride) = self.block_table(layer, call.blocks + 1)?;
+        let p = super::call::Picked {
+            k,
+            rows,
+            blocks,
+            from: cut.from,
+            to: cut.to,
+            picks,
+            table,
+            stride,
+        };
+        SlotList::picked(&list, p).ok_or_else(|| {
+            BackendError::Unsupported(format!(
+                "layer {layer}'s picks do not fit place_picks ({} heads, {p:?})",
+                list.heads()
+            ))
+        })
+    }
+
+    /// `layer`'s rows of the device's block table, brought up to date with [`SlotTable`]
+    /// (its changes since the last call uploaded, in stream order), for a sequence of
+    /// `blocks` blocks: their address and stride. Grown (and sent whole) where the sequence
+    /// has outgrown it.
+    fn block_table(&mut self, layer: usize, blocks: usize) -> Result<(u64, usize), BackendError> {
+        let r = self.block_table_unchecked(layer, blocks);
+        if r.is_err() {
+            // Some changes may have been taken and not sent: send everything next time.
+            self.table.all_dirty();
+        }
+        r
+    }
+
+    fn block_table_unchecked(
+        &mut self,
+        layer: usize,
+        blocks: usize,
+    ) -> Result<(u64, usize), BackendError> {
+        let hk = self.store.geom.num_kv_heads;
+        let rows = self.recall_events.len() * hk;
+        if blocks > self.table_stride {
+            self.table_stride = blocks.next_power_of_two().max(64);
+            self.table.all_dirty();
+        }
+        let stride = self.table_stride;
+        let sh = Arc::clone(&self.store.shared);
+        let base = self.block_table.ptr(&sh.stream, rows * stride * 4)?;
+        for lh in layer * hk..(layer + 1) * hk {
+            if let Some((from, entries)) = self.table.take_dirty(lh) {
+                let upto = entries.len().min(stride.saturating_sub(from));
+                let bytes: Vec<u8> = entries[..upto]
+                    .iter()
+                    .flat_map(|e| e.to_le_bytes())
+                    .collect();
+                sh.upload(base + ((lh * stride + from) * 4) as u64, &bytes)?;
+            }
+        }
+        Ok((base + (layer * hk * stride * 4) as u64, stride))
+    }
+
     /// The arena this sequence's slots are in.
     pub(super) fn store(&self) -> &Arc<CudaKvStore> {
         &self.store
@@ -879,6 +989,11 @@ impl Drop for CudaSeq {
         // A scoring queued and never taken may still read the sketch's pages, given back
         // below (a recall into one would race it).
         let _ = self.sketch.settle();
+        // A layer planned on the device may still copy its picks into page-locked memory
+        // freed with the sketch (a step that failed before its wait).
+        if self.sketch.plans_pending() {
+            let _ = sh.stream.synchronize();
+        }
         // Recall copies may still be writing into our slots.
         if self.recall_events.iter().any(Option::is_some) {
             let _ = sh.recall.synchronize();
@@ -1002,6 +1117,35 @@ impl DeviceSeq for CudaSeq {
 
     fn scores_on_device(&self, group: usize) -> bool {
         self.store.keeps_sketch(group)
+    }
+
+    fn picks_resident(&self, call: &SketchCall) -> bool {
+        let sh = &*self.store.shared;
+        let hk = self.store.geom.num_kv_heads;
+        let Some(cut) = call.pick else {
+            return false;
+        };
+        // Fixed entries of every head: the sink and the window (`cut.to ..` of `blocks + 1`).
+        let fixed = hk * (2 + call.blocks).saturating_sub(cut.to);
+        sh.device_plan.load(Ordering::Acquire)
+            && sh.sketch_on.load(Ordering::Acquire)
+            && sh.sketch_picks.load(Ordering::Relaxed)
+            && call.layer < self.recall_events.len()
+            && super::sketch::picks_fit(&cut, call.blocks, hk)
+            && hk <= super::call::PLACE_MAX_HEADS
+            && fixed <= super::call::PLACE_MAX_FIXED
+            && (0..hk).all(|h| {
+                self.table
+                    .holds_whole_below(call.layer * hk + h, cut.to, call.blocks)
+            })
+    }
+
+    fn take_device_picks(&mut self, layer: usize) -> Result<Option<Vec<Vec<usize>>>, BackendError> {
+        let hk = self.store.geom.num_kv_heads;
+        match self.sketch.take_planned(layer, hk)? {
+            Some(Scored::Picks(p)) => Ok(Some(p)),
+            Some(Scored::Scores(_)) | None => Ok(None),
+        }
     }
 
     fn sketch_scores(
