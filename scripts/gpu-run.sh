@@ -43,7 +43,7 @@ model="${MODEL_DIR:-/tmp}/qwen3-14b-${layers}l"
 core=$(echo selftest make-model device-kernels device-kernels-warps device-kernels-tc \
     device-kernels-warps-prefetch device-kernels-tc-prefetch dense-step \
     dense-step-b8-cublas dense-step-b8-gemv dense-step-b8-tc decode-8k-32k decode-64k \
-    decode-8k-batch8 capacity-64k scout-lent)
+    decode-8k-batch8 capacity-64k scout-lent selftest-device-plan scout-lent-device-plan)
 case "${SET:-all}" in
     all) only="" ;;
     core) only=$core ;;
@@ -263,6 +263,18 @@ step scout-64k-host-topk env DECODE_NODE_DEVICE_TOPK=off "$bin" bench decode --r
 step scout-lent env DECODE_NODE_SPARE_DEVICE_KV=on "$bin" bench decode --rounds 1 --json \
     --device cuda --model "$model" --context 32k,64k --modes full,scout --budget-tokens 2048 \
     --tokens 256
+# Layers a device plans alone (#21 item 4, written 2026-12-01 without a GPU, off by default):
+# where a request holds every block on the device (scout-lent's loans, after the ramp),
+# top_blocks' picks go into the attention's list on the device (place_picks) and the layer
+# waits for nothing: no query back, no host planning between projections and attention.
+# First the selftest with it on (its place_picks row, and the end-to-end "lent" rows against
+# the CPU go through it), then scout-lent's scout rows with it on: the A/B against scout-lent.
+step selftest-device-plan env DECODE_NODE_DEVICE_PLAN=on "$bin" selftest --device cuda
+grep -E "^(PASS|FAIL).*(place_picks|lent)" "$out/selftest-device-plan.json" 2>/dev/null |
+    sed 's/^/   /' >>"$out/summary.txt" || true
+step scout-lent-device-plan env DECODE_NODE_SPARE_DEVICE_KV=on DECODE_NODE_DEVICE_PLAN=on \
+    "$bin" bench decode --rounds 1 --json --device cuda --model "$model" --context 32k,64k \
+    --modes scout --budget-tokens 2048 --tokens 256
 # Scout layer-ahead on the device (the paper's behaviour, #21 item 5): the next layer's
 # predicted query is scored on the device while it waits for this layer's CPU part
 # (queued without a wait), planned while it runs this layer's second half, and its CPU part

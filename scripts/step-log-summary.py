@@ -4,7 +4,7 @@
 The engine logs one debug line per decode step (`decode_node::engine::step=debug`): the step's
 seconds, the model's, and the attention's phases (plan, the device's scores, the host's
 selection, the queuing of the device's scoring, the CPU part and the waits for it). This prints
-their medians in milliseconds per log and batch size, the first tenth of each batch size's
+their medians in milliseconds (counts as they are) per log and batch size, the first tenth of each batch size's
 steps skipped (fills, first-call timings). It reads what `scripts/gpu-run.sh` leaves
 (`gpu-run/*.log`) or any log of `RUST_LOG=info,decode_node::engine::step=debug decode-node ...`.
 
@@ -41,7 +41,9 @@ def summary(path):
     for batch, rows in sorted(by_batch.items()):
         rows = rows[len(rows) // 10:]
         names = [n for n in ORDER if n in rows[0]] + sorted(set(rows[0]) - set(ORDER))
-        medians = {n: statistics.median(r.get(n, 0.0) for r in rows) * 1e3 for n in names}
+        # Seconds (`_s`) in milliseconds; counts (the layers planned on the device) as they are.
+        scale = {n: 1e3 if n.endswith("_s") else 1.0 for n in names}
+        medians = {n: statistics.median(r.get(n, 0.0) for r in rows) * scale[n] for n in names}
         cells = "  ".join(f"{n.removesuffix('_s')} {v:.3f}" for n, v in medians.items())
         print(f"{path}  batch {batch}  steps {len(rows)}  (ms, medians)  {cells}")
 

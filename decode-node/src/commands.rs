@@ -364,6 +364,12 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
         scout(m);
         m.spare_device_kv = "on".into();
     };
+    // Both: with DECODE_NODE_DEVICE_PLAN=on, once the prompt is up the device plans each
+    // layer alone (its picks laid into the attention's list there, #21 item 4).
+    let sketch_whole = |m: &mut crate::cli::ModelArgs| {
+        sketch(m);
+        m.spare_device_kv = "on".into();
+    };
     type Setting<'a> = &'a dyn Fn(&mut crate::cli::ModelArgs);
     // Device KV: 1 GiB, or in the last cases the default (`auto`: the device's free memory)
     // and room for the request's share, the reserve (as much again) and half its other
@@ -390,7 +396,7 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
         );
         2 * share.base_bytes() + share.per_block * ((share.whole - share.base) / 2) as u64
     };
-    let cases: [(&str, Setting<'_>, u64); 5] = [
+    let cases: [(&str, Setting<'_>, u64); 6] = [
         ("full", &full, gib),
         ("scout", &scout, gib),
         ("scout, sketch scorer", &sketch, gib),
@@ -399,6 +405,11 @@ pub async fn run_selftest(args: SelftestArgs) -> anyhow::Result<()> {
             "scout, spare device KV lent (half the blocks)",
             &whole,
             part,
+        ),
+        (
+            "scout, sketch scorer, spare device KV lent (every block)",
+            &sketch_whole,
+            auto,
         ),
     ];
     for (name, set, device_kv) in cases {

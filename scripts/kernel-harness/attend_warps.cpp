@@ -35,7 +35,7 @@ struct Prefetching {
 };
 
 static void check(const char* name, Attend kernel, int G, int D, int dtype, int BS = 32, int chunk = 4,
-                  double tol = 1e-5, Prefetching pf = {}) {
+                  double tol = 1e-5, Prefetching pf = {}, int splits_given = 0) {
     const int hk = 3;
     const int head_bytes = 2 * BS * D * 2;
     // Per head: its blocks' tokens. Head 0 ends in a partial block, head 2 has none.
@@ -78,7 +78,8 @@ static void check(const char* name, Attend kernel, int G, int D, int dtype, int 
     for (auto& x : q) x = u(rng);
     const float scale = 1.f / sqrtf((float)D);
     // chunk 4: head 0 in 3 splits, head 1 in 1 (+2 empty), head 2 none; 9: one split each.
-    const int splits = (9 + chunk - 1) / chunk;
+    // Given (with ATTEND_SPREAD): each head cut over them, at least `chunk` entries a split.
+    const int splits = splits_given ? splits_given : (9 + chunk - 1) / chunk;
     std::vector<float> part_out((size_t)hk * splits * G * D), part_lse((size_t)hk * splits * G);
     prefetched.clear();
     launch({(unsigned)splits, (unsigned)hk, 1}, 128, [&] {
@@ -151,8 +152,9 @@ static void check(const char* name, Attend kernel, int G, int D, int dtype, int 
         }
     const bool ok = worst < tol && !std::isnan(worst);
     if (!ok) bad++;
-    printf("%s %s G=%d D=%d BS=%d %s chunk %d%s: max rel err %.2e\n", ok ? "PASS" : "FAIL", name, G, D, BS,
-           dtype == 2 ? "bf16" : "f16", chunk, pf.flags ? " prefetch" : "", worst);
+    printf("%s %s G=%d D=%d BS=%d %s chunk %d splits %d%s%s: max rel err %.2e\n", ok ? "PASS" : "FAIL", name, G, D,
+           BS, dtype == 2 ? "bf16" : "f16", chunk, splits, pf.flags & ATTEND_PREFETCH ? " prefetch" : "",
+           pf.flags & ATTEND_SPREAD ? " spread" : "", worst);
 }
 
 static void split(const unsigned char* a, const long long* o, const int* l, const int* hs, const float* q, int g,
@@ -246,6 +248,18 @@ int main() {
             for (int d = 0; d < 2; d++)
                 check(bs ? "attend_tc_b16" : "attend_tc", tc[bs][d], 5, d ? 128 : 64, 2 - d, bs ? 16 : 32, chunk,
                       5e-6, Prefetching{ATTEND_PREFETCH, true});
+    }
+    // Each head spread over the splits (a list laid out on the device): over more splits
+    // than its entries (at least `chunk` each, the rest empty), and over fewer than `chunk`
+    // would cover (2 splits of chunk 1: without the spread, head 0's 9 entries would lose 7).
+    for (auto [chunk, splits] : {std::pair{1, 2}, std::pair{2, 7}, std::pair{4, 20}}) {
+        const Prefetching spread{ATTEND_SPREAD, false};
+        check("sparse_attention_split", split, 5, 128, 2, 32, chunk, 1e-5, spread, splits);
+        check("attend_warps", attend_warps_g5_d128, 5, 128, 2, 32, chunk, 1e-5, spread, splits);
+        check("attend_warps_b16", attend_warps_g3_d64_b16, 3, 64, 1, 16, chunk, 1e-5, spread, splits);
+        check("attend_tc", attend_tc_d128, 5, 128, 2, 32, chunk, 5e-6, spread, splits);
+        check("attend_tc_b16", attend_tc_d64_b16, 8, 64, 1, 16, chunk, 5e-6,
+              Prefetching{ATTEND_SPREAD | ATTEND_PREFETCH, true}, splits);
     }
     return bad ? 1 : 0;
 }

@@ -376,6 +376,26 @@ extern "C" __global__ void f32_to_half(const float* x, u16* y, long long n, int 
 // merges the splits. 128 threads; group <= 8, head_dim <= 128. An 8-bit head block (dtype 3
 // or 4) ends with each token's K scale and V scale (f32, block_size each), applied as its
 // tiles load: the host pool's bytes are attended as they are, no dequantized copy.
+// Bit 1 of the attention kernels' `flags`: each head's entries are cut evenly over the splits
+// (at least `chunk` a split) instead of `chunk` at a time from its start. A list laid out on
+// the device (`place_picks`: heads whose lengths the host does not know) sizes the grid for
+// the longest a head may be; cut by `chunk`, the actual heads would fill only their first
+// splits.
+#define ATTEND_SPREAD 2
+
+// Entries [*b0, *b1) of head h that split s of `splits` takes (none where *b0 >= *b1).
+__device__ __forceinline__ void split_range(const int* head_start, int h, int s, int chunk, int splits, int flags,
+                                            int* b0, int* b1) {
+    const int start = head_start[h], end = head_start[h + 1];
+    int c = chunk;
+    if (flags & ATTEND_SPREAD) {
+        const int even = (end - start + splits - 1) / splits;
+        c = even > chunk ? even : chunk;
+    }
+    *b0 = start + s * c;
+    *b1 = min(*b0 + c, end);
+}
+
 #define ATT_THREADS 128
 #define ATT_WARPS 4
 #define MAX_G 8
@@ -385,7 +405,7 @@ extern "C" __global__ void sparse_attention_split(
     const unsigned char* arena, const long long* offs, const int* lens, const int* head_start,
     const float* q, int group, int head_dim, int block_size, int dtype, float scale,
     int chunk, int splits, float* part_out, float* part_lse, int flags) {
-    (void)flags;  // staged through shared memory tile by tile: nothing to prefetch ahead
+    // Staged through shared memory tile by tile: nothing to prefetch ahead (bit 0 unread).
     const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31;
     __shared__ float q_sh[MAX_G * MAX_D];
@@ -397,8 +417,8 @@ extern "C" __global__ void sparse_attention_split(
     const float* qh = q + (long long)h * group * head_dim;
     for (int i = tid; i < group * head_dim; i += ATT_THREADS) q_sh[i] = qh[i] * qscale;
     if (tid < MAX_G) { m_sh[tid] = NEG_INF; l_sh[tid] = 0.f; a_sh[tid] = 1.f; }
-    const int b0 = head_start[h] + s * chunk;
-    const int b1 = min(b0 + chunk, head_start[h + 1]);
+    int b0, b1;
+    split_range(head_start, h, s, chunk, splits, flags, &b0, &b1);
     const int es = kv_elem_size(dtype);
     const bool scaled = dtype >= 3;
     float acc[MAX_G];
@@ -698,8 +718,8 @@ __device__ __forceinline__ void attend_warps(WarpsShared<G, D, BS>& sm, const un
     static_assert(KI % KB == 0 && VI % VB == 0, "whole load batches");
     const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31;
-    const int b0 = head_start[h] + s * chunk;
-    const int b1 = min(b0 + chunk, head_start[h + 1]);
+    int b0, b1;
+    split_range(head_start, h, s, chunk, splits, flags, &b0, &b1);
     const int tg = lane % TPR, r0 = lane / TPR;  // scores: tokens 8*tg.., rows r0 + RPS*i
     const int cc = lane % CPR, tt = lane / CPR;  // P.V: dims 8*cc.., rows tt + TPS*j
     // This lane's K^T load i and V load j of a block (kt: its K^T, vs: its V).
@@ -1204,8 +1224,8 @@ __device__ __forceinline__ void attend_tc(TcShared<D>& sm, const unsigned char* 
     const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 #ifdef HAVE_MMA
-    const int b0 = head_start[h] + s * chunk;
-    const int b1 = min(b0 + chunk, head_start[h + 1]);
+    int b0, b1;
+    split_range(head_start, h, s, chunk, splits, flags, &b0, &b1);
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     // This lane's K load i of the batch from 16-dim step e0 (kt: its tokens' K^T rows), and its
     // V load x of token tok (vs: the token's block's V).

@@ -98,6 +98,9 @@ pub(crate) struct AttnTiming {
     /// tokens, its upload and launches, the copy back): host time while the device runs the
     /// projections, so not in `plan`, which the device waits through.
     pub(crate) queue: f64,
+    /// Resident layers a device planned alone, summed over the batch's sequences (a count,
+    /// not seconds).
+    pub(crate) layers_on_device: usize,
 }
 
 impl AttnTiming {
@@ -112,6 +115,7 @@ impl AttnTiming {
         self.select += o.select;
         self.cpu_start += o.cpu_start;
         self.queue += o.queue;
+        self.layers_on_device += o.layers_on_device;
     }
 }
 
@@ -1095,6 +1099,7 @@ impl DecodeAttention for BatchAttention<'_> {
         let t = Instant::now();
         for b in 0..self.slots.len() {
             for layer in std::mem::take(&mut self.on_device[b]) {
+                self.timing.layers_on_device += 1;
                 let plans = self.planned_by_device(b, layer)?;
                 #[cfg(test)]
                 self.plan_log

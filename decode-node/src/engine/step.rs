@@ -325,6 +325,7 @@ impl StepLoop {
             attn_cpu_s = t.cpu,
             attn_cpu_start_s = t.cpu_start,
             attn_queue_scores_s = t.queue,
+            attn_layers_on_device = t.layers_on_device,
             projections_s = fwd.model_s - attn_s,
             "step"
         );

@@ -21,6 +21,10 @@ pub(super) fn default_ctas(sms: Option<usize>) -> usize {
 /// The kernels' flag that asks L2 for a lane's next batch of loads (kernels.cu's
 /// `ATTEND_PREFETCH`).
 pub(super) const ATTEND_PREFETCH: i32 = 1;
+/// The attention kernels' flag that cuts each head's entries evenly over the splits (at least
+/// the call's chunk a split; the kernels' `ATTEND_SPREAD`): set for a list `place_picks` lays
+/// out, whose grid is sized for the longest a head may be.
+pub(super) const ATTEND_SPREAD: i32 = 2;
 
 /// The `flags` argument of a fast attention kernel (`attend_warps`, `attend_tc`) for calls of
 /// `group` query heads per KV head, given the groups that prefetch (bit `g`).

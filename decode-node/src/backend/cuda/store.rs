@@ -431,14 +431,27 @@ impl CudaKvStore {
         // Every KV head of the list, a sequence's or (resident) a batch's.
         let (hk, d) = (list.heads(), self.geom.head_dim);
         let target = sh.attention_ctas.load(Ordering::Relaxed);
-        let (kernel, split, flags) = match self.fast_kernel(group) {
+        let (kernel, mut split, mut flags, min_chunk) = match self.fast_kernel(group) {
             Some((f, min_chunk, _)) => (
                 f,
                 SplitK::at_least(target, hk, list.longest_head(), min_chunk),
                 prefetch_flags(sh.prefetch_groups.load(Ordering::Acquire), group),
+                min_chunk,
             ),
-            None => (&sh.k.split, SplitK::new(target, hk, list.longest_head()), 0),
+            None => (
+                &sh.k.split,
+                SplitK::new(target, hk, list.longest_head()),
+                0,
+                1,
+            ),
         };
+        if !list.picked.is_empty() {
+            // Heads laid out on the device: the grid as for the longest a head may be, each
+            // head's entries cut evenly over it (a chunk of the bound would leave most of a
+            // head's splits idle where a batch's heads share the grid).
+            flags |= super::call::ATTEND_SPREAD;
+            split.chunk = min_chunk.min(split.chunk);
+        }
         let up = pack(
             list,
             match q {
@@ -868,6 +881,17 @@ impl CudaSeq {
             )));
         };
         let list = self.place_resident(kv, layer, fixed, group)?;
+        // Placing the fixed blocks hands no slot of a pickable block to another (every block
+        // is resident, each in its own slot); were one lost, its pick would be attended empty.
+        let hk = self.store.geom.num_kv_heads;
+        if !(0..hk).all(|h| {
+            self.table
+                .holds_whole_below(layer * hk + h, cut.to, call.blocks)
+        }) {
+            return Err(BackendError::Unsupported(format!(
+                "layer {layer} planned on the device lost a block it may pick"
+            )));
+        }
         let store = Arc::clone(&self.store);
         let (picks, back) = self.sketch.plan(&store, kv, q, call)?;
         let super::sketch::Back::Picks { k, rows, blocks } = back else {
