@@ -992,7 +992,6 @@ impl DecodeAttention for BatchAttention<'_> {
             }
         };
         if !full && !q.is_empty() {
-            let width = self.shape.num_heads * self.shape.head_dim;
             for (b, qb) in q.chunks_exact(width).enumerate().take(n) {
                 if on_device[b].is_none() && self.wants_real_scores(b, layer) {
                     self.queue_scores(b, layer, qb, false);

@@ -1685,21 +1685,7 @@ fn layers_a_device_plans_alone_give_the_tokens_of_host_plans() {
     for (prompts, spare) in [(&three[..1], "on"), (&three[..], "on"), (&three[..], "off")] {
         let mut flags = sketch_scout();
         flags.extend(["--spare-device-kv", spare]);
-        let device = |alone: bool| {
-            Arc::new(TestDevice {
-                kv: true,
-                resident: true.into(),
-                sketch: SketchSpy {
-                    on: true,
-                    queue: true,
-                    picks: true,
-                    alone,
-                    ..SketchSpy::default()
-                },
-                ..TestDevice::default()
-            })
-        };
-        let (host, dev) = (device(false), device(true));
+        let (host, dev) = (planning_device(false, false), planning_device(true, false));
         // Tokens, and the figures the host's bookkeeping keeps of each request.
         let run = |dev: Arc<TestDevice>| {
             let model = Arc::new(crate::model::load("tiny", dev).unwrap());
@@ -1743,6 +1729,47 @@ fn layers_a_device_plans_alone_give_the_tokens_of_host_plans() {
             assert_eq!(alone, 0);
         }
     }
+}
+
+/// A device that plans layers alone but picks wrong (one block past its cut): the host
+/// refuses the picks after the step, and every request of that step ends with an error
+/// rather than tokens of an attention over the wrong blocks, its KV given back.
+#[test]
+fn wrong_picks_of_a_layer_planned_on_the_device_fail_the_step() {
+    let prompts: Vec<Vec<u32>> = (0..2).map(|i| Rig::prompt(i * 9 + 70)).collect();
+    let dev = planning_device(true, true);
+    let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
+    let rig = Rig::start_with(3, 1 << 30, Some(model), &sketch_scout());
+    let mut streams = rig.submit_together(&prompts, 12);
+    for rx in &mut streams {
+        let (ids, last) = drain(rx);
+        assert!(
+            matches!(last, Event::Error(_)),
+            "{} tokens, then {last:?}",
+            ids.len()
+        );
+        assert!(ids.len() < 12);
+    }
+    rig.wait_pool_empty();
+}
+
+/// A test device running layers resident that scores with the sketch, queues its scores and
+/// picks blocks, planning layers alone where it may (`alone`), its picks wrong (`wrong`: one
+/// block past the cut).
+fn planning_device(alone: bool, wrong: bool) -> Arc<TestDevice> {
+    Arc::new(TestDevice {
+        kv: true,
+        resident: true.into(),
+        sketch: SketchSpy {
+            on: true,
+            queue: true,
+            picks: true,
+            alone,
+            wrong_picks: wrong,
+            ..SketchSpy::default()
+        },
+        ..TestDevice::default()
+    })
 }
 
 /// A test device with host KV that scores with the sketch, queuing its scores (`queue`),
