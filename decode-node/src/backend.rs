@@ -385,6 +385,10 @@ pub trait DeviceSeq: Send + std::fmt::Debug + std::any::Any {
         false
     }
 
+    /// A layer this device planned alone gave picks the host refused (a device defect): it
+    /// plans no layer alone from now on, for any sequence (the host plans them all).
+    fn refuse_device_plans(&self) {}
+
     /// The picks of `layer` this device made for a resident layer this step
     /// ([`ResidentSeq::picks`]), per KV head in ascending order, taken once after the step's
     /// wait (the LM head's). `Ok(None)`: none made for `layer`.

@@ -864,7 +864,7 @@ impl<'a> BatchAttention<'a> {
     /// from the picks it sends back, as the host would have made them before the attention
     /// (every block was resident: nothing else changes). Picks that are not an answer of the
     /// layer's cut, or a plan with a CPU part, are a device defect: the attention already
-    /// ran on them.
+    /// ran on them, and the device is told to plan no more layers.
     fn planned_by_device(&mut self, b: usize, layer: usize) -> Result<Vec<HeadPlan>, ModelError> {
         let slot = &mut self.slots[b];
         let picks = match slot.dev.as_deref_mut() {
@@ -874,9 +874,15 @@ impl<'a> BatchAttention<'a> {
         let plans = picks.and_then(|p| slot.seq.plan_layer_picked(self.cfg, layer, &p));
         match plans {
             Some(plans) if plans.iter().all(|p| p.cpu.is_empty()) => Ok(plans),
-            other => Err(ModelError::Attention(format!(
-                "layer {layer} was planned on the device, but its picks plan as {other:?}"
-            ))),
+            other => {
+                // The step's attention read those picks: it fails; the next ones plan on the host.
+                if let Some(dev) = slot.dev.as_deref() {
+                    dev.refuse_device_plans();
+                }
+                Err(ModelError::Attention(format!(
+                    "layer {layer} was planned on the device, but its picks plan as {other:?}"
+                )))
+            }
         }
     }
 

@@ -769,8 +769,9 @@ struct SketchSpy {
     queue: bool,
     picks: bool,
     wrong_picks: bool,
-    /// It plans a resident layer alone where every block is on it (`picks_resident`).
-    alone: bool,
+    /// It plans a resident layer alone where every block is on it (`picks_resident`), until
+    /// told to stop (`refuse_device_plans`, shared by its sequences).
+    alone: Arc<std::sync::atomic::AtomicBool>,
     picked: Arc<std::sync::atomic::AtomicUsize>,
     /// Layers it planned alone whose picks the engine took after the step.
     planned_alone: Arc<std::sync::atomic::AtomicUsize>,
@@ -992,7 +993,16 @@ impl crate::backend::DeviceSeq for HostDeviceSeq {
     }
 
     fn picks_resident(&self, call: &crate::backend::SketchCall) -> bool {
-        self.sketch.on && self.sketch.picks && self.sketch.alone && call.pick.is_some()
+        self.sketch.on
+            && self.sketch.picks
+            && self.sketch.alone.load(std::sync::atomic::Ordering::Relaxed)
+            && call.pick.is_some()
+    }
+
+    fn refuse_device_plans(&self) {
+        self.sketch
+            .alone
+            .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn take_device_picks(
@@ -1733,7 +1743,9 @@ fn layers_a_device_plans_alone_give_the_tokens_of_host_plans() {
 
 /// A device that plans layers alone but picks wrong (one block past its cut): the host
 /// refuses the picks after the step, and every request of that step ends with an error
-/// rather than tokens of an attention over the wrong blocks, its KV given back.
+/// rather than tokens of an attention over the wrong blocks, its KV given back. The device
+/// plans no layer after that: the next requests plan on the host, and their tokens are
+/// those of a device that never planned alone.
 #[test]
 fn wrong_picks_of_a_layer_planned_on_the_device_fail_the_step() {
     let prompts: Vec<Vec<u32>> = (0..2).map(|i| Rig::prompt(i * 9 + 70)).collect();
@@ -1751,6 +1763,19 @@ fn wrong_picks_of_a_layer_planned_on_the_device_fail_the_step() {
         assert!(ids.len() < 12);
     }
     rig.wait_pool_empty();
+    let count = |c: &std::sync::atomic::AtomicUsize| c.load(std::sync::atomic::Ordering::Relaxed);
+    let planned = count(&dev.sketch.planned_alone);
+    assert!(planned > 0);
+    let mut streams = rig.submit_together(&prompts, 12);
+    let got: Vec<Vec<u32>> = streams.iter_mut().map(|rx| drain(rx).0).collect();
+    assert_eq!(
+        count(&dev.sketch.planned_alone),
+        planned,
+        "planned alone again"
+    );
+    let want = greedy_on(planning_device(false, true), &sketch_scout(), &prompts, 12);
+    assert_eq!(got, want);
+    rig.wait_pool_empty();
 }
 
 /// A test device running layers resident that scores with the sketch, queues its scores and
@@ -1764,7 +1789,7 @@ fn planning_device(alone: bool, wrong: bool) -> Arc<TestDevice> {
             on: true,
             queue: true,
             picks: true,
-            alone,
+            alone: Arc::new(alone.into()),
             wrong_picks: wrong,
             ..SketchSpy::default()
         },

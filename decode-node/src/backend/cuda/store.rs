@@ -1164,6 +1164,16 @@ impl DeviceSeq for CudaSeq {
             })
     }
 
+    fn refuse_device_plans(&self) {
+        tracing::error!(
+            "picks of a layer planned on the device were refused; the host plans every layer from now on"
+        );
+        self.store
+            .shared
+            .device_plan
+            .store(false, Ordering::Release);
+    }
+
     fn take_device_picks(&mut self, layer: usize) -> Result<Option<Vec<Vec<usize>>>, BackendError> {
         let hk = self.store.geom.num_kv_heads;
         match self.sketch.take_planned(layer, hk)? {
