@@ -712,21 +712,27 @@ impl SeqAttention {
     /// ([`SeqAttention::plan_layer_picked`], then [`SeqAttention::finish_layer`]), with the
     /// same result. `None`: the host plans `layer` before its attention.
     pub fn device_plan(&self, cfg: &AttentionConfig, layer: usize) -> Option<DevicePlan> {
-        if !matches!(cfg.mode, Mode::Recall | Mode::Scout) || !self.layers.get(layer)?.initialised {
-            return None;
-        }
-        let cut = self.top_cut(cfg, layer)?;
+        let cut = self.device_cut(cfg, layer)?;
         let (hk, n) = (self.geom.num_kv_heads, self.num_blocks());
         let heads = &self.heads[layer * hk..(layer + 1) * hk];
-        if cut.to > n || heads.iter().any(|st| st.res.count() < n) {
-            return None;
-        }
         let fixed: Vec<usize> = std::iter::once(0).chain(cut.to..n).collect();
         let fixed = heads
             .iter()
             .map(|st| st.res.device_blocks(&fixed).ok())
             .collect::<Option<Vec<_>>>()?;
         Some(DevicePlan { cut, fixed })
+    }
+
+    /// [`SeqAttention::device_plan`]'s cut where it has one, without its lists: the test
+    /// alone, for a caller that asks more often than it plans.
+    pub fn device_cut(&self, cfg: &AttentionConfig, layer: usize) -> Option<TopCut> {
+        if !matches!(cfg.mode, Mode::Recall | Mode::Scout) || !self.layers.get(layer)?.initialised {
+            return None;
+        }
+        let cut = self.top_cut(cfg, layer)?;
+        let (hk, n) = (self.geom.num_kv_heads, self.num_blocks());
+        let heads = &self.heads[layer * hk..(layer + 1) * hk];
+        (cut.to <= n && heads.iter().all(|st| st.res.count() >= n)).then_some(cut)
     }
 
     /// True when planning `layer` reads block scores (a sparse mode past the dense layers):
@@ -1487,6 +1493,11 @@ mod tests {
                 let picks = crate::best_in(&refs, cut);
                 let a = host.plan_layer_picked(&cfg, 0, &picks).unwrap();
                 let ahead = dev.device_plan(&cfg, 0);
+                assert_eq!(
+                    dev.device_cut(&cfg, 0),
+                    ahead.as_ref().map(|p| p.cut),
+                    "{what}"
+                );
                 if let Some(p) = &ahead {
                     planned += 1;
                     assert_eq!(p.cut, cut, "{what}");

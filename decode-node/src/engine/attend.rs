@@ -144,6 +144,8 @@ pub(crate) struct BatchAttention<'a> {
     /// Per sequence, the layers its device planned alone this step (`device_plan`), planned
     /// on the host from their picks once the step's wait brought them back (`resident_done`).
     on_device: Vec<Vec<usize>>,
+    /// Every sequence's selection is scored on its device (`selects_on_device`).
+    selects_on_device: bool,
     /// Each layer's plans, whether its CPU part used the predicted query, and each head's
     /// resident blocks when the plan was made (a recall after the layer changes them).
     #[cfg(test)]
@@ -358,6 +360,7 @@ impl<'a> BatchAttention<'a> {
         slots: Vec<SeqSlot<'a>>,
     ) -> Self {
         let n = slots.len();
+        let selects_on_device = Self::selecting_on_device(cfg, shape, &slots);
         Self {
             cfg,
             shape,
@@ -370,6 +373,7 @@ impl<'a> BatchAttention<'a> {
             guard_checks: Vec::new(),
             resident_pending: Vec::new(),
             on_device: vec![Vec::new(); n],
+            selects_on_device,
             #[cfg(test)]
             plan_log: Vec::new(),
         }
@@ -382,18 +386,26 @@ impl<'a> BatchAttention<'a> {
     /// and the layer waits for nothing: no host round trip between its projections and its
     /// attention.
     fn device_plan(&self, b: usize, layer: usize) -> Option<(DevicePlan, SketchCall)> {
+        let call = self.device_call(b, layer)?;
+        let plan = self.slots[b].seq.device_plan(self.cfg, layer)?;
+        Some((plan, call))
+    }
+
+    /// [`Self::device_plan`]'s test alone (no lists made): the device's sketch call where it
+    /// plans sequence `b`'s `layer` alone.
+    fn device_call(&self, b: usize, layer: usize) -> Option<SketchCall> {
         if !self.selects_on_device() {
             return None;
         }
         let n = self.scored_blocks(b, layer)?;
         let slot = &self.slots[b];
-        let plan = slot.seq.device_plan(self.cfg, layer)?;
+        let cut = slot.seq.device_cut(self.cfg, layer)?;
         let call = SketchCall {
-            pick: Some(plan.cut),
+            pick: Some(cut),
             ..self.sketch_call(b, layer, n - 1)
         };
         let dev = slot.dev.as_deref()?;
-        dev.picks_resident(&call).then_some((plan, call))
+        dev.picks_resident(&call).then_some(call)
     }
 
     fn spawn_cpu(&self, b: usize, layer: usize, plans: &[HeadPlan], q: &[f32]) -> CpuJob {
@@ -479,13 +491,18 @@ impl<'a> BatchAttention<'a> {
     /// H200 (Qwen3-14B shape, 10 layers, budget 2048) scout with the sketch scorer gave 74.7
     /// tokens/s at 64k without predictions against 65.8 with them; on SmolLM2 at 7.8k
     /// (budget 1024) top-1 agreement with full 0.957 (KL 0.0104) against 0.953 (KL 0.0113).
+    /// Read once a step ([`Self::new`]): it is asked for each sequence and layer.
     fn selects_on_device(&self) -> bool {
-        let group = self.shape.num_heads / self.shape.num_kv_heads.max(1);
-        self.cfg.scorer == BlockScorer::Sketch
-            && !self.cfg.guard.predicted_cpu
-            && !self.slots.is_empty()
-            && self
-                .slots
+        self.selects_on_device
+    }
+
+    /// [`Self::selects_on_device`] of a step over `slots`.
+    fn selecting_on_device(cfg: &AttentionConfig, shape: Shape, slots: &[SeqSlot<'_>]) -> bool {
+        let group = shape.num_heads / shape.num_kv_heads.max(1);
+        cfg.scorer == BlockScorer::Sketch
+            && !cfg.guard.predicted_cpu
+            && !slots.is_empty()
+            && slots
                 .iter()
                 .all(|s| s.dev.as_deref().is_some_and(|d| d.scores_on_device(group)))
     }
@@ -948,7 +965,7 @@ impl DecodeAttention for BatchAttention<'_> {
         // `full` plans read no query and have no CPU part; a layer every device plans alone
         // reads it where it is.
         self.cfg.mode != Mode::Full
-            && !(0..self.slots.len()).all(|b| self.device_plan(b, layer).is_some())
+            && !(0..self.slots.len()).all(|b| self.device_call(b, layer).is_some())
     }
 
     fn queue_scores_by(&mut self, layer: usize, rows: &dyn std::any::Any) {
@@ -958,7 +975,7 @@ impl DecodeAttention for BatchAttention<'_> {
             predicted: false,
         };
         for b in 0..self.slots.len() {
-            if self.wants_real_scores(b, layer) && self.device_plan(b, layer).is_none() {
+            if self.wants_real_scores(b, layer) && self.device_call(b, layer).is_none() {
                 self.queue_with(b, key, |dev, kv, call| {
                     dev.queue_sketch_scores_by(kv, (rows, b), call)
                 });
