@@ -465,6 +465,44 @@ fn bf16_products_are_held_to_their_own_rate() {
     }
 }
 
+/// `--paths best` takes the bf16 pair products for bf16 G=5 blocks where
+/// `DECODE_NODE_BF16_DOT=on` forces them (on a CPU that has them) and never where `0` turns
+/// them off; left to measure, it takes one of the two AVX-512 paths either way.
+#[test]
+fn best_path_takes_bf16_products_as_the_switch_says() {
+    let best = |switch: Option<&str>| -> Vec<String> {
+        kernels_bench_with("5", "best", &[("DECODE_NODE_BF16_DOT", switch)], &[])["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["dtype"] == "bf16")
+            .map(|r| r["path"].as_str().unwrap().to_string())
+            .collect()
+    };
+    #[cfg(target_arch = "x86_64")]
+    let (wide, pairs) = {
+        let wide =
+            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw");
+        (wide, wide && std::is_x86_feature_detected!("avx512bf16"))
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (wide, pairs) = (false, false);
+    let off = best(Some("0"));
+    assert_eq!(off.len(), 1, "{off:?}");
+    assert_ne!(off[0], "avx512bf16");
+    if wide {
+        assert_eq!(off[0], "avx512");
+    }
+    assert_eq!(
+        best(Some("on"))[0] == "avx512bf16",
+        pairs,
+        "pairs on this CPU: {pairs}"
+    );
+    if pairs {
+        assert!(["avx512", "avx512bf16"].contains(&best(None)[0].as_str()));
+    }
+}
+
 /// `bench select --json` on a small shape (2 KV heads of 3 query heads, head dim 64, 2
 /// layers, budget 128), with `extra` flags.
 fn bench_select_json(extra: &[&str]) -> serde_json::Value {

@@ -178,12 +178,22 @@ impl KernelPath {
     }
 
     /// The fastest path this CPU has for blocks of `geom`: the widest it runs (AVX-512 on
-    /// Zen 4's half-width units too: see `kernel_avx512`).
+    /// Zen 4's half-width units too: see `kernel_avx512`), but the bf16 pair products only
+    /// where they outrun the FMAs here (`kernel_bf16::preferred`: measured once a process).
     pub fn best(geom: &BlockGeometry) -> Self {
         Self::ALL
             .iter()
             .rev()
             .copied()
+            .filter(|p| {
+                #[cfg(target_arch = "x86_64")]
+                return *p != Self::Avx512Bf16 || crate::kernel_bf16::preferred();
+                #[cfg(not(target_arch = "x86_64"))]
+                return {
+                    let _ = p;
+                    true
+                };
+            })
             .find(|p| p.runs(geom))
             .unwrap_or(Self::Scalar)
     }

@@ -23,9 +23,20 @@
 //! thread of a 2-core Zen 4, `bench kernels` 256 MiB, G=2-3). The scores' pair products are
 //! what lose there (why, not found without hardware counters): a throwaway build with the f32
 //! score loop and these V products matched the f32 kernel from DRAM at G=2-3 and ran 10%
-//! faster at G=4 (slower than this path at G=5-8). `DECODE_NODE_BF16_DOT=0` turns the path
-//! off (the `avx512` path runs those blocks), `all` gives it groups of 2 to 8: for measuring
-//! what the rounding costs.
+//! faster at G=4 (slower than this path at G=5-8).
+//!
+//! All of that rests on `VDPBF16PS` issuing at an FMA's rate, and not every CPU with it does:
+//! a 2-core Intel Xeon VM (Sapphire Rapids class, AMX and AVX-512 FP16 on) issued it at about
+//! half its FMA rate (31-33 G products a second against 64-68 G FMAs), and there this path
+//! ran slower than the `avx512` one at every shape it takes (bf16, one thread, blocks in L2:
+//! G=5 7.0-7.2 GB/s against 10.5-14.8, G=8 4.5-4.8 against 6.7-8.8; from DRAM, G=8 D=128
+//! 0.39-0.51 of read bandwidth against 0.69-0.76). So [`KernelPath::best`] takes it only
+//! where [`preferred`] measured the products at least [`PAIRS_OVER_FMAS`] times the FMAs, once
+//! a process. `DECODE_NODE_BF16_DOT=0` turns the path off (the `avx512` path runs those
+//! blocks), `on` takes it without measuring, `all` also gives it groups of 2 to 8: for
+//! measuring what the rounding costs.
+//!
+//! [`KernelPath::best`]: crate::KernelPath::best
 
 use std::arch::x86_64::*;
 
@@ -34,29 +45,76 @@ use crate::kernel_avx2::Prefetch;
 use crate::kernel_avx512::Sets;
 
 /// True when this CPU has AVX-512 BF16 beside what `kernel_avx512` needs, and neither
-/// `DECODE_NODE_BF16_DOT=0` nor `DECODE_NODE_AVX512=0` turns it off.
+/// `DECODE_NODE_BF16_DOT=0` nor `DECODE_NODE_AVX512=0` turns it off: the path can run (a
+/// bench may ask for it); [`preferred`] says whether the node takes it.
 pub(crate) fn available() -> bool {
     switch().is_some()
 }
 
-/// The smallest group the path takes: 5, or 2 with `DECODE_NODE_BF16_DOT=all`; `None` where
-/// the path is off or the CPU lacks it. Read once.
-fn switch() -> Option<usize> {
-    static ON: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+/// What `DECODE_NODE_BF16_DOT` and the CPU allow: `None` where the path is off or the CPU
+/// lacks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Switch {
+    /// The smallest group the path takes: [`MIN_GROUP`], or 2 with `all`.
+    min_group: usize,
+    /// Taken without measuring (`on` or `all`).
+    forced: bool,
+}
+
+/// [`Switch`] as this process was started. Read once.
+fn switch() -> Option<Switch> {
+    static ON: std::sync::OnceLock<Option<Switch>> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         let var = std::env::var("DECODE_NODE_BF16_DOT").unwrap_or_default();
         let cpu = crate::kernel_avx512::available() && is_x86_feature_detected!("avx512bf16");
-        match var.trim() {
-            _ if !cpu => None,
-            "0" => None,
-            "all" => Some(2),
-            _ => Some(MIN_GROUP),
-        }
+        parse_switch(&var, cpu)
     })
+}
+
+fn parse_switch(var: &str, cpu: bool) -> Option<Switch> {
+    let (min_group, forced) = match var.trim() {
+        _ if !cpu => return None,
+        "0" | "off" | "false" | "no" => return None,
+        "all" => (2, true),
+        "1" | "on" | "true" | "yes" => (MIN_GROUP, true),
+        _ => (MIN_GROUP, false),
+    };
+    Some(Switch { min_group, forced })
 }
 
 /// The smallest group the path takes by default (see the module doc).
 const MIN_GROUP: usize = 5;
+
+/// How many bf16 products a second, per f32 FMA a second, make the path worth taking: each
+/// `VDPBF16PS` does two products a lane where an FMA does one, so a CPU that issues both at
+/// one rate measures 2 (a 2-core Zen 4: 1.97) and one that issues the products at half the
+/// rate measures 1 (the Intel VM of the module doc: 0.48). The path's rounding and shuffles
+/// cost something, so it must win clearly.
+const PAIRS_OVER_FMAS: f64 = 1.5;
+
+/// Whether products at `products_per_s` beat FMAs at `fmas_per_s` by [`PAIRS_OVER_FMAS`].
+fn pairs_pay(products_per_s: f64, fmas_per_s: f64) -> bool {
+    fmas_per_s > 0.0 && products_per_s >= PAIRS_OVER_FMAS * fmas_per_s
+}
+
+/// Whether [`KernelPath::best`](crate::KernelPath::best) takes this path where it runs:
+/// [`available`], and forced or measured worth it ([`pairs_pay`]: one thread's products and
+/// AVX-512 FMAs a second, three short passes of each in turn, about 30 ms once a process).
+pub(crate) fn preferred() -> bool {
+    static PREFERRED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PREFERRED.get_or_init(|| match switch() {
+        None => false,
+        Some(Switch { forced: true, .. }) => true,
+        Some(_) => {
+            let (mut products, mut fmas) = (0f64, 0f64);
+            for _ in 0..3 {
+                products = products.max(crate::peak::bf16_dot_peak(0.005));
+                fmas = fmas.max(crate::peak::fma_peak_on(crate::KernelPath::Avx512, 0.005));
+            }
+            pairs_pay(products, fmas)
+        }
+    })
+}
 
 /// Rounds `qs` to bf16 (to nearest, ties to even) in place, and puts the bf16 bits in `out`
 /// for the products: a call the path takes rounds its query for every block, its partly
@@ -75,7 +133,7 @@ pub(crate) fn round_query(qs: &mut [f32], out: &mut Vec<u16>) {
 /// Whether [`block`] takes full blocks of this shape: blocks of 32 tokens, a group of 5 to 8
 /// heads (2 to 8 with `DECODE_NODE_BF16_DOT=all`), head dim a multiple of 32.
 pub(crate) fn shape(g: usize, b: usize, d: usize) -> bool {
-    let min = switch().unwrap_or(MIN_GROUP);
+    let min = switch().map_or(MIN_GROUP, |s| s.min_group);
     b == 32 && (min..=8).contains(&g) && d.is_multiple_of(32)
 }
 
@@ -411,6 +469,31 @@ mod tests {
     /// 0..16 of `scores`' first vector (tokens 0-3, 8-11, ...), pairs 8..16 its second (4 on).
     const fn first_token(j: usize) -> usize {
         8 * ((j % 8) / 2) + 2 * (j % 2) + 4 * (j / 8)
+    }
+
+    /// The rates measured on the two CPUs of the module doc decide as measured there: Zen 4's
+    /// products (two per FMA) take the path, the Intel VM's (half an FMA's) do not; nothing
+    /// measured is never worth it.
+    #[test]
+    fn pair_products_are_taken_only_where_they_outrun_fmas() {
+        assert!(pairs_pay(3.55e9 * 32.0, 3.61e9 * 16.0));
+        assert!(!pairs_pay(31e9, 66e9));
+        assert!(!pairs_pay(64e9, 64e9));
+        assert!(!pairs_pay(1e9, 0.0));
+    }
+
+    /// `DECODE_NODE_BF16_DOT`: off by `0` (or any switch's off) or a CPU without the
+    /// instructions; `on` and `all` skip the measurement; anything else measures.
+    #[test]
+    fn the_switch_reads_off_on_all_and_default() {
+        let sw = |min_group, forced| Some(Switch { min_group, forced });
+        assert_eq!(parse_switch("", true), sw(MIN_GROUP, false));
+        assert_eq!(parse_switch("0", true), None);
+        assert_eq!(parse_switch("off", true), None);
+        assert_eq!(parse_switch("on", true), sw(MIN_GROUP, true));
+        assert_eq!(parse_switch(" all ", true), sw(2, true));
+        assert_eq!(parse_switch("all", false), None);
+        assert_eq!(parse_switch("", false), None);
     }
 
     /// The pairs' order, the weights' token pairs and the accumulators' channel order say the
