@@ -10,11 +10,13 @@ mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub(crate) mod gemm;
+pub mod landing;
 pub mod resident;
 pub(crate) mod team;
 
 pub use cpu::CpuBackend;
 pub(crate) use cpu::row_fma_path;
+pub use landing::{HostLandingMem, Landing, LandingMem, Ticket};
 pub use resident::{NextQuery, ResidentKv, ResidentLayer, ResidentQuery, ResidentSeq};
 
 use std::sync::Arc;
@@ -132,12 +134,22 @@ pub trait Residual {
         Err(not_resident(l.layer))
     }
 
-    /// Ends the layer: merges `cpu` (per row, one partial per KV head: the CPU part; empty:
-    /// no row has one) into its attention and queues its second half.
+    /// Memory for layer `l`'s CPU partials to land in while the step thread goes on
+    /// ([`landing`]): the layer's end then waits for it where the residual is, not on the
+    /// host. `None`: this residual merges only partials handed to it ready.
+    fn cpu_landing(
+        &mut self,
+        _l: &ResidentLayer<'_>,
+    ) -> Result<Option<Arc<Landing>>, BackendError> {
+        Ok(None)
+    }
+
+    /// Ends the layer: merges `cpu` (the CPU part, ready or landing) into its attention and
+    /// queues its second half.
     fn resident_finish(
         &mut self,
         l: &ResidentLayer<'_>,
-        _cpu: &[Vec<Partial>],
+        _cpu: CpuPart<'_>,
     ) -> Result<(), BackendError> {
         Err(not_resident(l.layer))
     }
@@ -147,6 +159,16 @@ pub trait Residual {
     fn resident_kv(&mut self) -> Result<Vec<ResidentKv>, BackendError> {
         Ok(Vec::new())
     }
+}
+
+/// The CPU part of a resident layer, as its end merges it.
+#[derive(Debug, Clone, Copy)]
+pub enum CpuPart<'a> {
+    /// Per row, one partial per KV head; empty: no row has one.
+    Ready(&'a [Vec<Partial>]),
+    /// Still being attended: it lands in [`Residual::cpu_landing`]'s memory, and the merge
+    /// waits for the landing's flag.
+    Landing(&'a Arc<Landing>),
 }
 
 /// A resident call on a residual that runs no layer resident.

@@ -15,6 +15,7 @@ mod attn_bench;
 mod blas;
 mod call;
 mod driver;
+mod landing;
 mod layer;
 mod pick;
 pub mod selftest;
@@ -232,6 +233,9 @@ impl CudaBackend {
                 ),
                 device_plan: std::sync::atomic::AtomicBool::new(
                     std::env::var("DECODE_NODE_DEVICE_PLAN").is_ok_and(|v| v == "on"),
+                ),
+                cpu_flag: std::sync::atomic::AtomicBool::new(
+                    std::env::var("DECODE_NODE_CPU_FLAG").is_ok_and(|v| v == "on"),
                 ),
                 sketch_blocks_per_warp: std::sync::atomic::AtomicUsize::new(
                     sketch_blocks_per_warp(),
@@ -548,6 +552,7 @@ impl Backend for CudaBackend {
         selftest::check_sketch_or_off(&self.shared, &geom);
         selftest::check_picks_or_off(&self.shared);
         selftest::check_plan_or_off(&self.shared);
+        selftest::check_landing_or_off(&self.shared);
         // Int8 and fp8 blocks go to the device as the pool holds them (codes and per-token
         // scales, about half of f16's bytes to copy and keep); the attention kernel applies
         // the scales as it loads each tile. That path is checked on this device before it

@@ -274,6 +274,7 @@ impl crate::model::DecodeAttention for Probe {
     fn finish_resident(
         &mut self,
         layer: usize,
+        _landing: Option<&Arc<super::Landing>>,
     ) -> Result<Vec<Vec<Partial>>, crate::model::ModelError> {
         Ok(if self.split {
             vec![self.cpu_part(layer, &self.q)]
@@ -368,7 +369,7 @@ pub fn resident_diff(
 #[cfg(test)]
 pub(crate) mod host {
     use super::*;
-    use crate::backend::{LinearOut, Residual};
+    use crate::backend::{CpuPart, Landing, LinearOut, Residual};
 
     /// The finished query rows, `[batch][width]` (`width` = num_heads * head_dim), as
     /// `project` hands them to its `scores` (a device's handle names device memory).
@@ -518,10 +519,18 @@ pub(crate) mod host {
             &mut self,
             r: &mut R,
             l: &ResidentLayer<'_>,
-            cpu: &[Vec<Partial>],
+            cpu: CpuPart<'_>,
         ) -> Result<(), BackendError> {
             let Some(mut st) = self.layer.take() else {
                 return Err(BackendError::Unsupported("finish before project".into()));
+            };
+            let landed;
+            let cpu: &[Vec<Partial>] = match cpu {
+                CpuPart::Ready(rows) => rows,
+                CpuPart::Landing(landing) => {
+                    landed = wait_landed(landing)?;
+                    &landed
+                }
             };
             let width = l.num_heads * l.head_dim;
             let mut attn = vec![0f32; st.parts.len() * width];
@@ -546,6 +555,31 @@ pub(crate) mod host {
 
         pub(crate) fn take_kv(&mut self) -> Vec<ResidentKv> {
             std::mem::take(&mut self.kv)
+        }
+    }
+
+    /// Longest a host residual waits for a landing's flag: far past any CPU part of a
+    /// test's shapes, short of hanging a test run on a flag that is never raised.
+    const LANDING_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+
+    /// What a device's stream does before the merge: waits for the landing's flag, then
+    /// reads its rows. On a thread of a rayon pool (the CPU device's step runs in the CPU
+    /// attention pool) the wait runs the pool's jobs meanwhile: the parts it waits for may be
+    /// queued behind it.
+    fn wait_landed(landing: &Arc<Landing>) -> Result<Vec<Vec<Partial>>, BackendError> {
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(rows) = landing.read() {
+                return Ok(rows);
+            }
+            if start.elapsed() > LANDING_PATIENCE {
+                return Err(BackendError::Unsupported(format!(
+                    "the CPU partials did not land in {LANDING_PATIENCE:?}"
+                )));
+            }
+            if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                std::thread::yield_now();
+            }
         }
     }
 }

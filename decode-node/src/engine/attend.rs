@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::sync::{Mutex, PoisonError, mpsc};
 use std::time::{Duration, Instant};
 
 use attention::{
@@ -15,7 +15,7 @@ use attention::{
 use kv_transfer::CommittedKv;
 use rayon::prelude::*;
 
-use crate::backend::{DeviceSeq, ResidentSeq, Scored, SketchCall};
+use crate::backend::{DeviceSeq, Landing, ResidentSeq, Scored, SketchCall, Ticket};
 use crate::model::{DecodeAttention, ModelError};
 
 /// Steps between measurements of the layer-ahead prediction (hit ratio, query cosine).
@@ -53,6 +53,29 @@ struct CpuJob {
     rx: mpsc::Receiver<(Vec<Partial>, f64, f64)>,
     /// Set when the result is no longer wanted: heads not started yet are skipped.
     cancel: Arc<AtomicBool>,
+    /// Where the part lands as soon as it ends, when the step goes on without waiting.
+    hook: Arc<Mutex<JobHook>>,
+}
+
+/// A CPU part's landing ticket, handed over while the part may be running.
+#[derive(Debug, Default)]
+struct JobHook {
+    ticket: Option<Ticket>,
+    /// The part has ended: a ticket handed over now is not taken.
+    ended: bool,
+}
+
+impl CpuJob {
+    /// Has the part land its partials with `ticket` when it ends; the ticket back where it
+    /// has ended already (its result is then on `rx`).
+    fn land_with(&self, ticket: Ticket) -> Option<Ticket> {
+        let mut hook = self.hook.lock().unwrap_or_else(PoisonError::into_inner);
+        if hook.ended {
+            return Some(ticket);
+        }
+        hook.ticket = Some(ticket);
+        None
+    }
 }
 
 /// One guard check: a layer's lowest query cosine and whether it was redone.
@@ -146,6 +169,11 @@ pub(crate) struct BatchAttention<'a> {
     on_device: Vec<Vec<usize>>,
     /// Every sequence's selection is scored on its device (`selects_on_device`).
     selects_on_device: bool,
+    /// CPU parts that land where the residual is (`finish_resident` with a landing), by
+    /// sequence: their timing and errors are taken at the step's end.
+    landing_jobs: Vec<(usize, CpuJob)>,
+    /// This step's landings, checked whole at its end.
+    landings: Vec<Arc<Landing>>,
     /// Each layer's plans, whether its CPU part used the predicted query, and each head's
     /// resident blocks when the plan was made (a recall after the layer changes them).
     #[cfg(test)]
@@ -374,6 +402,8 @@ impl<'a> BatchAttention<'a> {
             resident_pending: Vec::new(),
             on_device: vec![Vec::new(); n],
             selects_on_device,
+            landing_jobs: Vec::new(),
+            landings: Vec::new(),
             #[cfg(test)]
             plan_log: Vec::new(),
         }
@@ -416,6 +446,8 @@ impl<'a> BatchAttention<'a> {
         let q = q.to_vec();
         let shape = self.shape;
         let flag = Arc::clone(&cancel);
+        let hook = Arc::new(Mutex::new(JobHook::default()));
+        let landing = Arc::clone(&hook);
         let queued = Instant::now();
         self.cpu_pool.spawn(move || {
             let t = Instant::now();
@@ -424,10 +456,20 @@ impl<'a> BatchAttention<'a> {
             // Let go of the KV before answering: the step appends to it right after the last
             // answer, which needs it unshared.
             drop(kv);
+            let ticket = {
+                let mut hook = landing.lock().unwrap_or_else(PoisonError::into_inner);
+                hook.ended = true;
+                hook.ticket.take()
+            };
+            if let Some(ticket) = ticket {
+                // Partials that do not fit land empty and break the landing, which the
+                // step's end reports.
+                let _ = ticket.land(&out.0);
+            }
             // The receiver is gone only if the step was abandoned; nothing to do then.
             let _ = tx.send(out);
         });
-        CpuJob { rx, cancel }
+        CpuJob { rx, cancel, hook }
     }
 
     /// Waits for sequence `b`'s CPU part; the wait is device idle time. A part that never
@@ -937,6 +979,43 @@ impl<'a> BatchAttention<'a> {
             seq.record_prediction(&predicted, real, &a.q_pred[h * per..(h + 1) * per], q_of(h));
         }
     }
+
+    /// [`DecodeAttention::finish_resident`] with a landing: each sequence's CPU part lands
+    /// there when it ends (a part that ended already, and a sequence without one, land now);
+    /// the layer's bookkeeping is done meanwhile.
+    fn land_resident(&mut self, layer: usize, landing: &Arc<Landing>) -> Result<(), ModelError> {
+        let pending = std::mem::take(&mut self.resident_pending);
+        let tickets = landing.tickets();
+        if tickets.len() != pending.len() {
+            // The tickets, dropped, raise the flag over empty rows: nothing waits forever.
+            return Err(ModelError::Attention(format!(
+                "a landing of {} rows for a batch of {}",
+                tickets.len(),
+                pending.len()
+            )));
+        }
+        self.landings.push(Arc::clone(landing));
+        for (b, ((plans, job), ticket)) in pending.into_iter().zip(tickets).enumerate() {
+            let t = Instant::now();
+            match job {
+                None => ticket.land_empty(),
+                Some(job) => match job.land_with(ticket) {
+                    None => self.landing_jobs.push((b, job)),
+                    Some(ticket) => {
+                        let parts = self.wait(b, &job)?;
+                        ticket.land(&parts)?;
+                    }
+                },
+            }
+            let t_fin = Instant::now();
+            self.timing.device += (t_fin - t).as_secs_f64();
+            if self.on_device[b].last() != Some(&layer) {
+                self.finish_plans(b, layer, &plans)?;
+            }
+            self.timing.finish += t_fin.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
 }
 
 impl DecodeAttention for BatchAttention<'_> {
@@ -1087,10 +1166,22 @@ impl DecodeAttention for BatchAttention<'_> {
         Ok(seqs)
     }
 
-    fn finish_resident(&mut self, layer: usize) -> Result<Vec<Vec<Partial>>, ModelError> {
+    fn cpu_in_flight(&self, _layer: usize) -> bool {
+        self.resident_pending.iter().any(|(_, job)| job.is_some())
+    }
+
+    fn finish_resident(
+        &mut self,
+        layer: usize,
+        landing: Option<&Arc<Landing>>,
+    ) -> Result<Vec<Vec<Partial>>, ModelError> {
         // The device has this layer's attention queued and then waits for the CPU parts:
         // the next layer's scores by its predicted query fit there.
         self.queue_ahead_scores();
+        if let Some(landing) = landing {
+            self.land_resident(layer, landing)?;
+            return Ok(Vec::new());
+        }
         let hk = self.shape.num_kv_heads;
         let group = self.shape.num_heads / hk.max(1);
         let pending = std::mem::take(&mut self.resident_pending);
@@ -1119,6 +1210,19 @@ impl DecodeAttention for BatchAttention<'_> {
 
     fn resident_done(&mut self) -> Result<(), ModelError> {
         let t = Instant::now();
+        // The device waited for these parts' flags before the LM head, so they have ended:
+        // their time, and whether any failed (its row landed empty).
+        for (b, job) in std::mem::take(&mut self.landing_jobs) {
+            self.wait(b, &job)?;
+        }
+        if std::mem::take(&mut self.landings)
+            .iter()
+            .any(|l| !l.whole())
+        {
+            return Err(ModelError::Attention(
+                "a CPU part of attention did not land (its task failed)".into(),
+            ));
+        }
         for b in 0..self.slots.len() {
             for layer in std::mem::take(&mut self.on_device[b]) {
                 self.timing.layers_on_device += 1;

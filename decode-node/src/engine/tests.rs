@@ -1089,6 +1089,10 @@ struct TestDevice {
     /// Resident layers that brought their query back, and that merged a CPU part.
     resident_queries: Arc<std::sync::atomic::AtomicUsize>,
     resident_cpu_parts: Arc<std::sync::atomic::AtomicUsize>,
+    /// Offers its resident layers a landing for their CPU partials
+    /// ([`crate::backend::Residual::cpu_landing`]); the layers that merged one.
+    landing: bool,
+    resident_landed: Arc<std::sync::atomic::AtomicUsize>,
     picked: Arc<std::sync::atomic::AtomicUsize>,
     collected: Arc<std::sync::atomic::AtomicUsize>,
     idle_reads: std::sync::atomic::AtomicU64,
@@ -1248,15 +1252,34 @@ impl<R: crate::backend::Residual> crate::backend::Residual for ResidentResidual<
         self.layers.attend(l, seqs)
     }
 
+    fn cpu_landing(
+        &mut self,
+        l: &crate::backend::ResidentLayer<'_>,
+    ) -> Result<Option<Arc<crate::backend::Landing>>, crate::backend::BackendError> {
+        if !self.dev.landing {
+            return Ok(None);
+        }
+        let rows = l.rot.positions();
+        let (hk, d) = (l.num_kv_heads, l.head_dim);
+        let group = l.num_heads / hk;
+        let mem = Arc::new(crate::backend::HostLandingMem::new(
+            rows * hk * group * (d + 1),
+        ));
+        crate::backend::Landing::new(mem, 1, rows, hk, group, d).map(Some)
+    }
+
     fn resident_finish(
         &mut self,
         l: &crate::backend::ResidentLayer<'_>,
-        cpu: &[Vec<attention::Partial>],
+        cpu: crate::backend::CpuPart<'_>,
     ) -> Result<(), crate::backend::BackendError> {
-        if !cpu.is_empty() {
-            self.dev
-                .resident_cpu_parts
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let counter = match cpu {
+            crate::backend::CpuPart::Ready([]) => None,
+            crate::backend::CpuPart::Ready(_) => Some(&self.dev.resident_cpu_parts),
+            crate::backend::CpuPart::Landing(_) => Some(&self.dev.resident_landed),
+        };
+        if let Some(c) = counter {
+            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         self.layers.finish(&mut self.inner, l, cpu)
     }
@@ -1291,13 +1314,18 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
         f.extend(more);
         f
     };
-    let cases: Vec<(Vec<&str>, bool)> = vec![
-        (vec!["--attention", "full"], false),
+    // (flags, a wrong resident path, CPU partials landed where the residual is)
+    let cases: Vec<(Vec<&str>, bool, bool)> = vec![
+        (vec!["--attention", "full"], false, false),
         // Every prediction refused: each layer is planned again with the real query.
-        (sparse("scout", &["--guard-min-cosine=1"]), false),
-        (sparse("scout", &["--guard-min-cosine=-1"]), false),
-        (sparse("recall", &[]), false),
-        (vec!["--attention", "full"], true),
+        (sparse("scout", &["--guard-min-cosine=1"]), false, false),
+        (sparse("scout", &["--guard-min-cosine=-1"]), false, false),
+        (sparse("recall", &[]), false, false),
+        (vec!["--attention", "full"], true, false),
+        // The CPU workers land their partials themselves, the layer merging what they landed.
+        (sparse("scout", &["--guard-min-cosine=-1"]), false, true),
+        (sparse("scout", &["--guard-min-cosine=1"]), false, true),
+        (sparse("recall", &[]), false, true),
     ];
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| Rig::prompt(i * 7 + 60)).collect();
     // The same engine with its layers attended through the host.
@@ -1308,13 +1336,14 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
         });
         greedy_on(dev, flags, &prompts, 6)
     };
-    for (flags, wrong) in cases {
+    for (flags, wrong, landing) in cases {
         let flags = flags.as_slice();
         let want = through_host(flags);
         let dev = Arc::new(TestDevice {
             kv: true,
             resident: true.into(),
             wrong_resident: wrong,
+            landing,
             ..TestDevice::default()
         });
         let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
@@ -1325,6 +1354,7 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
             count(&dev.resident_layers),
             count(&dev.resident_queries),
             count(&dev.resident_cpu_parts),
+            count(&dev.resident_landed),
         ];
         let mut streams: Vec<_> = prompts
             .iter()
@@ -1338,20 +1368,27 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
                 assert_eq!(ids, rig.reference(p, 6), "{flags:?} wrong={wrong}");
             }
         }
-        let [layers, queries, cpu] = [
+        let [layers, queries, cpu, landed] = [
             count(&dev.resident_layers) - at_start[0],
             count(&dev.resident_queries) - at_start[1],
             count(&dev.resident_cpu_parts) - at_start[2],
+            count(&dev.resident_landed) - at_start[3],
         ];
         let on = crate::backend::Backend::attention_on_device(&*dev);
-        match (flags[1], wrong) {
-            ("full", false) => assert!(
-                on && layers >= 10 && queries == 0 && cpu == 0,
-                "{layers} {queries} {cpu}"
+        let shown = format!("{flags:?} landing={landing}: {layers} {queries} {cpu} {landed}");
+        match (flags[1], wrong, landing) {
+            ("full", false, _) => assert!(
+                on && layers >= 10 && queries == 0 && cpu == 0 && landed == 0,
+                "{shown}"
             ),
-            (_, false) => assert!(
-                on && layers >= 10 && queries == layers && cpu > 0,
-                "{flags:?}: {layers} {queries} {cpu}"
+            (_, false, false) => assert!(
+                on && layers >= 10 && queries == layers && cpu > 0 && landed == 0,
+                "{shown}"
+            ),
+            // Every layer with CPU work in flight merges what landed, none a handed list.
+            (_, false, true) => assert!(
+                on && layers >= 10 && queries == layers && cpu == 0 && landed > 0,
+                "{shown}"
             ),
             _ => assert!(!on && layers == 0, "the check turned it off: {on} {layers}"),
         }

@@ -15,8 +15,8 @@ use super::weights::{Tensor, WeightMap};
 use crate::backend::gemm::{Mat, MatMut, gemm};
 use crate::backend::resident::first_half;
 use crate::backend::{
-    Backend, BackendError, HostResidual, LayerOut, LinearOut, LmHead, NextQuery, ResidentLayer,
-    ResidentSeq, Residual, rel_diff,
+    Backend, BackendError, CpuPart, HostResidual, Landing, LayerOut, LinearOut, LmHead, NextQuery,
+    ResidentLayer, ResidentSeq, Residual, rel_diff,
 };
 
 /// A projection: weight `[out][in]` and optional bias.
@@ -80,9 +80,21 @@ pub trait DecodeAttention: Send {
             "layer {layer} planned resident by an attention that does not"
         )))
     }
-    /// Waits for resident layer `layer`'s CPU parts and ends its bookkeeping: per row, one
-    /// partial per KV head (empty: no row has a CPU part).
-    fn finish_resident(&mut self, _layer: usize) -> Result<Vec<Vec<Partial>>, ModelError> {
+    /// True when some row's CPU part of resident layer `layer` (started by
+    /// [`DecodeAttention::plan_resident`]) is still running: worth a landing
+    /// ([`crate::backend::landing`]) where the residual offers one.
+    fn cpu_in_flight(&self, _layer: usize) -> bool {
+        false
+    }
+    /// Ends resident layer `layer`'s bookkeeping and gives its CPU parts: without `landing`,
+    /// waits for them and returns, per row, one partial per KV head (empty: no row has a CPU
+    /// part); with it, lands every row there (each part as it ends, without waiting) and
+    /// returns nothing. What is not landed, the model lands from the returned rows.
+    fn finish_resident(
+        &mut self,
+        _layer: usize,
+        _landing: Option<&Arc<Landing>>,
+    ) -> Result<Vec<Vec<Partial>>, ModelError> {
         Ok(Vec::new())
     }
     /// Resident layer `layer`'s rest (merge, second half) is queued on the device: host work
@@ -545,8 +557,21 @@ impl Model {
                 let mut seqs = attn.plan_resident(i, &rq.q)?;
                 r.resident_attend(&l, &mut seqs)?;
                 drop(seqs);
-                let cpu = attn.finish_resident(i)?;
-                r.resident_finish(&l, &cpu)?;
+                // The CPU parts land where the residual is without this thread waiting for
+                // them, where it offers a place; the merge waits there instead.
+                let landing = if attn.cpu_in_flight(i) {
+                    r.cpu_landing(&l)?
+                } else {
+                    None
+                };
+                let cpu = attn.finish_resident(i, landing.as_ref())?;
+                match &landing {
+                    Some(ld) => {
+                        ld.land_rest(&cpu)?;
+                        r.resident_finish(&l, CpuPart::Landing(ld))?;
+                    }
+                    None => r.resident_finish(&l, CpuPart::Ready(&cpu))?,
+                }
                 attn.resident_queued(i);
                 continue;
             }

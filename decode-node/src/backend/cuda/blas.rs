@@ -43,6 +43,8 @@ pub(crate) struct Blas {
     /// Device picks' spec and results, and their host side (`pick::sample_rows`).
     pub(crate) pick: DevBuf,
     pub(crate) pick_staging: Pinned,
+    /// Where resident layers' CPU partials land (`layer::CudaResidual::cpu_landing`).
+    pub(crate) landings: super::landing::LandingPool,
     /// `gemv_b{B}` and `gemv_tc` (on the stream the handle issues on), and which products
     /// take them.
     gemv: Vec<CudaFunction>,
@@ -89,6 +91,7 @@ impl Blas {
             staging: Pinned::empty(),
             pick: DevBuf::default(),
             pick_staging: Pinned::empty(),
+            landings: Default::default(),
             gemv,
             gemv_tc,
             tactics: Tactics::from_env(

@@ -433,6 +433,11 @@ pub(crate) struct Shared {
     /// no query back to the host). Off unless `DECODE_NODE_DEVICE_PLAN=on`: not yet run on a
     /// GPU; a start-up check that finds `place_picks` wrong turns it off.
     pub(crate) device_plan: std::sync::atomic::AtomicBool,
+    /// A resident layer's CPU partials land in mapped host memory and the stream waits on
+    /// their flag (#21 item 5, `landing`), so the step thread never waits for the CPU part.
+    /// Off unless `DECODE_NODE_CPU_FLAG=on`: not yet run on a GPU; a start-up check that
+    /// finds the merge reading a landing wrongly turns it off.
+    pub(crate) cpu_flag: std::sync::atomic::AtomicBool,
     /// Blocks each warp of `sketch_lse` scores (`DECODE_NODE_SKETCH_BLOCKS_PER_WARP`); 0: as
     /// many as bring a call to about [`Shared::sketch_target_warps`] warps
     /// (`sketch::blocks_per_warp`).

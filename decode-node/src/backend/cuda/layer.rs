@@ -20,20 +20,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use attention::cuda::NORM_THREADS;
-use attention::{DeviceBlock, KvDType, Partial};
+use attention::{DeviceBlock, KvDType};
 
 use cudarc::driver::{result as drv, sys};
 
 use super::blas::{Blas, weight_ptr};
 use super::call::SlotList;
 use super::driver::{Shared, dev_err, dtype_code, f32_bytes, htod};
+use super::landing;
 use super::sketch::SketchQuery;
 use super::store::{CudaSeq, ResidentRows};
 use super::{BackendError, CudaBackend};
 pub(super) use crate::backend::rel_diff;
 use crate::backend::{
-    LayerOut, LinearOut, LmHead, NextQuery, NormProject, ResidentKv, ResidentLayer, ResidentQuery,
-    ResidentSeq, Residual, logits_rows,
+    CpuPart, Landing, LayerOut, LinearOut, LmHead, NextQuery, NormProject, ResidentKv,
+    ResidentLayer, ResidentQuery, ResidentSeq, Residual, logits_rows,
 };
 use crate::model::pick::{PickSpec, RowOut};
 use crate::tensor::Tensor;
@@ -1024,51 +1025,77 @@ impl CudaResidual<'_> {
         store.launch_resident(&list, rows, l.scale)
     }
 
-    /// [`Residual::resident_finish`]: the CPU partials up in one pageable copy and merged by
-    /// `lse2_merge`, then the second half over the attention output where it is. Nothing
-    /// waits.
+    /// [`Residual::resident_finish`]: the CPU partials merged by `lse2_merge` (ready ones up
+    /// in one pageable copy; landing ones read where they land, after a wait on their flag
+    /// queued on the stream), then the second half over the attention output where it is.
+    /// Nothing waits on the host.
     fn queue_resident_finish(
         &mut self,
         l: &ResidentLayer<'_>,
-        cpu: &[Vec<Partial>],
+        cpu: CpuPart<'_>,
     ) -> Result<(), BackendError> {
         let n = self.n;
         let (hq, hk, d) = resident_shape(n, l, n)?;
         let at = self.resident_at(l)?;
         let shape = layer_shape(n, n * self.hidden, n * hq * d, &l.out)?;
         let (hidden, attn_w, inter) = shape;
+        let group = hq / hk;
+        let merge_from = match cpu {
+            CpuPart::Ready([]) => None,
+            CpuPart::Ready(rows) => {
+                let fits = rows.len() == n
+                    && rows.iter().all(|row| {
+                        row.len() == hk
+                            && row
+                                .iter()
+                                .all(|p| p.out.len() == group * d && p.lse2.len() == group)
+                    });
+                if !fits {
+                    return Err(BackendError::Unsupported(format!(
+                        "CPU partials of {} rows for a batch of {n} with {hk} KV heads of {group} x {d}",
+                        rows.len()
+                    )));
+                }
+                let mut up = Vec::with_capacity(n * hq * (d + 1));
+                up.extend(rows.iter().flatten().flat_map(|p| p.out.iter().copied()));
+                up.extend(rows.iter().flatten().flat_map(|p| p.lse2.iter().copied()));
+                self.b.shared.upload(at.cpu, f32_bytes(&up))?;
+                Some(at.cpu)
+            }
+            CpuPart::Landing(ld) => {
+                let (Some((words, flag)), true) =
+                    (ld.mem().device(), ld.shape() == (n, hk, group, d))
+                else {
+                    return Err(BackendError::Unsupported(format!(
+                        "a landing of shape {:?} for a batch of {n} with {hk} KV heads of \
+                         {group} x {d}, or in memory the device does not read",
+                        ld.shape()
+                    )));
+                };
+                landing::queue_wait_flag(self.b.shared.stream.cu_stream(), flag, ld.seq())?;
+                Some(words)
+            }
+        };
         let sh = &*self.b.shared;
         let g = &mut *self.g;
-        if !cpu.is_empty() {
-            let group = hq / hk;
-            let fits = cpu.len() == n
-                && cpu.iter().all(|row| {
-                    row.len() == hk
-                        && row
-                            .iter()
-                            .all(|p| p.out.len() == group * d && p.lse2.len() == group)
-                });
-            if !fits {
-                return Err(BackendError::Unsupported(format!(
-                    "CPU partials of {} rows for a batch of {n} with {hk} KV heads of {group} x {d}",
-                    cpu.len()
-                )));
-            }
-            let mut up = Vec::with_capacity(n * hq * (d + 1));
-            up.extend(cpu.iter().flatten().flat_map(|p| p.out.iter().copied()));
-            up.extend(cpu.iter().flatten().flat_map(|p| p.lse2.iter().copied()));
-            sh.upload(at.cpu, f32_bytes(&up))?;
+        if let Some(from) = merge_from {
             let (heads, dd) = ((n * hq) as i32, d as i32);
-            let cpu_lse = at.cpu + (n * hq * d * 4) as u64;
-            // SAFETY: attn/lse hold n x hq rows of d and their lse2; the upload as many.
-            unsafe {
+            let from_lse = from + (n * hq * d * 4) as u64;
+            // SAFETY: attn/lse hold n x hq rows of d and their lse2; `from` as many (the
+            // upload's room, or the landing's memory of this shape).
+            let merged = unsafe {
                 sh.launch(
                     &sh.k.lse2_merge,
                     ((n * hq) as u32, 1),
                     64,
-                    &[&at.attn, &at.lse, &at.cpu, &cpu_lse, &heads, &dd],
-                )?;
+                    &[&at.attn, &at.lse, &from, &from_lse, &heads, &dd],
+                )
+            };
+            if let CpuPart::Landing(ld) = cpu {
+                // Marked even when the launch failed: the wait before it still reads the flag.
+                g.landings.mark_read(ld.mem(), sh.stream.cu_stream())?;
             }
+            merged?;
         }
         // The second half over the attention output where it is: only its norm goes up.
         let p = Plan::new(n, hidden, attn_w, inter);
@@ -1182,10 +1209,25 @@ impl Residual for CudaResidual<'_> {
         self.queue_resident_attend(l, seqs)
     }
 
+    fn cpu_landing(&mut self, l: &ResidentLayer<'_>) -> Result<Option<Arc<Landing>>, BackendError> {
+        if !self
+            .b
+            .shared
+            .cpu_flag
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return Ok(None);
+        }
+        let n = self.n;
+        let (hq, hk, d) = resident_shape(n, l, n)?;
+        let (mem, seq) = self.g.landings.take(n * hq * (d + 1))?;
+        Landing::new(mem, seq, n, hk, hq / hk, d).map(Some)
+    }
+
     fn resident_finish(
         &mut self,
         l: &ResidentLayer<'_>,
-        cpu: &[Vec<Partial>],
+        cpu: CpuPart<'_>,
     ) -> Result<(), BackendError> {
         self.queue_resident_finish(l, cpu)
     }

@@ -236,6 +236,11 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         check_place_picks(sh),
     );
     add("lse2_merge", 1e-5, check_merge(sh));
+    add(
+        "lse2_merge of CPU partials landed after the stream's wait on their flag",
+        1e-5,
+        check_landing(sh),
+    );
     add("kv_append", 0.0, check_append(sh));
     add(
         "sample_rows (device picks) vs pick_row",
@@ -1141,6 +1146,21 @@ pub(super) fn check_plan_or_off(sh: &Shared) {
     }
 }
 
+/// With `DECODE_NODE_CPU_FLAG=on`, turns the landing of CPU partials off where the merge
+/// behind the flag's wait reads them wrongly on this device.
+pub(super) fn check_landing_or_off(sh: &Shared) {
+    if !sh.cpu_flag.load(Ordering::Acquire) {
+        return;
+    }
+    match check_landing(sh) {
+        Ok(e) if e <= 1e-5 => {}
+        r => {
+            tracing::error!(result = ?r, "lse2_merge behind a landing's flag disagrees with the host's merge on this device; the step thread waits for the CPU parts");
+            sh.cpu_flag.store(false, Ordering::Release);
+        }
+    }
+}
+
 fn check_merge(sh: &Shared) -> Result<f64, BackendError> {
     let mut r = SplitMix(17);
     let (g, d) = (6, 128);
@@ -1181,6 +1201,70 @@ fn check_merge(sh: &Shared) -> Result<f64, BackendError> {
     let got = dev.down(ao, g * d)?;
     let lse = dev.down(al, g)?;
     Ok(rel_err(&got, &want.out).max(rel_err(&lse, &want.lse2)))
+}
+
+/// #21 item 5: a merge queued behind the wait on a landing's flag reads the rows a thread
+/// lands after it was queued (one row's partials, one row empty). Without the wait it would
+/// read the zeroed memory (lse2 0, not empty) and merge wrongly.
+fn check_landing(sh: &Shared) -> Result<f64, BackendError> {
+    use crate::backend::Landing;
+    let mut r = SplitMix(19);
+    let (rows, hk, g, d) = (2, 2, 3, 64);
+    let hq = hk * g;
+    let part = |r: &mut SplitMix| Partial {
+        out: random(r, g * d, 1.0),
+        lse2: random(r, g, 8.0),
+        num_heads: g,
+        head_dim: d,
+    };
+    let a: Vec<Partial> = (0..rows * hk).map(|_| part(&mut r)).collect();
+    let b: Vec<Partial> = (0..hk).map(|_| part(&mut r)).collect();
+    let mut pool = super::landing::LandingPool::default();
+    let (mem, seq) = pool.take(rows * hq * (d + 1))?;
+    let (words, flag) = mem.addresses();
+    let landing = Landing::new(mem, seq, rows, hk, g, d)?;
+    let mut dev = Dev { sh, held: vec![] };
+    let a_out: Vec<f32> = a.iter().flat_map(|p| p.out.iter().copied()).collect();
+    let a_lse: Vec<f32> = a.iter().flat_map(|p| p.lse2.iter().copied()).collect();
+    let (ao, al) = (dev.up_f32(&a_out)?, dev.up_f32(&a_lse)?);
+    let stream = sh.stream.cu_stream();
+    super::landing::queue_wait_flag(stream, flag, seq)?;
+    let (heads, dd) = ((rows * hq) as i32, d as i32);
+    let words_lse = words + (rows * hq * d * 4) as u64;
+    // SAFETY: a and the landing hold rows x hq heads of d and their lse2.
+    unsafe {
+        sh.launch(
+            &sh.k.lse2_merge,
+            ((rows * hq) as u32, 1),
+            64,
+            &[&ao, &al, &words, &words_lse, &heads, &dd],
+        )?
+    };
+    pool.mark_read(landing.mem(), stream)?;
+    let mut tickets = landing.tickets().into_iter();
+    let (first, second) = (tickets.next(), tickets.next());
+    let lander = {
+        let b = b.clone();
+        std::thread::spawn(move || -> Result<(), BackendError> {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            if let Some(t) = second {
+                t.land_empty();
+            }
+            first.map_or(Ok(()), |t| t.land(&b))
+        })
+    };
+    let got = dev.down(ao, rows * hq * d)?;
+    let lse = dev.down(al, rows * hq)?;
+    lander
+        .join()
+        .map_err(|_| BackendError::Device("the landing thread panicked".into()))??;
+    let mut want = a;
+    for (w, p) in want.iter_mut().zip(&b) {
+        w.merge_from(p);
+    }
+    let want_out: Vec<f32> = want.iter().flat_map(|p| p.out.iter().copied()).collect();
+    let want_lse: Vec<f32> = want.iter().flat_map(|p| p.lse2.iter().copied()).collect();
+    Ok(rel_err(&got, &want_out).max(rel_err(&lse, &want_lse)))
 }
 
 fn check_append(sh: &Shared) -> Result<f64, BackendError> {
