@@ -16,7 +16,7 @@ pub(crate) mod team;
 
 pub use cpu::CpuBackend;
 pub(crate) use cpu::row_fma_path;
-pub use landing::{HostLandingMem, Landing, LandingMem, Ticket};
+pub use landing::{HostLandingMem, Landing, LandingMem, LandingShape, Ticket};
 pub use resident::{NextQuery, ResidentKv, ResidentLayer, ResidentQuery, ResidentSeq};
 
 use std::sync::Arc;

@@ -61,15 +61,44 @@ impl LandingMem for HostLandingMem {
     }
 }
 
+/// What a [`Landing`] holds: `rows` rows of `kv_heads` partials of `group` x `head_dim`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LandingShape {
+    pub rows: usize,
+    pub kv_heads: usize,
+    pub group: usize,
+    pub head_dim: usize,
+}
+
+impl LandingShape {
+    /// `rows` rows of resident layer `l`'s heads.
+    pub fn of(l: &super::ResidentLayer<'_>, rows: usize) -> Self {
+        let kv_heads = l.num_kv_heads;
+        Self {
+            rows,
+            kv_heads,
+            group: l.num_heads / kv_heads.max(1),
+            head_dim: l.head_dim,
+        }
+    }
+
+    /// Words its outputs and LSEs take.
+    pub fn words(&self) -> usize {
+        self.lse_at() + self.rows * self.kv_heads * self.group
+    }
+
+    /// Where the LSEs start, after every row's outputs.
+    fn lse_at(&self) -> usize {
+        self.rows * self.kv_heads * self.group * self.head_dim
+    }
+}
+
 /// One layer's CPU partials on their way to the device. See the module doc.
 #[derive(Debug)]
 pub struct Landing {
     mem: Arc<dyn LandingMem>,
     seq: u32,
-    rows: usize,
-    kv_heads: usize,
-    group: usize,
-    head_dim: usize,
+    shape: LandingShape,
     /// Rows not landed yet.
     left: AtomicUsize,
     /// Tickets handed out (once).
@@ -80,18 +109,14 @@ pub struct Landing {
 }
 
 impl Landing {
-    /// A landing of `rows` rows of `kv_heads` partials of `group` x `head_dim` in `mem`, which
-    /// raises its flag to `seq` when the last row lands. `mem` must not be in use by another
-    /// landing whose flag the device may still wait on.
+    /// A landing of `shape` in `mem`, which raises its flag to `seq` when the last row lands.
+    /// `mem` must not be in use by another landing whose flag the device may still wait on.
     pub fn new(
         mem: Arc<dyn LandingMem>,
         seq: u32,
-        rows: usize,
-        kv_heads: usize,
-        group: usize,
-        head_dim: usize,
+        shape: LandingShape,
     ) -> Result<Arc<Self>, BackendError> {
-        let need = rows * kv_heads * group * (head_dim + 1);
+        let need = shape.words();
         if mem.words().len() < need {
             return Err(BackendError::Unsupported(format!(
                 "a landing of {need} words in {} words of memory",
@@ -101,11 +126,8 @@ impl Landing {
         Ok(Arc::new(Self {
             mem,
             seq,
-            rows,
-            kv_heads,
-            group,
-            head_dim,
-            left: AtomicUsize::new(rows),
+            shape,
+            left: AtomicUsize::new(shape.rows),
             handed: AtomicBool::new(false),
             whole: AtomicBool::new(true),
         }))
@@ -117,10 +139,10 @@ impl Landing {
         if self.handed.swap(true, Ordering::AcqRel) {
             return Vec::new();
         }
-        if self.rows == 0 {
+        if self.shape.rows == 0 {
             self.mem.flag().store(self.seq, Ordering::Release);
         }
-        (0..self.rows)
+        (0..self.shape.rows)
             .map(|row| Ticket {
                 landing: Arc::clone(self),
                 row,
@@ -164,9 +186,9 @@ impl Landing {
         &self.mem
     }
 
-    /// Rows, KV heads, group and head dim.
-    pub fn shape(&self) -> (usize, usize, usize, usize) {
-        (self.rows, self.kv_heads, self.group, self.head_dim)
+    /// What it holds.
+    pub fn shape(&self) -> LandingShape {
+        self.shape
     }
 
     /// Every row has landed.
@@ -185,9 +207,14 @@ impl Landing {
         if !self.raised() {
             return None;
         }
-        let (d, g) = (self.head_dim, self.group);
+        let LandingShape {
+            rows,
+            kv_heads,
+            group: g,
+            head_dim: d,
+        } = self.shape;
         let w = self.mem.words();
-        let lse_at = self.rows * self.kv_heads * g * d;
+        let lse_at = self.shape.lse_at();
         let floats = |at: usize, n: usize| -> Vec<f32> {
             w[at..at + n]
                 .iter()
@@ -195,11 +222,11 @@ impl Landing {
                 .collect()
         };
         Some(
-            (0..self.rows)
+            (0..rows)
                 .map(|r| {
-                    (0..self.kv_heads)
+                    (0..kv_heads)
                         .map(|h| {
-                            let i = r * self.kv_heads + h;
+                            let i = r * kv_heads + h;
                             Partial {
                                 out: floats(i * g * d, g * d),
                                 lse2: floats(lse_at + i * g, g),
@@ -215,9 +242,9 @@ impl Landing {
 
     /// Writes `row`: `parts` where given, else an empty partial per head.
     fn write(&self, row: usize, parts: Option<&[Partial]>) {
-        let (d, g, hk) = (self.head_dim, self.group, self.kv_heads);
+        let (d, g, hk) = (self.shape.head_dim, self.shape.group, self.shape.kv_heads);
         let w = self.mem.words();
-        let lse_at = self.rows * hk * g * d;
+        let lse_at = self.shape.lse_at();
         let put = |at: usize, src: &[f32]| {
             for (dst, x) in w[at..at + src.len()].iter().zip(src) {
                 dst.store(x.to_bits(), Ordering::Relaxed);
@@ -266,7 +293,7 @@ impl Ticket {
     /// landed. Partials of another shape are refused: the row lands empty, the landing is
     /// marked broken, and the error says why.
     pub fn land(mut self, parts: &[Partial]) -> Result<(), BackendError> {
-        let l = &*self.landing;
+        let l = self.landing.shape;
         let fits = parts.len() == l.kv_heads
             && parts
                 .iter()
@@ -281,9 +308,9 @@ impl Ticket {
                 l.head_dim
             )));
         }
-        l.write(self.row, Some(parts));
+        self.landing.write(self.row, Some(parts));
         self.landed = true;
-        l.count_down();
+        self.landing.count_down();
         Ok(())
     }
 
@@ -318,9 +345,19 @@ mod tests {
         }
     }
 
+    fn shape(rows: usize) -> LandingShape {
+        LandingShape {
+            rows,
+            kv_heads: 2,
+            group: 3,
+            head_dim: 4,
+        }
+    }
+
     fn landing(rows: usize) -> Arc<Landing> {
-        let mem = Arc::new(HostLandingMem::new(rows * 2 * 3 * 5));
-        Landing::new(mem, 7, rows, 2, 3, 4).unwrap()
+        let shape = shape(rows);
+        let mem = Arc::new(HostLandingMem::new(shape.words()));
+        Landing::new(mem, 7, shape).unwrap()
     }
 
     /// Rows landed from several threads in any order read back as landed; the flag rises
@@ -394,8 +431,8 @@ mod tests {
     #[test]
     fn small_memory_is_refused_and_no_rows_raise_at_once() {
         let mem = Arc::new(HostLandingMem::new(10));
-        assert!(Landing::new(mem.clone(), 1, 1, 2, 3, 4).is_err());
-        let l = Landing::new(mem, 1, 0, 2, 3, 4).unwrap();
+        assert!(Landing::new(mem.clone(), 1, shape(1)).is_err());
+        let l = Landing::new(mem, 1, shape(0)).unwrap();
         assert!(!l.raised());
         assert!(l.tickets().is_empty());
         assert!(l.raised());

@@ -1259,13 +1259,9 @@ impl<R: crate::backend::Residual> crate::backend::Residual for ResidentResidual<
         if !self.dev.landing {
             return Ok(None);
         }
-        let rows = l.rot.positions();
-        let (hk, d) = (l.num_kv_heads, l.head_dim);
-        let group = l.num_heads / hk;
-        let mem = Arc::new(crate::backend::HostLandingMem::new(
-            rows * hk * group * (d + 1),
-        ));
-        crate::backend::Landing::new(mem, 1, rows, hk, group, d).map(Some)
+        let shape = crate::backend::LandingShape::of(l, l.rot.positions());
+        let mem = Arc::new(crate::backend::HostLandingMem::new(shape.words()));
+        crate::backend::Landing::new(mem, 1, shape).map(Some)
     }
 
     fn resident_finish(

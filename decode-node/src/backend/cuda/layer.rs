@@ -33,8 +33,8 @@ use super::store::{CudaSeq, ResidentRows};
 use super::{BackendError, CudaBackend};
 pub(super) use crate::backend::rel_diff;
 use crate::backend::{
-    CpuPart, Landing, LayerOut, LinearOut, LmHead, NextQuery, NormProject, ResidentKv,
-    ResidentLayer, ResidentQuery, ResidentSeq, Residual, logits_rows,
+    CpuPart, Landing, LandingShape, LayerOut, LinearOut, LmHead, NextQuery, NormProject,
+    ResidentKv, ResidentLayer, ResidentQuery, ResidentSeq, Residual, logits_rows,
 };
 use crate::model::pick::{PickSpec, RowOut};
 use crate::tensor::Tensor;
@@ -1064,7 +1064,7 @@ impl CudaResidual<'_> {
             }
             CpuPart::Landing(ld) => {
                 let (Some((words, flag)), true) =
-                    (ld.mem().device(), ld.shape() == (n, hk, group, d))
+                    (ld.mem().device(), ld.shape() == LandingShape::of(l, n))
                 else {
                     return Err(BackendError::Unsupported(format!(
                         "a landing of shape {:?} for a batch of {n} with {hk} KV heads of \
@@ -1219,9 +1219,10 @@ impl Residual for CudaResidual<'_> {
             return Ok(None);
         }
         let n = self.n;
-        let (hq, hk, d) = resident_shape(n, l, n)?;
-        let (mem, seq) = self.g.landings.take(n * hq * (d + 1))?;
-        Landing::new(mem, seq, n, hk, hq / hk, d).map(Some)
+        resident_shape(n, l, n)?;
+        let shape = LandingShape::of(l, n);
+        let (mem, seq) = self.g.landings.take(shape.words())?;
+        Landing::new(mem, seq, shape).map(Some)
     }
 
     fn resident_finish(

@@ -1207,7 +1207,7 @@ fn check_merge(sh: &Shared) -> Result<f64, BackendError> {
 /// lands after it was queued (one row's partials, one row empty). Without the wait it would
 /// read the zeroed memory (lse2 0, not empty) and merge wrongly.
 fn check_landing(sh: &Shared) -> Result<f64, BackendError> {
-    use crate::backend::Landing;
+    use crate::backend::{Landing, LandingShape};
     let mut r = SplitMix(19);
     let (rows, hk, g, d) = (2, 2, 3, 64);
     let hq = hk * g;
@@ -1220,9 +1220,15 @@ fn check_landing(sh: &Shared) -> Result<f64, BackendError> {
     let a: Vec<Partial> = (0..rows * hk).map(|_| part(&mut r)).collect();
     let b: Vec<Partial> = (0..hk).map(|_| part(&mut r)).collect();
     let mut pool = super::landing::LandingPool::default();
-    let (mem, seq) = pool.take(rows * hq * (d + 1))?;
+    let shape = LandingShape {
+        rows,
+        kv_heads: hk,
+        group: g,
+        head_dim: d,
+    };
+    let (mem, seq) = pool.take(shape.words())?;
     let (words, flag) = mem.addresses();
-    let landing = Landing::new(mem, seq, rows, hk, g, d)?;
+    let landing = Landing::new(mem, seq, shape)?;
     let mut dev = Dev { sh, held: vec![] };
     let a_out: Vec<f32> = a.iter().flat_map(|p| p.out.iter().copied()).collect();
     let a_lse: Vec<f32> = a.iter().flat_map(|p| p.lse2.iter().copied()).collect();
