@@ -244,23 +244,23 @@ impl Landing {
     fn write(&self, row: usize, parts: Option<&[Partial]>) {
         let (d, g, hk) = (self.shape.head_dim, self.shape.group, self.shape.kv_heads);
         let w = self.mem.words();
-        let lse_at = self.shape.lse_at();
-        let put = |at: usize, src: &[f32]| {
-            for (dst, x) in w[at..at + src.len()].iter().zip(src) {
-                dst.store(x.to_bits(), Ordering::Relaxed);
+        let (out_at, lse_at) = (row * hk * g * d, self.shape.lse_at() + row * hk * g);
+        let store = |dst: &AtomicU32, x: f32| dst.store(x.to_bits(), Ordering::Relaxed);
+        let (outs, lses) = (&w[out_at..out_at + hk * g * d], &w[lse_at..lse_at + hk * g]);
+        match parts {
+            // The row's heads lie one after another in both ranges.
+            Some(p) => {
+                let src = |f: fn(&Partial) -> &[f32]| p.iter().flat_map(f).copied();
+                outs.iter()
+                    .zip(src(|p| &p.out))
+                    .for_each(|(o, x)| store(o, x));
+                lses.iter()
+                    .zip(src(|p| &p.lse2))
+                    .for_each(|(o, x)| store(o, x));
             }
-        };
-        for h in 0..hk {
-            let i = row * hk + h;
-            match parts {
-                Some(p) => {
-                    put(i * g * d, &p[h].out);
-                    put(lse_at + i * g, &p[h].lse2);
-                }
-                None => {
-                    put(i * g * d, &vec![0.0; g * d]);
-                    put(lse_at + i * g, &vec![f32::NEG_INFINITY; g]);
-                }
+            None => {
+                outs.iter().for_each(|o| store(o, 0.0));
+                lses.iter().for_each(|o| store(o, f32::NEG_INFINITY));
             }
         }
     }
