@@ -43,7 +43,8 @@ model="${MODEL_DIR:-/tmp}/qwen3-14b-${layers}l"
 core=$(echo selftest make-model device-kernels device-kernels-warps device-kernels-tc \
     device-kernels-warps-prefetch device-kernels-tc-prefetch dense-step \
     dense-step-b8-cublas dense-step-b8-gemv dense-step-b8-tc decode-8k-32k decode-64k \
-    decode-8k-batch8 capacity-64k scout-lent selftest-device-plan scout-lent-device-plan)
+    decode-8k-batch8 capacity-64k scout-lent selftest-device-plan scout-lent-device-plan \
+    selftest-cpu-flag scout-cpu-flag selftest-graphs decode-graphs decode-8k-batch5-graphs)
 case "${SET:-all}" in
     all) only="" ;;
     core) only=$core ;;
@@ -275,6 +276,27 @@ grep -E "^(PASS|FAIL).*(place_picks|lent)" "$out/selftest-device-plan.json" 2>/d
 step scout-lent-device-plan env DECODE_NODE_SPARE_DEVICE_KV=on DECODE_NODE_DEVICE_PLAN=on \
     "$bin" bench decode --rounds 1 --json --device cuda --model "$model" --context 32k,64k \
     --modes scout --budget-tokens 2048 --tokens 256
+# CPU partials landing in mapped host memory behind a flag the stream waits on (#21 item 5,
+# written 2026-12-01 without a GPU, off by default): the selftest with it on (its start-up
+# check and the landing row), then scout at 32k/64k, where a CPU part remains, against
+# decode-8k-32k/decode-64k's scout rows.
+step selftest-cpu-flag env DECODE_NODE_CPU_FLAG=on "$bin" selftest --device cuda
+grep -E "^(PASS|FAIL).*(landed|lent)" "$out/selftest-cpu-flag.json" 2>/dev/null |
+    sed 's/^/   /' >>"$out/summary.txt" || true
+step scout-cpu-flag env DECODE_NODE_CPU_FLAG=on "$bin" bench decode --rounds 1 --json \
+    --device cuda --model "$model" --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64
+# A resident layer's second half replayed from a CUDA graph per batch bucket (#21 item 6,
+# written 2026-12-02 without a GPU, off by default): selftest with graphs on (the graph row,
+# the resident-layer rows through it), then full and scout at 8k/32k (batch 1) against
+# decode-8k-32k, and full at batch 5 (run padded to the bucket of 8) against decode-8k-batch8.
+step selftest-graphs env DECODE_NODE_GRAPHS=on "$bin" selftest --device cuda
+grep -E "^(PASS|FAIL).*(graph|resident)" "$out/selftest-graphs.json" 2>/dev/null |
+    sed 's/^/   /' >>"$out/summary.txt" || true
+step decode-graphs env DECODE_NODE_GRAPHS=on "$bin" bench decode --rounds 1 --json \
+    --device cuda --model "$model" --context 8k,32k --modes full,scout --budget-tokens 2048 \
+    --tokens 64
+step decode-8k-batch5-graphs env DECODE_NODE_GRAPHS=on "$bin" bench decode --rounds 1 --json \
+    --device cuda --model "$model" --context 8k --modes full --batch 5 --tokens 64
 # Scout layer-ahead on the device (the paper's behaviour, #21 item 5): the next layer's
 # predicted query is scored on the device while it waits for this layer's CPU part
 # (queued without a wait), planned while it runs this layer's second half, and its CPU part

@@ -10,6 +10,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub(crate) mod gemm;
+pub mod graphs;
 pub mod landing;
 pub mod resident;
 pub(crate) mod team;
@@ -575,6 +576,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Seconds so far the device sat with nothing queued while the host worked (a lower
     /// bound: gaps between queued launches are not counted); `None` for the CPU backend.
     fn device_idle_seconds(&self) -> Option<f64> {
+        None
+    }
+
+    /// What the device's CUDA graphs of step pieces did so far ([`graphs::GraphStats`],
+    /// counts since start); `None` where the backend runs no graphs.
+    fn graph_stats(&self) -> Option<graphs::GraphStats> {
         None
     }
 

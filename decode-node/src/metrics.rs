@@ -59,6 +59,13 @@ pub struct EventLabel {
     pub event: &'static str,
 }
 
+/// `how` label of a step piece's run.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HowLabel {
+    /// `replayed`, `captured`, `queued`.
+    pub how: &'static str,
+}
+
 /// `layer` label (a model layer's index).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LayerLabel {
@@ -176,6 +183,8 @@ pub struct Metrics {
     pub device_wait_seconds: FloatCounter,
     /// Seconds the device had nothing queued during decode steps (device backends).
     pub device_idle_seconds: FloatCounter,
+    /// Step pieces run through CUDA graphs, by how.
+    pub graph_pieces: Family<HowLabel, Counter>,
     /// Seconds per decode step.
     pub step_duration: Histogram,
     /// Share of the real selection found by the predicted query (over the last minute).
@@ -240,6 +249,7 @@ impl Metrics {
             recall_used_blocks: Counter::default(),
             device_wait_seconds: FloatCounter::default(),
             device_idle_seconds: FloatCounter::default(),
+            graph_pieces: Family::default(),
             step_duration: hist(&ITL_BUCKETS),
             query_prediction_hit_ratio: FloatGauge::default(),
             query_cosine: Family::new_with_constructor(|| hist(&COSINE_BUCKETS)),
@@ -405,6 +415,11 @@ impl Metrics {
             self.device_idle_seconds.clone(),
         );
         r.register(
+            "graph_pieces",
+            "Pieces of decode steps (a resident layer's second half) by how they ran with CUDA graphs on (DECODE_NODE_GRAPHS=on): replayed from a graph, captured into one, or queued as they are (a shape's first step, or a capture the device refused); none while graphs are off",
+            self.graph_pieces.clone(),
+        );
+        r.register(
             "step_duration_seconds",
             "Seconds per decode step",
             self.step_duration.clone(),
@@ -529,6 +544,25 @@ impl Metrics {
         self.query_cosine.get_or_create(&l).observe(c);
         if fell_back {
             self.guard_fallbacks.get_or_create(&l).inc();
+        }
+    }
+
+    /// Counts the step pieces graphs ran between two readings of their stats.
+    pub fn graph_pieces(
+        &self,
+        before: crate::backend::graphs::GraphStats,
+        after: crate::backend::graphs::GraphStats,
+    ) {
+        for (how, a, b) in [
+            ("replayed", before.replays, after.replays),
+            ("captured", before.captures, after.captures),
+            ("queued", before.queued, after.queued),
+        ] {
+            if b > a {
+                self.graph_pieces
+                    .get_or_create(&HowLabel { how })
+                    .inc_by(b - a);
+            }
         }
     }
 

@@ -15,6 +15,7 @@ mod attn_bench;
 mod blas;
 mod call;
 mod driver;
+mod graph;
 mod landing;
 mod layer;
 mod pick;
@@ -270,6 +271,23 @@ impl CudaBackend {
         g.weights.clear();
         g.parts.clear();
         g.stacks.clear();
+        g.graphs.cache.clear();
+        g.consts.clear();
+        Ok(())
+    }
+
+    /// Forgets the device copies of `ts` alone (a check's tensors), stacks they begin included:
+    /// the model's weights stay where they are.
+    pub(crate) fn forget_weights(&self, ts: &[&Tensor]) -> Result<(), BackendError> {
+        let mut g = self.lock()?;
+        let g = &mut *g;
+        for t in ts {
+            g.weights.remove(&t.id());
+            if let Some(at) = g.parts.remove(&t.id()) {
+                g.stacks
+                    .retain(|s| s.device_ptr(&self.shared.stream).0 != at);
+            }
+        }
         Ok(())
     }
 
@@ -461,6 +479,10 @@ impl Backend for CudaBackend {
         Some(self.shared.idle.seconds())
     }
 
+    fn graph_stats(&self) -> Option<super::graphs::GraphStats> {
+        self.lock().ok().map(|g| g.graphs.cache.stats())
+    }
+
     fn profile(&self, on: bool) -> Result<(), BackendError> {
         self.shared.bind()?;
         let r = if on {
@@ -553,6 +575,7 @@ impl Backend for CudaBackend {
         selftest::check_picks_or_off(&self.shared);
         selftest::check_plan_or_off(&self.shared);
         selftest::check_landing_or_off(&self.shared);
+        selftest::check_graphs_or_off(self);
         // Int8 and fp8 blocks go to the device as the pool holds them (codes and per-token
         // scales, about half of f16's bytes to copy and keep); the attention kernel applies
         // the scales as it loads each tile. That path is checked on this device before it

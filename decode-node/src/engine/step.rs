@@ -55,6 +55,7 @@ impl StepLoop {
         }
         let t0 = Instant::now();
         let idle0 = self.model.model.backend().device_idle_seconds();
+        let graphs0 = self.model.model.backend().graph_stats();
         let fwd = self.forward();
         if let Some(w) = self.profile.as_mut() {
             let switch = w.after();
@@ -71,6 +72,9 @@ impl StepLoop {
             for r in &mut self.running {
                 r.device_idle += idle;
             }
+        }
+        if let (Some(a), Some(b)) = (graphs0, self.model.model.backend().graph_stats()) {
+            self.metrics.graph_pieces(a, b);
         }
         let now = Instant::now();
         let outcomes = self.emit(&fwd, now);

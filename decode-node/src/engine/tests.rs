@@ -1096,6 +1096,7 @@ struct TestDevice {
     picked: Arc<std::sync::atomic::AtomicUsize>,
     collected: Arc<std::sync::atomic::AtomicUsize>,
     idle_reads: std::sync::atomic::AtomicU64,
+    graph_reads: std::sync::atomic::AtomicU64,
     /// Slot counts its device memory's sequences were told to hold, refused ones too.
     slot_counts: Arc<std::sync::Mutex<Vec<usize>>>,
     /// What its device memory says it holds (0: no limit).
@@ -1163,6 +1164,20 @@ impl crate::backend::Backend for TestDevice {
             .idle_reads
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Some(n as f64 * 1e-3)
+    }
+
+    /// Read twice a step: each step replays 3 pieces, captures 1 and queues 2.
+    fn graph_stats(&self) -> Option<crate::backend::graphs::GraphStats> {
+        let n = self
+            .graph_reads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .div_ceil(2);
+        Some(crate::backend::graphs::GraphStats {
+            replays: 3 * n,
+            captures: n,
+            queued: 2 * n,
+            ..Default::default()
+        })
     }
 
     fn device_kv(
@@ -1543,6 +1558,22 @@ fn device_parts_submitted_for_the_whole_batch_give_each_sequence_its_own() {
         let collected = dev.collected.load(std::sync::atomic::Ordering::Relaxed);
         assert!(collected > 0, "{mode}: the device path ran");
         rig.wait_pool_empty();
+        // What the device's graphs did inside each step, counted by how: this device
+        // replays 3 pieces, captures 1 and queues 2 a step.
+        let text = rig.metrics.render();
+        let value = |key: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(key))
+                .map_or(0.0, |n| n.trim().parse::<f64>().unwrap())
+        };
+        let steps = value("decode_node_step_duration_seconds_count ");
+        let how = |h: &str| value(&format!("decode_node_graph_pieces_total{{how=\"{h}\"}} "));
+        assert!(steps > 0.0, "{mode}: {text}");
+        assert_eq!(
+            [how("replayed"), how("captured"), how("queued")],
+            [3.0 * steps, steps, 2.0 * steps],
+            "{mode}"
+        );
     }
 }
 

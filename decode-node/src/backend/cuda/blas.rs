@@ -52,6 +52,15 @@ pub(crate) struct Blas {
     pub(crate) tactics: Tactics,
     /// Where a shape's first product times the kernels: a scratch output.
     trial: DevBuf,
+    /// CUDA graphs of the step's pieces (`graph`).
+    pub(crate) graphs: super::graph::StepGraphs,
+    /// Layers' norm weights on the device, for the pieces graphs replay.
+    pub(crate) consts: super::graph::LayerConsts,
+    /// Inside a graph capture: a GEMM shape must not be timed now (the timing waits).
+    pub(crate) capturing: bool,
+    /// cuBLAS's workspace, set before the first capture so that a captured GEMM never asks
+    /// for memory ([`Blas::ensure_workspace`]).
+    workspace: Option<CudaSlice<u8>>,
     stream: Arc<CudaStream>,
 }
 
@@ -100,6 +109,10 @@ impl Blas {
                 std::env::var("DECODE_NODE_GEMV_TACTIC").ok().as_deref(),
             ),
             trial: DevBuf::default(),
+            graphs: super::graph::StepGraphs::from_env(),
+            consts: Default::default(),
+            capturing: false,
+            workspace: None,
             stream: Arc::clone(sh_stream),
         };
         // SAFETY: the handle is valid and the stream outlives it (both owned by the backend).
@@ -149,6 +162,11 @@ impl Blas {
         let shape = (dtype, rows, batch, cols);
         let tactic = match self.tactics.choose(shape, small_fits(shape, w, x)) {
             Choice::Use(t) => t,
+            Choice::Time(_) if self.capturing => {
+                return Err(BackendError::Device(format!(
+                    "a GEMM of shape {shape:?} not yet timed, inside a graph capture"
+                )));
+            }
             // SAFETY: the caller's ranges (x is read; only the scratch output is written).
             Choice::Time(candidates) => {
                 match unsafe { self.time_shape(shape, w, x, &candidates) } {
@@ -306,7 +324,30 @@ impl Blas {
     }
 }
 
+/// cuBLAS's workspace for captured GEMMs: what it asks for on Hopper.
+const WORKSPACE_BYTES: usize = 32 << 20;
+
 impl Blas {
+    /// Gives cuBLAS a workspace of its own, once: a GEMM captured into a graph must not
+    /// allocate one.
+    pub(crate) fn ensure_workspace(&mut self) -> Result<(), BackendError> {
+        if self.workspace.is_some() {
+            return Ok(());
+        }
+        // SAFETY: scratch that only cuBLAS writes and reads.
+        let ws = unsafe { self.stream.alloc::<u8>(WORKSPACE_BYTES) }
+            .map_err(|e| dev_err("cuBLAS's workspace", e))?;
+        let ptr = cudarc::driver::DevicePtr::device_ptr(&ws, &self.stream).0;
+        // SAFETY: the handle is live; the workspace lives as long as it (both in `self`).
+        unsafe {
+            blas_sys::cublasSetWorkspace_v2(self.handle, ptr as *mut c_void, WORKSPACE_BYTES)
+        }
+        .result()
+        .map_err(|e| lib_err("setting cuBLAS's workspace", e))?;
+        self.workspace = Some(ws);
+        Ok(())
+    }
+
     /// The stream the projections issue on.
     pub(crate) fn stream_handle(&self) -> Arc<CudaStream> {
         Arc::clone(&self.stream)

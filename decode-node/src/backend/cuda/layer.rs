@@ -27,10 +27,12 @@ use cudarc::driver::{result as drv, sys};
 use super::blas::{Blas, weight_ptr};
 use super::call::SlotList;
 use super::driver::{Shared, dev_err, dtype_code, f32_bytes, htod};
+use super::graph;
 use super::landing;
 use super::sketch::SketchQuery;
 use super::store::{CudaSeq, ResidentRows};
 use super::{BackendError, CudaBackend};
+use crate::backend::graphs::{GraphKey, Piece};
 pub(super) use crate::backend::rel_diff;
 use crate::backend::{
     CpuPart, Landing, LandingShape, LayerOut, LinearOut, LmHead, NextQuery, NormProject,
@@ -275,26 +277,55 @@ fn layer_shape(
     }
 }
 
+/// Device addresses of a layer's second-half weights: o, gate, up, down.
+#[derive(Debug, Clone, Copy)]
+struct OutWeights([u64; 4]);
+
+impl OutWeights {
+    /// Each uploaded on first use.
+    fn of(g: &mut Blas, sh: &Shared, w: &LayerOut<'_>) -> Result<Self, BackendError> {
+        Ok(Self([
+            weight_ptr(g, sh, w.o)?,
+            weight_ptr(g, sh, w.gate)?,
+            weight_ptr(g, sh, w.up)?,
+            weight_ptr(g, sh, w.down)?,
+        ]))
+    }
+}
+
+/// Everything [`queue_layer`]'s launches are built from besides the row count, as a graph's
+/// key ([`crate::backend::graphs::GraphKey::args`]).
+fn second_half_args(
+    (hidden, attn_w, inter): (usize, usize, usize),
+    w: &LayerOut<'_>,
+    ws: OutWeights,
+    op: Operands,
+) -> Vec<u64> {
+    let mut args = vec![hidden as u64, attn_w as u64, inter as u64];
+    args.extend(ws.0);
+    args.extend([op.x, op.attn, op.norm, op.xn, op.gate, op.up, op.half]);
+    args.extend([w.o, w.gate, w.up, w.down].map(|t| dtype_code(t.dtype) as u64));
+    args.push(u64::from(w.eps.to_bits()));
+    args
+}
+
 /// Queues a layer's second half on the main stream over operands already on the device.
+/// Nothing in it sizes a buffer or uploads: a graph may capture it.
 ///
 /// # Safety
 /// The operands are device ranges of the sizes [`Operands`] names for `n` rows of the shape
 /// `(hidden, attn_w, inter)` that [`layer_shape`] returned for `w`; `half` holds
-/// `n * max(hidden, attn_w, inter)` halves.
+/// `n * max(hidden, attn_w, inter)` halves; `ws` are `w`'s device copies.
 unsafe fn queue_layer(
     sh: &Shared,
     g: &mut Blas,
     n: usize,
     (hidden, attn_w, inter): (usize, usize, usize),
     w: &LayerOut<'_>,
+    ws: OutWeights,
     op: Operands,
 ) -> Result<(), BackendError> {
-    let (wo, wg, wu, wd) = (
-        weight_ptr(g, sh, w.o)?,
-        weight_ptr(g, sh, w.gate)?,
-        weight_ptr(g, sh, w.up)?,
-        weight_ptr(g, sh, w.down)?,
-    );
+    let OutWeights([wo, wg, wu, wd]) = ws;
     // x += attn · oᵀ
     let a_in = as_input(sh, w.o.dtype, op.attn, n * attn_w, op.half)?;
     // SAFETY (every GEMM and launch below): the caller's ranges; the weights are cached
@@ -462,12 +493,110 @@ impl CudaBackend {
         let half =
             g.xh.ptr(&sh.stream, n * attn_w.max(hidden).max(inter) * 2)?;
         let op = upload_layer(sh, g, base, half, &p, Some(x), attn, w.post_norm)?;
+        let ws = OutWeights::of(g, sh, w)?;
         // SAFETY: the plan's ranges for this shape, `half` sized for the widest input.
-        unsafe { queue_layer(sh, g, n, shape, w, op) }?;
+        unsafe { queue_layer(sh, g, n, shape, w, ws, op) }?;
         let back = &mut g.staging.get(p.upload)?[..n * hidden];
         sh.read_back(back, op.x)?;
         x.copy_from_slice(back);
         Ok(())
+    }
+
+    /// How far a layer's second half `w` run through a fresh graph cache is from the same
+    /// piece queued as it is, over each of `inputs` (residual and attention output of `n`
+    /// rows, zero-padded to `rows`): the first input is queued, the second captured and
+    /// launched, the rest replayed (a replay must read its inputs where they are now, not
+    /// as they were at the capture). The largest difference relative to the largest
+    /// magnitude; infinite where a padding row of the residual did not stay zero. The
+    /// device's own cache is left as it was.
+    pub(super) fn second_half_replay_diff(
+        &self,
+        w: &LayerOut<'_>,
+        n: usize,
+        rows: usize,
+        inputs: &[(Vec<f32>, Vec<f32>)],
+    ) -> Result<f64, BackendError> {
+        let (hidden, attn_w) = (w.post_norm.len(), w.o.cols());
+        let shape = layer_shape(rows, rows * hidden, rows * attn_w, w)?;
+        let inter = shape.2;
+        if n > rows
+            || inputs
+                .iter()
+                .any(|(x, a)| x.len() != n * hidden || a.len() != n * attn_w)
+        {
+            return Err(BackendError::Unsupported(format!(
+                "inputs of {n} rows padded to {rows} for a layer of {hidden} x {attn_w}"
+            )));
+        }
+        let sh = &*self.shared;
+        sh.bind()?;
+        let mut guard = self.lock()?;
+        let g: &mut Blas = &mut guard;
+        g.ensure_workspace()?;
+        let p = Plan::new(rows, hidden, attn_w, inter);
+        let base = g.y.ptr(&sh.stream, p.total * 4)?;
+        let at = |floats: usize| base + (floats * 4) as u64;
+        let half =
+            g.xh.ptr(&sh.stream, rows * attn_w.max(hidden).max(inter) * 2)?;
+        htod(at(p.norm), f32_bytes(w.post_norm), &sh.stream)?;
+        let ws = OutWeights::of(g, sh, w)?;
+        let op = Operands {
+            x: at(p.x),
+            attn: at(p.attn),
+            norm: at(p.norm),
+            xn: at(p.xn),
+            gate: at(p.gate),
+            up: at(p.up),
+            half,
+        };
+        let key = GraphKey {
+            piece: Piece::SecondHalf,
+            layer: usize::MAX,
+            rows,
+            args: second_half_args(shape, w, ws, op),
+        };
+        let load = |x: &[f32], attn: &[f32]| -> Result<(), BackendError> {
+            let mut up = vec![0f32; p.norm];
+            up[..x.len()].copy_from_slice(x);
+            up[p.attn..p.attn + attn.len()].copy_from_slice(attn);
+            htod(at(p.x), f32_bytes(&up), &sh.stream)?;
+            // The pageable copy has read `up` once the stream is past it.
+            sh.stream.synchronize().map_err(|e| dev_err("sync", e))
+        };
+        // SAFETY (both queues below): the plan's ranges for `rows` rows, `half` for the
+        // widest input, `ws` the layer's weights.
+        let queue = |g: &mut Blas| unsafe { queue_layer(sh, g, rows, shape, w, ws, op) };
+        let saved = std::mem::replace(
+            &mut g.graphs.cache,
+            crate::backend::graphs::GraphCache::new(2),
+        );
+        let mut run = || -> Result<f64, BackendError> {
+            let mut worst = 0f64;
+            for (x, attn) in inputs {
+                load(x, attn)?;
+                queue(g)?;
+                let mut want = vec![0f32; rows * hidden];
+                sh.read_back(&mut want, op.x)?;
+                load(x, attn)?;
+                graph::run_piece(g, sh, key.clone(), queue)?;
+                let mut got = vec![0f32; rows * hidden];
+                sh.read_back(&mut got, op.x)?;
+                if got[n * hidden..].iter().any(|&v| v != 0.0) {
+                    return Ok(f64::INFINITY);
+                }
+                worst = worst.max(rel_diff(&got[..n * hidden], &want[..n * hidden]));
+            }
+            let s = g.graphs.cache.stats();
+            if inputs.len() >= 3 && (s.captures != 1 || s.replays == 0) {
+                return Err(BackendError::Device(format!(
+                    "the graph cache did not capture once and replay: {s:?}"
+                )));
+            }
+            Ok(worst)
+        };
+        let r = run();
+        g.graphs.cache = saved;
+        r
     }
 
     /// A decode step's residual in device memory (see [`CudaResidual`]).
@@ -486,16 +615,28 @@ impl CudaBackend {
             )));
         }
         sh.idle.busy();
-        let x_dev = g.res.ptr(&sh.stream, x.len() * 4)?;
+        let (rows, hidden) = (g.graphs.rows(batch), x.len() / batch);
+        let x_dev = g.res.ptr(&sh.stream, rows * hidden * 4)?;
         let stage = g.staging.get(x.len())?;
         stage[..x.len()].copy_from_slice(&x);
         htod(x_dev, f32_bytes(&stage[..x.len()]), &sh.stream)?;
+        if rows > batch {
+            let pad = x_dev + (x.len() * 4) as u64;
+            // SAFETY: the residual buffer holds `rows` rows.
+            unsafe {
+                drv::memset_d8_async(pad, 0, (rows - batch) * hidden * 4, sh.stream.cu_stream())
+            }
+            .map_err(|e| dev_err("zeroing the residual's padding rows", e))?;
+        }
+        let graphed = g.graphs.cache.why_off().is_none();
         let mut r = CudaResidual {
             b: self,
             g,
             x: x_dev,
             n: batch,
-            hidden: x.len() / batch,
+            rows,
+            graphed,
+            hidden,
             fence: None,
             resident: Vec::new(),
             keep_layers: 0,
@@ -516,9 +657,13 @@ impl CudaBackend {
 pub(super) struct CudaResidual<'a> {
     b: &'a CudaBackend,
     g: std::sync::MutexGuard<'a, Blas>,
-    /// The residual, `n * hidden` floats (`Blas::res`).
+    /// The residual, `rows * hidden` floats (`Blas::res`): the batch's `n` rows, then zero
+    /// rows padding it to its graphs' bucket.
     x: u64,
     n: usize,
+    rows: usize,
+    /// Resident layers' second halves run over `rows` rows as graphs (`graph::run_piece`).
+    graphed: bool,
     hidden: usize,
     /// Marks the end of the last upload from the pinned staging, which the host must not
     /// rewrite before then.
@@ -751,7 +896,8 @@ fn resident_shape(
 #[derive(Debug, Clone, Copy)]
 pub(super) struct ResidentAt {
     layer: usize,
-    /// Attention output `[n][hq][d]` and its lse2 `[n][hq]`.
+    /// Attention output `[rows][hq][d]` (the batch's rows, then room for the padding rows)
+    /// and its lse2 `[n][hq]`.
     attn: u64,
     lse: u64,
     /// Packed q `[n][hq][d]`, K and V `[n][hk][d]`.
@@ -833,7 +979,8 @@ impl CudaResidual<'_> {
         let table: Vec<f32> = l.rot.table().iter().flat_map(|&(c, s)| [c, s]).collect();
         let cs = put(Some(&table)).unwrap_or(0);
         let attn_at = align(consts.len());
-        let lse_at = align(attn_at + n * qw);
+        // Room for the padding rows a graphed second half reads (`self.rows`).
+        let lse_at = align(attn_at + self.rows * qw);
         let q_at_r = align(lse_at + n * hq);
         // The predicted rows follow the real ones: one copy brings both back.
         let qn_at_r = q_at_r + n * qw;
@@ -1097,6 +1244,9 @@ impl CudaResidual<'_> {
             }
             merged?;
         }
+        if self.graphed {
+            return self.queue_second_half_graphed(l, at, shape);
+        }
         // The second half over the attention output where it is: only its norm goes up.
         let p = Plan::new(n, hidden, attn_w, inter);
         let work = g.work.ptr(&sh.stream, p.total * 4)?;
@@ -1113,9 +1263,62 @@ impl CudaResidual<'_> {
             up: in_work(p.up),
             half,
         };
+        let ws = OutWeights::of(g, sh, &l.out)?;
         // SAFETY: the residual holds n rows of `hidden`, the attention output n rows of
         // attn_w; the plan's ranges for this shape.
-        unsafe { queue_layer(sh, g, n, shape, &l.out, op) }?;
+        unsafe { queue_layer(sh, g, n, shape, &l.out, ws, op) }?;
+        self.resident.push(l.layer);
+        self.cur = None;
+        Ok(())
+    }
+
+    /// A resident layer's second half over the bucket's rows, as a graph where the cache
+    /// has one (`graph::run_piece`): the norm weight from [`super::graph::LayerConsts`], every
+    /// buffer sized before, the padding rows of the attention output zeroed (the attention
+    /// wrote the batch's rows only), so the residual's padding rows stay zero.
+    fn queue_second_half_graphed(
+        &mut self,
+        l: &ResidentLayer<'_>,
+        at: ResidentAt,
+        shape: (usize, usize, usize),
+    ) -> Result<(), BackendError> {
+        let (n, rows) = (self.n, self.rows);
+        let (hidden, attn_w, inter) = shape;
+        let sh = &*self.b.shared;
+        let g = &mut *self.g;
+        let p = Plan::new(rows, hidden, attn_w, inter);
+        let work = g.work.ptr(&sh.stream, p.total * 4)?;
+        let half =
+            g.xh.ptr(&sh.stream, rows * attn_w.max(hidden).max(inter) * 2)?;
+        let norm = g.consts.post_norm(&sh.stream, l.layer, l.out.post_norm)?;
+        if rows > n {
+            let pad = at.attn + (n * attn_w * 4) as u64;
+            // SAFETY: the attention output has room for `rows` rows (`queue_resident_project`).
+            unsafe { drv::memset_d8_async(pad, 0, (rows - n) * attn_w * 4, sh.stream.cu_stream()) }
+                .map_err(|e| dev_err("zeroing the padding rows", e))?;
+        }
+        let ws = OutWeights::of(g, sh, &l.out)?;
+        let in_work = |floats: usize| work + (floats * 4) as u64;
+        let op = Operands {
+            x: self.x,
+            attn: at.attn,
+            norm,
+            xn: in_work(p.xn),
+            gate: in_work(p.gate),
+            up: in_work(p.up),
+            half,
+        };
+        let key = GraphKey {
+            piece: Piece::SecondHalf,
+            layer: l.layer,
+            rows,
+            args: second_half_args(shape, &l.out, ws, op),
+        };
+        // SAFETY: the residual and the attention output hold `rows` rows (the padding ones
+        // zero), the plan's ranges are sized for `rows`, `ws` are the layer's weights.
+        graph::run_piece(g, sh, key, |g| unsafe {
+            queue_layer(sh, g, rows, shape, &l.out, ws, op)
+        })?;
         self.resident.push(l.layer);
         self.cur = None;
         Ok(())
@@ -1285,8 +1488,9 @@ impl Residual for CudaResidual<'_> {
             x: self.x,
             ..upload_layer(sh, g, base, half, &p, None, attn, w.post_norm)?
         };
+        let ws = OutWeights::of(g, sh, &w)?;
         // SAFETY: the residual holds n rows of `hidden`; the plan's ranges for this shape.
-        unsafe { queue_layer(sh, g, n, shape, &w, op) }?;
+        unsafe { queue_layer(sh, g, n, shape, &w, ws, op) }?;
         // No wait: the next call orders after this on the stream; only the staging must not
         // be rewritten before its upload has been read.
         self.fence()

@@ -218,6 +218,11 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
             check_stacked_projections(backend, dt),
         );
     }
+    add(
+        "a layer's second half replayed from a CUDA graph (3 rows in a bucket of 4) vs queued",
+        0.0,
+        check_graphs(backend),
+    );
     let sh = backend.shared();
     add("f32_to_half", 0.0, check_f32_to_half(sh));
     add("rms_norm", 1e-5, check_rms_norm(sh, false));
@@ -581,6 +586,68 @@ fn check_finish_layer(b: &CudaBackend, dt: KvDType, stacked: bool) -> Result<f64
     b.clear_weights()?;
     res?;
     Ok(super::layer::rel_diff(&got, &want))
+}
+
+/// A layer's second half (SmolLM2's widths, bf16, gate|up stacked) over 3 rows padded to a
+/// bucket of 4, through a graph (queued, captured, replayed over four inputs) against the
+/// piece queued as it is: the same kernels over the same bytes, so bit for bit (0).
+fn check_graphs(b: &CudaBackend) -> Result<f64, BackendError> {
+    let mut r = SplitMix(31);
+    let dt = KvDType::Bf16;
+    let (n, rows, hidden, attn_w, inter) = (3, 4, 576, 576, 1536);
+    let mut tensor = |rows: usize, cols: usize| {
+        let v = random(&mut r, rows * cols, 0.05);
+        let mut bytes = vec![0u8; v.len() * dt.size()];
+        encode_from_f32(dt, &v, &mut bytes);
+        Tensor::from_bytes(vec![rows, cols], dt, bytes)
+    };
+    let (o, gate, up, down) = (
+        tensor(hidden, attn_w),
+        tensor(inter, hidden),
+        tensor(inter, hidden),
+        tensor(hidden, inter),
+    );
+    b.prepare_stack(&[&gate, &up])?;
+    let norm = random(&mut r, hidden, 1.0);
+    let inputs: Vec<(Vec<f32>, Vec<f32>)> = (0..4)
+        .map(|_| {
+            (
+                random(&mut r, n * hidden, 1.0),
+                random(&mut r, n * attn_w, 1.0),
+            )
+        })
+        .collect();
+    let w = LayerOut {
+        o: &o,
+        post_norm: &norm,
+        eps: 1e-6,
+        gate: &gate,
+        up: &up,
+        down: &down,
+    };
+    let res = b.second_half_replay_diff(&w, n, rows, &inputs);
+    // At start-up the model's weights may be on the device already: only these go.
+    b.forget_weights(&[&o, &gate, &up, &down])?;
+    res
+}
+
+/// With `DECODE_NODE_GRAPHS=on`, turns graphs off where a replay disagrees with the piece
+/// queued as it is on this device (or the capture fails).
+pub(super) fn check_graphs_or_off(b: &CudaBackend) {
+    if b.lock().is_ok_and(|g| g.graphs.cache.why_off().is_some()) {
+        return;
+    }
+    match check_graphs(b) {
+        Ok(0.0) => {}
+        r => {
+            tracing::error!(result = ?r, "a layer's second half replayed from a CUDA graph disagrees with it queued on this device; graphs are off");
+            if let Ok(mut g) = b.lock() {
+                g.graphs
+                    .cache
+                    .turn_off(format!("the start-up check found {r:?}"));
+            }
+        }
+    }
 }
 
 /// Three projections of one input uploaded as one stack (q|k|v of a layer, with a bias on k):
