@@ -160,6 +160,22 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// The plan's buffers placed at device address `base`, with `half` for the halves.
+    fn operands(&self, base: u64, half: u64) -> Operands {
+        let at = |floats: usize| base + (floats * 4) as u64;
+        Operands {
+            x: at(self.x),
+            attn: at(self.attn),
+            norm: at(self.norm),
+            xn: at(self.xn),
+            gate: at(self.gate),
+            up: at(self.up),
+            half,
+        }
+    }
+}
+
 /// `src` (`n` f32s) as the GEMM input for weights of `dtype`: itself for f32, else converted
 /// into `half`.
 fn as_input(
@@ -433,15 +449,7 @@ fn upload_layer(
     stage[p.attn..p.norm].copy_from_slice(attn);
     stage[p.norm..p.upload].copy_from_slice(norm);
     htod(at(from), f32_bytes(&stage[from..p.upload]), &sh.stream)?;
-    Ok(Operands {
-        x: at(p.x),
-        attn: at(p.attn),
-        norm: at(p.norm),
-        xn: at(p.xn),
-        gate: at(p.gate),
-        up: at(p.up),
-        half,
-    })
+    Ok(p.operands(base, half))
 }
 
 /// How a call's small uploads leave the host.
@@ -540,15 +548,7 @@ impl CudaBackend {
             g.xh.ptr(&sh.stream, rows * attn_w.max(hidden).max(inter) * 2)?;
         htod(at(p.norm), f32_bytes(w.post_norm), &sh.stream)?;
         let ws = OutWeights::of(g, sh, w)?;
-        let op = Operands {
-            x: at(p.x),
-            attn: at(p.attn),
-            norm: at(p.norm),
-            xn: at(p.xn),
-            gate: at(p.gate),
-            up: at(p.up),
-            half,
-        };
+        let op = p.operands(base, half);
         let key = GraphKey {
             piece: Piece::SecondHalf,
             layer: usize::MAX,

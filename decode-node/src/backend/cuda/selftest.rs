@@ -547,38 +547,68 @@ fn check_sample_rows(b: &CudaBackend) -> Result<f64, BackendError> {
     Ok(worst)
 }
 
+/// A layer's second half with random weights of one type at SmolLM2's widths.
+struct SecondHalf {
+    hidden: usize,
+    attn_w: usize,
+    o: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    norm: Vec<f32>,
+}
+
+impl SecondHalf {
+    fn random(r: &mut SplitMix, dt: KvDType) -> Self {
+        let (hidden, attn_w, inter) = (576, 576, 1536);
+        let mut tensor = |rows: usize, cols: usize| {
+            let v = random(r, rows * cols, 0.05);
+            let mut bytes = vec![0u8; v.len() * dt.size()];
+            encode_from_f32(dt, &v, &mut bytes);
+            Tensor::from_bytes(vec![rows, cols], dt, bytes)
+        };
+        let (o, gate, up, down) = (
+            tensor(hidden, attn_w),
+            tensor(inter, hidden),
+            tensor(inter, hidden),
+            tensor(hidden, inter),
+        );
+        Self {
+            hidden,
+            attn_w,
+            o,
+            gate,
+            up,
+            down,
+            norm: random(r, hidden, 1.0),
+        }
+    }
+
+    fn out(&self) -> LayerOut<'_> {
+        LayerOut {
+            o: &self.o,
+            post_norm: &self.norm,
+            eps: 1e-6,
+            gate: &self.gate,
+            up: &self.up,
+            down: &self.down,
+        }
+    }
+}
+
 /// The fused second half of a layer against the op-by-op one on the same device (SmolLM2's
 /// widths, three rows).
 fn check_finish_layer(b: &CudaBackend, dt: KvDType, stacked: bool) -> Result<f64, BackendError> {
     let mut r = SplitMix(21);
-    let (n, hidden, attn_w, inter) = (3, 576, 576, 1536);
-    let mut tensor = |rows: usize, cols: usize| {
-        let v = random(&mut r, rows * cols, 0.05);
-        let mut bytes = vec![0u8; v.len() * dt.size()];
-        encode_from_f32(dt, &v, &mut bytes);
-        Tensor::from_bytes(vec![rows, cols], dt, bytes)
-    };
-    let (o, gate, up, down) = (
-        tensor(hidden, attn_w),
-        tensor(inter, hidden),
-        tensor(inter, hidden),
-        tensor(hidden, inter),
-    );
+    let n = 3;
+    let l = SecondHalf::random(&mut r, dt);
     if stacked {
         // The fused path then projects gate|up with one GEMM; op by op, each part alone.
-        b.prepare_stack(&[&gate, &up])?;
+        b.prepare_stack(&[&l.gate, &l.up])?;
     }
-    let norm = random(&mut r, hidden, 1.0);
-    let x = random(&mut r, n * hidden, 1.0);
-    let attn = random(&mut r, n * attn_w, 1.0);
-    let w = LayerOut {
-        o: &o,
-        post_norm: &norm,
-        eps: 1e-6,
-        gate: &gate,
-        up: &up,
-        down: &down,
-    };
+    let x = random(&mut r, n * l.hidden, 1.0);
+    let attn = random(&mut r, n * l.attn_w, 1.0);
+    let w = l.out();
     let mut want = x.clone();
     let mut got = x;
     let res = crate::backend::finish_layer_unfused(b, &mut want, &attn, n, w)
@@ -593,41 +623,20 @@ fn check_finish_layer(b: &CudaBackend, dt: KvDType, stacked: bool) -> Result<f64
 /// piece queued as it is: the same kernels over the same bytes, so bit for bit (0).
 fn check_graphs(b: &CudaBackend) -> Result<f64, BackendError> {
     let mut r = SplitMix(31);
-    let dt = KvDType::Bf16;
-    let (n, rows, hidden, attn_w, inter) = (3, 4, 576, 576, 1536);
-    let mut tensor = |rows: usize, cols: usize| {
-        let v = random(&mut r, rows * cols, 0.05);
-        let mut bytes = vec![0u8; v.len() * dt.size()];
-        encode_from_f32(dt, &v, &mut bytes);
-        Tensor::from_bytes(vec![rows, cols], dt, bytes)
-    };
-    let (o, gate, up, down) = (
-        tensor(hidden, attn_w),
-        tensor(inter, hidden),
-        tensor(inter, hidden),
-        tensor(hidden, inter),
-    );
-    b.prepare_stack(&[&gate, &up])?;
-    let norm = random(&mut r, hidden, 1.0);
+    let (n, rows) = (3, 4);
+    let l = SecondHalf::random(&mut r, KvDType::Bf16);
+    b.prepare_stack(&[&l.gate, &l.up])?;
     let inputs: Vec<(Vec<f32>, Vec<f32>)> = (0..4)
         .map(|_| {
             (
-                random(&mut r, n * hidden, 1.0),
-                random(&mut r, n * attn_w, 1.0),
+                random(&mut r, n * l.hidden, 1.0),
+                random(&mut r, n * l.attn_w, 1.0),
             )
         })
         .collect();
-    let w = LayerOut {
-        o: &o,
-        post_norm: &norm,
-        eps: 1e-6,
-        gate: &gate,
-        up: &up,
-        down: &down,
-    };
-    let res = b.second_half_replay_diff(&w, n, rows, &inputs);
+    let res = b.second_half_replay_diff(&l.out(), n, rows, &inputs);
     // At start-up the model's weights may be on the device already: only these go.
-    b.forget_weights(&[&o, &gate, &up, &down])?;
+    b.forget_weights(&[&l.o, &l.gate, &l.up, &l.down])?;
     res
 }
 
