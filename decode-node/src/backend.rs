@@ -585,6 +585,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// True while the device runs step pieces as graphs.
+    fn graphs_on(&self) -> bool {
+        false
+    }
+
+    /// No more graphs (a check found them disagreeing: `why`).
+    fn turn_graphs_off(&self, _why: &str) {}
+
     /// Turns the device profiler's collection on or off (`cuProfilerStart`/`Stop`: what
     /// `ncu --profile-from-start off` records); nothing where there is no device.
     fn profile(&self, _on: bool) -> Result<(), BackendError> {

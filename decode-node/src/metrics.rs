@@ -416,7 +416,7 @@ impl Metrics {
         );
         r.register(
             "graph_pieces",
-            "Pieces of decode steps (a resident layer's second half) by how they ran with CUDA graphs on (DECODE_NODE_GRAPHS=on): replayed from a graph, captured into one, or queued as they are (a shape's first step, or a capture the device refused); none while graphs are off",
+            "Pieces of decode steps (a resident layer's first or second half) by how they ran with CUDA graphs on (DECODE_NODE_GRAPHS=on): replayed from a graph, captured into one, or queued as they are (a shape's first step, or a capture the device refused); none while graphs are off",
             self.graph_pieces.clone(),
         );
         r.register(

@@ -483,6 +483,17 @@ impl Backend for CudaBackend {
         self.lock().ok().map(|g| g.graphs.cache.stats())
     }
 
+    fn graphs_on(&self) -> bool {
+        self.lock()
+            .is_ok_and(|g| g.graphs.cache.why_off().is_none())
+    }
+
+    fn turn_graphs_off(&self, why: &str) {
+        if let Ok(mut g) = self.lock() {
+            g.graphs.cache.turn_off(why);
+        }
+    }
+
     fn profile(&self, on: bool) -> Result<(), BackendError> {
         self.shared.bind()?;
         let r = if on {

@@ -4,16 +4,18 @@
 //! A step launches a dozen kernels a layer; at batch 1 the launches, not the device, set the
 //! pace. A graph replays a piece's launches with one call. A piece qualifies only when
 //! everything it reads and writes sits at device addresses fixed before it is queued and
-//! nothing in it waits on the host: a layer's second half (o, norm, gate|up, SiLU, down)
-//! is such a piece once its norm weight lives on the device. The attention between the
+//! nothing in it waits on the host: a resident layer's first half (norm, q|k|v, q/k-norm and
+//! RoPE) and its second half (o, norm, gate|up, SiLU, down) are such pieces once their norm
+//! weights, biases and the step's rotations live on the device. The attention between the
 //! halves stays outside (its lists change with residency), as vLLM's piecewise graphs leave
 //! attention out.
 //!
 //! A graph is keyed by everything its launches were built from ([`GraphKey`]: the piece, the
-//! layer, the bucket's rows and every address and scalar), so a key that matches replays
-//! exactly what queuing the piece would queue. Rows are padded to the bucket: the rows past
-//! the batch hold zeros, which a layer's second half keeps at zero (no row reads another).
-//! The device side is `cuda::graph`.
+//! layer, the rows and every address and scalar), so a key that matches replays exactly
+//! what queuing the piece would queue. The second half runs padded to the batch's bucket:
+//! the rows past the batch hold zeros, which it keeps at zero (no row reads another). The
+//! first half runs over the batch's own rows (its K, V and query rows are laid out by the
+//! batch), so it has a graph per batch size. The device side is `cuda::graph`.
 
 use std::collections::HashMap;
 
@@ -60,6 +62,10 @@ impl Default for Buckets {
 /// A piece of a step that can run as a graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Piece {
+    /// A resident layer's first half over the batch's rows (not padded: its K, V and query
+    /// rows are laid out by the batch): norm, q|k|v (and the next layer's predicted q)
+    /// projections, `qkv_finish`.
+    FirstHalf,
     /// A resident layer's second half: o projection into the residual, norm, gate|up,
     /// SiLU-mul, down projection into the residual.
     SecondHalf,

@@ -181,32 +181,40 @@ fn reported_capacity(device: bool, bytes: u64) -> u64 {
 const RESIDENT_TOLERANCE: f64 = crate::model::llama::RESIDUAL_TOLERANCE;
 
 /// A backend whose layers attend where the residual is must give the host path's logits:
-/// checked once at start on a short sequence in `dev`; where they differ, layers attend
-/// through the host from then on.
+/// checked once at start on a short sequence in `dev`; where they differ with the device's
+/// graphs on, again with them off; where they still differ, layers attend through the host
+/// from then on.
 fn check_resident(
     model: &crate::model::Model,
     dev: &Arc<dyn crate::backend::DeviceKv>,
     geom: &attention::BlockGeometry,
 ) {
-    if !model.backend().attention_on_device() {
+    let backend = model.backend();
+    if !backend.attention_on_device() {
         return;
     }
-    match crate::backend::resident::resident_diff(model, dev, geom) {
-        Ok((diff, None)) if diff <= RESIDENT_TOLERANCE => {
-            tracing::info!(
-                diff,
-                "layers attended on the device give the host path's logits"
-            )
+    // At most twice: with graphs, then without.
+    for _ in 0..2 {
+        let why = match crate::backend::resident::resident_diff(model, dev, geom) {
+            Ok((diff, None)) if diff <= RESIDENT_TOLERANCE => {
+                tracing::info!(
+                    diff,
+                    "layers attended on the device give the host path's logits"
+                );
+                return;
+            }
+            Ok((diff, err)) => format!("relative difference {diff:e}, error {err:?}"),
+            Err(e) => format!("the check failed: {e}"),
+        };
+        if backend.graphs_on() {
+            tracing::error!(%why, "layers attended on the device with CUDA graphs do not give the host path's logits; graphs off, checking again");
+            backend.turn_graphs_off(&why);
+            continue;
         }
-        Ok((diff, err)) => {
-            tracing::error!(diff, error = ?err, "layers attended on the device do not give the host path's logits; attending through the host");
-            model.backend().keep_attention_on_host();
-        }
-        Err(e) => {
-            tracing::error!(error = %e, "the check of layers attended on the device failed; attending through the host");
-            model.backend().keep_attention_on_host();
-        }
+        tracing::error!(%why, "layers attended on the device do not give the host path's logits; attending through the host");
+        break;
     }
+    backend.keep_attention_on_host();
 }
 
 struct StepLoop {

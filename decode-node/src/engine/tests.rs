@@ -1083,6 +1083,9 @@ struct TestDevice {
     resident: std::sync::atomic::AtomicBool,
     /// The resident path attends with twice the softmax scale: wrong, for the start check.
     wrong_resident: bool,
+    /// Runs its steps' pieces as graphs until told not to, the resident path wrong while it
+    /// does: for the start check.
+    wrong_graphs: std::sync::atomic::AtomicBool,
     /// Its device memory scores blocks for `--block-scorer sketch` (see [`HostDeviceKv`]).
     sketch: SketchSpy,
     resident_layers: Arc<std::sync::atomic::AtomicUsize>,
@@ -1164,6 +1167,15 @@ impl crate::backend::Backend for TestDevice {
             .idle_reads
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Some(n as f64 * 1e-3)
+    }
+
+    fn graphs_on(&self) -> bool {
+        self.wrong_graphs.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn turn_graphs_off(&self, _why: &str) {
+        self.wrong_graphs
+            .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Read twice a step: each step replays 3 pieces, captures 1 and queues 2.
@@ -1263,7 +1275,15 @@ impl<R: crate::backend::Residual> crate::backend::Residual for ResidentResidual<
             scale: 2.0 * l.scale,
             ..*l
         };
-        let l = if self.dev.wrong_resident { &wrong } else { l };
+        let wrong_graphs = self
+            .dev
+            .wrong_graphs
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let l = if self.dev.wrong_resident || wrong_graphs {
+            &wrong
+        } else {
+            l
+        };
         self.layers.attend(l, seqs)
     }
 
@@ -1405,6 +1425,32 @@ fn layers_run_where_the_residual_is_equal_the_host_path() {
         }
         rig.wait_pool_empty();
     }
+}
+
+/// Graphs whose resident steps disagree with the host path are turned off at start, and the
+/// layers stay resident: the check runs again without them.
+#[test]
+fn graphs_that_disagree_at_start_go_off_and_layers_stay_resident() {
+    let dev = Arc::new(TestDevice {
+        kv: true,
+        resident: true.into(),
+        wrong_graphs: true.into(),
+        ..TestDevice::default()
+    });
+    let model = Arc::new(crate::model::load("tiny", dev.clone()).unwrap());
+    let rig = Rig::start_with(3, 1 << 30, Some(model), &["--attention", "full"]);
+    let layers = || {
+        dev.resident_layers
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let at_start = layers();
+    let p = Rig::prompt(60);
+    let (ids, _) = drain(&mut rig.submit("g", &p, 6));
+    assert_eq!(ids, rig.reference(&p, 6));
+    let b: &dyn crate::backend::Backend = &*dev;
+    assert!(!b.graphs_on() && b.attention_on_device());
+    assert!(layers() >= at_start + 10, "{} {at_start}", layers());
+    rig.wait_pool_empty();
 }
 
 /// Spare device KV: a `scout` request alone takes what is spare beside the reserve (one

@@ -35,6 +35,8 @@ pub(crate) struct Blas {
     /// A resident layer's biases, head norms, rotations, attention output and lse2
     /// (`layer::CudaResidual`'s resident layers), and the step's K and V rows of every layer.
     pub(crate) resident: DevBuf,
+    /// The step's rotation table where graphed layers read it (`layer::CudaResidual`).
+    pub(crate) rot: DevBuf,
     pub(crate) kv_keep: DevBuf,
     /// Host side of `kv_keep`, filled under the LM head's wait.
     pub(crate) kv_staging: Pinned,
@@ -95,6 +97,7 @@ impl Blas {
             res: DevBuf::default(),
             work: DevBuf::default(),
             resident: DevBuf::default(),
+            rot: DevBuf::default(),
             kv_keep: DevBuf::default(),
             kv_staging: Pinned::empty(),
             staging: Pinned::empty(),

@@ -141,38 +141,51 @@ pub(super) fn run_piece(
     }
 }
 
-/// Each layer's post-attention norm weight kept on the device, so that a layer's second half
-/// reads it at one address every step (a graph replays that address) instead of uploading
-/// it each time.
+/// A layer constant kept on the device ([`LayerConsts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Const {
+    /// The norm weight of the layer's `k`-th norm-and-project group counted from the last
+    /// (0: the layer's own input norm).
+    Norm(usize),
+    /// The norm weight before the MLP.
+    PostNorm,
+    /// Biases and head norms of the layer's first half (and of the next layer's predicted
+    /// query), packed as `qkv_finish` reads them.
+    FirstHalf,
+}
+
+/// Layers' constants kept on the device (norm weights, biases), so that a piece of a layer
+/// reads them at one address every step (a graph replays that address) instead of uploading
+/// them each time.
 #[derive(Default)]
 pub(crate) struct LayerConsts {
-    /// By layer: what was uploaded, and where.
-    post_norms: HashMap<usize, (Vec<f32>, CudaSlice<f32>)>,
+    /// By layer and constant: what was uploaded, and where.
+    held: HashMap<(usize, Const), (Vec<f32>, CudaSlice<f32>)>,
 }
 
 impl LayerConsts {
-    /// The device address of `norm`, layer `layer`'s post-attention norm weight: uploaded
-    /// where the layer has none yet or it differs from `norm` (another model's layer).
-    pub(crate) fn post_norm(
+    /// The device address of `data`, constant `key`: uploaded where it is not held yet or
+    /// differs from what is (another model's layer).
+    pub(crate) fn get(
         &mut self,
         stream: &Arc<CudaStream>,
-        layer: usize,
-        norm: &[f32],
+        key: (usize, Const),
+        data: &[f32],
     ) -> Result<u64, BackendError> {
-        let fresh = self.post_norms.get(&layer).is_none_or(|(h, _)| h != norm);
+        let fresh = self.held.get(&key).is_none_or(|(h, _)| h != data);
         if fresh {
             let dev = stream
-                .clone_htod(norm)
-                .map_err(|e| dev_err("a layer's norm weight", e))?;
-            self.post_norms.insert(layer, (norm.to_vec(), dev));
+                .clone_htod(data)
+                .map_err(|e| dev_err("a layer's constants", e))?;
+            self.held.insert(key, (data.to_vec(), dev));
         }
-        match self.post_norms.get(&layer) {
+        match self.held.get(&key) {
             Some((_, d)) => Ok(d.device_ptr(stream).0),
             None => Err(BackendError::Device("layer constants".into())),
         }
     }
 
     pub(crate) fn clear(&mut self) {
-        self.post_norms.clear();
+        self.held.clear();
     }
 }

@@ -27,7 +27,7 @@ use cudarc::driver::{result as drv, sys};
 use super::blas::{Blas, weight_ptr};
 use super::call::SlotList;
 use super::driver::{Shared, dev_err, dtype_code, f32_bytes, htod};
-use super::graph;
+use super::graph::{self, Const};
 use super::landing;
 use super::sketch::SketchQuery;
 use super::store::{CudaSeq, ResidentRows};
@@ -463,6 +463,172 @@ enum Staging {
     Ring,
 }
 
+/// Where a norm-and-project call's norm weights come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NormsFrom {
+    /// Uploaded with the call.
+    Upload(Staging),
+    /// Kept on the device for this layer ([`super::graph::LayerConsts`]): a graph replays
+    /// their addresses.
+    Layer(usize),
+}
+
+/// One `qkv_finish` launch: the projected rows (address, stride) of q, k and v (k and v
+/// absent for a predicted query), their biases and head norms (0: none), the rotation table,
+/// and where the finished rows go.
+#[derive(Debug, Clone, Copy)]
+struct QkvFinish {
+    n: usize,
+    rows: [(u64, usize); 3],
+    biases: [u64; 3],
+    norms: [u64; 2],
+    /// Query and KV heads.
+    heads: (usize, usize),
+    d: usize,
+    rot: u64,
+    eps: f32,
+    keeps: [u64; 3],
+}
+
+impl QkvFinish {
+    /// What the launch is built from, for a graph's key.
+    fn args(&self) -> Vec<u64> {
+        let mut args = vec![self.n as u64, self.heads.0 as u64, self.heads.1 as u64];
+        args.extend(self.rows.iter().flat_map(|&(a, s)| [a, s as u64]));
+        args.extend(self.biases);
+        args.extend(self.norms);
+        args.extend([self.d as u64, self.rot, u64::from(self.eps.to_bits())]);
+        args.extend(self.keeps);
+        args
+    }
+
+    /// # Safety
+    /// The rows hold `n` rows of their heads at their strides, the biases, norms and table
+    /// are device ranges of their shapes (or 0), the keeps hold `n` rows of their heads.
+    unsafe fn queue(&self, sh: &Shared) -> Result<(), BackendError> {
+        let [(q, qs), (k, ks), (v, vs)] = self.rows;
+        let (qs, ks, vs) = (qs as i32, ks as i32, vs as i32);
+        let [pbq, pbk, pbv] = self.biases;
+        let [pqn, pkn] = self.norms;
+        let (h_q, h_k, d32) = (self.heads.0 as i32, self.heads.1 as i32, self.d as i32);
+        let [kq, kk, kv] = self.keeps;
+        // SAFETY: per this function's contract.
+        unsafe {
+            sh.launch(
+                &sh.k.qkv_finish,
+                ((self.heads.0 + 2 * self.heads.1) as u32, self.n as u32),
+                64,
+                &[
+                    &q, &k, &v, &qs, &ks, &vs, &pbq, &pbk, &pbv, &pqn, &pkn, &self.rot, &h_q, &h_k,
+                    &d32, &self.eps, &kq, &kk, &kv,
+                ],
+            )
+        }
+    }
+}
+
+/// One group of a [`ProjectPlan`]: its norm weight's address and epsilon, and each
+/// projection's weight (address, type, rows).
+#[derive(Debug, Clone)]
+struct PlannedGroup {
+    norm: u64,
+    eps: f32,
+    weights: Vec<(u64, KvDType, usize)>,
+}
+
+/// Norms and projections of a residual's rows, placed: every address fixed, so that queuing
+/// them sizes and uploads nothing (a graph may capture [`ProjectPlan::queue`]).
+#[derive(Debug, Clone)]
+struct ProjectPlan {
+    /// The residual, `n` rows of `hidden`.
+    x: u64,
+    n: usize,
+    hidden: usize,
+    groups: Vec<PlannedGroup>,
+    /// Scratch: normed rows, their halves, and every projection's output from `y` on (one
+    /// run after another, `[n][rows of the run]` each).
+    xn: u64,
+    half: u64,
+    y: u64,
+}
+
+impl ProjectPlan {
+    /// The runs of every group, in the order their outputs follow one another from `y`.
+    fn runs(&self) -> Vec<Run> {
+        self.groups
+            .iter()
+            .filter(|gr| !gr.weights.is_empty())
+            .flat_map(|gr| stacked_runs(&gr.weights, self.hidden))
+            .collect()
+    }
+
+    /// What the launches are built from, for a graph's key.
+    fn args(&self) -> Vec<u64> {
+        let mut args = vec![self.x, self.n as u64, self.hidden as u64];
+        args.extend([self.xn, self.half, self.y]);
+        for gr in &self.groups {
+            args.extend([
+                gr.norm,
+                u64::from(gr.eps.to_bits()),
+                gr.weights.len() as u64,
+            ]);
+            for &(w, dtype, rows) in &gr.weights {
+                args.extend([w, dtype_code(dtype) as u64, rows as u64]);
+            }
+        }
+        args
+    }
+
+    /// Queues each group's norm, then its projections (consecutive parts of a stack as one
+    /// GEMM).
+    ///
+    /// # Safety
+    /// The plan's addresses are device ranges of its shapes (as `place_norm_project` sized
+    /// them), the weights `rows x hidden` of their type.
+    unsafe fn queue(&self, sh: &Shared, g: &mut Blas) -> Result<(), BackendError> {
+        let (n, hidden) = (self.n, self.hidden);
+        let at = |floats: usize| self.y + (floats * 4) as u64;
+        let mut y = 0;
+        for gr in &self.groups {
+            let weights = &gr.weights;
+            let Some(&(_, first, _)) = weights.first() else {
+                continue;
+            };
+            // Normed straight into the projections' type where they share one; else f32
+            // rows, converted per type below.
+            let one_type = weights.iter().all(|w| w.1 == first);
+            let norm_type = if one_type { first } else { KvDType::F32 };
+            let normed = NormRows {
+                x: self.x,
+                w: gr.norm,
+                eps: gr.eps,
+                n,
+                dim: hidden,
+            };
+            let input = normed.queue(sh, norm_type, self.xn, self.half)?;
+            let mut converted: Option<(KvDType, u64)> = Some((norm_type, input));
+            for run in stacked_runs(weights, hidden) {
+                let (w_dev, dtype) = (weights[run.first].0, weights[run.first].1);
+                let rows: usize = run.rows.iter().sum();
+                let input = match converted {
+                    Some((d, p)) if d == dtype => p,
+                    _ => {
+                        let p = as_input(sh, dtype, self.xn, n * hidden, self.half)?;
+                        converted = Some((dtype, p));
+                        p
+                    }
+                };
+                // SAFETY: the run's weights are `rows x hidden` in one piece of device memory
+                // (one tensor, or consecutive parts of a stack), the input `n x hidden`, the
+                // output range `n x rows` floats of the scratch.
+                unsafe { g.gemm(dtype, rows, n, hidden, w_dev, input, at(y)) }?;
+                y += n * rows;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Where each projection of one `queue_norm_project` group laid out in `runs` sits in its
 /// output (`n` rows): offset of its first row and row stride, in floats.
 pub(super) fn projection_rows(n: usize, runs: &[Run]) -> Vec<(usize, usize)> {
@@ -636,6 +802,7 @@ impl CudaBackend {
             n: batch,
             rows,
             graphed,
+            rot: None,
             hidden,
             fence: None,
             resident: Vec::new(),
@@ -662,8 +829,11 @@ pub(super) struct CudaResidual<'a> {
     x: u64,
     n: usize,
     rows: usize,
-    /// Resident layers' second halves run over `rows` rows as graphs (`graph::run_piece`).
+    /// Resident layers run their halves as graphs (`graph::run_piece`): the first over the
+    /// batch's rows, the second over `rows`.
     graphed: bool,
+    /// The step's rotation table where a graphed first half reads it, and its host copy.
+    rot: Option<(Vec<f32>, u64)>,
     hidden: usize,
     /// Marks the end of the last upload from the pinned staging, which the host must not
     /// rewrite before then.
@@ -680,6 +850,22 @@ pub(super) struct CudaResidual<'a> {
 }
 
 impl CudaResidual<'_> {
+    /// The step's rotation table on the device (`Blas::rot`) for a graphed first half:
+    /// uploaded at the step's first such layer, and again only where a layer's differs.
+    fn rotations(&mut self, l: &ResidentLayer<'_>) -> Result<u64, BackendError> {
+        let table: Vec<f32> = l.rot.table().iter().flat_map(|&(c, s)| [c, s]).collect();
+        if let Some((held, at)) = &self.rot
+            && *held == table
+        {
+            return Ok(*at);
+        }
+        let sh = &*self.b.shared;
+        let at = self.g.rot.ptr(&sh.stream, table.len() * 4)?;
+        sh.upload(at, f32_bytes(&table))?;
+        self.rot = Some((table, at));
+        Ok(at)
+    }
+
     /// Records the fence after the uploads queued so far.
     fn fence(&mut self) -> Result<(), BackendError> {
         let ev = match self.fence {
@@ -743,6 +929,21 @@ impl CudaResidual<'_> {
         groups: &[NormProject<'_, '_>],
         via: Staging,
     ) -> Result<(u64, Vec<Run>, usize), BackendError> {
+        let (plan, total) = self.place_norm_project(groups, NormsFrom::Upload(via))?;
+        let sh = &*self.b.shared;
+        // SAFETY: the plan's ranges, placed just now for this residual.
+        unsafe { plan.queue(sh, &mut self.g) }?;
+        Ok((plan.y, plan.runs(), total))
+    }
+
+    /// Places the norms and projections of `groups` (shapes checked; the outputs' lengths are
+    /// the caller's): the scratch sized, the norm weights uploaded through `norms` or taken
+    /// where they are, every weight on the device. Also returns the outputs' floats in all.
+    fn place_norm_project(
+        &mut self,
+        groups: &[NormProject<'_, '_>],
+        norms: NormsFrom,
+    ) -> Result<(ProjectPlan, usize), BackendError> {
         let (n, hidden) = (self.n, self.hidden);
         for gr in groups {
             for o in gr.outs.iter() {
@@ -757,7 +958,7 @@ impl CudaResidual<'_> {
             }
         }
         let sh = &*self.b.shared;
-        if via == Staging::Pinned {
+        if norms == NormsFrom::Upload(Staging::Pinned) {
             self.wait_fence()?;
         }
         sh.idle.busy();
@@ -771,72 +972,63 @@ impl CudaResidual<'_> {
         // Device scratch: every group's norm weight (uploaded at once), the normed rows (one
         // group after another: the stream orders each group's norm after the last one's
         // GEMMs), then every projection's output.
-        let norms = groups.len() * hidden;
-        let xn_at = align(norms);
+        let uploaded = groups.len() * hidden;
+        let xn_at = align(uploaded);
         let y_at = align(xn_at + n * hidden);
         let base = g.work.ptr(&sh.stream, (y_at + total) * 4)?;
         let at = |floats: usize| base + (floats * 4) as u64;
         let half = g.xh.ptr(&sh.stream, n * hidden * 2)?;
-        match via {
-            Staging::Pinned => {
-                let stage = g.staging.get(norms.max(total))?;
+        let norm_at: Vec<u64> = match norms {
+            NormsFrom::Upload(Staging::Pinned) => {
+                let stage = g.staging.get(uploaded.max(total))?;
                 for (k, gr) in groups.iter().enumerate() {
                     stage[k * hidden..(k + 1) * hidden].copy_from_slice(gr.norm);
                 }
-                htod(at(0), f32_bytes(&stage[..norms]), &sh.stream)?;
+                htod(at(0), f32_bytes(&stage[..uploaded]), &sh.stream)?;
+                (0..groups.len()).map(|k| at(k * hidden)).collect()
             }
-            Staging::Ring => {
+            NormsFrom::Upload(Staging::Ring) => {
                 let all: Vec<f32> = groups
                     .iter()
                     .flat_map(|gr| gr.norm.iter().copied())
                     .collect();
                 sh.upload(at(0), f32_bytes(&all))?;
+                (0..groups.len()).map(|k| at(k * hidden)).collect()
             }
-        }
-        let xnp = at(xn_at);
-        let mut y = y_at;
-        let mut runs = Vec::new();
-        for (k, gr) in groups.iter().enumerate() {
+            // Counted from the last group (a layer's own q|k|v, after the next layer's
+            // predicted query where there is one): a layer's own norm keeps its key.
+            NormsFrom::Layer(layer) => groups
+                .iter()
+                .enumerate()
+                .map(|(k, gr)| {
+                    let from_last = groups.len() - 1 - k;
+                    g.consts
+                        .get(&sh.stream, (layer, Const::Norm(from_last)), gr.norm)
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        let mut planned = Vec::with_capacity(groups.len());
+        for (gr, w) in groups.iter().zip(norm_at) {
             let mut weights = Vec::with_capacity(gr.outs.len());
             for o in gr.outs.iter() {
                 weights.push((weight_ptr(g, sh, o.w)?, o.w.dtype, o.w.rows()));
             }
-            let Some(&(_, first, _)) = weights.first() else {
-                continue;
-            };
-            // Normed straight into the projections' type where they share one; else f32
-            // rows, converted per type below.
-            let one_type = weights.iter().all(|w| w.1 == first);
-            let norm_type = if one_type { first } else { KvDType::F32 };
-            let normed = NormRows {
-                x: self.x,
-                w: at(k * hidden),
+            planned.push(PlannedGroup {
+                norm: w,
                 eps: gr.eps,
-                n,
-                dim: hidden,
-            };
-            let input = normed.queue(sh, norm_type, xnp, half)?;
-            let mut converted: Option<(KvDType, u64)> = Some((norm_type, input));
-            for run in stacked_runs(&weights, hidden) {
-                let (w_dev, dtype) = (weights[run.first].0, weights[run.first].1);
-                let rows: usize = run.rows.iter().sum();
-                let input = match converted {
-                    Some((d, p)) if d == dtype => p,
-                    _ => {
-                        let p = as_input(sh, dtype, xnp, n * hidden, half)?;
-                        converted = Some((dtype, p));
-                        p
-                    }
-                };
-                // SAFETY: the run's weights are `rows x hidden` in one piece of device memory
-                // (one tensor, or consecutive parts of a stack), the input `n x hidden`, the
-                // output range `n x rows` floats of the scratch.
-                unsafe { g.gemm(dtype, rows, n, hidden, w_dev, input, at(y)) }?;
-                y += n * rows;
-                runs.push(run);
-            }
+                weights,
+            });
         }
-        Ok((at(y_at), runs, total))
+        let plan = ProjectPlan {
+            x: self.x,
+            n,
+            hidden,
+            groups: planned,
+            xn: at(xn_at),
+            half,
+            y: at(y_at),
+        };
+        Ok((plan, total))
     }
 
     /// Copies `floats` floats at device address `src` back (the one wait).
@@ -945,8 +1137,17 @@ impl CudaResidual<'_> {
         let mut qkv = [lin(l.q), lin(l.k), lin(l.v)];
         let groups =
             crate::backend::resident::first_half((l.norm, l.eps), next, &mut pred, &mut qkv);
-        let (y, runs, _) = self.queue_norm_project_via(&groups, Staging::Ring)?;
+        // Graphed: the norm weights and constants where they stay, the piece queued by
+        // `graph::run_piece`; else both uploaded with the call.
+        let graphed = self.graphed;
+        let norms = if graphed {
+            NormsFrom::Layer(l.layer)
+        } else {
+            NormsFrom::Upload(Staging::Ring)
+        };
+        let (plan, _) = self.place_norm_project(&groups, norms)?;
         drop(groups);
+        let runs = plan.runs();
         let rows = projection_rows(n, &runs);
         let (pred_rows, own) = rows.split_at(usize::from(next.is_some()));
         let [(q_at, qs), (k_at, ks), (v_at, vs)] = own[..] else {
@@ -955,11 +1156,17 @@ impl CudaResidual<'_> {
                 rows.len()
             )));
         };
+        let rot = if graphed {
+            Some(self.rotations(l)?)
+        } else {
+            None
+        };
         let sh = &*self.b.shared;
         let g = &mut *self.g;
-        let at_y = |floats: usize| y + (floats * 4) as u64;
-        // This layer's constants, one upload: biases, head norms, rotations; then the rows
-        // the kernels write: attention output, lse2, packed q and predicted q, CPU partials.
+        let at_y = |floats: usize| plan.y + (floats * 4) as u64;
+        // This layer's constants: biases, head norms, and (ungraphed) the rotations, one
+        // upload; then the rows the kernels write: attention output, lse2, packed q and
+        // predicted q, CPU partials.
         let align = |v: usize| v.div_ceil(64) * 64;
         let mut consts: Vec<f32> = Vec::new();
         let mut put = |part: Option<&[f32]>| {
@@ -976,9 +1183,13 @@ impl CudaResidual<'_> {
             put(next.and_then(|nq| nq.q.1)),
             put(next.and_then(|nq| nq.q_norm)),
         );
-        let table: Vec<f32> = l.rot.table().iter().flat_map(|&(c, s)| [c, s]).collect();
-        let cs = put(Some(&table)).unwrap_or(0);
-        let attn_at = align(consts.len());
+        let cs = if rot.is_none() {
+            let table: Vec<f32> = l.rot.table().iter().flat_map(|&(c, s)| [c, s]).collect();
+            put(Some(&table))
+        } else {
+            None
+        };
+        let attn_at = if graphed { 0 } else { align(consts.len()) };
         // Room for the padding rows a graphed second half reads (`self.rows`).
         let lse_at = align(attn_at + self.rows * qw);
         let q_at_r = align(lse_at + n * hq);
@@ -989,8 +1200,17 @@ impl CudaResidual<'_> {
             .resident
             .ptr(&sh.stream, (cpu_at + n * hq * (d + 1)) * 4)?;
         let at = |floats: usize| base + (floats * 4) as u64;
-        sh.upload(base, f32_bytes(&consts))?;
-        let opt = |o: Option<usize>| o.map_or(0u64, at);
+        let consts_at = if !graphed {
+            sh.upload(base, f32_bytes(&consts))?;
+            base
+        } else if consts.is_empty() {
+            0
+        } else {
+            g.consts
+                .get(&sh.stream, (l.layer, Const::FirstHalf), &consts)?
+        };
+        let opt = |o: Option<usize>| o.map_or(0u64, |f| consts_at + (f * 4) as u64);
+        let rot = rot.unwrap_or_else(|| opt(cs));
         // The step's K and V rows, every layer's in place until `resident_kv`.
         if (self.keep_layers, self.keep_width) != (l.num_layers, kw) {
             self.resident.clear();
@@ -1000,49 +1220,46 @@ impl CudaResidual<'_> {
         let keep_k = keep + (l.layer * 2 * n * kw * 4) as u64;
         let keep_v = keep_k + (n * kw * 4) as u64;
         let (keep_q, keep_qn) = (at(q_at_r), at(qn_at_r));
-        let finish = |rows: [(u64, usize); 3],
-                      biases: [u64; 3],
-                      norms: [u64; 2],
-                      heads: (usize, usize),
-                      keeps: [u64; 3]|
-         -> Result<(), BackendError> {
-            let [(q, qs), (k, ks), (v, vs)] = rows;
-            let (qs, ks, vs) = (qs as i32, ks as i32, vs as i32);
-            let [pbq, pbk, pbv] = biases;
-            let [pqn, pkn] = norms;
-            let (h_q, h_k, d32, pcs) = (heads.0 as i32, heads.1 as i32, d as i32, at(cs));
-            let [kq, kk, kv] = keeps;
-            // SAFETY: the rows hold n rows of their heads at their strides (projections just
-            // queued), the constants were uploaded above at their offsets, and the keeps hold
-            // n rows of their heads.
-            unsafe {
-                sh.launch(
-                    &sh.k.qkv_finish,
-                    ((heads.0 + 2 * heads.1) as u32, n as u32),
-                    64,
-                    &[
-                        &q, &k, &v, &qs, &ks, &vs, &pbq, &pbk, &pbv, &pqn, &pkn, &pcs, &h_q, &h_k,
-                        &d32, &l.eps, &kq, &kk, &kv,
-                    ],
-                )
-            }
+        let own = QkvFinish {
+            n,
+            rows: [(at_y(q_at), qs), (at_y(k_at), ks), (at_y(v_at), vs)],
+            biases: [opt(bq), opt(bk), opt(bv)],
+            norms: [opt(qn), opt(kn)],
+            heads: (hq, hk),
+            d,
+            rot,
+            eps: l.eps,
+            keeps: [keep_q, keep_k, keep_v],
         };
-        finish(
-            [(at_y(q_at), qs), (at_y(k_at), ks), (at_y(v_at), vs)],
-            [opt(bq), opt(bk), opt(bv)],
-            [opt(qn), opt(kn)],
-            (hq, hk),
-            [keep_q, keep_k, keep_v],
-        )?;
-        if let [(p_at, ps)] = pred_rows[..] {
-            // The predicted query alone: q heads only, no K or V.
-            finish(
-                [(at_y(p_at), ps), (0, 0), (0, 0)],
-                [opt(nbq), 0, 0],
-                [opt(nqn), 0],
-                (hq, 0),
-                [keep_qn, 0, 0],
-            )?;
+        // The predicted query alone: q heads only, no K or V.
+        let predicted = pred_rows.first().map(|&(p_at, ps)| QkvFinish {
+            rows: [(at_y(p_at), ps), (0, 0), (0, 0)],
+            biases: [opt(nbq), 0, 0],
+            norms: [opt(nqn), 0],
+            heads: (hq, 0),
+            keeps: [keep_qn, 0, 0],
+            ..own
+        });
+        // SAFETY: the plan's ranges; the finishes' rows are the plan's outputs at their
+        // strides, their constants placed above, their keeps n rows of their heads.
+        let queue = |g: &mut Blas| unsafe {
+            plan.queue(sh, g)?;
+            own.queue(sh)?;
+            predicted.map_or(Ok(()), |p| p.queue(sh))
+        };
+        if graphed {
+            let mut args = plan.args();
+            args.extend(own.args());
+            args.extend(predicted.map_or(vec![0], |p| p.args()));
+            let key = GraphKey {
+                piece: Piece::FirstHalf,
+                layer: l.layer,
+                rows: n,
+                args,
+            };
+            graph::run_piece(g, sh, key, queue)?;
+        } else {
+            queue(g)?;
         }
         self.cur = Some(ResidentAt {
             layer: l.layer,
@@ -1290,7 +1507,9 @@ impl CudaResidual<'_> {
         let work = g.work.ptr(&sh.stream, p.total * 4)?;
         let half =
             g.xh.ptr(&sh.stream, rows * attn_w.max(hidden).max(inter) * 2)?;
-        let norm = g.consts.post_norm(&sh.stream, l.layer, l.out.post_norm)?;
+        let norm = g
+            .consts
+            .get(&sh.stream, (l.layer, Const::PostNorm), l.out.post_norm)?;
         if rows > n {
             let pad = at.attn + (n * attn_w * 4) as u64;
             // SAFETY: the attention output has room for `rows` rows (`queue_resident_project`).
