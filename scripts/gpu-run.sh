@@ -12,9 +12,11 @@
 #   SET=core runs only #21's headline rows (selftest, the model, the kernel and dense-step
 #   A/Bs, decode at 8k-64k and batch 8, capacity: 302 s on an H200, 2026-11-29, before the two
 #   device-kernels-*-prefetch rows, about 25 s each, and scout-lent, about 50 s, were
-#   added); SET=rest every
-#   other step (the model made again where the machine is fresh). A 15-minute lease fits both
-#   as two calls, the second while the machine is still warm (it waits 30 s).
+#   added); SET=fresh the paths written without a GPU and off by default (device planning,
+#   CPU flag, CUDA graphs, copy-engine recall: a selftest and an A/B row each, about 400 s
+#   estimated); SET=rest every other step (the model made again where the machine is fresh).
+#   A 15-minute lease fits core and fresh as two calls, the second while the machine is still
+#   warm (it waits 30 s); rest needs another lease.
 # Needs: an NVIDIA driver and the CUDA 13 cuBLAS and NVRTC libraries where the loader finds them.
 #   On the lent H100/H200 machines: LD_LIBRARY_PATH=/usr/local/nvidia/lib64:
 #   /opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/usr/local/cuda/targets/
@@ -43,14 +45,19 @@ model="${MODEL_DIR:-/tmp}/qwen3-14b-${layers}l"
 core=$(echo selftest make-model device-kernels device-kernels-warps device-kernels-tc \
     device-kernels-warps-prefetch device-kernels-tc-prefetch dense-step \
     dense-step-b8-cublas dense-step-b8-gemv dense-step-b8-tc decode-8k-32k decode-64k \
-    decode-8k-batch8 capacity-64k scout-lent selftest-device-plan scout-lent-device-plan \
-    selftest-cpu-flag scout-cpu-flag selftest-graphs decode-graphs decode-8k-batch5-graphs)
+    decode-8k-batch8 capacity-64k scout-lent)
+# The paths written without a GPU and off by default, each with its selftest and its A/B
+# (their baselines are core's decode-8k-32k, decode-64k, decode-8k-batch8 and scout-lent).
+fresh=$(echo make-model selftest-device-plan scout-lent-device-plan selftest-cpu-flag \
+    scout-cpu-flag selftest-graphs decode-graphs decode-8k-batch5-graphs selftest-recall-copy \
+    scout-lent-recall-copy)
 case "${SET:-all}" in
     all) only="" ;;
     core) only=$core ;;
-    rest) only="" SKIP="${SKIP:-} ${core/make-model/}" ;;
+    fresh) only=$fresh ;;
+    rest) only="" SKIP="${SKIP:-} ${core/make-model/} ${fresh/make-model/}" ;;
     *)
-        echo "SET=${SET}: expected core, rest or all" >&2
+        echo "SET=${SET}: expected core, fresh, rest or all" >&2
         exit 2
         ;;
 esac
@@ -297,6 +304,16 @@ step decode-graphs env DECODE_NODE_GRAPHS=on "$bin" bench decode --rounds 1 --js
     --tokens 64
 step decode-8k-batch5-graphs env DECODE_NODE_GRAPHS=on "$bin" bench decode --rounds 1 --json \
     --device cuda --model "$model" --context 8k --modes full --batch 5 --tokens 64
+# Blocks up through the copy engines (#21 item 7, written 2026-12-02 without a GPU, off by
+# default): one cuMemcpyBatchAsync a call instead of the gather_copy kernel over the mapped
+# pool. The selftest (its copy row, and the attention rows whose blocks go up that way), then
+# scout-lent's rows (the most blocks moved a step) against scout-lent.
+step selftest-recall-copy env DECODE_NODE_RECALL_COPY=engine "$bin" selftest --device cuda
+grep -E "^(PASS|FAIL).*(copy engines|lent)" "$out/selftest-recall-copy.json" 2>/dev/null |
+    sed 's/^/   /' >>"$out/summary.txt" || true
+step scout-lent-recall-copy env DECODE_NODE_SPARE_DEVICE_KV=on DECODE_NODE_RECALL_COPY=engine \
+    "$bin" bench decode --rounds 1 --json --device cuda --model "$model" --context 32k,64k \
+    --modes scout --budget-tokens 2048 --tokens 256
 # Scout layer-ahead on the device (the paper's behaviour, #21 item 5): the next layer's
 # predicted query is scored on the device while it waits for this layer's CPU part
 # (queued without a wait), planned while it runs this layer's second half, and its CPU part

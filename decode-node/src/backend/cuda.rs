@@ -238,6 +238,9 @@ impl CudaBackend {
                 cpu_flag: std::sync::atomic::AtomicBool::new(
                     std::env::var("DECODE_NODE_CPU_FLAG").is_ok_and(|v| v == "on"),
                 ),
+                engine_copies: std::sync::atomic::AtomicBool::new(
+                    std::env::var("DECODE_NODE_RECALL_COPY").is_ok_and(|v| v == "engine"),
+                ),
                 sketch_blocks_per_warp: std::sync::atomic::AtomicUsize::new(
                     sketch_blocks_per_warp(),
                 ),
@@ -587,6 +590,7 @@ impl Backend for CudaBackend {
         selftest::check_plan_or_off(&self.shared);
         selftest::check_landing_or_off(&self.shared);
         selftest::check_graphs_or_off(self);
+        selftest::check_batch_copy_or_off(&self.shared, &geom);
         // Int8 and fp8 blocks go to the device as the pool holds them (codes and per-token
         // scales, about half of f16's bytes to copy and keep); the attention kernel applies
         // the scales as it loads each tile. That path is checked on this device before it

@@ -383,6 +383,21 @@ impl Kernels {
     }
 }
 
+/// True where the driver has batched copies (`cuMemcpyBatchAsync_v2`, CUDA 13): cudarc panics
+/// on a call of a symbol the driver lacks, so it is looked up first, once.
+pub(crate) fn has_batch_copy() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        // SAFETY: only asked with a driver loaded (a backend exists); the symbol is looked up,
+        // not called.
+        unsafe {
+            sys::culib()
+                .get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2")
+                .is_ok()
+        }
+    })
+}
+
 /// What the backend and its KV store share.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -438,6 +453,11 @@ pub(crate) struct Shared {
     /// Off unless `DECODE_NODE_CPU_FLAG=on`: not yet run on a GPU; a start-up check that
     /// finds the merge reading a landing wrongly turns it off.
     pub(crate) cpu_flag: std::sync::atomic::AtomicBool,
+    /// Blocks go up to the device with one batched copy through the copy engines
+    /// (`cuMemcpyBatchAsync`, #21 item 7) where the driver has it, not the `gather_copy`
+    /// kernel over the mapped pool. Off unless `DECODE_NODE_RECALL_COPY=engine`: not yet run
+    /// on a GPU; a start-up check that finds the copies wrong turns it off.
+    pub(crate) engine_copies: std::sync::atomic::AtomicBool,
     /// Blocks each warp of `sketch_lse` scores (`DECODE_NODE_SKETCH_BLOCKS_PER_WARP`); 0: as
     /// many as bring a call to about [`Shared::sketch_target_warps`] warps
     /// (`sketch::blocks_per_warp`).

@@ -247,6 +247,13 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
         check_landing(sh),
     );
     add("kv_append", 0.0, check_append(sh));
+    if super::driver::has_batch_copy() {
+        add(
+            "blocks up through the copy engines (cuMemcpyBatchAsync) vs the pool's bytes",
+            0.0,
+            check_batch_copy(sh, &three_heads(KvDType::Bf16, 128, 32)),
+        );
+    }
     add(
         "sample_rows (device picks) vs pick_row",
         1e-5,
@@ -638,6 +645,49 @@ fn check_graphs(b: &CudaBackend) -> Result<f64, BackendError> {
     // At start-up the model's weights may be on the device already: only these go.
     b.forget_weights(&[&l.o, &l.gate, &l.up, &l.down])?;
     res
+}
+
+/// Head blocks of a page-locked pool copied to arena slots with one batched copy through the
+/// copy engines (`cuMemcpyBatchAsync`), read back: the bytes that differ (0).
+fn check_batch_copy(sh: &Arc<Shared>, geom: &BlockGeometry) -> Result<f64, BackendError> {
+    let mut r = SplitMix(41);
+    let blocks = 6;
+    let err = |e: kv_transfer::Error| BackendError::Device(e.to_string());
+    let pool = HostPool::new(*geom, (blocks * geom.block_bytes()) as u64).map_err(err)?;
+    let mut res = pool.reserve(blocks).map_err(err)?;
+    let mut held = Vec::with_capacity(blocks);
+    for _ in 0..blocks {
+        let mut blk = res
+            .take()
+            .ok_or_else(|| BackendError::Device("pool reservation short".into()))?;
+        for b in blk.bytes_mut() {
+            *b = (r.next_u64() >> 56) as u8;
+        }
+        held.push(blk);
+    }
+    let hb = geom.head_bytes();
+    let sources: Vec<&[u8]> = held
+        .iter()
+        .flat_map(|b| b.bytes().chunks_exact(hb))
+        .collect();
+    let arena = (sources.len() * hb) as u64;
+    let store = super::store::CudaKvStore::new(Arc::clone(sh), *geom, arena, &pool)?;
+    store.batch_copy_mismatches(&sources).map(|d| d as f64)
+}
+
+/// With `DECODE_NODE_RECALL_COPY=engine`, turns batched copies off where they do not copy
+/// the pool's bytes on this device (or the driver has none).
+pub(super) fn check_batch_copy_or_off(sh: &Arc<Shared>, geom: &BlockGeometry) {
+    if !sh.engine_copies.load(Ordering::Acquire) {
+        return;
+    }
+    match check_batch_copy(sh, geom) {
+        Ok(0.0) => {}
+        r => {
+            tracing::error!(result = ?r, "batched copies through the copy engines do not copy the pool's blocks on this device; blocks go up by the gather kernel");
+            sh.engine_copies.store(false, Ordering::Release);
+        }
+    }
 }
 
 /// With `DECODE_NODE_GRAPHS=on`, turns graphs off where a replay disagrees with the piece

@@ -215,7 +215,11 @@ impl CudaKvStore {
         if !copies.tails.is_empty() && !self.copy_tails(&copies.tails, lane)? {
             whole.extend(copies.tails.iter().map(|&(dst, src, _, _)| (dst, src)));
         }
-        if whole.is_empty() || (whole.len() > 2 && self.gather(&whole, lane)?) {
+        let engine = self.shared.engine_copies.load(Ordering::Acquire);
+        if whole.is_empty()
+            || (whole.len() > 2
+                && ((engine && self.batch_copy(&whole, lane)?) || self.gather(&whole, lane)?))
+        {
             return Ok(());
         }
         let stream = self.lane(lane).0;
@@ -293,6 +297,96 @@ impl CudaKvStore {
             Lane::Recall => htod(t, table, stream)?,
         }
         Ok((stream, t))
+    }
+
+    /// Copies with one `cuMemcpyBatchAsync` on `lane`'s stream (#21 item 7): the copy engines
+    /// move the blocks from the page-locked pool, with no kernel reading PCIe on SMs the step
+    /// needs and no host copy gathering them first. False (nothing done) where the driver has
+    /// no batched copies (before CUDA 13) or a source is outside the page-locked pool.
+    fn batch_copy(&self, copies: &[(u64, &[u8])], lane: Lane) -> Result<bool, BackendError> {
+        let Some((host, len, dev)) = self.mapped else {
+            return Ok(false);
+        };
+        let inside = |c: &(u64, &[u8])| {
+            let p = c.1.as_ptr() as usize;
+            p >= host && p + c.1.len() <= host + len
+        };
+        if !super::driver::has_batch_copy() || !copies.iter().all(inside) {
+            return Ok(false);
+        }
+        let mut dsts: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.0).collect();
+        let mut srcs: Vec<sys::CUdeviceptr> = copies
+            .iter()
+            .map(|c| dev + (c.1.as_ptr() as usize - host) as u64)
+            .collect();
+        let mut sizes: Vec<usize> = copies.iter().map(|c| c.1.len()).collect();
+        let at = |type_, id| sys::CUmemLocation { type_, id };
+        let mut attrs = [sys::CUmemcpyAttributes {
+            // The host writes a block before it is copied and not while the copy is queued
+            // (the pool's contract for every copy to the device).
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: at(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0),
+            dstLocHint: at(
+                sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                self.shared.ordinal as i32,
+            ),
+            flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+        }];
+        let mut attr_at = [0usize];
+        let stream = self.lane(lane).0;
+        // SAFETY: n destinations (slots we own) and n sources (page-locked pool ranges,
+        // checked above) of the given sizes; one attribute for all of them.
+        unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                copies.len(),
+                attrs.as_mut_ptr(),
+                attr_at.as_mut_ptr(),
+                1,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(|e| dev_err("batched copies to the device", e))?;
+        Ok(true)
+    }
+
+    /// For the start-up check: copies `sources` (page-locked pool ranges of one head block
+    /// each) to slots 0, 1, ... with one batched copy on the recall stream and reads them
+    /// back; the bytes that differ. Unsupported where batched copies are not available.
+    pub(super) fn batch_copy_mismatches(&self, sources: &[&[u8]]) -> Result<usize, BackendError> {
+        let hb = self.geom.head_bytes();
+        if sources.len() > self.slots || sources.iter().any(|s| s.len() != hb) {
+            return Err(BackendError::Unsupported(format!(
+                "{} copies of a head block into {} slots",
+                sources.len(),
+                self.slots
+            )));
+        }
+        let copies: Vec<(u64, &[u8])> = (0..)
+            .zip(sources)
+            .map(|(i, s)| (self.slot_addr(i), *s))
+            .collect();
+        if !self.batch_copy(&copies, Lane::Recall)? {
+            return Err(BackendError::Unsupported(
+                "no batched copies: a driver before CUDA 13, or the pool is not page-locked".into(),
+            ));
+        }
+        let recall = &self.shared.recall;
+        recall
+            .synchronize()
+            .map_err(|e| dev_err("waiting for the batched copies", e))?;
+        let mut differ = 0;
+        let mut back = vec![0u8; hb];
+        for (dst, src) in &copies {
+            // SAFETY: a slot of `hb` bytes; the copy into it has completed.
+            unsafe { drv::memcpy_dtoh_sync(&mut back, *dst) }
+                .map_err(|e| dev_err("reading a slot back", e))?;
+            differ += back.iter().zip(src.iter()).filter(|(a, b)| a != b).count();
+        }
+        Ok(differ)
     }
 
     /// Copies with one `gather_copy` launch reading the mapped pool; false (nothing done)
