@@ -220,7 +220,7 @@ pub fn run(backend: &CudaBackend) -> Vec<Check> {
     }
     add(
         "a layer's second half replayed from a CUDA graph (3 rows in a bucket of 4) vs queued",
-        0.0,
+        GRAPH_TOLERANCE,
         check_graphs(backend),
     );
     let sh = backend.shared();
@@ -625,9 +625,14 @@ fn check_finish_layer(b: &CudaBackend, dt: KvDType, stacked: bool) -> Result<f64
     Ok(super::layer::rel_diff(&got, &want))
 }
 
+/// Largest relative difference a replayed piece may show against it queued: the same
+/// kernels over the same bytes give 0; the slack only admits a library whose reductions are
+/// not bit for bit repeatable. A wrong replay (stale inputs, another shape) is far past it.
+const GRAPH_TOLERANCE: f64 = 1e-6;
+
 /// A layer's second half (SmolLM2's widths, bf16, gate|up stacked) over 3 rows padded to a
 /// bucket of 4, through a graph (queued, captured, replayed over four inputs) against the
-/// piece queued as it is: the same kernels over the same bytes, so bit for bit (0).
+/// piece queued as it is ([`GRAPH_TOLERANCE`]); the padding row must stay exactly zero.
 fn check_graphs(b: &CudaBackend) -> Result<f64, BackendError> {
     let mut r = SplitMix(31);
     let (n, rows) = (3, 4);
@@ -697,7 +702,7 @@ pub(super) fn check_graphs_or_off(b: &CudaBackend) {
         return;
     }
     match check_graphs(b) {
-        Ok(0.0) => {}
+        Ok(e) if e <= GRAPH_TOLERANCE => {}
         r => {
             tracing::error!(result = ?r, "a layer's second half replayed from a CUDA graph disagrees with it queued on this device; graphs are off");
             if let Ok(mut g) = b.lock() {
