@@ -388,6 +388,57 @@ mod tests {
         assert_eq!(c.len(), 0);
     }
 
+    /// What padding a second half to its bucket rests on, with the host's ops: zero rows
+    /// (residual and attention output) stay exactly zero, and the batch's rows come out as
+    /// they do without the padding (no row reads another).
+    #[test]
+    fn padding_rows_stay_zero_and_leave_the_batch_as_it_is() {
+        use crate::backend::{CpuBackend, LayerOut, finish_layer_unfused};
+        use crate::model::random::SplitMix;
+        use crate::tensor::Tensor;
+        let (n, rows, hidden, attn_w, inter) = (3, 8, 64, 48, 96);
+        let mut r = SplitMix(5);
+        let mut random = |len: usize, amp: f32| -> Vec<f32> {
+            (0..len)
+                .map(|_| ((r.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * amp)
+                .collect()
+        };
+        let tensor = |v: Vec<f32>, rows: usize, cols: usize| Tensor::from_f32(vec![rows, cols], &v);
+        let o = tensor(random(hidden * attn_w, 0.2), hidden, attn_w);
+        let gate = tensor(random(inter * hidden, 0.2), inter, hidden);
+        let up = tensor(random(inter * hidden, 0.2), inter, hidden);
+        let down = tensor(random(hidden * inter, 0.2), hidden, inter);
+        let norm = random(hidden, 2.0);
+        let w = LayerOut {
+            o: &o,
+            post_norm: &norm,
+            eps: 1e-6,
+            gate: &gate,
+            up: &up,
+            down: &down,
+        };
+        let (x, attn) = (random(n * hidden, 2.0), random(n * attn_w, 2.0));
+        let mut alone = x.clone();
+        finish_layer_unfused(&CpuBackend, &mut alone, &attn, n, w).unwrap();
+        let mut padded = x.clone();
+        padded.resize(rows * hidden, 0.0);
+        let mut attn_padded = attn.clone();
+        attn_padded.resize(rows * attn_w, 0.0);
+        // Three layers: the padding must stay zero for the next one as well.
+        for _ in 0..3 {
+            finish_layer_unfused(&CpuBackend, &mut padded, &attn_padded, rows, w).unwrap();
+            assert!(padded[n * hidden..].iter().all(|&v| v == 0.0));
+        }
+        let mut batch = x;
+        for _ in 0..3 {
+            finish_layer_unfused(&CpuBackend, &mut batch, &attn, n, w).unwrap();
+        }
+        // The same sums, though a projection's kernel may block rows otherwise at 8 than at 3.
+        let d = crate::backend::rel_diff(&padded[..n * hidden], &batch);
+        assert!(d <= 1e-6, "{d}");
+        assert_ne!(alone, batch, "the layers did something");
+    }
+
     #[test]
     fn turned_off_drops_every_graph() {
         let mut c: GraphCache<u8> = GraphCache::new(8);

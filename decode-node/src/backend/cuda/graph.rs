@@ -120,7 +120,15 @@ pub(super) fn run_piece(
                         .map_err(|e| dev_err("launching a graph just captured", e));
                     match launched {
                         Ok(()) => {
+                            let (layer, rows) = (key.layer, key.rows);
                             g.graphs.cache.captured(key, graph);
+                            if g.graphs.cache.stats().captures == 1 {
+                                tracing::info!(
+                                    layer,
+                                    rows,
+                                    "the first step piece captured as a CUDA graph; later steps replay it"
+                                );
+                            }
                             Ok(())
                         }
                         Err(e @ BackendError::DeviceLost(_)) => Err(e),
