@@ -12,10 +12,10 @@
 //!
 //! A graph is keyed by everything its launches were built from ([`GraphKey`]: the piece, the
 //! layer, the rows and every address and scalar), so a key that matches replays exactly
-//! what queuing the piece would queue. The second half runs padded to the batch's bucket:
-//! the rows past the batch hold zeros, which it keeps at zero (no row reads another). The
-//! first half runs over the batch's own rows (its K, V and query rows are laid out by the
-//! batch), so it has a graph per batch size. The device side is `cuda::graph`.
+//! what queuing the piece would queue. Both halves run padded to the batch's bucket: the
+//! residual's rows past the batch hold zeros, which the second half keeps at zero (no row
+//! reads another); the first half's q, K and V of those rows are computed and never read.
+//! The device side is `cuda::graph`.
 
 use std::collections::HashMap;
 
@@ -62,8 +62,7 @@ impl Default for Buckets {
 /// A piece of a step that can run as a graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Piece {
-    /// A resident layer's first half over the batch's rows (not padded: its K, V and query
-    /// rows are laid out by the batch): norm, q|k|v (and the next layer's predicted q)
+    /// A resident layer's first half: norm, q|k|v (and the next layer's predicted q)
     /// projections, `qkv_finish`.
     FirstHalf,
     /// A resident layer's second half: o projection into the residual, norm, gate|up,

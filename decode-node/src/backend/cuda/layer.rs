@@ -850,10 +850,16 @@ pub(super) struct CudaResidual<'a> {
 }
 
 impl CudaResidual<'_> {
-    /// The step's rotation table on the device (`Blas::rot`) for a graphed first half:
-    /// uploaded at the step's first such layer, and again only where a layer's differs.
+    /// The step's rotation table on the device (`Blas::rot`) for a graphed first half, its
+    /// padding rows unrotated: uploaded at the step's first such layer, and again only where
+    /// a layer's differs.
     fn rotations(&mut self, l: &ResidentLayer<'_>) -> Result<u64, BackendError> {
-        let table: Vec<f32> = l.rot.table().iter().flat_map(|&(c, s)| [c, s]).collect();
+        let mut table: Vec<f32> = l.rot.table().iter().flat_map(|&(c, s)| [c, s]).collect();
+        // (cos, sin) = (1, 0) for each pair of each padding row.
+        let floats = table.len() / self.n.max(1) * self.rows;
+        while table.len() < floats {
+            table.extend([1.0, 0.0]);
+        }
         if let Some((held, at)) = &self.rot
             && *held == table
         {
@@ -929,22 +935,25 @@ impl CudaResidual<'_> {
         groups: &[NormProject<'_, '_>],
         via: Staging,
     ) -> Result<(u64, Vec<Run>, usize), BackendError> {
-        let (plan, total) = self.place_norm_project(groups, NormsFrom::Upload(via))?;
+        let n = self.n;
+        let (plan, total) = self.place_norm_project(groups, NormsFrom::Upload(via), n)?;
         let sh = &*self.b.shared;
         // SAFETY: the plan's ranges, placed just now for this residual.
         unsafe { plan.queue(sh, &mut self.g) }?;
         Ok((plan.y, plan.runs(), total))
     }
 
-    /// Places the norms and projections of `groups` (shapes checked; the outputs' lengths are
-    /// the caller's): the scratch sized, the norm weights uploaded through `norms` or taken
-    /// where they are, every weight on the device. Also returns the outputs' floats in all.
+    /// Places the norms and projections of `groups` over the residual's first `n` rows (the
+    /// batch's, or with its padding; shapes checked; the outputs' lengths are the caller's):
+    /// the scratch sized, the norm weights uploaded through `norms` or taken where they are,
+    /// every weight on the device. Also returns the outputs' floats in all.
     fn place_norm_project(
         &mut self,
         groups: &[NormProject<'_, '_>],
         norms: NormsFrom,
+        n: usize,
     ) -> Result<(ProjectPlan, usize), BackendError> {
-        let (n, hidden) = (self.n, self.hidden);
+        let hidden = self.hidden;
         for gr in groups {
             for o in gr.outs.iter() {
                 if gr.norm.len() != hidden || o.w.cols() != hidden {
@@ -1092,7 +1101,7 @@ pub(super) struct ResidentAt {
     /// and its lse2 `[n][hq]`.
     attn: u64,
     lse: u64,
-    /// Packed q `[n][hq][d]`, K and V `[n][hk][d]`.
+    /// Packed q `[rows][hq][d]`, K and V `[rows][hk][d]`, the batch's rows first.
     q: u64,
     k: u64,
     v: u64,
@@ -1145,10 +1154,13 @@ impl CudaResidual<'_> {
         } else {
             NormsFrom::Upload(Staging::Ring)
         };
-        let (plan, _) = self.place_norm_project(&groups, norms)?;
+        // Graphed, the first half runs over the bucket's rows too (the padding rows' q, K and
+        // V are computed and never read), so that a graph serves every batch of its bucket.
+        let padded = self.rows;
+        let (plan, _) = self.place_norm_project(&groups, norms, padded)?;
         drop(groups);
         let runs = plan.runs();
-        let rows = projection_rows(n, &runs);
+        let rows = projection_rows(padded, &runs);
         let (pred_rows, own) = rows.split_at(usize::from(next.is_some()));
         let [(q_at, qs), (k_at, ks), (v_at, vs)] = own[..] else {
             return Err(BackendError::Device(format!(
@@ -1194,8 +1206,8 @@ impl CudaResidual<'_> {
         let lse_at = align(attn_at + self.rows * qw);
         let q_at_r = align(lse_at + n * hq);
         // The predicted rows follow the real ones: one copy brings both back.
-        let qn_at_r = q_at_r + n * qw;
-        let cpu_at = align(qn_at_r + n * qw);
+        let qn_at_r = q_at_r + padded * qw;
+        let cpu_at = align(qn_at_r + padded * qw);
         let base = g
             .resident
             .ptr(&sh.stream, (cpu_at + n * hq * (d + 1)) * 4)?;
@@ -1216,12 +1228,14 @@ impl CudaResidual<'_> {
             self.resident.clear();
             (self.keep_layers, self.keep_width) = (l.num_layers, kw);
         }
-        let keep = g.kv_keep.ptr(&sh.stream, l.num_layers * 2 * n * kw * 4)?;
-        let keep_k = keep + (l.layer * 2 * n * kw * 4) as u64;
-        let keep_v = keep_k + (n * kw * 4) as u64;
+        let keep = g
+            .kv_keep
+            .ptr(&sh.stream, l.num_layers * 2 * padded * kw * 4)?;
+        let keep_k = keep + (l.layer * 2 * padded * kw * 4) as u64;
+        let keep_v = keep_k + (padded * kw * 4) as u64;
         let (keep_q, keep_qn) = (at(q_at_r), at(qn_at_r));
         let own = QkvFinish {
-            n,
+            n: padded,
             rows: [(at_y(q_at), qs), (at_y(k_at), ks), (at_y(v_at), vs)],
             biases: [opt(bq), opt(bk), opt(bv)],
             norms: [opt(qn), opt(kn)],
@@ -1241,7 +1255,7 @@ impl CudaResidual<'_> {
             ..own
         });
         // SAFETY: the plan's ranges; the finishes' rows are the plan's outputs at their
-        // strides, their constants placed above, their keeps n rows of their heads.
+        // strides, their constants placed above, their keeps `padded` rows of their heads.
         let queue = |g: &mut Blas| unsafe {
             plan.queue(sh, g)?;
             own.queue(sh)?;
@@ -1254,7 +1268,7 @@ impl CudaResidual<'_> {
             let key = GraphKey {
                 piece: Piece::FirstHalf,
                 layer: l.layer,
-                rows: n,
+                rows: padded,
                 args,
             };
             graph::run_piece(g, sh, key, queue)?;
@@ -1279,10 +1293,16 @@ impl CudaResidual<'_> {
             width: qw,
             rows: n,
         });
-        let floats = n * qw * if next.is_some() { 2 } else { 1 };
+        // The predicted rows start past the padding: one copy brings both back.
+        let floats = if next.is_some() {
+            (padded + n) * qw
+        } else {
+            n * qw
+        };
         let mut back = vec![0f32; floats];
         sh.read_back(&mut back, keep_q)?;
-        let next_q = back.split_off(n * qw);
+        let next_q = back.split_off(padded * qw);
+        back.truncate(n * qw);
         Ok(ResidentQuery {
             q: back,
             next: next_q,
@@ -1291,7 +1311,7 @@ impl CudaResidual<'_> {
 
     /// Floats of the step's K and V rows (`Blas::kv_keep`).
     fn kv_floats(&self) -> usize {
-        self.keep_layers * 2 * self.n * self.keep_width
+        self.keep_layers * 2 * self.rows * self.keep_width
     }
 
     /// Queues the copy of the step's K and V rows into the pinned staging (without waiting),
@@ -1677,14 +1697,16 @@ impl Residual for CudaResidual<'_> {
         };
         let per_layer = floats / layers.max(1);
         let half = per_layer / 2;
+        // The batch's rows of each; the padding rows after them are not the batch's.
+        let own = self.n * self.keep_width;
         Ok(std::mem::take(&mut self.resident)
             .into_iter()
             .map(|layer| {
                 let at = layer * per_layer;
                 ResidentKv {
                     layer,
-                    k: all[at..at + half].to_vec(),
-                    v: all[at + half..at + per_layer].to_vec(),
+                    k: all[at..at + own].to_vec(),
+                    v: all[at + half..at + half + own].to_vec(),
                 }
             })
             .collect())
