@@ -294,10 +294,11 @@ step scout-cpu-flag env DECODE_NODE_CPU_FLAG=on "$bin" bench decode --rounds 1 -
     --device cuda --model "$model" --context 32k,64k --modes scout --budget-tokens 2048 --tokens 64
 # A resident layer's second half replayed from a CUDA graph per batch bucket (#21 item 6,
 # written 2026-12-02 without a GPU, off by default): selftest with graphs on (the graph row,
-# the resident-layer rows through it), then full and scout at 8k/32k (batch 1) against
-# decode-8k-32k, and full at batch 5 (run padded to the bucket of 8) against decode-8k-batch8.
+# the resident-layer rows through it, the decodes of three requests at once, padded to
+# buckets), then full and scout at 8k/32k (batch 1) against decode-8k-32k, and full at
+# batch 5 (run padded to the bucket of 8) against decode-8k-batch8.
 step selftest-graphs env DECODE_NODE_GRAPHS=on "$bin" selftest --device cuda
-grep -E "^(PASS|FAIL).*(graph|resident)" "$out/selftest-graphs.json" 2>/dev/null |
+grep -E "^(PASS|FAIL).*(graph|resident|at once)" "$out/selftest-graphs.json" 2>/dev/null |
     sed 's/^/   /' >>"$out/summary.txt" || true
 step decode-graphs env DECODE_NODE_GRAPHS=on "$bin" bench decode --rounds 1 --json \
     --device cuda --model "$model" --context 8k,32k --modes full,scout --budget-tokens 2048 \
