@@ -97,6 +97,8 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
             // the batch's speedup over one request, each pair a few seconds apart, so a VM's
             // drift over minutes moves both.
             let mut rounds = Vec::new();
+            // What the device's CUDA graphs did over the rounds (a device that runs none: None).
+            let graphs_before = node.model.model.backend().graph_stats();
             for _ in 0..args.rounds.max(1) {
                 let alone = if args.batch > 1 {
                     client::push(ch.clone(), &prompts[0], None, |_| {}).await?;
@@ -127,6 +129,16 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 };
                 rounds.push((round, around, alone));
             }
+            let graphs = graphs_before
+                .zip(node.model.model.backend().graph_stats())
+                .map(|(a, b)| {
+                    [
+                        b.replays.saturating_sub(a.replays),
+                        b.captures.saturating_sub(a.captures),
+                        b.queued.saturating_sub(a.queued),
+                    ]
+                })
+                .filter(|counts| counts.iter().any(|&c| c > 0));
             node.stop().await?;
             let nb = args.batch.max(1) as f64;
             // Bytes a step moves: the weights once for the batch, and each request's KV over
@@ -225,6 +237,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 "roofline_bound": roofline.map(|r| r.1),
                 "ratio_to_roofline": roofline.map(|r| tps / r.0),
                 "speedup_over_one_request": speedup,
+                "graph_pieces": graphs.map(|[r, c, q]| json!({"replayed": r, "captured": c, "queued": q})),
                 "rounds": round_rows,
             });
             if !args.common.json {
@@ -255,6 +268,11 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                     eprintln!(
                         "decode ctx={ctx} {mode:>6}: device idle {:.1}% of the time (nothing queued while the host worked)",
                         idle * 100.0
+                    );
+                }
+                if let Some([replayed, captured, queued]) = graphs {
+                    eprintln!(
+                        "decode ctx={ctx} {mode:>6}: step pieces {replayed} replayed from CUDA graphs, {captured} captured, {queued} queued as they are (all rounds)"
                     );
                 }
                 if r.recalled > 0 {
