@@ -34,9 +34,13 @@ pub enum BackendError {
     /// The device or one of its libraries returned an error.
     #[error("device error: {0}")]
     Device(String),
-    /// Device memory for resident KV blocks is exhausted.
+    /// Device memory for resident KV blocks is exhausted (every arena slot in use).
     #[error("device KV memory is full: {0}")]
     DeviceFull(String),
+    /// The device's allocator ran out of memory (weights, scratch, an arena): not the KV
+    /// slots' accounting, which is [`BackendError::DeviceFull`].
+    #[error("device memory ran out: {0}")]
+    OutOfMemory(String),
     /// A shape the device kernels do not support.
     #[error("unsupported on this device: {0}")]
     Unsupported(String),

@@ -38,9 +38,11 @@ impl From<ModelError> for EngineError {
         match e {
             ModelError::Input(m) => EngineError::Input(m),
             ModelError::Attention(m) => EngineError::Attention(m),
-            ModelError::Backend(BackendError::DeviceFull(m)) => {
-                EngineError::Exhausted(format!("device KV memory is full: {m}"))
-            }
+            // Both may pass once other requests finish: RESOURCE_EXHAUSTED, each saying
+            // which memory it was.
+            ModelError::Backend(
+                b @ (BackendError::DeviceFull(_) | BackendError::OutOfMemory(_)),
+            ) => EngineError::Exhausted(b.to_string()),
             ModelError::Backend(b @ (BackendError::Device(_) | BackendError::Unsupported(_))) => {
                 EngineError::Device(b.to_string())
             }
@@ -77,6 +79,10 @@ mod tests {
                 "Exhausted",
             ),
             (
+                ModelError::Backend(BackendError::OutOfMemory("scratch".into())),
+                "Exhausted",
+            ),
+            (
                 ModelError::Backend(BackendError::DeviceLost("Xid 79".into())),
                 "DeviceLost",
             ),
@@ -86,5 +92,13 @@ mod tests {
             let e = EngineError::from(m);
             assert!(format!("{e:?}").starts_with(want), "{e:?} is not {want}");
         }
+        // An allocation that failed is not said to be the KV slots.
+        let oom = EngineError::from(ModelError::Backend(BackendError::OutOfMemory(
+            "4096 bytes of scratch".into(),
+        )));
+        assert_eq!(
+            oom.to_string(),
+            "device memory ran out: 4096 bytes of scratch"
+        );
     }
 }

@@ -175,9 +175,7 @@ pub(crate) fn dev_err(what: &str, e: DriverError) -> BackendError {
     // The code's name, not `DriverError`'s Debug: that asks the driver for a message.
     let code = e.0;
     match code {
-        R::CUDA_ERROR_OUT_OF_MEMORY => {
-            BackendError::DeviceFull(format!("{what}: out of device memory"))
-        }
+        R::CUDA_ERROR_OUT_OF_MEMORY => BackendError::OutOfMemory(what.to_string()),
         // Sticky: the context is unusable and every later call fails the same way.
         R::CUDA_ERROR_ILLEGAL_ADDRESS
         | R::CUDA_ERROR_LAUNCH_FAILED
@@ -973,7 +971,8 @@ mod tests {
     fn driver_errors_are_told_apart_full_lost_or_failed() {
         use sys::CUresult as R;
         let oom = dev_err("weights", DriverError(R::CUDA_ERROR_OUT_OF_MEMORY));
-        assert!(matches!(oom, BackendError::DeviceFull(_)), "{oom:?}");
+        assert!(matches!(oom, BackendError::OutOfMemory(_)), "{oom:?}");
+        assert_eq!(oom.to_string(), "device memory ran out: weights");
         for lost in [
             R::CUDA_ERROR_CONTEXT_IS_DESTROYED,
             R::CUDA_ERROR_ILLEGAL_ADDRESS,
