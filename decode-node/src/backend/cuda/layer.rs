@@ -10,6 +10,10 @@
 //! q, k and v, with the next layer's predicted q where scout asks for it (one wait), its
 //! second half sends only the attention output (no wait).
 //!
+//! With CUDA graphs on (`graph`, #21 item 6) a resident layer's two halves are placed first
+//! ([`ProjectPlan`], [`QkvFinish`], [`Operands`]: every address fixed, every upload done) and
+//! queued after, over the batch padded to its bucket, so that a graph replays them.
+//!
 //! Neither is trusted before it has been compared on the device at hand: the standalone
 //! [`CudaBackend::finish_layer_fused`] on its first call against the op-by-op path
 //! ([`FusedCheck`]), the device residual by the model at load against the host residual
@@ -1110,9 +1114,10 @@ pub(super) struct ResidentAt {
 }
 
 impl CudaResidual<'_> {
-    /// [`Residual::resident_project`]: everything queued on the main stream through pageable
-    /// uploads (nothing of a layer that never waits may sit in the pinned staging), and one
-    /// wait where the query comes back.
+    /// [`Residual::resident_project`]: everything queued on the main stream, its uploads
+    /// through the upload ring (nothing of a layer that never waits may sit in the pinned
+    /// staging) or, graphed, from constants kept on the device (the piece replayed by
+    /// `graph::run_piece`), and one wait where the query comes back.
     fn queue_resident_project(
         &mut self,
         l: &ResidentLayer<'_>,
