@@ -56,7 +56,8 @@ pub(crate) struct Blas {
     trial: DevBuf,
     /// CUDA graphs of the step's pieces (`graph`).
     pub(crate) graphs: super::graph::StepGraphs,
-    /// Layers' norm weights on the device, for the pieces graphs replay.
+    /// Layers' constants (norm weights, biases, head norms) on the device, for the pieces
+    /// graphs replay.
     pub(crate) consts: super::graph::LayerConsts,
     /// Inside a graph capture: a GEMM shape must not be timed now (the timing waits).
     pub(crate) capturing: bool,

@@ -833,8 +833,7 @@ pub(super) struct CudaResidual<'a> {
     x: u64,
     n: usize,
     rows: usize,
-    /// Resident layers run their halves as graphs (`graph::run_piece`): the first over the
-    /// batch's rows, the second over `rows`.
+    /// Resident layers run their halves as graphs (`graph::run_piece`), over `rows` rows.
     graphed: bool,
     /// The step's rotation table where a graphed first half reads it, and its host copy.
     rot: Option<(Vec<f32>, u64)>,
@@ -1210,7 +1209,7 @@ impl CudaResidual<'_> {
         // Room for the padding rows a graphed second half reads (`self.rows`).
         let lse_at = align(attn_at + self.rows * qw);
         let q_at_r = align(lse_at + n * hq);
-        // The predicted rows follow the real ones: one copy brings both back.
+        // The predicted rows follow the real ones (and the padding): one copy brings both back.
         let qn_at_r = q_at_r + padded * qw;
         let cpu_at = align(qn_at_r + padded * qw);
         let base = g
@@ -1486,63 +1485,30 @@ impl CudaResidual<'_> {
             }
             merged?;
         }
-        if self.graphed {
-            return self.queue_second_half_graphed(l, at, shape);
-        }
-        // The second half over the attention output where it is: only its norm goes up.
-        let p = Plan::new(n, hidden, attn_w, inter);
-        let work = g.work.ptr(&sh.stream, p.total * 4)?;
-        let half =
-            g.xh.ptr(&sh.stream, n * attn_w.max(hidden).max(inter) * 2)?;
-        let in_work = |floats: usize| work + (floats * 4) as u64;
-        sh.upload(in_work(p.norm), f32_bytes(l.out.post_norm))?;
-        let op = Operands {
-            x: self.x,
-            attn: at.attn,
-            norm: in_work(p.norm),
-            xn: in_work(p.xn),
-            gate: in_work(p.gate),
-            up: in_work(p.up),
-            half,
-        };
-        let ws = OutWeights::of(g, sh, &l.out)?;
-        // SAFETY: the residual holds n rows of `hidden`, the attention output n rows of
-        // attn_w; the plan's ranges for this shape.
-        unsafe { queue_layer(sh, g, n, shape, &l.out, ws, op) }?;
-        self.resident.push(l.layer);
-        self.cur = None;
-        Ok(())
-    }
-
-    /// A resident layer's second half over the bucket's rows, as a graph where the cache
-    /// has one (`graph::run_piece`): the norm weight from [`super::graph::LayerConsts`], every
-    /// buffer sized before, the padding rows of the attention output zeroed (the attention
-    /// wrote the batch's rows only), so the residual's padding rows stay zero.
-    fn queue_second_half_graphed(
-        &mut self,
-        l: &ResidentLayer<'_>,
-        at: ResidentAt,
-        shape: (usize, usize, usize),
-    ) -> Result<(), BackendError> {
-        let (n, rows) = (self.n, self.rows);
-        let (hidden, attn_w, inter) = shape;
-        let sh = &*self.b.shared;
-        let g = &mut *self.g;
+        // The second half over the attention output where it is, over the bucket's rows
+        // (the batch's where graphs are off). Graphed: the norm weight kept on the device,
+        // the padding rows of the attention output zeroed (the attention wrote the batch's
+        // rows only) so the residual's stay zero, the piece run by `graph::run_piece`. Else
+        // only the norm weight goes up.
+        let rows = self.rows;
         let p = Plan::new(rows, hidden, attn_w, inter);
         let work = g.work.ptr(&sh.stream, p.total * 4)?;
         let half =
             g.xh.ptr(&sh.stream, rows * attn_w.max(hidden).max(inter) * 2)?;
-        let norm = g
-            .consts
-            .get(&sh.stream, (l.layer, Const::PostNorm), l.out.post_norm)?;
+        let in_work = |floats: usize| work + (floats * 4) as u64;
+        let norm = if self.graphed {
+            g.consts
+                .get(&sh.stream, (l.layer, Const::PostNorm), l.out.post_norm)?
+        } else {
+            sh.upload(in_work(p.norm), f32_bytes(l.out.post_norm))?;
+            in_work(p.norm)
+        };
         if rows > n {
             let pad = at.attn + (n * attn_w * 4) as u64;
             // SAFETY: the attention output has room for `rows` rows (`queue_resident_project`).
             unsafe { drv::memset_d8_async(pad, 0, (rows - n) * attn_w * 4, sh.stream.cu_stream()) }
                 .map_err(|e| dev_err("zeroing the padding rows", e))?;
         }
-        let ws = OutWeights::of(g, sh, &l.out)?;
-        let in_work = |floats: usize| work + (floats * 4) as u64;
         let op = Operands {
             x: self.x,
             attn: at.attn,
@@ -1552,17 +1518,21 @@ impl CudaResidual<'_> {
             up: in_work(p.up),
             half,
         };
-        let key = GraphKey {
-            piece: Piece::SecondHalf,
-            layer: l.layer,
-            rows,
-            args: second_half_args(shape, &l.out, ws, op),
-        };
-        // SAFETY: the residual and the attention output hold `rows` rows (the padding ones
-        // zero), the plan's ranges are sized for `rows`, `ws` are the layer's weights.
-        graph::run_piece(g, sh, key, |g| unsafe {
-            queue_layer(sh, g, rows, shape, &l.out, ws, op)
-        })?;
+        let ws = OutWeights::of(g, sh, &l.out)?;
+        // SAFETY: the residual and the attention output hold `rows` rows of `hidden` and
+        // attn_w (the padding ones zero); the plan's ranges for this shape and `rows`.
+        let queue = |g: &mut Blas| unsafe { queue_layer(sh, g, rows, shape, &l.out, ws, op) };
+        if self.graphed {
+            let key = GraphKey {
+                piece: Piece::SecondHalf,
+                layer: l.layer,
+                rows,
+                args: second_half_args(shape, &l.out, ws, op),
+            };
+            graph::run_piece(g, sh, key, queue)?;
+        } else {
+            queue(g)?;
+        }
         self.resident.push(l.layer);
         self.cur = None;
         Ok(())
