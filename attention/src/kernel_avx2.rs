@@ -30,8 +30,15 @@
 //! degree-5 polynomial, the exponent added as an integer: 8.7 FMA slots a vector against
 //! 10.4) gained 1-2%. The kernel's own rest, measured by taking it out (wrong results, timing
 //! only): prefetch 0-3%, the bf16 order shuffles of score and V tiles 0-3%, and ~80 cycles a
-//! block of setup (`line_calls`, `spread_over`, scales, state): ~7% of a G=4 D=64 block.
-//! From memory, without the next block's prefetch, D=128 fell from 16.6 to 7 GB/s.
+//! block of setup (`line_calls`, `spread_over`, scales, state): ~7% of a G=4 D=64 block
+//! alone, less beside the arithmetic (the spread hoisted out of the block: +0-1.5%). From
+//! memory, without the next block's prefetch, D=128 fell from 16.6 to 7 GB/s. A Rust copy of
+//! the model runs as fast as the C one (0.76-0.79), and with the order shuffles and a
+//! prefetch added still at 0.75-0.76, so the rest lies in how the kernel's pieces join. Not
+//! it, each within the VM's noise (p95 of 300 alternated rounds, 2-4 runs): the block at
+//! constant shapes (G=4, D=64 and 32 tokens known to the compiler), `s` and `acc` on 64-byte
+//! boundaries, 8 instead of 32 blocks a call, and the lazy softmax of a full block over
+//! constant trip counts (0-3%).
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
