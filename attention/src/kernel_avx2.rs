@@ -34,11 +34,14 @@
 //! alone, less beside the arithmetic (the spread hoisted out of the block: +0-1.5%). From
 //! memory, without the next block's prefetch, D=128 fell from 16.6 to 7 GB/s. A Rust copy of
 //! the model runs as fast as the C one (0.76-0.79), and with the order shuffles and a
-//! prefetch added still at 0.75-0.76, so the rest lies in how the kernel's pieces join. Not
-//! it, each within the VM's noise (p95 of 300 alternated rounds, 2-4 runs): the block at
-//! constant shapes (G=4, D=64 and 32 tokens known to the compiler), `s` and `acc` on 64-byte
-//! boundaries, 8 instead of 32 blocks a call, and the lazy softmax of a full block over
-//! constant trip counts (0-3%).
+//! prefetch added still at 0.75-0.76. Swapping the kernel's pieces for the model's one at a
+//! time, alternated in one process (p95 of 300 rounds; runs in separate processes move by
+//! more than these differences on a shared VM): scores 0.68 -> 0.72, softmax -> 0.73, V ->
+//! 0.72, all three 0.76. The softmax's gain is kept ([`softmax_near_full`]). The model's
+//! score and V loops carry no prefetch counting and know their shapes, but the kernel's block
+//! at constant shapes alone (G=4, D=64 and 32 tokens known to the compiler) gained nothing
+//! across processes, nor did `s` and `acc` on 64-byte boundaries, nor 8 instead of 32 blocks
+//! a call; where their gain comes from is not yet known.
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
@@ -307,7 +310,9 @@ unsafe fn block_as<E: crate::kernel_avx512::Elem512>(
     // SAFETY: `wide` checked the CPU and a full block of 32 tokens; `s` holds G x b >= G x
     // 8nv scores; `acc`, `m`, `l` hold G heads.
     unsafe {
-        if !(wide && crate::kernel_avx512::softmax_dyn(g, st.s, b, st.m, st.l, st.acc, d)) {
+        let done = (wide && crate::kernel_avx512::softmax_dyn(g, st.s, b, st.m, st.l, st.acc, d))
+            || (len == FULL && b == FULL && softmax_near_full(st, g));
+        if !done {
             softmax_block(st, g, b, d, nv, len)
         }
     };
@@ -438,6 +443,46 @@ unsafe fn softmax_block(st: &mut State<'_>, g: usize, b: usize, d: usize, nv: us
             }
         }
     }
+}
+
+/// Tokens of a full block, as [`softmax_near_full`] takes them.
+const FULL: usize = 32;
+
+/// [`softmax_block`]'s lazy case for a full block of 32 tokens whose every score lies within
+/// [`LAZY_MAX_SLACK`] of its head's finite maximum: the weights against each maximum as it
+/// stands, and their sums, in the same operations and order as `softmax_block` (so the same
+/// bits). False, with nothing changed, where any head's do not (a NaN score, a first block,
+/// a maximum that rises): `softmax_block` then takes the block.
+///
+/// Over constant trip counts with no per-head slicing or tail mask, the whole block ran
+/// faster beside the AVX2 score and V loops (one thread, blocks in L2, Zen 4, 300 rounds
+/// alternated in one process, p95 of the FMA peak): bf16 G=1 0.39-0.42 -> 0.41-0.51, G=4
+/// 0.66/0.73 -> 0.69/0.77 (D=64/128), G=5 0.69/0.76 -> 0.73/0.80, G=8 0.68/0.78 ->
+/// 0.71/0.82; f16 +4-6%.
+///
+/// `st.s` holds `g` rows of 32 scores, `st.m` and `st.l` `g` values.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn softmax_near_full(st: &mut State<'_>, g: usize) -> bool {
+    let (s, m, l) = (&mut st.s[..g * FULL], &st.m[..g], &mut st.l[..g]);
+    let mut near = true;
+    for (row, &mh) in s.chunks_exact(FULL).zip(m) {
+        let top = _mm256_set1_ps(mh + LAZY_MAX_SLACK);
+        let mut le = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for v in row.chunks_exact(8) {
+            // SAFETY: eight floats of `v`.
+            let x = unsafe { _mm256_loadu_ps(v.as_ptr()) };
+            le = _mm256_and_ps(le, _mm256_cmp_ps::<_CMP_LE_OQ>(x, top));
+        }
+        near &= mh.is_finite() && _mm256_movemask_ps(le) == 0xff;
+    }
+    if !near {
+        return false;
+    }
+    for ((row, &mh), lh) in s.chunks_exact_mut(FULL).zip(m).zip(l) {
+        *lh += weights(row, mh);
+    }
+    true
 }
 
 /// `2^(s - m)` in place of each score of `sh` (whole vectors of 8); returns their sum.
@@ -778,6 +823,79 @@ unsafe fn v_rows<E: Elem, const N: usize, const W: usize, const U: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One head-group's softmax state and scores, owned, so a test can run two softmaxes on
+    /// copies and compare them.
+    #[derive(Clone, PartialEq, Debug)]
+    struct Owned {
+        s: Vec<f32>,
+        acc: Vec<f32>,
+        m: Vec<f32>,
+        l: Vec<f32>,
+    }
+
+    impl Owned {
+        fn run<R>(&mut self, f: impl FnOnce(&mut State<'_>) -> R) -> R {
+            let (mut pairs, mut bf16_weights) = (false, [0u16; 8 * 32]);
+            let mut st = State {
+                acc: &mut self.acc,
+                m: &mut self.m,
+                l: &mut self.l,
+                s: &mut self.s,
+                pairs: &mut pairs,
+                bf16_weights: &mut bf16_weights,
+            };
+            f(&mut st)
+        }
+    }
+
+    /// Where every head's scores lie within the slack of its finite maximum, the full-block
+    /// softmax leaves exactly the bits `softmax_block` leaves; anywhere else it declines and
+    /// changes nothing, so `softmax_block` takes the block as before.
+    #[test]
+    fn the_full_block_softmax_is_softmax_blocks_lazy_case_or_nothing() {
+        if !available() {
+            return;
+        }
+        let d = 8;
+        for g in 1..=9 {
+            let mut seed = g as u32 * 7919;
+            let mut next = || {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (seed >> 8) as f32 / (1u32 << 24) as f32
+            };
+            let base = Owned {
+                // Within [m - 20, m + 8): all near their maximum of 3.
+                s: (0..g * FULL).map(|_| 3.0 - 20.0 + 28.0 * next()).collect(),
+                acc: (0..g * d).map(|_| next()).collect(),
+                m: vec![3.0; g],
+                l: (0..g).map(|_| 1.0 + next()).collect(),
+            };
+            let (mut fast, mut slow) = (base.clone(), base.clone());
+            // SAFETY (both): `available` checked AVX2 and FMA; g rows of 32 scores.
+            assert!(fast.run(|st| unsafe { softmax_near_full(st, g) }), "g={g}");
+            slow.run(|st| unsafe { softmax_block(st, g, FULL, d, FULL / 8, FULL) });
+            assert_eq!(fast, slow, "g={g}");
+            // Each way a head can fall outside the lazy case, in the last head.
+            let h = g - 1;
+            type Spoil = fn(&mut Owned, usize);
+            let cases: [(&str, Spoil); 4] = [
+                ("first block", |o, h| o.m[h] = f32::NEG_INFINITY),
+                ("NaN score", |o, h| o.s[h * FULL + 5] = f32::NAN),
+                ("maximum rises", |o, h| o.s[h * FULL + 31] = o.m[h] + 9.0),
+                ("NaN maximum", |o, h| o.m[h] = f32::NAN),
+            ];
+            for (what, spoil) in cases {
+                let mut o = base.clone();
+                spoil(&mut o, h);
+                let before = o.clone();
+                // SAFETY: as above.
+                let took = o.run(|st| unsafe { softmax_near_full(st, g) });
+                assert!(!took, "g={g}: {what}");
+                assert_eq!(format!("{o:?}"), format!("{before:?}"), "g={g}: {what}");
+            }
+        }
+    }
 
     /// `line_calls` counts the calls the tiles make, for every group size, both head dims
     /// the tiles split differently, full and partial blocks, and each element type.
