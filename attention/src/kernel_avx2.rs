@@ -37,11 +37,12 @@
 //! prefetch added still at 0.75-0.76. Swapping the kernel's pieces for the model's one at a
 //! time, alternated in one process (p95 of 300 rounds; runs in separate processes move by
 //! more than these differences on a shared VM): scores 0.68 -> 0.72, softmax -> 0.73, V ->
-//! 0.72, all three 0.76. The softmax's gain is kept ([`softmax_near_full`]). The model's
-//! score and V loops carry no prefetch counting and know their shapes, but the kernel's block
-//! at constant shapes alone (G=4, D=64 and 32 tokens known to the compiler) gained nothing
-//! across processes, nor did `s` and `acc` on 64-byte boundaries, nor 8 instead of 32 blocks
-//! a call; where their gain comes from is not yet known.
+//! 0.72, all three 0.76. The softmax's gain is kept ([`softmax_near_full`]), and the V
+//! loop's was its width chosen inside it ([`v_tile`]). The score tile's is not yet known: the
+//! model's loop with its shapes passed at run time, or with the prefetch counting added, ran
+//! as fast; nor did the kernel gain from its block at constant shapes (G=4, D=64 and 32
+//! tokens known to the compiler), `s` and `acc` on 64-byte boundaries, or 8 instead of 32
+//! blocks a call.
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
