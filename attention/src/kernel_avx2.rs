@@ -43,6 +43,20 @@
 //! as fast; nor did the kernel gain from its block at constant shapes (G=4, D=64 and 32
 //! tokens known to the compiler), `s` and `acc` on 64-byte boundaries, or 8 instead of 32
 //! blocks a call.
+//!
+//! Those in-process figures came from variants timed in a fixed order each round; the first
+//! after the FMA probe runs 5-10% slower, so such an A/B favours the later variant (with
+//! the order turned each round, [`softmax_near_full`] measured +1-3%, not +3-8%). Taken
+//! apart that way (G=4 bf16, blocks in L2, one thread, Zen 4, pieces left out, timing only),
+//! a block's time is V 47% / 50% (D=64 / 128; its loop at 0.71 / 0.70 of the FMA peak),
+//! scores 40% (0.84 / 0.87), softmax 10% / 6% (9-11 cycles per 8 weights) and the rest 5% /
+//! 3% (75-95 cycles). V's loop has the score loop's instructions (a row load, its widening,
+//! four broadcasts, eight FMAs on eight chains) and its L2 lines per FMA, yet runs ~15%
+//! slower, and none of these moved it by more than 3%: rows taken as floats unwidened (no
+//! faster), constant weights in place of the broadcasts (+3%), no prefetch (-1%), no order
+//! shuffles (+2%), 32 tokens as a constant trip count (+1-3%), chains started from zero and
+//! added to the accumulators after the loop (+0-1%), two tokens a pass (+0-1%; f16 G=8 ran
+//! 25% slower, its registers spilled).
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
