@@ -568,13 +568,52 @@ fn tile_heads(rest: usize) -> usize {
     }
 }
 
-/// Steps a pass of a register tile of `heads` heads takes: two phases of channels (scores)
-/// or two tokens (V) for a lone head, else one. `bench kernels --paths avx2`, one thread,
-/// blocks in L2 (Zen 4, four alternated runs, median GB/s): G=1 bf16 32-37 -> 43-47, f16
-/// 26 -> 38-42; two heads: bf16 +3-15%, f16 D=128 37 -> 30 (the second step's vectors
-/// spill), so they keep one.
-const fn phases(heads: usize) -> usize {
-    if heads == 1 { 2 } else { 1 }
+/// Channel steps a pass of a score tile of `heads` heads takes (`P` channels each, one
+/// prefetch call a step) for element type `E`: the loop's own instructions (counter, bound,
+/// branch, prefetch test) come once per four steps for two, four and five heads of f16 or
+/// bf16 and for six of bf16 (whose rows load in even/odd pairs); two for a lone head, whose
+/// steps are already two channels; else one. Int8 and fp8 keep one step (int8 G=5 measured
+/// 2-3% slower in four, fp8 0-7% faster).
+///
+/// `bench kernels --paths avx2 --threads 1 --working-set-mib 1`, Zen 4, the two builds
+/// alternated twice, ratio to the FMA roofline at D=64/128, with [`v_steps`]' passes against
+/// one step and one token a pass: bf16 G=2 0.53/0.60 -> 0.56/0.63, G=4 0.65/0.72 ->
+/// 0.69/0.75, G=5 0.69/0.75 -> 0.73/0.78, G=6 0.70/0.77 -> 0.75/0.81, G=8 0.72/0.77 ->
+/// 0.74/0.79; f16 G=2 0.55/0.63 -> 0.59/0.67, G=4 0.69/0.75 -> 0.70/0.75, G=5 0.72/0.77 ->
+/// 0.76/0.81; G=1, G=3 and six or eight f16 heads as before. Three heads in four steps
+/// measured no faster (bf16) or 10-15% slower (f16 D=128); six f16 heads 25-40% slower,
+/// which [`v_steps`] shares. A lone head (once, against one step): G=1 bf16 32-37 -> 43-47
+/// GB/s, f16 26 -> 38-42.
+///
+/// Code placement moves these rows by ±5%. With every loop on a 64-byte boundary in both
+/// builds (`-C llvm-args=-align-loops=64`, two alternations) the gains held for bf16 G=5
+/// (0.66-0.68/0.72-0.75 -> 0.71-0.72/0.76) and G=6 (0.69-0.70/0.77 -> 0.75-0.76/0.77-0.78);
+/// the other rows moved within ±4%, f16 G=8 D=64 down (0.73-0.76 -> 0.67-0.72; only its
+/// two-head tile changed). Timed in one process on a busy shared host, the pieces switched
+/// at run time, the same passes measured +20-60% at G=4 and G=5: fewer instructions count
+/// for more where something else shares the core.
+const fn score_steps<E: Elem>(heads: usize) -> usize {
+    match heads {
+        1 => 2,
+        2 | 4 | 5 if E::SIZE == 2 => 4,
+        6 if E::SPLIT => 4,
+        _ => 1,
+    }
+}
+
+/// Tokens a pass of a V tile of `heads` heads takes (one prefetch call a token, made at the
+/// pass's start), so its loop's own instructions come once a pass: eight where four or five
+/// heads of f16 or bf16 leave registers free for the unrolled rows, two for one head and
+/// for six of bf16, else one (measured with [`score_steps`]). Eight tokens measured 10%
+/// slower for two f16 heads and 5% for three bf16 heads (in one process); two tokens for
+/// six f16 heads, 25-40% slower.
+const fn v_steps<E: Elem>(heads: usize) -> usize {
+    match heads {
+        1 => 2,
+        4 | 5 if E::SIZE == 2 => 8,
+        6 if E::SPLIT => 2,
+        _ => 1,
+    }
 }
 
 /// Scores of the first `nv` token vectors of a block for every query head,
@@ -688,10 +727,9 @@ impl<E: Elem> Tile<'_, E> {
         let mut acc = [[[_mm256_setzero_ps(); T]; H]; P];
         let q = self.qs.as_ptr();
         let k = self.kt.as_ptr();
-        // A lone head's tile takes two phases of P channels a pass: with one, its loop took
-        // as many issue slots as its FMAs ([`phases`]). One prefetch call a phase still, so
-        // its two lines a call cover the whole next block.
-        let u = phases(H);
+        // `u` steps of P channels a pass ([`score_steps`]), one prefetch call a step still
+        // (a lone head's two lines a call cover the whole next block).
+        let u = score_steps::<E>(H);
         debug_assert!(d.is_multiple_of(u * P));
         let mut c = 0;
         while c + u * P <= d {
@@ -803,16 +841,29 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
                 }
             }
         }
-        // Two tokens a pass where the score tiles take two phases (a prefetch call each).
+        // `v_steps` tokens a pass, then one at a time; a prefetch call a token.
         let mut t = 0;
-        if phases(N) == 2 {
-            while t + 2 <= len {
-                pfl.line();
-                pfl.line();
-                // SAFETY: tokens t, t + 1 < len.
-                unsafe { v_rows::<E, N, W, 2>(vs, s, b, d, c0, t, split, &mut acc) };
-                t += 2;
+        match v_steps::<E>(N) {
+            8 => {
+                while t + 8 <= len {
+                    for _ in 0..8 {
+                        pfl.line();
+                    }
+                    // SAFETY: tokens t..t + 8 < len.
+                    unsafe { v_rows::<E, N, W, 8>(vs, s, b, d, c0, t, split, &mut acc) };
+                    t += 8;
+                }
             }
+            2 => {
+                while t + 2 <= len {
+                    pfl.line();
+                    pfl.line();
+                    // SAFETY: tokens t, t + 1 < len.
+                    unsafe { v_rows::<E, N, W, 2>(vs, s, b, d, c0, t, split, &mut acc) };
+                    t += 2;
+                }
+            }
+            _ => {}
         }
         while t < len {
             pfl.line();
