@@ -863,6 +863,29 @@ unsafe fn accumulate_v<E: Elem, const N: usize, const W: usize>(
                     t += 2;
                 }
             }
+            // Three bf16 heads hold six chains, short of the eight that hide the FMA latency
+            // on two units: two tokens a pass, the second into a set of its own, added after
+            // (`bench kernels --paths avx2`, one thread, L2, Zen 4, three alternations: bf16
+            // G=3 0.59-0.60/0.64-0.65 -> 0.61-0.62/0.67-0.68 at D=64/128; f16's rows, two
+            // loads each, ran 15% slower so, and keep one set).
+            _ if E::SPLIT && N * W < 8 => {
+                let mut odd = [[_mm256_setzero_ps(); W]; N];
+                while t + 2 <= len {
+                    pfl.line();
+                    pfl.line();
+                    // SAFETY: tokens t, t + 1 < len.
+                    unsafe {
+                        v_rows::<E, N, W, 1>(vs, s, b, d, c0, t, split, &mut acc);
+                        v_rows::<E, N, W, 1>(vs, s, b, d, c0, t + 1, split, &mut odd);
+                    }
+                    t += 2;
+                }
+                for i in 0..N {
+                    for j in 0..W {
+                        acc[i][j] = _mm256_add_ps(acc[i][j], odd[i][j]);
+                    }
+                }
+            }
             _ => {}
         }
         while t < len {
