@@ -55,8 +55,10 @@
 //! slower, and none of these moved it by more than 3%: rows taken as floats unwidened (no
 //! faster), constant weights in place of the broadcasts (+3%), no prefetch (-1%), no order
 //! shuffles (+2%), 32 tokens as a constant trip count (+1-3%), chains started from zero and
-//! added to the accumulators after the loop (+0-1%), two tokens a pass (+0-1%; f16 G=8 ran
-//! 25% slower, its registers spilled).
+//! added to the accumulators after the loop (+0-1%), two tokens a pass for every tile
+//! (+0-1%; f16 G=8 ran 25% slower, its registers spilled). What moved it is fewer loop
+//! instructions per FMA where registers allow ([`score_steps`], [`v_steps`]) and a second
+//! accumulator set where a tile had fewer than eight chains (three bf16 heads).
 
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
