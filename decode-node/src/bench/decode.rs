@@ -66,10 +66,7 @@ pub(super) async fn decode(args: &DecodeBench) -> anyhow::Result<serde_json::Val
                 None => {
                     let m = &node.model.model;
                     let passes = match m.backend().memory_bandwidth() {
-                        Some(bw) => ReadPasses {
-                            best: bw,
-                            median: bw,
-                        },
+                        Some(bw) => ReadPasses::known(bw),
                         None => host_read_passes(cpus)?,
                     };
                     let b = (m.weight_bytes(), m.weight_params(), passes);

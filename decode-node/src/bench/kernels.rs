@@ -48,7 +48,14 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                 dtypes.len() * groups.len() * head_dims.len() * paths.len()
             );
         }
-        let bw_before = read_bandwidth(buf.floats(), t, args.seconds.min(1.0));
+        let probe = read_passes(buf.floats(), t, args.seconds.min(1.0));
+        if !args.common.json {
+            eprintln!(
+                "kernels: read probe at {t} thread(s) {:.2} GB/s, fastest with {} (the paired reads use it)",
+                probe.best / 1e9,
+                probe.fastest
+            );
+        }
         // Per path: the AVX2 path is held to AVX2's FMA rate, the others to the widest, and
         // bf16 blocks that `avx512bf16` multiplies in bf16 pairs to `VDPBF16PS`'s product
         // rate (`bf16` in the key).
@@ -105,7 +112,8 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                             peaks.push((key, peak));
                         }
                         let bytes = &data.0[..nblocks * hb];
-                        let (best, rounds) = scan_rate(&geom, path, &q, bytes, t, args.seconds);
+                        let (best, rounds) =
+                            scan_rate(&geom, path, &q, bytes, t, args.seconds, probe.fastest);
                         scans.push(Scan {
                             dtype,
                             g,
@@ -122,7 +130,9 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
         // machine one probe can land in a busy moment (a 2-core VM's read probe moved 32-60
         // GB/s at two threads, its AVX-512 FMA probe 68-118 G/s), and a row then passed its
         // bound (ratios of 1.3-1.5). The rows print once both are in.
-        let bw = bw_before.max(read_bandwidth(buf.floats(), t, args.seconds.min(1.0)));
+        let bw = probe
+            .best
+            .max(read_bandwidth(buf.floats(), t, args.seconds.min(1.0)));
         for (key, peak) in &mut peaks {
             *peak = peak.max(peak_threads(*key, t, args.seconds.min(0.5)));
         }
@@ -131,7 +141,8 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                 .iter()
                 .find(|(p, _)| *p == sc.path)
                 .map_or(0.0, |&(_, peak)| peak);
-            let row = sc.row(t, bw, peak);
+            let mut row = sc.row(t, bw, peak);
+            row["read_loop"] = json!(probe.fastest.to_string());
             if !args.common.json {
                 eprintln!("{}", sc.line(t, bw, peak));
             }
@@ -244,7 +255,8 @@ impl Scan {
 /// The best KV bytes per second over `seconds` of `threads` threads attending their share of
 /// `data` (whole head blocks of `geom`) on `path`, each its share several times a pass where
 /// the share is small (a working set sized to a cache); and every round's pair of rates: the
-/// same threads reading the same shares as the read probe does, then attending them.
+/// same threads reading the same shares with the read probe's fastest loop `how`, then
+/// attending them.
 fn scan_rate(
     geom: &BlockGeometry,
     path: KernelPath,
@@ -252,6 +264,7 @@ fn scan_rate(
     data: &[u8],
     threads: usize,
     seconds: f64,
+    how: ReadLoop,
 ) -> (f64, Vec<Round>) {
     let hb = geom.head_bytes();
     let per = (data.len() / hb).div_ceil(threads.max(1)).max(1);
@@ -263,7 +276,7 @@ fn scan_rate(
     let floats: &[f32] = bytemuck::cast_slice(&data[..data.len() / 4 * 4]);
     let end = Instant::now() + Duration::from_secs_f64(seconds);
     while Instant::now() < end || best == 0.0 {
-        let read = read_pass(floats, per * hb / 4, reps);
+        let read = read_pass(floats, per * hb / 4, reps, how);
         let start = Instant::now();
         std::thread::scope(|s| {
             for part in data.chunks(per * hb) {

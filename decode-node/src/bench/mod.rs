@@ -177,36 +177,93 @@ fn scans_per_pass(part_bytes: usize) -> usize {
 struct ReadPasses {
     /// The fastest pass: the bound every bench divides by.
     best: f64,
-    /// The median pass. On a shared host a few passes can read far faster than the rest (a
-    /// 2-core EPYC VM: 57 GB/s once, 29-40 most runs); a rate averaged over a whole run, as a
-    /// decode's is, compares with this one.
+    /// The median pass of the loop that gave the fastest. On a shared host a few passes can
+    /// read far faster than the rest (a 2-core EPYC VM: 57 GB/s once, 29-40 most runs); a rate
+    /// averaged over a whole run, as a decode's is, compares with this one.
     median: f64,
+    /// The loop that read fastest: later single passes over the same kind of bytes (`bench
+    /// kernels`' paired rounds) read with it.
+    fastest: ReadLoop,
 }
 
-/// Passes of reading `buf` with `threads` threads for `seconds` (at least one).
+impl ReadPasses {
+    /// A bound known from elsewhere (a device's memory bandwidth), no pass of ours.
+    fn known(bw: f64) -> Self {
+        Self {
+            best: bw,
+            median: bw,
+            fastest: ReadLoop::Hardware,
+        }
+    }
+}
+
+/// How the read probe asks for lines: the CPU's own prefetchers alone, or a software prefetch
+/// of the line a distance ahead as well. Which is fastest depends on the CPU, and by a lot: a
+/// 2-core Xeon read 10-15% faster with the lines asked for 8 KiB ahead, and a later 2-core
+/// Xeon VM (AVX-512 FP16, AMX) read 10 GB/s so and 16-18 GB/s with the prefetchers alone (2
+/// KiB ahead: 17-18). A probe slower than the kernels it bounds gave ratios of 1.1-1.6 to it,
+/// so it takes the fastest of the three.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReadLoop {
+    /// No software prefetch.
+    Hardware,
+    /// A prefetch of the line this many f32s (a multiple of 16) ahead.
+    Ahead(usize),
+}
+
+impl ReadLoop {
+    /// Every loop the probe tries, in turn, pass after pass.
+    const ALL: [ReadLoop; 3] = [
+        ReadLoop::Hardware,
+        ReadLoop::Ahead(512),  // 2 KiB
+        ReadLoop::Ahead(2048), // 8 KiB
+    ];
+}
+
+impl std::fmt::Display for ReadLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadLoop::Hardware => f.write_str("hardware prefetch"),
+            ReadLoop::Ahead(n) => write!(f, "prefetch {} KiB ahead", n * 4 / 1024),
+        }
+    }
+}
+
+/// Passes of reading `buf` with `threads` threads for `seconds` (at least one pass of each
+/// [`ReadLoop`]), the loops taking turns.
 fn read_passes(buf: &[f32], threads: usize, seconds: f64) -> ReadPasses {
     let chunk = buf.len().div_ceil(threads).max(1);
     let reps = scans_per_pass(chunk * 4);
-    let mut rates = Vec::new();
+    let mut rates: [Vec<f64>; ReadLoop::ALL.len()] = Default::default();
     let end = Instant::now() + Duration::from_secs_f64(seconds);
-    while Instant::now() < end || rates.is_empty() {
-        rates.push(read_pass(buf, chunk, reps));
+    let mut turn = 0;
+    while Instant::now() < end || rates.iter().any(Vec::is_empty) {
+        let i = turn % ReadLoop::ALL.len();
+        rates[i].push(read_pass(buf, chunk, reps, ReadLoop::ALL[i]));
+        turn += 1;
     }
-    rates.sort_by(f64::total_cmp);
+    let best_of = |r: &[f64]| r.iter().copied().fold(0.0, f64::max);
+    let (i, passes) = rates
+        .iter_mut()
+        .enumerate()
+        .max_by(|a, b| best_of(a.1).total_cmp(&best_of(b.1)))
+        .expect("ReadLoop::ALL is not empty");
+    passes.sort_by(f64::total_cmp);
     ReadPasses {
-        best: rates[rates.len() - 1],
-        median: rates[rates.len() / 2],
+        best: passes[passes.len() - 1],
+        median: passes[passes.len() / 2],
+        fastest: ReadLoop::ALL[i],
     }
 }
 
 /// Bytes a second of one pass of a thread per `chunk` floats of `buf`, each reading its part
-/// `reps` times.
-fn read_pass(buf: &[f32], chunk: usize, reps: usize) -> f64 {
+/// `reps` times with `how`.
+fn read_pass(buf: &[f32], chunk: usize, reps: usize, how: ReadLoop) -> f64 {
     let t = Instant::now();
     let sums: f32 = std::thread::scope(|s| {
         let hs: Vec<_> = buf
             .chunks(chunk.max(1))
-            .map(|c| s.spawn(move || (0..reps).map(|_| sum(c)).sum::<f32>()))
+            .map(|c| s.spawn(move || (0..reps).map(|_| sum(c, how)).sum::<f32>()))
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
     });
@@ -214,26 +271,38 @@ fn read_pass(buf: &[f32], chunk: usize, reps: usize) -> f64 {
     (buf.len() * 4 * reps) as f64 / t.elapsed().as_secs_f64()
 }
 
-/// Sum of `c`, read as fast as this core reads memory: the loads of each 64-byte line come
-/// with a prefetch 8 KiB ahead (+10-15% over hardware prefetch alone on a 2-core Xeon, as the
-/// kernels' own prefetches get; without it the bound sat below what the row kernel streamed).
-fn sum(c: &[f32]) -> f32 {
+/// Sum of `c`, read as fast as this core reads memory, 64 bytes (a line) at a time, the lines
+/// asked for as `how` says.
+fn sum(c: &[f32], how: ReadLoop) -> f32 {
     let mut acc = [0f32; 16];
-    for (k, x) in c.chunks_exact(16).enumerate() {
-        prefetch_ahead(c, 16 * k);
-        for i in 0..16 {
-            acc[i] += x[i];
+    match how {
+        ReadLoop::Hardware => {
+            for x in c.chunks_exact(16) {
+                add_line(&mut acc, x);
+            }
+        }
+        ReadLoop::Ahead(ahead) => {
+            for (k, x) in c.chunks_exact(16).enumerate() {
+                prefetch_at(c, 16 * k + ahead);
+                add_line(&mut acc, x);
+            }
         }
     }
     acc.iter().sum::<f32>() + c.chunks_exact(16).remainder().iter().sum::<f32>()
 }
 
-/// Asks for the line 8 KiB past `c[i]` (x86-64; elsewhere the hardware prefetcher alone).
 #[inline]
-fn prefetch_ahead(c: &[f32], i: usize) {
-    const AHEAD: usize = 2048; // f32s: 8 KiB
+fn add_line(acc: &mut [f32; 16], x: &[f32]) {
+    for (a, v) in acc.iter_mut().zip(x) {
+        *a += v;
+    }
+}
+
+/// Asks for the line holding `c[i]`, where there is one (x86-64; elsewhere nothing).
+#[inline]
+fn prefetch_at(c: &[f32], i: usize) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(p) = c.get(i + AHEAD) {
+    if let Some(p) = c.get(i) {
         // SAFETY: a prefetch reads nothing the program sees; `p` lies inside `c`.
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
@@ -242,7 +311,7 @@ fn prefetch_ahead(c: &[f32], i: usize) {
         };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (c, i, AHEAD);
+    let _ = (c, i);
 }
 
 /// Bytes/s of single-thread memcpy (best of a few passes).
@@ -429,5 +498,24 @@ mod tests {
         for bad in ["", "K", "12", "12Q", "-1K", "99999999999999999999G"] {
             assert_eq!(cache_size(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn every_read_loop_sums_every_float() {
+        // Small integers: every order of the adds gives the same f32.
+        let c: Vec<f32> = (0..4099).map(|i| (i % 7) as f32).collect();
+        let want: f32 = c.iter().sum();
+        for how in ReadLoop::ALL {
+            assert_eq!(sum(&c, how), want, "{how}");
+            assert_eq!(sum(&c[..5], how), 10.0, "{how}");
+        }
+    }
+
+    #[test]
+    fn the_read_probe_tries_every_loop_and_reports_its_fastest() {
+        let c: Vec<f32> = vec![1.0; 1 << 16];
+        let p = read_passes(&c, 2, 0.0);
+        assert!(ReadLoop::ALL.contains(&p.fastest));
+        assert!(p.best > 0.0 && p.median > 0.0 && p.median <= p.best);
     }
 }
