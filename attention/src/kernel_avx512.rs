@@ -208,13 +208,13 @@ impl<const G: usize> Sets<G> {
     }
 
     /// Head `g`'s pass of two rows (tokens): `*pa * x` into the first set, `*pb * y` into
-    /// the second where there is one, each factor broadcast inside its FMA ([`fmadd_at`]).
+    /// the second where there is one, each factor broadcast as `F` does it.
     ///
     /// # Safety
     /// `pa` and `pb` point at readable f32s.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn fold(
+    unsafe fn fold<F: Factor>(
         &mut self,
         g: usize,
         (pa, x): (*const f32, [__m512; 2]),
@@ -223,11 +223,9 @@ impl<const G: usize> Sets<G> {
         let e = &mut self.even[g];
         // SAFETY: the caller's promise.
         unsafe {
-            e[0] = fmadd_at(x[0], pa, e[0]);
-            e[1] = fmadd_at(x[1], pa, e[1]);
+            *e = F::fma2(x, pa, *e);
             let o = self.second(g);
-            o[0] = fmadd_at(y[0], pb, o[0]);
-            o[1] = fmadd_at(y[1], pb, o[1]);
+            *o = F::fma2(y, pb, *o);
         }
     }
 
@@ -260,9 +258,9 @@ impl<const G: usize> Sets<G> {
 /// Zen 4 runs a separate `VBROADCASTSS` from memory on a vector pipe, as it does
 /// `VCVTPH2PS`: with both in a loop their pipes, not the FMAs, set its pace (a loop of eight
 /// FMAs, two f16 conversions and four broadcasts ran at 0.73-0.77 of the FMA rate; with the
-/// broadcasts folded into the FMAs, 0.97). The folded form is a load uop only, as a separate
-/// broadcast is on Intel. LLVM folds a broadcast only into its single use, and each factor
-/// here has two or four, hence the `asm!`. Measured in the kernel (`bench kernels`
+/// broadcasts folded into the FMAs, 0.97). The folded form is a load uop only; so is a separate
+/// broadcast on Intel, where one load serving both FMAs beats two ([`Loaded`]). LLVM folds a
+/// broadcast only into its single use, and each factor here has two or four, hence the `asm!`. Measured in the kernel (`bench kernels`
 /// `--paths avx512`, one thread, blocks in L2, three alternated runs): f16 G=4 0.60-0.70 ->
 /// 0.82-0.88 of the roofline, G=5 0.63-0.73 -> 0.83-0.89, G=8 0.69-0.79 -> 0.83-0.89; bf16
 /// G=4 0.73-0.80 -> 0.81-0.86, G=5 0.72-0.80 -> 0.81-0.87, G=8 0.78-0.83 -> 0.81-0.87.
@@ -286,6 +284,132 @@ unsafe fn fmadd_at(x: __m512, p: *const f32, acc: __m512) -> __m512 {
     acc
 }
 
+/// How the loops' FMAs get their broadcast factor (a query channel, a weight), each used by
+/// two FMAs: folded into both ([`Folded`]), or loaded once into a register that both take
+/// ([`Loaded`]). The products and their order are the same, so are the bits; only the speed
+/// differs, and by CPU: Zen 4 runs a separate broadcast on a vector pipe (see [`fmadd_at`]),
+/// Intel's cores on a load port alone, where each folded one is a load of its own. On a
+/// 2-core Xeon VM (AVX-512 FP16 and AMX; two 512-bit FMA pipes), a G=4 bf16 model of the loops
+/// with blocks in L2 ran the score tile at 0.62-0.64 of the FMA rate folded and 0.69-0.71
+/// loaded, the V tile at 0.59-0.60 and 0.67-0.70: with every factor folded, a pass of two K
+/// rows asks 18 loads of the load ports for 16 FMAs, loaded 10. [`loads_factors`] measures
+/// which is faster here, once a process.
+pub(crate) trait Factor {
+    /// `acc + x * *p`, both vectors.
+    ///
+    /// # Safety
+    /// `p` points at a readable f32; the CPU has AVX-512F.
+    unsafe fn fma2(x: [__m512; 2], p: *const f32, acc: [__m512; 2]) -> [__m512; 2];
+}
+
+/// The factor folded into each FMA as a broadcast operand ([`fmadd_at`]).
+pub(crate) struct Folded;
+
+/// The factor broadcast into a register once, both FMAs taking the register.
+pub(crate) struct Loaded;
+
+impl Factor for Folded {
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fma2(x: [__m512; 2], p: *const f32, acc: [__m512; 2]) -> [__m512; 2] {
+        // SAFETY: the caller's promise.
+        unsafe { [fmadd_at(x[0], p, acc[0]), fmadd_at(x[1], p, acc[1])] }
+    }
+}
+
+impl Factor for Loaded {
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fma2(x: [__m512; 2], p: *const f32, acc: [__m512; 2]) -> [__m512; 2] {
+        // SAFETY: the caller's promise. LLVM folds a broadcast only into its single use, so
+        // with two this stays one `VBROADCASTSS` from memory.
+        let b = _mm512_set1_ps(unsafe { *p });
+        [
+            _mm512_fmadd_ps(x[0], b, acc[0]),
+            _mm512_fmadd_ps(x[1], b, acc[1]),
+        ]
+    }
+}
+
+/// Whether this CPU runs the loops faster with [`Loaded`] factors than [`Folded`] ones: a
+/// G=4 bf16 block's score and V tiles in L1 timed with each, five alternated rounds, the best
+/// of each kept, about 2 ms once a process; loaded must win by 3% (equal: folded, as the loops
+/// ran before). `DECODE_NODE_AVX512_FACTORS=load` or `fold` picks without measuring.
+pub(crate) fn loads_factors() -> bool {
+    static LOADS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LOADS.get_or_init(|| {
+        match std::env::var("DECODE_NODE_AVX512_FACTORS")
+            .unwrap_or_default()
+            .trim()
+        {
+            "load" => return true,
+            "fold" => return false,
+            _ => {}
+        }
+        if !available() {
+            return false;
+        }
+        // SAFETY: AVX-512F/BW checked just above.
+        let (loaded, folded) = unsafe { (factor_probe::<Loaded>(), factor_probe::<Folded>()) };
+        let (mut loaded, mut folded) = (loaded, folded);
+        for round in 0..5 {
+            // SAFETY: as above.
+            unsafe {
+                if round % 2 == 0 {
+                    folded = folded.min(factor_probe::<Folded>());
+                    loaded = loaded.min(factor_probe::<Loaded>());
+                } else {
+                    loaded = loaded.min(factor_probe::<Loaded>());
+                    folded = folded.min(factor_probe::<Folded>());
+                }
+            }
+        }
+        loaded < 0.97 * folded
+    })
+}
+
+/// How the AVX-512 loops take their factors on this CPU ([`loads_factors`]): `loaded` or
+/// `folded`; `none` where the AVX-512 path does not run.
+pub fn avx512_factors() -> &'static str {
+    match (available(), loads_factors()) {
+        (false, _) => "none",
+        (true, true) => "loaded",
+        (true, false) => "folded",
+    }
+}
+
+/// Seconds for 200 passes of a G=4 bf16 block (D=64, in L1) through [`scores`] and
+/// [`accumulate_v`] with factors `F`.
+///
+/// # Safety
+/// AVX-512F/BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn factor_probe<F: Factor>() -> f64 {
+    const D: usize = 64;
+    // bf16 values near 1 (0x3f80..), as a block of K and one of V.
+    let kv: Vec<u8> = (0..2 * 32 * D)
+        .flat_map(|i| (0x3f80u16 + (i % 13) as u16).to_le_bytes())
+        .collect();
+    let (kt, vs) = kv.split_at(32 * D * 2);
+    let q: Vec<f32> = (0..4 * D).map(|i| (i % 5) as f32 * 0.01).collect();
+    let mut s = vec![0f32; 4 * 32];
+    let mut acc = vec![0f32; 4 * D];
+    let start = std::time::Instant::now();
+    for _ in 0..200 {
+        let mut pf = Prefetch::new(&[]);
+        // SAFETY: the shapes are the functions' contracts: `kt` and `vs` hold 32 rows of
+        // D bf16, `q` and `acc` [4][D], `s` [4][32].
+        unsafe {
+            scores::<AsBf16, 4, F>(kt, std::hint::black_box(&q), D, &mut s, &mut pf);
+            accumulate_v::<AsBf16, 4, F>(vs, D, &s, 32, &mut acc, &mut pf);
+        }
+        // The weights as the softmax would leave them (the scores' sizes do not matter).
+        s.fill(0.01);
+    }
+    std::hint::black_box(&acc);
+    start.elapsed().as_secs_f64()
+}
+
 /// Scores of a full 32-token block for all `G` query heads: `s[g][t] = sum_c q[g][c] K[c][t]`,
 /// the tokens of each head in `E`'s lane order (with [`Elem::SPLIT`], the even ones first).
 ///
@@ -294,7 +418,7 @@ unsafe fn fmadd_at(x: __m512, p: *const f32, acc: __m512) -> __m512 {
 /// `s` holds at least `G * 32` elements.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn scores<E: Elem512, const G: usize>(
+unsafe fn scores<E: Elem512, const G: usize, F: Factor>(
     kt: &[u8],
     qs: &[f32],
     d: usize,
@@ -318,7 +442,7 @@ unsafe fn scores<E: Elem512, const G: usize>(
             // SAFETY: g < G, c + 1 < d: inside `qs` (the contract).
             unsafe {
                 let qa = q.add(g * d + c);
-                sets.fold(g, (qa, [k0, k1]), (qa.add(1), [k2, k3]));
+                sets.fold::<F>(g, (qa, [k0, k1]), (qa.add(1), [k2, k3]));
             }
         }
     }
@@ -343,7 +467,7 @@ unsafe fn scores<E: Elem512, const G: usize>(
 /// `[G][32]` (row stride `b`); `acc` is `[G][d]`.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn accumulate_v<E: Elem512, const G: usize>(
+unsafe fn accumulate_v<E: Elem512, const G: usize, F: Factor>(
     vs: &[u8],
     d: usize,
     p: &[f32],
@@ -384,7 +508,7 @@ unsafe fn accumulate_v<E: Elem512, const G: usize>(
             for g in 0..G {
                 // SAFETY: g < G, at, bt < 32 <= b: inside `p` (the contract).
                 unsafe {
-                    sets.fold(
+                    sets.fold::<F>(
                         g,
                         (w.add(g * b + at), [v0, v1]),
                         (w.add(g * b + bt), [v2, v3]),
@@ -611,7 +735,13 @@ pub(crate) unsafe fn scores_dyn<E: Elem512>(
 ) -> bool {
     assert!(kt.len() >= 32 * d * E::SIZE && qs.len() >= g * d && s.len() >= g * 32);
     // SAFETY: the CPU is the caller's promise; the lengths are checked above.
-    unsafe { with_group!(g, G => scores::<E, G>(kt, qs, d, s, pf)) }
+    unsafe {
+        if loads_factors() {
+            with_group!(g, G => scores::<E, G, Loaded>(kt, qs, d, s, pf))
+        } else {
+            with_group!(g, G => scores::<E, G, Folded>(kt, qs, d, s, pf))
+        }
+    }
 }
 
 /// [`softmax`] for a run-time group size; false (nothing done) outside 2..=8 or when `d` is
@@ -668,5 +798,79 @@ pub(crate) unsafe fn accumulate_v_dyn<E: Elem512>(
             && acc.len() >= g * d
     );
     // SAFETY: the CPU is the caller's promise; the lengths are checked above.
-    unsafe { with_group!(g, G => accumulate_v::<E, G>(vs, d, p, b, acc, pf)) }
+    unsafe {
+        if loads_factors() {
+            with_group!(g, G => accumulate_v::<E, G, Loaded>(vs, d, p, b, acc, pf))
+        } else {
+            with_group!(g, G => accumulate_v::<E, G, Folded>(vs, d, p, b, acc, pf))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::KvDType;
+
+    /// Scores and V sums of one block through `F`, for a group of `G` heads.
+    fn tiles<E: Elem512, const G: usize, F: Factor>(
+        kv: &[u8],
+        q: &[f32],
+        w: &[f32],
+        d: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (kt, vs) = kv.split_at(32 * d * E::SIZE);
+        let mut s = vec![0f32; G * 32];
+        let mut acc: Vec<f32> = (0..G * d).map(|i| i as f32 * 0.5).collect();
+        let mut pf = Prefetch::new(&[]);
+        // SAFETY: the tests run only where `available()`; the shapes are the contracts.
+        unsafe {
+            scores::<E, G, F>(kt, q, d, &mut s, &mut pf);
+            accumulate_v::<E, G, F>(vs, d, w, 32, &mut acc, &mut pf);
+        }
+        (s, acc)
+    }
+
+    fn same_bits_for<E: Elem512>(dtype: KvDType) {
+        let mut seed = 0x9e37_79b9_u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            (seed as f32 / u32::MAX as f32) - 0.5
+        };
+        for d in [32, 64, 128] {
+            let vals: Vec<f32> = (0..2 * 32 * d).map(|_| next()).collect();
+            let mut kv = vec![0u8; vals.len() * dtype.size()];
+            crate::encode_from_f32(dtype, &vals, &mut kv);
+            let q: Vec<f32> = (0..8 * d).map(|_| next()).collect();
+            let w: Vec<f32> = (0..8 * 32).map(|_| next().abs()).collect();
+            for g in 2..=8 {
+                with_group!(g, G => {
+                    let folded = tiles::<E, G, Folded>(&kv, &q, &w, d);
+                    let loaded = tiles::<E, G, Loaded>(&kv, &q, &w, d);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&folded.0), bits(&loaded.0), "{dtype:?} G={g} D={d} scores");
+                    assert_eq!(bits(&folded.1), bits(&loaded.1), "{dtype:?} G={g} D={d} V");
+                });
+            }
+        }
+    }
+
+    #[test]
+    fn loaded_and_folded_factors_give_the_same_bits() {
+        if !available() {
+            return;
+        }
+        same_bits_for::<AsBf16>(KvDType::Bf16);
+        same_bits_for::<AsF16>(KvDType::F16);
+        same_bits_for::<AsF32>(KvDType::F32);
+    }
+
+    #[test]
+    fn the_factor_choice_is_made_and_named() {
+        let name = avx512_factors();
+        assert!(["none", "loaded", "folded"].contains(&name), "{name}");
+        assert_eq!(name == "none", !available());
+    }
 }

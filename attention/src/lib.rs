@@ -71,7 +71,7 @@ pub use digest::{Digest, GroupQuery, GroupScore, HeadDigests};
 pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
 pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on, force_kernel_path};
 #[cfg(target_arch = "x86_64")]
-pub use kernel_avx512::avx512_enabled;
+pub use kernel_avx512::{avx512_enabled, avx512_factors};
 pub use merge::Partial;
 pub use peak::{bf16_dot_peak, fma_peak, fma_peak_on};
 pub use policy::{AttentionConfig, BlockScorer, Mode, PredictionGuard, RecallLimits, RecallPolicy};

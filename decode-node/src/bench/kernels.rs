@@ -49,6 +49,13 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
             );
         }
         let probe = read_passes(buf.floats(), t, args.seconds.min(1.0));
+        #[cfg(target_arch = "x86_64")]
+        if !args.common.json && paths.iter().any(|p| p == "best" || p == "avx512") {
+            eprintln!(
+                "kernels: the AVX-512 loops take their factors {} (DECODE_NODE_AVX512_FACTORS=load or fold picks)",
+                attention::avx512_factors()
+            );
+        }
         if !args.common.json {
             eprintln!(
                 "kernels: read probe at {t} thread(s) {:.2} GB/s, fastest with {} (the paired reads use it)",
@@ -143,6 +150,10 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
                 .map_or(0.0, |&(_, peak)| peak);
             let mut row = sc.row(t, bw, peak);
             row["read_loop"] = json!(probe.fastest.to_string());
+            #[cfg(target_arch = "x86_64")]
+            if sc.path.0 == KernelPath::Avx512 {
+                row["avx512_factors"] = json!(attention::avx512_factors());
+            }
             if !args.common.json {
                 eprintln!("{}", sc.line(t, bw, peak));
             }
