@@ -332,9 +332,10 @@ impl Factor for Loaded {
 }
 
 /// Whether this CPU runs the loops faster with [`Loaded`] factors than [`Folded`] ones: a
-/// G=4 bf16 block's score and V tiles in L1 timed with each, five alternated rounds, the best
-/// of each kept, about 2 ms once a process; loaded must win by 3% (equal: folded, as the loops
-/// ran before). `DECODE_NODE_AVX512_FACTORS=load` or `fold` picks without measuring.
+/// G=4 bf16 and an f16 block's score and V tiles in L1 timed with each, six alternated rounds,
+/// the best of each kept, 1-2 ms once a process (the Xeon VM above: 0.103-0.109 ms a round
+/// loaded, 0.115-0.116 folded). Loaded must win by 3%; where they tie, folded, as the loops
+/// ran before. `DECODE_NODE_AVX512_FACTORS=load` or `fold` picks without measuring.
 pub(crate) fn loads_factors() -> bool {
     static LOADS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *LOADS.get_or_init(|| {
@@ -378,32 +379,40 @@ pub fn avx512_factors() -> &'static str {
     }
 }
 
-/// Seconds for 200 passes of a G=4 bf16 block (D=64, in L1) through [`scores`] and
-/// [`accumulate_v`] with factors `F`.
+/// Seconds for 200 passes of a G=4 block (D=64, in L1) of bf16 and one of f16 through
+/// [`scores`] and [`accumulate_v`] with factors `F`: both types, as their widening takes
+/// different pipes (Zen 4 runs f16 conversions on the pipes a separate broadcast takes).
 ///
 /// # Safety
 /// AVX-512F/BW.
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn factor_probe<F: Factor>() -> f64 {
     const D: usize = 64;
-    // bf16 values near 1 (0x3f80..), as a block of K and one of V.
-    let kv: Vec<u8> = (0..2 * 32 * D)
-        .flat_map(|i| (0x3f80u16 + (i % 13) as u16).to_le_bytes())
+    // Values near 1: K and V blocks of each type.
+    let vals: Vec<f32> = (0..2 * 32 * D)
+        .map(|i| 1.0 + (i % 13) as f32 / 64.0)
         .collect();
-    let (kt, vs) = kv.split_at(32 * D * 2);
+    let mut bf16 = vec![0u8; vals.len() * 2];
+    let mut f16 = vec![0u8; vals.len() * 2];
+    crate::encode_from_f32(crate::KvDType::Bf16, &vals, &mut bf16);
+    crate::encode_from_f32(crate::KvDType::F16, &vals, &mut f16);
     let q: Vec<f32> = (0..4 * D).map(|i| (i % 5) as f32 * 0.01).collect();
     let mut s = vec![0f32; 4 * 32];
     let mut acc = vec![0f32; 4 * D];
     let start = std::time::Instant::now();
     for _ in 0..200 {
         let mut pf = Prefetch::new(&[]);
-        // SAFETY: the shapes are the functions' contracts: `kt` and `vs` hold 32 rows of
-        // D bf16, `q` and `acc` [4][D], `s` [4][32].
+        let (kb, vb) = bf16.split_at(32 * D * 2);
+        let (kh, vh) = f16.split_at(32 * D * 2);
+        // SAFETY: the shapes are the functions' contracts: each K and V holds 32 rows of D
+        // 2-byte elements, `q` and `acc` are [4][D], `s` [4][32]. The weights are whatever
+        // the scores left (their sizes do not matter to the timing).
         unsafe {
-            scores::<AsBf16, 4, F>(kt, std::hint::black_box(&q), D, &mut s, &mut pf);
-            accumulate_v::<AsBf16, 4, F>(vs, D, &s, 32, &mut acc, &mut pf);
+            scores::<AsBf16, 4, F>(kb, std::hint::black_box(&q), D, &mut s, &mut pf);
+            accumulate_v::<AsBf16, 4, F>(vb, D, &s, 32, &mut acc, &mut pf);
+            scores::<AsF16, 4, F>(kh, std::hint::black_box(&q), D, &mut s, &mut pf);
+            accumulate_v::<AsF16, 4, F>(vh, D, &s, 32, &mut acc, &mut pf);
         }
-        // The weights as the softmax would leave them (the scores' sizes do not matter).
         s.fill(0.01);
     }
     std::hint::black_box(&acc);
