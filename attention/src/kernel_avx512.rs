@@ -36,6 +36,18 @@
 //! SmolLM2-135M (G=3, bf16) at 7.8k, three rounds each: full 46-55 -> 58-60 tok/s, scout
 //! 57-65 -> 70-71. So every CPU that has AVX-512 takes it; a rule per dtype and group on
 //! Zen 4 would win a few percent in the cases it loses.
+//!
+//! Intel's cores run 512-bit vector ops on two ports only, the two FMA pipes, so the bf16
+//! widening (a shift and an AND per 32 elements) and f16's conversions (two uops per 16)
+//! take FMA slots there: a pass of two K rows (or two V tokens) of a G-head group is 4G FMAs
+//! against 4 (bf16) or 8 (f16) widening ops, at best G/(G+1) or G/(G+2) of the FMA rate. On
+//! a 2-core Xeon VM (AVX-512 FP16 and AMX; 2026-12-02) the clock under these loops was also
+//! 0.86 of the FMA probe's: an FMA loop timed right after 20 ms of the tiles ran at 92.5 G
+//! lanes/s, idle at 108, and took about 10 ms to recover. `perf` (cpu-clock) of `bench
+//! kernels` G=4 bf16 D=64, blocks in L2, with [`Loaded`] factors: V 41%, scores 39%, the
+//! softmax 14%, the rest 6%; the tiles ran as fast as a model of them without the kernel's
+//! bookkeeping, 0.59-0.62 of the probe, which is those two bounds (0.8 x 0.86 = 0.69) less
+//! the loads of the factors.
 
 use std::arch::x86_64::*;
 
