@@ -381,7 +381,7 @@ pub(crate) fn loads_factors() -> bool {
     })
 }
 
-/// How the AVX-512 loops take their factors on this CPU ([`loads_factors`]): `loaded` or
+/// How the AVX-512 loops take their factors on this CPU (measured once a process): `loaded` or
 /// `folded`; `none` where the AVX-512 path does not run.
 pub fn avx512_factors() -> &'static str {
     match (available(), loads_factors()) {
