@@ -323,7 +323,11 @@ fn kernels_bench(groups: &str, paths: &str, avx512: Option<&str>) -> serde_json:
 
 /// The kernel switches these tests set: each is unset unless given, so a suite run under one
 /// (`DECODE_NODE_AVX512=0`: the AVX2 paths on an AVX-512 host) leaves the default case alone.
-const KERNEL_SWITCHES: [&str; 2] = ["DECODE_NODE_AVX512", "DECODE_NODE_BF16_DOT"];
+const KERNEL_SWITCHES: [&str; 3] = [
+    "DECODE_NODE_AVX512",
+    "DECODE_NODE_BF16_DOT",
+    "DECODE_NODE_AVX512_FACTORS",
+];
 
 /// [`kernels_bench`] with `switches` (of [`KERNEL_SWITCHES`], set where `Some`) and `extra`
 /// arguments.
@@ -407,6 +411,18 @@ fn bench_kernels_reports_each_path_against_its_roofline() {
         assert!(r["rounds"].as_u64().unwrap() >= 1, "{r}");
         assert!(r["paired_read_gb_per_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["paired_ratio_to_roofline"].as_f64().unwrap() > 0.0, "{r}");
+        // The read probe's fastest loop, which the paired reads used.
+        assert!(r["read_loop"].as_str().is_some(), "{r}");
+        // Where the FMAs (not bf16 products) bound the row, the FMA rate right after its
+        // passes beside it.
+        let fma_bound = roof < r["read_gb_per_s"].as_f64().unwrap() && r["bf16_products"] == false;
+        let after = r["fma_after_pass_g_per_s"].as_f64();
+        assert_eq!(after.is_some(), fma_bound, "{r}");
+        if let Some(fma) = after {
+            let ratio = r["ratio_to_fma_after_pass"].as_f64().unwrap();
+            let want = got * r["fmas_per_byte"].as_f64().unwrap() / fma;
+            assert!(fma > 0.0 && (ratio - want).abs() < 1e-6 * want, "{r}");
+        }
     }
     let bad = bin()
         .args(["bench", "kernels", "--paths", "neon"])

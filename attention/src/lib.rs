@@ -73,7 +73,7 @@ pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on, force_ker
 #[cfg(target_arch = "x86_64")]
 pub use kernel_avx512::{avx512_enabled, avx512_factors};
 pub use merge::Partial;
-pub use peak::{bf16_dot_peak, fma_peak, fma_peak_on};
+pub use peak::{bf16_dot_peak, fma_burst_on, fma_peak, fma_peak_on};
 pub use policy::{AttentionConfig, BlockScorer, Mode, PredictionGuard, RecallLimits, RecallPolicy};
 pub use residency::DeviceBlock;
 pub use select::{TopCut, best_in, select_shared, select_spans, select_top_k};

@@ -77,6 +77,18 @@ fn run(reps: usize, path: KernelPath) -> usize {
     1
 }
 
+/// Lane FMAs a second of one short burst of `reps` rounds of the chains at `path`'s width,
+/// timed once: the rate this core has now, not its best (20 000 rounds: about 0.1 ms of
+/// 16-lane FMAs at 3 GHz). `bench kernels` times one right after each kernel pass: the clock
+/// a core keeps under the kernels' loads can sit below the one an FMA loop alone gets (a
+/// 2-core Xeon VM, AVX-512: 92.5 G/s right after 20 ms of the tiles, 108 idle, recovering
+/// over about 10 ms of FMAs).
+pub fn fma_burst_on(path: KernelPath, reps: usize) -> f64 {
+    let t = Instant::now();
+    let lanes = run(reps.max(1), path);
+    (reps.max(1) * CHAINS * lanes) as f64 / t.elapsed().as_secs_f64()
+}
+
 /// The portable path's rate: scalar `mul_add` chains.
 fn portable(reps: usize) {
     let mut acc = [1f32; CHAINS];
@@ -160,5 +172,7 @@ mod tests {
         // None, or a rate of the same order as the FMAs' (twice the products an instruction).
         let d = super::bf16_dot_peak(0.02);
         assert!(d == 0.0 || (1e8..4e12).contains(&d), "{d}");
+        let b = super::fma_burst_on(crate::KernelPath::Scalar, 20_000);
+        assert!((1e6..2e12).contains(&b), "{b}");
     }
 }
