@@ -270,12 +270,13 @@ impl<const G: usize> Sets<G> {
 /// Zen 4 runs a separate `VBROADCASTSS` from memory on a vector pipe, as it does
 /// `VCVTPH2PS`: with both in a loop their pipes, not the FMAs, set its pace (a loop of eight
 /// FMAs, two f16 conversions and four broadcasts ran at 0.73-0.77 of the FMA rate; with the
-/// broadcasts folded into the FMAs, 0.97). The folded form is a load uop only; so is a separate
-/// broadcast on Intel, where one load serving both FMAs beats two ([`Loaded`]). LLVM folds a
-/// broadcast only into its single use, and each factor here has two or four, hence the `asm!`. Measured in the kernel (`bench kernels`
-/// `--paths avx512`, one thread, blocks in L2, three alternated runs): f16 G=4 0.60-0.70 ->
-/// 0.82-0.88 of the roofline, G=5 0.63-0.73 -> 0.83-0.89, G=8 0.69-0.79 -> 0.83-0.89; bf16
-/// G=4 0.73-0.80 -> 0.81-0.86, G=5 0.72-0.80 -> 0.81-0.87, G=8 0.78-0.83 -> 0.81-0.87.
+/// broadcasts folded into the FMAs, 0.97). The folded form is a load uop only; so is a
+/// separate broadcast on Intel, where one load serving both FMAs beats two ([`Loaded`]). LLVM
+/// folds a broadcast only into its single use, and each factor here has two, hence the `asm!`.
+/// Measured in the kernel on Zen 4 (`bench kernels` `--paths avx512`, one thread, blocks in
+/// L2, three alternated runs): f16 G=4 0.60-0.70 -> 0.82-0.88 of the roofline, G=5 0.63-0.73
+/// -> 0.83-0.89, G=8 0.69-0.79 -> 0.83-0.89; bf16 G=4 0.73-0.80 -> 0.81-0.86, G=5 0.72-0.80 ->
+/// 0.81-0.87, G=8 0.78-0.83 -> 0.81-0.87.
 ///
 /// # Safety
 /// `p` points at a readable f32.
@@ -362,11 +363,9 @@ pub(crate) fn loads_factors() -> bool {
         if !available() {
             return false;
         }
-        // SAFETY: AVX-512F/BW checked just above.
-        let (loaded, folded) = unsafe { (factor_probe::<Loaded>(), factor_probe::<Folded>()) };
-        let (mut loaded, mut folded) = (loaded, folded);
-        for round in 0..5 {
-            // SAFETY: as above.
+        let (mut loaded, mut folded) = (f64::INFINITY, f64::INFINITY);
+        for round in 0..6 {
+            // SAFETY: AVX-512F/BW checked just above.
             unsafe {
                 if round % 2 == 0 {
                     folded = folded.min(factor_probe::<Folded>());
