@@ -199,10 +199,10 @@ impl ReadPasses {
 
 /// How the read probe asks for lines: the CPU's own prefetchers alone, or a software prefetch
 /// of the line a distance ahead as well. Which is fastest depends on the CPU, and by a lot: a
-/// 2-core Xeon read 10-15% faster with the lines asked for 8 KiB ahead, and a later 2-core
-/// Xeon VM (AVX-512 FP16, AMX) read 10 GB/s so and 16-18 GB/s with the prefetchers alone (2
-/// KiB ahead: 17-18). A probe slower than the kernels it bounds gave ratios of 1.1-1.6 to it,
-/// so it takes the fastest of the three.
+/// 2-core Xeon read 10-15% faster with the lines asked for 8 KiB ahead, where a later 2-core
+/// Xeon VM (AVX-512 FP16, AMX) read 10 GB/s with them and 16-18 GB/s with the prefetchers
+/// alone (2 KiB ahead: 17-18). A probe slower than the kernels it bounds gave ratios of
+/// 1.1-1.6 to it, so it takes the fastest of the three.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ReadLoop {
     /// No software prefetch.
