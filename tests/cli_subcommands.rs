@@ -323,10 +323,11 @@ fn kernels_bench(groups: &str, paths: &str, avx512: Option<&str>) -> serde_json:
 
 /// The kernel switches these tests set: each is unset unless given, so a suite run under one
 /// (`DECODE_NODE_AVX512=0`: the AVX2 paths on an AVX-512 host) leaves the default case alone.
-const KERNEL_SWITCHES: [&str; 3] = [
+const KERNEL_SWITCHES: [&str; 4] = [
     "DECODE_NODE_AVX512",
     "DECODE_NODE_BF16_DOT",
     "DECODE_NODE_AVX512_FACTORS",
+    "DECODE_NODE_AMX",
 ];
 
 /// [`kernels_bench`] with `switches` (of [`KERNEL_SWITCHES`], set where `Some`) and `extra`
@@ -486,8 +487,13 @@ fn bf16_products_are_held_to_their_own_rate() {
 /// them off; left to measure, it takes one of the two AVX-512 paths either way.
 #[test]
 fn best_path_takes_bf16_products_as_the_switch_says() {
+    // AMX tiles, where the CPU has them, take these blocks before the pairs (their own test).
     let best = |switch: Option<&str>| -> Vec<String> {
-        kernels_bench_with("5", "best", &[("DECODE_NODE_BF16_DOT", switch)], &[])["results"]
+        let switches = [
+            ("DECODE_NODE_BF16_DOT", switch),
+            ("DECODE_NODE_AMX", Some("0")),
+        ];
+        kernels_bench_with("5", "best", &switches, &[])["results"]
             .as_array()
             .unwrap()
             .iter()
@@ -517,6 +523,43 @@ fn best_path_takes_bf16_products_as_the_switch_says() {
     if pairs {
         assert!(["avx512", "avx512bf16"].contains(&best(None)[0].as_str()));
     }
+}
+
+/// `bench kernels --paths amx` holds bf16 blocks of groups of 4 or more (head dim 64), which
+/// it multiplies by AMX tiles, to the tiles' product rate and every other row to the FMAs';
+/// `--paths best` takes those blocks to the tiles; `DECODE_NODE_AMX=0` turns the path off
+/// like a path the CPU lacks, and `all` gives it groups of 3. A CPU without AMX has no rows.
+#[test]
+fn amx_tiles_are_held_to_their_own_rate_and_taken_by_best() {
+    let rows = |paths: &str, switch: Option<&str>| -> Vec<serde_json::Value> {
+        let v = kernels_bench_with("3,4", paths, &[("DECODE_NODE_AMX", switch)], &[]);
+        v["results"].as_array().unwrap().clone()
+    };
+    assert!(rows("amx", Some("0")).is_empty());
+    let on = rows("amx", None);
+    // Four rows (f16 and bf16, G=3 and 4) where the CPU and OS have AMX, none elsewhere.
+    assert!(on.is_empty() || on.len() == 4, "{on:?}");
+    for r in &on {
+        let tiles = r["dtype"] == "bf16" && r["group"] == 4;
+        assert_eq!(r["bf16_products"], tiles, "{r}");
+        assert!(r["fma_g_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let all = rows("amx", Some("all"));
+    assert_eq!(all.len(), on.len());
+    for r in &all {
+        assert_eq!(r["bf16_products"], r["dtype"] == "bf16", "{r}");
+    }
+    // As with the pairs, the path names the call; f16 blocks run its FMA loops.
+    let best = rows("best", None);
+    for r in best.iter().filter(|r| r["group"] == 4) {
+        assert_eq!(r["path"] == "amx", !on.is_empty(), "{r}");
+        assert_eq!(
+            r["bf16_products"],
+            !on.is_empty() && r["dtype"] == "bf16",
+            "{r}"
+        );
+    }
+    assert!(rows("best", Some("0")).iter().all(|r| r["path"] != "amx"));
 }
 
 /// `bench select --json` on a small shape (2 KV heads of 3 query heads, head dim 64, 2

@@ -22,8 +22,11 @@ pub struct Scratch {
     acc: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
-    /// The pre-scaled query rounded to bf16 (the `avx512bf16` path's bf16 blocks).
+    /// The pre-scaled query rounded to bf16 (the `avx512bf16` and `amx` paths' bf16 blocks).
     qb: Vec<u16>,
+    /// Where the `amx` path stages its tiles.
+    #[cfg(target_arch = "x86_64")]
+    staging: crate::kernel_amx::Staging,
 }
 
 /// Running softmax state of a group over the blocks seen so far, as the SIMD paths fold
@@ -50,6 +53,13 @@ pub(crate) struct State<'a> {
     /// thread, blocks in L2, Zen 4).
     #[cfg(target_arch = "x86_64")]
     pub(crate) bf16_weights: &'a mut [u16; 8 * 32],
+    /// This thread's tiles, configured for the call's group, and their staging area, where
+    /// the call takes the `amx` path (`kernel_amx`).
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) amx: Option<(
+        &'a crate::kernel_amx::Tiles,
+        &'a mut crate::kernel_amx::Staging,
+    )>,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -83,6 +93,11 @@ pub enum KernelPath {
     /// (`kernel_bf16`).
     #[cfg(target_arch = "x86_64")]
     Avx512Bf16,
+    /// [`KernelPath::Avx512`] with AMX tile products (`TDPBF16PS`) for full 32-token bf16
+    /// blocks of groups of 2 to 8 heads, the query and each block's weights rounded to bf16
+    /// as for [`KernelPath::Avx512Bf16`] (`kernel_amx`).
+    #[cfg(target_arch = "x86_64")]
+    Amx,
     /// NEON (arm64).
     #[cfg(target_arch = "aarch64")]
     Neon,
@@ -98,6 +113,8 @@ impl KernelPath {
         Self::Avx512,
         #[cfg(target_arch = "x86_64")]
         Self::Avx512Bf16,
+        #[cfg(target_arch = "x86_64")]
+        Self::Amx,
         #[cfg(target_arch = "aarch64")]
         Self::Neon,
     ];
@@ -112,6 +129,8 @@ impl KernelPath {
             Self::Avx512 => "avx512",
             #[cfg(target_arch = "x86_64")]
             Self::Avx512Bf16 => "avx512bf16",
+            #[cfg(target_arch = "x86_64")]
+            Self::Amx => "amx",
             #[cfg(target_arch = "aarch64")]
             Self::Neon => "neon",
         }
@@ -134,14 +153,16 @@ impl KernelPath {
             }
             #[cfg(target_arch = "x86_64")]
             Self::Avx512Bf16 => Self::Avx512.runs(geom) && crate::kernel_bf16::available(),
+            #[cfg(target_arch = "x86_64")]
+            Self::Amx => Self::Avx512.runs(geom) && crate::kernel_amx::available(),
             #[cfg(target_arch = "aarch64")]
             Self::Neon => simd_shape && crate::kernel_neon::available(),
         }
     }
 
     /// The fastest path this CPU has for blocks of `geom` that multiplies in f32 throughout
-    /// (not [`KernelPath::Avx512Bf16`]): the reference other implementations of the same
-    /// attention (a GPU's kernels) are held to at f32 precision.
+    /// (not [`KernelPath::Avx512Bf16`] or [`KernelPath::Amx`]): the reference other
+    /// implementations of the same attention (a GPU's kernels) are held to at f32 precision.
     pub fn best_f32(geom: &BlockGeometry) -> Self {
         Self::ALL
             .iter()
@@ -149,7 +170,7 @@ impl KernelPath {
             .copied()
             .filter(|p| {
                 #[cfg(target_arch = "x86_64")]
-                return *p != Self::Avx512Bf16;
+                return !matches!(p, Self::Avx512Bf16 | Self::Amx);
                 #[cfg(not(target_arch = "x86_64"))]
                 return {
                     let _ = p;
@@ -161,15 +182,19 @@ impl KernelPath {
     }
 
     /// Whether this path, for a group of `g` query heads over blocks of `geom`, multiplies
-    /// bf16 pairs (`VDPBF16PS`: the query and the weights rounded to bf16) rather than f32 FMAs:
-    /// [`KernelPath::Avx512Bf16`] on bf16 blocks of the shapes it takes. Its multiply-add
-    /// rate is then [`crate::bf16_dot_peak`]'s, not [`crate::fma_peak_on`]'s.
+    /// bf16 pairs (the query and the weights rounded to bf16) rather than f32 FMAs:
+    /// [`KernelPath::Avx512Bf16`] (`VDPBF16PS`) and [`KernelPath::Amx`] (tiles) on bf16
+    /// blocks of the shapes they take. Its multiply-add rate is then
+    /// [`crate::bf16_dot_peak`]'s or [`crate::amx_peak`]'s, not [`crate::fma_peak_on`]'s.
     pub fn multiplies_bf16(self, geom: &BlockGeometry, g: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
-        return self == Self::Avx512Bf16
-            && self.runs(geom)
+        return self.runs(geom)
             && geom.dtype == crate::KvDType::Bf16
-            && crate::kernel_bf16::shape(g, geom.block_size, geom.head_dim);
+            && match self {
+                Self::Avx512Bf16 => crate::kernel_bf16::shape(g, geom.block_size, geom.head_dim),
+                Self::Amx => crate::kernel_amx::shape(g, geom.block_size, geom.head_dim),
+                _ => false,
+            };
         #[cfg(not(target_arch = "x86_64"))]
         return {
             let _ = (geom, g);
@@ -178,8 +203,9 @@ impl KernelPath {
     }
 
     /// The fastest path this CPU has for blocks of `geom`: the widest it runs (AVX-512 on
-    /// Zen 4's half-width units too: see `kernel_avx512`), but the bf16 pair products only
-    /// where they outrun the FMAs here (`kernel_bf16::preferred`: measured once a process).
+    /// Zen 4's half-width units too: see `kernel_avx512`), AMX tiles where the CPU and OS
+    /// have them, but the bf16 pair products only where they outrun the FMAs here
+    /// (`kernel_bf16::preferred`: measured once a process).
     pub fn best(geom: &BlockGeometry) -> Self {
         Self::ALL
             .iter()
@@ -252,6 +278,8 @@ pub fn attend_blocks_on<'a>(
         m,
         l,
         qb,
+        #[cfg(target_arch = "x86_64")]
+        staging,
     } = scratch;
     // Pre-scaling by log2(e) turns exp into exp2 for the whole crate.
     qs.clear();
@@ -269,7 +297,10 @@ pub fn attend_blocks_on<'a>(
     #[cfg(target_arch = "x86_64")]
     let simd = path != KernelPath::Scalar && path.runs(geom);
     #[cfg(target_arch = "x86_64")]
-    let wide = matches!(path, KernelPath::Avx512 | KernelPath::Avx512Bf16) && simd;
+    let wide = matches!(
+        path,
+        KernelPath::Avx512 | KernelPath::Avx512Bf16 | KernelPath::Amx
+    ) && simd;
     // The bf16 dot products' query, rounded once a call.
     #[cfg(target_arch = "x86_64")]
     let qb = if path.multiplies_bf16(geom, g) {
@@ -280,6 +311,12 @@ pub fn attend_blocks_on<'a>(
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = qb;
+    // The tiles, configured for the call's group on this thread and released at its end.
+    #[cfg(target_arch = "x86_64")]
+    let tiles = match path {
+        KernelPath::Amx if qb.is_some() => crate::kernel_amx::Tiles::configure(g, d),
+        _ => None,
+    };
     #[cfg(target_arch = "aarch64")]
     let simd = path == KernelPath::Neon && path.runs(geom);
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
@@ -314,6 +351,7 @@ pub fn attend_blocks_on<'a>(
                 s,
                 pairs: &mut pairs,
                 bf16_weights: &mut bf16_weights,
+                amx: tiles.as_ref().map(|t| (t, &mut *staging)),
             };
             // SAFETY: `best` checked the CPU and that block size and head dim are multiples of
             // 8; the block holds a whole head block.

@@ -286,15 +286,24 @@ pub(crate) unsafe fn block(
     let (b, d) = (geom.block_size, geom.head_dim);
     if let Some(qb) = qb
         && geom.dtype == KvDType::Bf16
-        && crate::kernel_bf16::takes(qs.len() / d, b, len, d)
     {
+        let g = qs.len() / d;
         let (kt, vs) = bytes.split_at(b * d * 2);
         // One request of the next block's lines per two K rows and per two V rows of 32
-        // channels, as the AVX-512 loops.
-        pf.spread_over(d);
-        // SAFETY: the CPU is the caller's promise; the lengths are checked inside.
-        if unsafe { crate::kernel_bf16::block(kt, vs, d, qb, st, pf) } {
-            return;
+        // channels, as the AVX-512 loops (both bf16 paths).
+        if st.amx.is_some() && crate::kernel_amx::takes(g, b, len, d) {
+            // SAFETY: the CPU is the caller's promise (tiles exist only where it has AMX);
+            // the lengths are checked inside.
+            if unsafe { crate::kernel_amx::block(kt, vs, d, qb, st, pf) } {
+                return;
+            }
+        }
+        if crate::kernel_bf16::takes(g, b, len, d) {
+            pf.spread_over(d);
+            // SAFETY: the CPU is the caller's promise; the lengths are checked inside.
+            if unsafe { crate::kernel_bf16::block(kt, vs, d, qb, st, pf) } {
+                return;
+            }
         }
     }
     st.in_channel_order();
@@ -991,6 +1000,7 @@ mod tests {
                 s: &mut self.s,
                 pairs: &mut pairs,
                 bf16_weights: &mut bf16_weights,
+                amx: None,
             };
             f(&mut st)
         }
@@ -1126,6 +1136,7 @@ mod tests {
                             s: &mut sc,
                             pairs: &mut pairs,
                             bf16_weights: &mut bf16_weights,
+                            amx: None,
                         };
                         let mut pf = Prefetch::new(&next);
                         // SAFETY: checked the CPU; a whole head block; 32 and d multiples of 8.

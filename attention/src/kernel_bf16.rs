@@ -333,6 +333,24 @@ unsafe fn round_weights<const G: usize>(s: &[f32], w: &mut [u16; 8 * 32]) {
     }
 }
 
+/// [`round_weights`] for a run-time group of 2 to 8 heads (`kernel_amx`'s blocks); nothing
+/// outside that.
+///
+/// # Safety
+/// AVX-512F/BW/BF16; `s` holds `g * 32`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(crate) unsafe fn round_weights_dyn(g: usize, s: &[f32], w: &mut [u16; 8 * 32]) {
+    assert!(s.len() >= g * 32);
+    // SAFETY: the CPU is the caller's promise; `s` holds G * 32 (checked above).
+    unsafe { crate::kernel_avx512::with_group!(g, G => round_weights::<G>(s, w)) };
+}
+
+/// The first of the two tokens in the weights' 32-bit pair `j` (0..16): pairs 0..8 are lanes
+/// 0..16 of [`scores`]' first vector (tokens 0-3, 8-11, ...), pairs 8..16 its second (4 on).
+pub(crate) const fn first_token(j: usize) -> usize {
+    8 * ((j % 8) / 2) + 2 * (j % 2) + 4 * (j / 8)
+}
+
 /// The weights' 32-bit pair that holds (even) token `t` and the one after: pairs 0..8 are
 /// lanes 0..16 of [`scores`]' first vector (tokens 0-3, 8-11, ...), pairs 8..16 its second
 /// (tokens 4-7, 12-15, ...).
@@ -464,12 +482,6 @@ unsafe fn accumulate_v<const G: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The first of the two tokens in the weights' 32-bit pair `j` (0..16): pairs 0..8 are lanes
-    /// 0..16 of `scores`' first vector (tokens 0-3, 8-11, ...), pairs 8..16 its second (4 on).
-    const fn first_token(j: usize) -> usize {
-        8 * ((j % 8) / 2) + 2 * (j % 2) + 4 * (j / 8)
-    }
 
     /// The rates measured on the two CPUs of the module doc decide as measured there: Zen 4's
     /// products (two per FMA) take the path, the Intel VM's (half an FMA's) do not; nothing

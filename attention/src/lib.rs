@@ -49,6 +49,8 @@ mod fold_avx2;
 pub mod host_sketch;
 mod kernel;
 #[cfg(target_arch = "x86_64")]
+mod kernel_amx;
+#[cfg(target_arch = "x86_64")]
 mod kernel_avx2;
 #[cfg(target_arch = "x86_64")]
 mod kernel_avx512;
@@ -73,7 +75,7 @@ pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on, force_ker
 #[cfg(target_arch = "x86_64")]
 pub use kernel_avx512::{avx512_enabled, avx512_factors};
 pub use merge::Partial;
-pub use peak::{bf16_dot_peak, fma_burst_on, fma_peak, fma_peak_on};
+pub use peak::{amx_peak, bf16_dot_peak, fma_burst_on, fma_peak, fma_peak_on};
 pub use policy::{AttentionConfig, BlockScorer, Mode, PredictionGuard, RecallLimits, RecallPolicy};
 pub use residency::DeviceBlock;
 pub use select::{TopCut, best_in, select_shared, select_spans, select_top_k};

@@ -50,6 +50,18 @@ pub fn bf16_dot_peak(seconds: f64) -> f64 {
     0.0
 }
 
+/// Products a second one thread's AMX tile products (`TDPBF16PS`) issue over `seconds`, the
+/// multiply-add rate of [`KernelPath::Amx`]'s bf16 blocks; 0 where the path cannot run.
+pub fn amx_peak(seconds: f64) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    return crate::kernel_amx::tile_peak(seconds);
+    #[cfg(not(target_arch = "x86_64"))]
+    return {
+        let _ = seconds;
+        0.0
+    };
+}
+
 /// `reps` rounds of `CHAINS` FMAs; returns the lanes per FMA of the path used.
 fn run(reps: usize, path: KernelPath) -> usize {
     #[cfg(target_arch = "x86_64")]

@@ -576,8 +576,9 @@ pub struct KernelsBench {
     /// Kernel paths: `best` (what the node runs on this CPU), `scalar` (the portable path,
     /// which is what a CPU with no SIMD path of ours gets, e.g. arm64), `avx2` (AVX2 only, as
     /// on a CPU without AVX-512), `avx512`, `avx512bf16` (`avx512` with bf16 blocks of groups
-    /// of 5 to 8 multiplied in bf16 pairs, held to that instruction's product rate); a path
-    /// this CPU lacks is skipped.
+    /// of 5 to 8 multiplied in bf16 pairs, held to that instruction's product rate), `amx`
+    /// (`avx512` with bf16 blocks of groups of 2 to 8 multiplied by AMX tiles, held to their
+    /// product rate); a path this CPU lacks is skipped.
     #[arg(long, default_value = "best")]
     pub paths: String,
     /// With `--device cuda`: tokens per KV head each timed call attends, every block of them
@@ -802,7 +803,8 @@ pub struct FidelityBench {
     /// CPU attention kernel paths compared, e.g. `avx512,avx512bf16` (names as in `bench kernels
     /// --paths`; `best`: the one each call would take): every case runs on each, measured
     /// against `full` on the first one listed. `DECODE_NODE_BF16_DOT=all` gives `avx512bf16`
-    /// groups of 2 to 8, to measure its rounding on a model with small groups.
+    /// groups of 2 to 8, and `DECODE_NODE_AMX=all` does so for `amx`, to measure their
+    /// rounding on a model with small groups.
     #[arg(long)]
     pub cpu_paths: Option<String>,
     /// Print each passkey answer.

@@ -32,7 +32,7 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
         paths
             .iter()
             .all(|p| p == "best" || KernelPath::ALL.iter().any(|k| k.name() == p)),
-        "--paths takes `best`, `scalar`, `avx2`, `avx512` and/or `avx512bf16`"
+        "--paths takes `best`, `scalar`, `avx2`, `avx512`, `avx512bf16` and/or `amx`"
     );
     // f16 and bf16 (most models' KV) unless `--kv-dtype` names one.
     let dtypes = match args.common.model.kv_dtype.as_str() {
@@ -65,7 +65,7 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
         }
         // Per path: the AVX2 path is held to AVX2's FMA rate, the others to the widest, and
         // bf16 blocks that `avx512bf16` multiplies in bf16 pairs to `VDPBF16PS`'s product
-        // rate (`bf16` in the key).
+        // rate, and those `amx` multiplies to its tiles' (`bf16` in the key).
         let mut peaks: Vec<((KernelPath, bool), f64)> = Vec::new();
         let mut scans: Vec<Scan> = Vec::new();
         for &dtype in &dtypes {
@@ -164,10 +164,14 @@ pub(super) fn kernels(args: &KernelsBench) -> anyhow::Result<serde_json::Value> 
 }
 
 /// Multiply-adds a second of `threads` threads at once: `path`'s FMAs, or with `bf16` its
-/// bf16 pair products (`VDPBF16PS`).
+/// bf16 pair products (`VDPBF16PS`, or AMX tiles on the `amx` path).
 fn peak_threads((path, bf16): (KernelPath, bool), threads: usize, seconds: f64) -> f64 {
     if !bf16 {
         return fma_peak_threads(path, threads, seconds);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if path == KernelPath::Amx {
+        return summed_over_threads(threads, move || attention::amx_peak(seconds));
     }
     summed_over_threads(threads, move || attention::bf16_dot_peak(seconds))
 }

@@ -1,0 +1,543 @@
+//! AMX pieces of the CPU kernel: full 32-token bf16 blocks of GQA groups of 4 to 8 heads
+//! (5 to 8 above D=64) by tile products (`TDPBF16PS`), where the CPU has AMX-BF16 (Intel
+//! Sapphire Rapids on: the Xeons beside today's GPUs) and the kernel grants the process its
+//! tile state.
+//!
+//! Why: on those Xeons only ports 0 and 5 run 512-bit vector ops, and the bf16 widening takes
+//! FMA slots, so the `avx512` loops of a group of 4 to 8 heads top out at 0.45-0.6 of the FMA
+//! roofline with the blocks in L2, and G=8 streams at 0.65-0.8 of read bandwidth. One
+//! `TDPBF16PS` does 16 x 16 x 32 products in about 16 cycles (1.6-1.7 T a second a core
+//! against 0.11 T of f32 FMAs), so a block's products cost next to nothing, whatever the
+//! group; what is left is staging the block's rows for the tiles, the softmax, and the reads.
+//! On a 2-core Xeon VM (blocks in L2, one thread): G=8 15 -> 26 GB/s at D=64, 17 -> 31 at
+//! D=128; from DRAM G=8 reaches 0.8-0.97 of read bandwidth where the FMAs reached 0.68-0.76.
+//! Below the groups [`min_group`] names the FMAs keep up with the reads, and they win.
+//!
+//! The arithmetic is `kernel_bf16`'s, with the same rounding (the pre-scaled query once a
+//! call, each block's weights once, to bf16 to nearest; products exact, sums f32) and the
+//! same orders: a tile multiplies pairs of bf16 along the sum, so the B operand's rows are
+//! pairs of key channels (scores) or of tokens (V), which `VPUNPCKLWD`/`VPUNPCKHWD` of two
+//! rows give, for the tokens (or channels) 0-3, 8-11, 16-19, 24-27 and for the other half.
+//! The scores stay in that token order through the softmax, the weights' pairs name the V
+//! rows to pair, and the V sums land in `kernel_bf16`'s pair order, which `acc` keeps for
+//! the call (`State::pairs`). So for a block:
+//!
+//! - scores: the K rows staged as B tiles (16 channel pairs x 16 tokens, two per 32
+//!   channels) in L1, each multiplied by the query's 32 channels (an A tile of G rows read in
+//!   place from the rounded query) into two C tiles (G x 16 tokens), stored into `s`;
+//! - the `avx512` softmax, then the weights rounded (`kernel_bf16::round_weights`);
+//! - V: the V rows staged as B tiles (16 token pairs x 16 channels), multiplied by the
+//!   weights' A tile into C tiles loaded from and stored back to `acc` in place.
+//!
+//! The tiles could read K's rows in place (tokens as the pairs) with the query's channels in
+//! every other lane of A and zeros between; but 0 x inf is NaN, so a key of -inf would spoil
+//! its neighbour's score where every other path drops just its own token. Hence the staging.
+//! The products take no denormal inputs or outputs (AMX treats them as zero), as
+//! `VDPBF16PS`. `DECODE_NODE_AMX=0` turns the path off; `all` gives it groups of 2 to 8.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::marker::PhantomData;
+
+use crate::kernel::State;
+use crate::kernel_avx2::Prefetch;
+
+/// True when this CPU has AMX-BF16 beside what the `avx512` loops and `kernel_bf16`'s
+/// rounding need, the OS gave this process the tile state, and `DECODE_NODE_AMX` does not
+/// turn it off. Decided once a process.
+pub(crate) fn available() -> bool {
+    switch() != Switch::Off
+}
+
+/// What `DECODE_NODE_AMX` and the CPU allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Switch {
+    /// Off (`0`, `off`, `false`, `no`), or the CPU or OS lacks it.
+    Off,
+    /// The groups [`min_group`] names.
+    Default,
+    /// Groups of 2 to 8 (`all`): for measuring what the rounding costs on a model with small
+    /// groups, and the path where the FMAs are faster.
+    All,
+}
+
+/// [`Switch`] as this process was started. Read once.
+fn switch() -> Switch {
+    static ON: std::sync::OnceLock<Switch> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let var = std::env::var("DECODE_NODE_AMX").unwrap_or_default();
+        match parse_switch(&var) {
+            Switch::Off => Switch::Off,
+            _ if !(crate::kernel_avx512::available()
+                && is_x86_feature_detected!("avx512bf16")
+                && cpu_has_amx_bf16()
+                && os_grants_tiles()) =>
+            {
+                Switch::Off
+            }
+            on => on,
+        }
+    })
+}
+
+fn parse_switch(var: &str) -> Switch {
+    match var.trim() {
+        "0" | "off" | "false" | "no" => Switch::Off,
+        "all" => Switch::All,
+        _ => Switch::Default,
+    }
+}
+
+/// The smallest group the path takes by default at head dim `d`: where its blocks ran
+/// faster than the `avx512` loops' both from DRAM and from L2 (a 2-core Xeon VM, module
+/// doc): 4 heads at D=64, 5 above. Smaller groups are bound by reads, which the FMAs keep
+/// up with; at D=128 the tile path streams from DRAM at 0.8 of read bandwidth where the
+/// FMAs of a group of 4 reach 0.92.
+fn min_group(d: usize) -> usize {
+    match switch() {
+        Switch::All => 2,
+        _ if d <= 64 => 4,
+        _ => 5,
+    }
+}
+
+/// CPUID leaf 7: AMX-TILE (EDX bit 24) and AMX-BF16 (bit 22).
+fn cpu_has_amx_bf16() -> bool {
+    // Leaf 7 is read only where the CPU has it.
+    if __get_cpuid_max(0).0 < 7 {
+        return false;
+    }
+    let edx = __cpuid_count(7, 0).edx;
+    edx & (1 << 24) != 0 && edx & (1 << 22) != 0
+}
+
+/// Linux hands out the 8 KiB of tile data per process on request
+/// (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, 5.16 on); a tile instruction
+/// before that raises SIGILL. XCR0 then has both tile bits.
+#[cfg(target_os = "linux")]
+fn os_grants_tiles() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: a plain syscall with two integer arguments; it changes only this process's
+    // permission to use the tile state.
+    let granted = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    };
+    // SAFETY: OSXSAVE is set wherever the OS enabled AVX, which `kernel_avx512::available`
+    // checked before this runs.
+    granted && unsafe { _xgetbv(0) } & (0b11 << 17) == 0b11 << 17
+}
+
+/// Other systems: not tried here (each has its own way to grant the tile state).
+#[cfg(not(target_os = "linux"))]
+fn os_grants_tiles() -> bool {
+    false
+}
+
+/// Whether [`block`] takes full blocks of this shape: 32 tokens, a group of [`min_group`] to
+/// 8 heads (the `avx512` softmax's largest), head dim a multiple of 32.
+pub(crate) fn shape(g: usize, b: usize, d: usize) -> bool {
+    b == 32 && (min_group(d)..=8).contains(&g) && d.is_multiple_of(32)
+}
+
+/// Whether [`block`] takes this block: [`shape`], and full.
+pub(crate) fn takes(g: usize, b: usize, len: usize, d: usize) -> bool {
+    shape(g, b, d) && len == b
+}
+
+/// Requests of the next block's lines made before each tile step (32 channels of scores or
+/// of V): with one per staged row pair, one line a request covers the next block (`2d`
+/// lines). The tile steps and the softmax read nothing from memory; requests made only
+/// while staging came in bursts the core waited on (from DRAM, one thread: G=8 D=128
+/// 9.8 GB/s against 12.7-14 with these).
+const REQUESTS_PER_TILE_STEP: usize = 16;
+
+/// One 64-byte tile row, so staged tiles start on a cache line.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Where [`block`] stages its B tiles: a block's K tiles (two of 16 rows for each 32
+/// channels), all before the first product, so the stores have left for L1 before the tile
+/// loads read them (a tile load waits for the stores it reads: staging 32 channels at a time
+/// ran 8-10% slower with the blocks in L2); then its V tiles in the same place. One area for
+/// both keeps L1 for the block's rows: two (16 KiB at D=128) ran 5-10% slower from DRAM.
+#[derive(Debug, Default)]
+pub(crate) struct Staging(Vec<Line>);
+
+impl Staging {
+    /// Room for the tiles of blocks of head dim `d`.
+    fn fit(&mut self, d: usize) {
+        let lines = 16 * (d / 16);
+        if self.0.len() < lines {
+            self.0.resize(lines, Line([0; 64]));
+        }
+    }
+
+    /// The first byte of staged tile `i` (the area holds [`Staging::fit`]'s tiles).
+    fn tile(&mut self, i: usize) -> *mut u8 {
+        self.0[16 * i].0.as_mut_ptr()
+    }
+}
+
+/// The tile configuration for a group of `g` heads: tiles 0 and 1 the C tiles (`g` rows of
+/// 16 f32), 2, 3, 5, 6 the B tiles (16 rows of 32 bf16), 4 and 7 the A tiles (`g` rows of 32
+/// bf16).
+#[repr(C, align(64))]
+struct Config([u8; 64]);
+
+impl Config {
+    fn for_group(g: usize) -> Self {
+        let mut c = [0u8; 64];
+        c[0] = 1; // palette 1: eight tiles of up to 16 rows of 64 bytes
+        for t in 0..8 {
+            let rows = if matches!(t, 2 | 3 | 5 | 6) {
+                16
+            } else {
+                g as u8
+            };
+            c[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
+            c[48 + t] = rows;
+        }
+        Self(c)
+    }
+}
+
+/// This thread's tiles, configured for one call's group; released when dropped. Not `Send`:
+/// the configuration belongs to the thread that loaded it.
+pub(crate) struct Tiles {
+    g: usize,
+    _thread: PhantomData<*const ()>,
+}
+
+impl Tiles {
+    /// Configures this thread's tiles for groups of `g` heads at head dim `d`, where
+    /// [`available`] and [`shape`] allow (else `None`).
+    pub(crate) fn configure(g: usize, d: usize) -> Option<Self> {
+        if !available() || !shape(g, 32, d) {
+            return None;
+        }
+        let cfg = Config::for_group(g);
+        // SAFETY: `available` checked AMX-TILE and the OS's grant; the configuration is a
+        // valid palette-1 one (rows <= 16, 64 bytes a row).
+        unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
+        Some(Self {
+            g,
+            _thread: PhantomData,
+        })
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: tiles were configured on this thread (`configure`); releasing them returns
+        // the thread to the init state, so context switches stop saving 8 KiB of tiles.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+}
+
+/// Folds one full 32-token bf16 block (`kt` its keys, `vs` its values) into `st` by tile
+/// products: the scores from `qb` (the pre-scaled query rounded, `[G][d]`), the `avx512`
+/// softmax, V by the weights rounded. False (nothing done) where `st` holds no tiles
+/// ([`State::amx`]) or [`shape`] does not hold for their group.
+///
+/// # Safety
+/// The CPU has what [`available`] checks; the block holds 32 tokens, all filled, so `st.s` is
+/// `[G][32]`. The slices' lengths are checked here, once a block, so the loops index without
+/// checks.
+///
+/// [`State::amx`]: crate::kernel::State::amx
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(crate) unsafe fn block(
+    kt: &[u8],
+    vs: &[u8],
+    d: usize,
+    qb: &[u16],
+    st: &mut State<'_>,
+    pf: &mut Prefetch<'_>,
+) -> bool {
+    let Some((tiles, staging)) = st.amx.as_mut() else {
+        return false;
+    };
+    let g = tiles.g;
+    if !shape(g, 32, d) || qb.len() != g * d {
+        return false;
+    }
+    assert!(
+        kt.len() >= 32 * d * 2
+            && vs.len() >= 32 * d * 2
+            && st.s.len() >= g * 32
+            && st.acc.len() >= g * d
+            && st.m.len() >= g
+            && st.l.len() >= g
+    );
+    if !*st.pairs {
+        crate::kernel_bf16::to_pair_order(st.acc);
+        *st.pairs = true;
+    }
+    staging.fit(d);
+    // One request per staged row pair (d) and REQUESTS_PER_TILE_STEP per tile step.
+    pf.spread_over(d + 2 * REQUESTS_PER_TILE_STEP * (d / 32));
+    // SAFETY: the CPU is the caller's promise, the tiles `Tiles`' (configured on this thread
+    // for `g`); the lengths are checked above, the staging area fits `d`.
+    unsafe {
+        stage_k(kt, d, pf, staging);
+        scores(qb, d, g, st.s, pf, staging);
+        crate::kernel_avx512::softmax_dyn(g, st.s, 32, st.m, st.l, st.acc, d);
+        crate::kernel_bf16::round_weights_dyn(g, st.s, st.bf16_weights);
+        stage_v(vs, d, pf, staging);
+        accumulate_v(d, st.bf16_weights, st.acc, pf, staging);
+    }
+    true
+}
+
+/// Rows `r` and `r + 1` (64 bytes each, at `p` and `p + stride`) interleaved as bf16 pairs
+/// into row `j` of staged tiles `lo` (elements 0-3, 8-11, 16-19, 24-27) and `hi` (the rest),
+/// row `r` in each pair's low half.
+///
+/// # Safety
+/// Both rows readable; `lo` and `hi` each hold 16 rows of 64 bytes; `j < 16`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn stage_pair(p: *const u8, stride: usize, lo: *mut u8, hi: *mut u8, j: usize) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        let r0 = _mm512_loadu_si512(p.cast());
+        let r1 = _mm512_loadu_si512(p.add(stride).cast());
+        _mm512_store_si512(lo.add(64 * j).cast(), _mm512_unpacklo_epi16(r0, r1));
+        _mm512_store_si512(hi.add(64 * j).cast(), _mm512_unpackhi_epi16(r0, r1));
+    }
+}
+
+/// Stages a full 32-token block's K tiles: for each 32 key channels `c0`, tiles `c0 / 16`
+/// and `c0 / 16 + 1` (16 channel pairs x the tokens 0-3, 8-11, 16-19, 24-27, then the
+/// others). One request of the next block's lines per row pair.
+///
+/// # Safety
+/// AVX-512F/BW; `kt` holds `d` rows of 32 bf16, `d` a multiple of 32; `staging` fits `d`.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn stage_k(kt: &[u8], d: usize, pf: &mut Prefetch<'_>, staging: &mut Staging) {
+    let k = kt.as_ptr();
+    let mut next = *pf;
+    for c0 in (0..d).step_by(32) {
+        let (lo, hi) = (staging.tile(c0 / 16), staging.tile(c0 / 16 + 1));
+        for j in 0..16 {
+            next.line();
+            // SAFETY: rows c0 + 2j, c0 + 2j + 1 < d of 64 bytes lie inside `kt`.
+            unsafe { stage_pair(k.add((c0 + 2 * j) * 64), 64, lo, hi, j) };
+        }
+    }
+    *pf = next;
+}
+
+/// Stages a full 32-token block's V tiles where [`stage_k`] put the K tiles: for each 32
+/// value channels `c0`, tiles `c0 / 16` and the next (16 token pairs,
+/// `kernel_bf16::first_token`'s, x those channels' two halves). Row pair by row pair, each
+/// read whole (from DRAM, one thread, D=128: 3-5% faster than 32 channels at a time). One
+/// request of the next block's lines per row pair and 32 channels.
+///
+/// # Safety
+/// AVX-512F/BW; `vs` holds 32 rows of `d` bf16, `d` a multiple of 32; `staging` fits `d`.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn stage_v(vs: &[u8], d: usize, pf: &mut Prefetch<'_>, staging: &mut Staging) {
+    let v = vs.as_ptr();
+    let row = 2 * d; // bytes of a V row
+    let mut next = *pf;
+    for j in 0..16 {
+        let t = crate::kernel_bf16::first_token(j);
+        for c0 in (0..d).step_by(32) {
+            next.line();
+            let (lo, hi) = (staging.tile(c0 / 16), staging.tile(c0 / 16 + 1));
+            // SAFETY: tokens t, t + 1 < 32 rows of `row` bytes; c0 + 32 <= d.
+            unsafe { stage_pair(v.add(t * row + 2 * c0), row, lo, hi, j) };
+        }
+    }
+    *pf = next;
+}
+
+/// Scores of a full 32-token block into `s` (`[G][32]`, each head's tokens in the pairs'
+/// order: 0-3, 8-11, 16-19, 24-27, then 4-7, ...), from the staged K tiles.
+///
+/// # Safety
+/// AMX configured for `g` ([`Tiles`]); [`stage_k`] staged the block for head dim `d`, a
+/// multiple of 32; `qb` is `[g][d]`; `s` holds `g * 32`.
+unsafe fn scores(
+    qb: &[u16],
+    d: usize,
+    g: usize,
+    s: &mut [f32],
+    pf: &mut Prefetch<'_>,
+    staging: &mut Staging,
+) {
+    debug_assert!(s.len() >= g * 32 && qb.len() >= g * d);
+    let mut next = *pf;
+    let q = qb.as_ptr().cast::<u8>();
+    // SAFETY (whole body): tiles 0 and 1 are the C tiles of the configuration.
+    unsafe { asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem)) };
+    for c0 in (0..d).step_by(32) {
+        for _ in 0..REQUESTS_PER_TILE_STEP {
+            next.line();
+        }
+        let (lo, hi) = (staging.tile(c0 / 16), staging.tile(c0 / 16 + 1));
+        // SAFETY: the staged tiles are 16 rows of 64 bytes; the A tile is g rows of 64
+        // bytes, row h at the query's channel c0 of head h (`qb` is `[g][d]`, 2d bytes a
+        // row); tiles 2-7 as `Config` shapes them. Alternate registers let a step's loads
+        // go ahead of the last step's products.
+        unsafe {
+            if c0 % 64 == 0 {
+                asm!(
+                    "tileloadd tmm2, [{lo} + {s64}*1]",
+                    "tileloadd tmm3, [{hi} + {s64}*1]",
+                    "tileloadd tmm4, [{q} + {qs}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm2",
+                    "tdpbf16ps tmm1, tmm4, tmm3",
+                    lo = in(reg) lo, hi = in(reg) hi, s64 = in(reg) 64usize,
+                    q = in(reg) q.add(2 * c0), qs = in(reg) 2 * d,
+                    options(nostack, readonly),
+                );
+            } else {
+                asm!(
+                    "tileloadd tmm5, [{lo} + {s64}*1]",
+                    "tileloadd tmm6, [{hi} + {s64}*1]",
+                    "tileloadd tmm7, [{q} + {qs}*1]",
+                    "tdpbf16ps tmm0, tmm7, tmm5",
+                    "tdpbf16ps tmm1, tmm7, tmm6",
+                    lo = in(reg) lo, hi = in(reg) hi, s64 = in(reg) 64usize,
+                    q = in(reg) q.add(2 * c0), qs = in(reg) 2 * d,
+                    options(nostack, readonly),
+                );
+            }
+        }
+    }
+    // SAFETY: head h's 32 scores at s[h * 32..]: the first tile's 16 then the second's, g
+    // rows of 128 bytes.
+    unsafe {
+        let out = s.as_mut_ptr().cast::<u8>();
+        asm!(
+            "tilestored [{a} + {rs}*1], tmm0",
+            "tilestored [{b} + {rs}*1], tmm1",
+            a = in(reg) out, b = in(reg) out.add(64), rs = in(reg) 128usize,
+            options(nostack),
+        );
+    }
+    *pf = next;
+}
+
+/// `acc[h] += sum_t w[h][t] V[t]` over a full 32-token block, 32 channels at a time, from the
+/// staged V tiles, `acc` in the pairs' channel order (`kernel_bf16::to_pair_order`).
+///
+/// # Safety
+/// AMX configured for `g` ([`Tiles`]); [`stage_v`] staged the block for head dim `d`, a
+/// multiple of 32; `w` as `kernel_bf16::round_weights_dyn` left it for `g` heads; `acc` is
+/// `[g][d]`.
+unsafe fn accumulate_v(
+    d: usize,
+    w: &[u16; 8 * 32],
+    acc: &mut [f32],
+    pf: &mut Prefetch<'_>,
+    staging: &mut Staging,
+) {
+    let mut next = *pf;
+    let a = acc.as_mut_ptr().cast::<u8>();
+    // SAFETY: the weights' A tile: g rows of 32 bf16, 64 bytes apart.
+    unsafe {
+        asm!("tileloadd tmm4, [{w} + {s64}*1]", w = in(reg) w.as_ptr(), s64 = in(reg) 64usize,
+             options(nostack, readonly));
+    }
+    for c0 in (0..d).step_by(32) {
+        for _ in 0..REQUESTS_PER_TILE_STEP {
+            next.line();
+        }
+        let (lo, hi) = (staging.tile(c0 / 16), staging.tile(c0 / 16 + 1));
+        // SAFETY: the C tiles are g rows of 16 f32 at acc[h * d + c0] and acc[h * d + c0 +
+        // 16] (4d bytes a row), inside `acc`; the staged tiles 16 rows of 64 bytes.
+        unsafe {
+            asm!(
+                "tileloadd tmm0, [{a} + {rs}*1]",
+                "tileloadd tmm1, [{b} + {rs}*1]",
+                "tileloadd tmm2, [{lo} + {s64}*1]",
+                "tileloadd tmm3, [{hi} + {s64}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm2",
+                "tdpbf16ps tmm1, tmm4, tmm3",
+                "tilestored [{a} + {rs}*1], tmm0",
+                "tilestored [{b} + {rs}*1], tmm1",
+                a = in(reg) a.add(4 * c0), b = in(reg) a.add(4 * c0 + 64), rs = in(reg) 4 * d,
+                lo = in(reg) lo, hi = in(reg) hi, s64 = in(reg) 64usize,
+                options(nostack),
+            );
+        }
+    }
+    *pf = next;
+}
+
+/// Products a second one thread's `TDPBF16PS` issue over `seconds` (16 x 16 x 32 an
+/// instruction, on tiles in registers): the multiply-add bound of [`block`]'s products; 0
+/// where the path cannot run.
+pub(crate) fn tile_peak(seconds: f64) -> f64 {
+    let Some(_tiles) = Tiles::configure(8, 64) else {
+        return 0.0;
+    };
+    // The peak wants full 16-row tiles: a configuration of its own, released with `_tiles`.
+    let cfg = Config::for_group(16);
+    // SAFETY: `configure` checked the CPU and the OS's grant; a valid palette-1 configuration.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
+    let end = std::time::Instant::now() + std::time::Duration::from_secs_f64(seconds.max(0.01));
+    let mut best = 0f64;
+    while std::time::Instant::now() < end || best == 0.0 {
+        let reps: usize = 1 << 14;
+        let t = std::time::Instant::now();
+        // SAFETY: tiles configured above; products of whatever the tiles hold (zeros).
+        unsafe {
+            asm!(
+                "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
+                "tilezero tmm4", "tilezero tmm7",
+                "2:",
+                "tdpbf16ps tmm0, tmm4, tmm2",
+                "tdpbf16ps tmm1, tmm4, tmm3",
+                "tdpbf16ps tmm5, tmm7, tmm2",
+                "tdpbf16ps tmm6, tmm7, tmm3",
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) reps => _,
+                options(nostack, nomem),
+            );
+        }
+        best = best.max((reps * 4 * 16 * 16 * 32) as f64 / t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `DECODE_NODE_AMX`: off by an off word, every group by `all`, anything else the
+    /// default groups.
+    #[test]
+    fn the_switch_reads_off_all_and_default() {
+        for off in ["0", "off", " false ", "no"] {
+            assert_eq!(parse_switch(off), Switch::Off, "{off}");
+        }
+        assert_eq!(parse_switch(" all "), Switch::All);
+        for on in ["", "1", "on", "yes"] {
+            assert_eq!(parse_switch(on), Switch::Default, "{on}");
+        }
+    }
+
+    /// Each tile's rows and row bytes as `block` uses them: C and A tiles one row a head,
+    /// B tiles 16 rows, every row 64 bytes; palette 1.
+    #[test]
+    fn the_configuration_shapes_each_tile() {
+        let c = Config::for_group(5);
+        assert_eq!(c.0[0], 1);
+        for t in 0..8 {
+            assert_eq!(u16::from_le_bytes([c.0[16 + 2 * t], c.0[17 + 2 * t]]), 64);
+            let rows = if [2, 3, 5, 6].contains(&t) { 16 } else { 5 };
+            assert_eq!(c.0[48 + t], rows, "tile {t}");
+        }
+    }
+}
