@@ -94,8 +94,9 @@ pub enum KernelPath {
     #[cfg(target_arch = "x86_64")]
     Avx512Bf16,
     /// [`KernelPath::Avx512`] with AMX tile products (`TDPBF16PS`) for full 32-token bf16
-    /// blocks of groups of 2 to 8 heads, the query and each block's weights rounded to bf16
-    /// as for [`KernelPath::Avx512Bf16`] (`kernel_amx`).
+    /// blocks of groups of 4 to 8 heads (7 and 8 above head dim 64; 2 to 8 with
+    /// `DECODE_NODE_AMX=all`), the query and each block's weights rounded to bf16 as for
+    /// [`KernelPath::Avx512Bf16`] (`kernel_amx`).
     #[cfg(target_arch = "x86_64")]
     Amx,
     /// NEON (arm64).

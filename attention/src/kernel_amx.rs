@@ -1,5 +1,5 @@
 //! AMX pieces of the CPU kernel: full 32-token bf16 blocks of GQA groups of 4 to 8 heads
-//! (5 to 8 above D=64) by tile products (`TDPBF16PS`), where the CPU has AMX-BF16 (Intel
+//! (7 and 8 above D=64) by tile products (`TDPBF16PS`), where the CPU has AMX-BF16 (Intel
 //! Sapphire Rapids on: the Xeons beside today's GPUs) and the kernel grants the process its
 //! tile state.
 //!
@@ -10,7 +10,7 @@
 //! against 0.11 T of f32 FMAs), so a block's products cost next to nothing, whatever the
 //! group; what is left is staging the block's rows for the tiles, the softmax, and the reads.
 //! On a 2-core Xeon VM (blocks in L2, one thread): G=8 15 -> 26 GB/s at D=64, 17 -> 31 at
-//! D=128; from DRAM G=8 reaches 0.8-0.97 of read bandwidth where the FMAs reached 0.68-0.76.
+//! D=128; from DRAM G=8 reaches 0.79-0.95 of read bandwidth where the FMAs reached 0.71-0.75.
 //! Below the groups [`min_group`] names the FMAs keep up with the reads, and they win.
 //!
 //! The arithmetic is `kernel_bf16`'s, with the same rounding (the pre-scaled query once a
@@ -88,16 +88,18 @@ fn parse_switch(var: &str) -> Switch {
     }
 }
 
-/// The smallest group the path takes by default at head dim `d`: where its blocks ran
-/// faster than the `avx512` loops' both from DRAM and from L2 (a 2-core Xeon VM, module
-/// doc): 4 heads at D=64, 5 above. Smaller groups are bound by reads, which the FMAs keep
-/// up with; at D=128 the tile path streams from DRAM at 0.8 of read bandwidth where the
-/// FMAs of a group of 4 reach 0.92.
+/// The smallest group the path takes by default at head dim `d`: where its blocks ran at
+/// least as fast as the `avx512` loops' from DRAM (a 2-core Xeon VM, one and two threads;
+/// from L2 it wins from G=4 at either head dim): 4 heads at D=64 (G=2-3 alike, G=4 0.96
+/// of read bandwidth against 0.82-0.86, G=8 0.91-0.92 against 0.73-0.75), 7 above. At D=128
+/// the tile path streams at 0.79-0.88 whatever the group (why, not found), where the FMAs
+/// reach 0.89-0.99 up to G=6; G=7 came out alike (0.79-0.81 against 0.81-0.84), G=8 ahead
+/// (0.79-0.83 against 0.73-0.74).
 fn min_group(d: usize) -> usize {
     match switch() {
         Switch::All => 2,
         _ if d <= 64 => 4,
-        _ => 5,
+        _ => 7,
     }
 }
 
@@ -287,9 +289,11 @@ pub(crate) unsafe fn block(
     unsafe {
         stage_k(kt, d, pf, staging);
         scores(qb, d, g, st.s, pf, staging);
+        // Staged while the score tiles finish and their stores drain, which the softmax
+        // waits for (G=8 D=128 from DRAM, one thread: 14.4-14.5 -> 15.2-15.3 GB/s).
+        stage_v(vs, d, pf, staging);
         crate::kernel_avx512::softmax_dyn(g, st.s, 32, st.m, st.l, st.acc, d);
         crate::kernel_bf16::round_weights_dyn(g, st.s, st.bf16_weights);
-        stage_v(vs, d, pf, staging);
         accumulate_v(d, st.bf16_weights, st.acc, pf, staging);
     }
     true
@@ -334,7 +338,8 @@ unsafe fn stage_k(kt: &[u8], d: usize, pf: &mut Prefetch<'_>, staging: &mut Stag
     *pf = next;
 }
 
-/// Stages a full 32-token block's V tiles where [`stage_k`] put the K tiles: for each 32
+/// Stages a full 32-token block's V tiles where [`stage_k`] put the K tiles (the score tiles
+/// loaded before these stores, which x86 keeps in order): for each 32
 /// value channels `c0`, tiles `c0 / 16` and the next (16 token pairs,
 /// `kernel_bf16::first_token`'s, x those channels' two halves). Row pair by row pair, each
 /// read whole (from DRAM, one thread, D=128: 3-5% faster than 32 channels at a time). One
