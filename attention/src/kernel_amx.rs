@@ -187,8 +187,8 @@ impl Staging {
 }
 
 /// The tile configuration for a group of `g` heads: tiles 0 and 1 the C tiles (`g` rows of
-/// 16 f32), 2, 3, 5, 6 the B tiles (16 rows of 32 bf16), 4 and 7 the A tiles (`g` rows of 32
-/// bf16).
+/// 16 f32), 2 and 3 the B tiles (16 rows of 32 bf16), 4 the A tile (`g` rows of 32 bf16);
+/// 5 and 6 shaped as B and 7 as A, which only [`tile_peak`]'s extra chains use.
 #[repr(C, align(64))]
 struct Config([u8; 64]);
 
@@ -390,32 +390,19 @@ unsafe fn scores(
         let (lo, hi) = (staging.tile(c0 / 16), staging.tile(c0 / 16 + 1));
         // SAFETY: the staged tiles are 16 rows of 64 bytes; the A tile is g rows of 64
         // bytes, row h at the query's channel c0 of head h (`qb` is `[g][d]`, 2d bytes a
-        // row); tiles 2-7 as `Config` shapes them. Alternate registers let a step's loads
-        // go ahead of the last step's products.
+        // row); tiles 2-4 as `Config` shapes them. (Alternating two sets of registers from
+        // step to step measured the same: G=4 and 8, D=64 and 128, blocks in L2.)
         unsafe {
-            if c0 % 64 == 0 {
-                asm!(
-                    "tileloadd tmm2, [{lo} + {s64}*1]",
-                    "tileloadd tmm3, [{hi} + {s64}*1]",
-                    "tileloadd tmm4, [{q} + {qs}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm2",
-                    "tdpbf16ps tmm1, tmm4, tmm3",
-                    lo = in(reg) lo, hi = in(reg) hi, s64 = in(reg) 64usize,
-                    q = in(reg) q.add(2 * c0), qs = in(reg) 2 * d,
-                    options(nostack, readonly),
-                );
-            } else {
-                asm!(
-                    "tileloadd tmm5, [{lo} + {s64}*1]",
-                    "tileloadd tmm6, [{hi} + {s64}*1]",
-                    "tileloadd tmm7, [{q} + {qs}*1]",
-                    "tdpbf16ps tmm0, tmm7, tmm5",
-                    "tdpbf16ps tmm1, tmm7, tmm6",
-                    lo = in(reg) lo, hi = in(reg) hi, s64 = in(reg) 64usize,
-                    q = in(reg) q.add(2 * c0), qs = in(reg) 2 * d,
-                    options(nostack, readonly),
-                );
-            }
+            asm!(
+                "tileloadd tmm2, [{lo} + {s64}*1]",
+                "tileloadd tmm3, [{hi} + {s64}*1]",
+                "tileloadd tmm4, [{q} + {qs}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm2",
+                "tdpbf16ps tmm1, tmm4, tmm3",
+                lo = in(reg) lo, hi = in(reg) hi, s64 = in(reg) 64usize,
+                q = in(reg) q.add(2 * c0), qs = in(reg) 2 * d,
+                options(nostack, readonly),
+            );
         }
     }
     // SAFETY: head h's 32 scores at s[h * 32..]: the first tile's 16 then the second's, g
