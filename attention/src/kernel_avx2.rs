@@ -289,16 +289,16 @@ pub(crate) unsafe fn block(
     {
         let g = qs.len() / d;
         let (kt, vs) = bytes.split_at(b * d * 2);
-        // One request of the next block's lines per two K rows and per two V rows of 32
-        // channels, as the AVX-512 loops (both bf16 paths).
         if st.amx.is_some() && crate::kernel_amx::takes(g, b, len, d) {
             // SAFETY: the CPU is the caller's promise (tiles exist only where it has AMX);
-            // the lengths are checked inside.
+            // the lengths are checked inside, which spreads its own requests.
             if unsafe { crate::kernel_amx::block(kt, vs, d, qb, st, pf) } {
                 return;
             }
         }
         if crate::kernel_bf16::takes(g, b, len, d) {
+            // One request of the next block's lines per two K rows and per two V rows of 32
+            // channels, as the AVX-512 loops.
             pf.spread_over(d);
             // SAFETY: the CPU is the caller's promise; the lengths are checked inside.
             if unsafe { crate::kernel_bf16::block(kt, vs, d, qb, st, pf) } {
