@@ -453,18 +453,21 @@ unsafe fn scores<E: Elem512, const G: usize, F: Factor>(
     // Two rows a pass (`d` is even): the loop's own work and the prefetch's bookkeeping
     // were as many instructions as a small group's FMAs.
     for c in (0..d).step_by(2) {
-        // One request of the next block's lines per two rows of this one.
-        next.line();
         // SAFETY: rows c, c + 1 < d of 32 elements lie inside `kt` (the contract).
         let (k0, k1) = unsafe { E::load32(k.add(c * 32 * es)) };
         let (k2, k3) = unsafe { E::load32(k.add((c + 1) * 32 * es)) };
         for g in 0..G {
+            // Half the group's FMAs between this pass's two requests (see `request`).
+            if g == G / 2 {
+                request::<E>(&mut next);
+            }
             // SAFETY: g < G, c + 1 < d: inside `qs` (the contract).
             unsafe {
                 let qa = q.add(g * d + c);
                 sets.fold::<F>(g, (qa, [k0, k1]), (qa.add(1), [k2, k3]));
             }
         }
+        request::<E>(&mut next);
     }
     let acc = sets.sums();
     *pf = next;
@@ -518,7 +521,6 @@ unsafe fn accumulate_v<E: Elem512, const G: usize, F: Factor>(
         let mut sets = Sets::<G>::from(r);
         // Tokens 2j and 2j + 1 a pass, as [`scores`] takes two rows.
         for j in 0..16 {
-            next.line();
             let t = 2 * j;
             // SAFETY: rows t, t + 1 < 32 of d elements; c0 + 32 <= d.
             let (v0, v1) = unsafe { E::load32(v.add((t * d + c0) * es)) };
@@ -526,6 +528,9 @@ unsafe fn accumulate_v<E: Elem512, const G: usize, F: Factor>(
             // The tokens' weights where [`scores`] left them: split, the even tokens first.
             let (at, bt) = if E::SPLIT { (j, 16 + j) } else { (t, t + 1) };
             for g in 0..G {
+                if g == G / 2 {
+                    request::<E>(&mut next);
+                }
                 // SAFETY: g < G, at, bt < 32 <= b: inside `p` (the contract).
                 unsafe {
                     sets.fold::<F>(
@@ -535,6 +540,7 @@ unsafe fn accumulate_v<E: Elem512, const G: usize, F: Factor>(
                     )
                 };
             }
+            request::<E>(&mut next);
         }
         let r = sets.sums();
         for g in 0..G {
@@ -551,6 +557,18 @@ unsafe fn accumulate_v<E: Elem512, const G: usize, F: Factor>(
         }
     }
     *pf = next;
+}
+
+/// The next block's lines requested at one point of a pass of [`scores`] or
+/// [`accumulate_v`], which make two a pass, after each half of the group's FMAs: one line
+/// (two for f32, whose blocks have twice the lines; int8 and fp8 ask for the last line
+/// again over their second half). [`Prefetch::one`] says why one at a time.
+#[inline(always)]
+fn request<E: Elem512>(next: &mut Prefetch<'_>) {
+    next.one();
+    if E::SIZE > 2 {
+        next.one();
+    }
 }
 
 /// `2^x` per lane as [`crate::kernel_avx2::exp2_ps`] computes it, sixteen lanes at a time:
