@@ -328,9 +328,7 @@ pub(crate) unsafe fn block(
             }
         }
         if crate::kernel_bf16::takes(g, b, len, d) {
-            // One request of the next block's lines per two K rows and per two V rows of 32
-            // channels, as the AVX-512 loops.
-            pf.spread_over(d);
+            // It requests the next block's lines itself, one at a time (`Prefetch::one`).
             // SAFETY: the CPU is the caller's promise; the lengths are checked inside.
             if unsafe { crate::kernel_bf16::block(kt, vs, d, qb, st, pf) } {
                 return;
@@ -1137,7 +1135,8 @@ mod tests {
     }
 
     /// The AVX-512 group loops request every line of the next block, whatever its element
-    /// type: one line a request holds f16 and bf16, f32 needs two.
+    /// type (one line a request holds f16 and bf16, f32 needs two), and so do the bf16
+    /// products' loops (`kernel_bf16`) where the CPU has them.
     #[test]
     fn the_group_loops_request_every_line_of_the_next_block() {
         if !available() || !crate::kernel_avx512::available() {
@@ -1160,30 +1159,42 @@ mod tests {
                     };
                     let bytes = vec![0u8; geom.head_bytes()];
                     let next = vec![0u8; geom.head_bytes()];
-                    let qs = vec![0.5f32; g * d];
-                    let (mut acc, mut m, mut l, mut sc) = (
-                        vec![0f32; g * d],
-                        vec![f32::NEG_INFINITY; g],
-                        vec![0f32; g],
-                        vec![0f32; g * 32],
-                    );
-                    let (mut pairs, mut bf16_weights) = (false, [0u16; 8 * 32]);
-                    let mut st = State {
-                        acc: &mut acc,
-                        m: &mut m,
-                        l: &mut l,
-                        s: &mut sc,
-                        pairs: &mut pairs,
-                        bf16_weights: &mut bf16_weights,
-                        amx: None,
-                    };
-                    let mut pf = Prefetch::new(&next);
-                    // SAFETY: checked the CPU (AVX-512 too); a whole head block; 32 and d
-                    // multiples of 8.
-                    unsafe { block(&geom, &qs, None, &bytes, 32, &mut st, &mut pf, true) };
-                    let case = format!("{dtype:?} d={d} g={g}");
-                    assert!(pf.made > 0, "{case}: no request");
-                    assert!(pf.off >= next.len(), "{case}: {} of {}", pf.off, next.len());
+                    let products = dtype == KvDType::Bf16
+                        && crate::kernel_bf16::available()
+                        && crate::kernel_bf16::takes(g, 32, 32, d);
+                    for bf16_products in [false, products] {
+                        let mut qs = vec![0.5f32; g * d];
+                        let mut qb = Vec::new();
+                        if bf16_products {
+                            crate::kernel_bf16::round_query(&mut qs, &mut qb);
+                        }
+                        let (mut acc, mut m, mut l, mut sc) = (
+                            vec![0f32; g * d],
+                            vec![f32::NEG_INFINITY; g],
+                            vec![0f32; g],
+                            vec![0f32; g * 32],
+                        );
+                        let (mut pairs, mut bf16_weights) = (false, [0u16; 8 * 32]);
+                        let mut st = State {
+                            acc: &mut acc,
+                            m: &mut m,
+                            l: &mut l,
+                            s: &mut sc,
+                            pairs: &mut pairs,
+                            bf16_weights: &mut bf16_weights,
+                            amx: None,
+                        };
+                        let mut pf = Prefetch::new(&next);
+                        let qb = bf16_products.then_some(&qb[..]);
+                        // SAFETY: checked the CPU (AVX-512, and BF16 where `qb` is given); a
+                        // whole head block; 32 and d multiples of 8.
+                        unsafe { block(&geom, &qs, qb, &bytes, 32, &mut st, &mut pf, true) };
+                        let case = format!("{dtype:?} d={d} g={g} bf16 products {bf16_products}");
+                        // The bf16 loops leave `acc` in their pairs' order: they took it.
+                        assert_eq!(*st.pairs, bf16_products, "{case}");
+                        assert!(pf.made > 0, "{case}: no request");
+                        assert!(pf.off >= next.len(), "{case}: {} of {}", pf.off, next.len());
+                    }
                 }
             }
         }

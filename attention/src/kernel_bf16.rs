@@ -192,6 +192,18 @@ pub(crate) unsafe fn block(
     }
 }
 
+/// The next block's lines requested before head `g`'s products in a pass of four rows (or
+/// tokens), four lines a pass, one at a time ([`Prefetch::one`]): before the second,
+/// middle and last quarters of the group's heads, the fourth after them (by the caller).
+#[inline(always)]
+fn requests<const G: usize>(g: usize, next: &mut Prefetch<'_>) {
+    for at in [G / 4, G / 2, 3 * G / 4] {
+        if g == at.max(1) {
+            next.one();
+        }
+    }
+}
+
 /// Head `g`'s pass: the pairs `x` times the pair at `pa` (broadcast) into the first set of
 /// `sets`, `y` times the pair at `pb` into the second (`kernel_avx512`'s sets and their rule:
 /// two a head leave fewer than the chains that hide the products' latency on both pipes).
@@ -288,18 +300,17 @@ unsafe fn scores<const G: usize>(
     let (k, q) = (kt.as_ptr(), qb.as_ptr());
     // Four rows a pass: two pairs, the second into the second set where there is one.
     for c in (0..d).step_by(4) {
-        // As many requests as the f32 loop makes (one per two rows).
-        next.line();
-        next.line();
         // SAFETY: rows c..c + 4 <= d of 64 bytes lie inside `kt` (the contract).
         let (x, y) = unsafe { (pairs(k.add(c * 64), 64), pairs(k.add((c + 2) * 64), 64)) };
         for g in 0..G {
+            requests::<G>(g, &mut next);
             // SAFETY: g < G, c + 4 <= d: inside `qb` (the contract).
             unsafe {
                 let a = q.add(g * d + c);
                 fold(&mut sets, g, (x, a), (y, a.add(2)));
             }
         }
+        next.one();
     }
     *pf = next;
     for (g, [lo, hi]) in sets.sums().into_iter().enumerate() {
@@ -445,8 +456,6 @@ unsafe fn accumulate_v<const G: usize>(
         let mut sets = Sets::<G>::from(start);
         // Two token pairs a pass, the second into the second set where there is one.
         for ta in (0..32).step_by(4) {
-            next.line();
-            next.line();
             let tb = ta + 2;
             let (ja, jb) = (pair_of(ta), pair_of(tb));
             // SAFETY: tokens ta..ta + 4 < 32 rows of `row` bytes; c0 + 32 <= d.
@@ -457,6 +466,7 @@ unsafe fn accumulate_v<const G: usize>(
                 )
             };
             for g in 0..G {
+                requests::<G>(g, &mut next);
                 // SAFETY: g < G, pairs ja, jb < 16 of head g inside `w`.
                 unsafe {
                     fold(
@@ -467,6 +477,7 @@ unsafe fn accumulate_v<const G: usize>(
                     )
                 };
             }
+            next.one();
         }
         for (g, [lo, hi]) in sets.sums().into_iter().enumerate() {
             // SAFETY: as the loads above.
