@@ -1134,6 +1134,52 @@ mod tests {
         }
     }
 
+    /// What [`block`] did with one block of `dtype` (zeros) for a group of `g` (query `qs`,
+    /// `qb` its bf16 rounding where given), the next block as long: its requests (calls,
+    /// bytes covered) and whether it left `acc` in the bf16 pairs' order.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (and AVX-512 when `avx512`, BF16 too where `qb` is given); `d` a
+    /// multiple of 8.
+    unsafe fn requests_of(
+        dtype: KvDType,
+        d: usize,
+        qs: &[f32],
+        qb: Option<&[u16]>,
+        len: usize,
+        avx512: bool,
+    ) -> (usize, usize, usize, bool) {
+        let g = qs.len() / d;
+        let geom = BlockGeometry {
+            block_size: 32,
+            num_kv_heads: 1,
+            head_dim: d,
+            dtype,
+        };
+        let bytes = vec![0u8; geom.head_bytes()];
+        let next = vec![0u8; geom.head_bytes()];
+        let (mut acc, mut m, mut l, mut sc) = (
+            vec![0f32; g * d],
+            vec![f32::NEG_INFINITY; g],
+            vec![0f32; g],
+            vec![0f32; g * 32],
+        );
+        let (mut pairs, mut bf16_weights) = (false, [0u16; 8 * 32]);
+        let mut st = State {
+            acc: &mut acc,
+            m: &mut m,
+            l: &mut l,
+            s: &mut sc,
+            pairs: &mut pairs,
+            bf16_weights: &mut bf16_weights,
+            amx: None,
+        };
+        let mut pf = Prefetch::new(&next);
+        // SAFETY: the caller's promise; a whole head block; 32 and d multiples of 8.
+        unsafe { block(&geom, qs, qb, &bytes, len, &mut st, &mut pf, avx512) };
+        (pf.made, pf.off, next.len(), *st.pairs)
+    }
+
     /// The AVX-512 group loops request every line of the next block, whatever its element
     /// type (one line a request holds f16 and bf16, f32 needs two), and so do the bf16
     /// products' loops (`kernel_bf16`) where the CPU has them.
@@ -1142,23 +1188,16 @@ mod tests {
         if !available() || !crate::kernel_avx512::available() {
             return;
         }
-        for dtype in [
+        let dtypes = [
             KvDType::F32,
             KvDType::F16,
             KvDType::Bf16,
             KvDType::I8,
             KvDType::F8E4M3,
-        ] {
+        ];
+        for dtype in dtypes {
             for d in [64, 96, 128] {
                 for g in 2..=8 {
-                    let geom = BlockGeometry {
-                        block_size: 32,
-                        num_kv_heads: 1,
-                        head_dim: d,
-                        dtype,
-                    };
-                    let bytes = vec![0u8; geom.head_bytes()];
-                    let next = vec![0u8; geom.head_bytes()];
                     let products = dtype == KvDType::Bf16
                         && crate::kernel_bf16::available()
                         && crate::kernel_bf16::takes(g, 32, 32, d);
@@ -1168,32 +1207,15 @@ mod tests {
                         if bf16_products {
                             crate::kernel_bf16::round_query(&mut qs, &mut qb);
                         }
-                        let (mut acc, mut m, mut l, mut sc) = (
-                            vec![0f32; g * d],
-                            vec![f32::NEG_INFINITY; g],
-                            vec![0f32; g],
-                            vec![0f32; g * 32],
-                        );
-                        let (mut pairs, mut bf16_weights) = (false, [0u16; 8 * 32]);
-                        let mut st = State {
-                            acc: &mut acc,
-                            m: &mut m,
-                            l: &mut l,
-                            s: &mut sc,
-                            pairs: &mut pairs,
-                            bf16_weights: &mut bf16_weights,
-                            amx: None,
-                        };
-                        let mut pf = Prefetch::new(&next);
                         let qb = bf16_products.then_some(&qb[..]);
-                        // SAFETY: checked the CPU (AVX-512, and BF16 where `qb` is given); a
-                        // whole head block; 32 and d multiples of 8.
-                        unsafe { block(&geom, &qs, qb, &bytes, 32, &mut st, &mut pf, true) };
+                        // SAFETY: checked the CPU (AVX-512, and BF16 where `qb` is given).
+                        let (made, off, len, pairs) =
+                            unsafe { requests_of(dtype, d, &qs, qb, 32, true) };
                         let case = format!("{dtype:?} d={d} g={g} bf16 products {bf16_products}");
                         // The bf16 loops leave `acc` in their pairs' order: they took it.
-                        assert_eq!(*st.pairs, bf16_products, "{case}");
-                        assert!(pf.made > 0, "{case}: no request");
-                        assert!(pf.off >= next.len(), "{case}: {} of {}", pf.off, next.len());
+                        assert_eq!(pairs, bf16_products, "{case}");
+                        assert!(made > 0, "{case}: no request");
+                        assert!(off >= len, "{case}: {off} of {len}");
                     }
                 }
             }
@@ -1211,41 +1233,16 @@ mod tests {
             for d in [64, 72, 128] {
                 for g in 1..=9 {
                     for len in [1, 8, 9, 24, 32] {
-                        let geom = BlockGeometry {
-                            block_size: 32,
-                            num_kv_heads: 1,
-                            head_dim: d,
-                            dtype,
-                        };
-                        let bytes = vec![0u8; geom.head_bytes()];
-                        let next = vec![0u8; geom.head_bytes()];
                         let qs = vec![0.5f32; g * d];
-                        let (mut acc, mut m, mut l, mut sc) = (
-                            vec![0f32; g * d],
-                            vec![f32::NEG_INFINITY; g],
-                            vec![0f32; g],
-                            vec![0f32; g * 32],
-                        );
-                        let (mut pairs, mut bf16_weights) = (false, [0u16; 8 * 32]);
-                        let mut st = State {
-                            acc: &mut acc,
-                            m: &mut m,
-                            l: &mut l,
-                            s: &mut sc,
-                            pairs: &mut pairs,
-                            bf16_weights: &mut bf16_weights,
-                            amx: None,
-                        };
-                        let mut pf = Prefetch::new(&next);
-                        // SAFETY: checked the CPU; a whole head block; 32 and d multiples of 8.
-                        unsafe { block(&geom, &qs, None, &bytes, len, &mut st, &mut pf, false) };
-                        let nv = len.div_ceil(8);
-                        let calls = line_calls(g, d, nv, len);
+                        // SAFETY: checked the CPU.
+                        let (made, off, next, _) =
+                            unsafe { requests_of(dtype, d, &qs, None, len, false) };
+                        let calls = line_calls(g, d, len.div_ceil(8), len);
                         let case = format!("{dtype:?} d={d} g={g} len={len}");
-                        assert_eq!(pf.made, calls, "{case}");
+                        assert_eq!(made, calls, "{case}");
                         // Every line, where two a call can carry them.
-                        if next.len().div_ceil(64) <= 2 * calls {
-                            assert!(pf.off >= next.len(), "{case}: {} of {}", pf.off, next.len());
+                        if next.div_ceil(64) <= 2 * calls {
+                            assert!(off >= next, "{case}: {off} of {next}");
                         }
                     }
                 }
