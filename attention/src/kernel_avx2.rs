@@ -150,7 +150,8 @@ fn hmax(v: __m256) -> f32 {
 }
 
 /// Prefetches of the next block, spread evenly over this block's inner loops (each calls
-/// [`Prefetch::line`] once per iteration): its bytes arrive while this block computes,
+/// [`Prefetch::line`] once per iteration, or places single requests itself with
+/// [`Prefetch::one`]): its bytes arrive while this block computes,
 /// without a burst that fills the miss buffers ahead of this block's own loads. Into L2, not
 /// L1: L1's few miss buffers capped the lines in flight.
 ///
@@ -222,9 +223,9 @@ impl<'a> Prefetch<'a> {
     /// For loops that place their requests themselves, one at a time between FMAs (the
     /// AVX-512 group loops). Two requests side by side, as [`Prefetch::line`] makes them,
     /// stream less from memory: on an Intel Xeon (AVX-512 FP16, AMX), f16 KV from DRAM at
-    /// one thread, GB/s over read bandwidth against two a pass at its top: G=4 0.90-0.96 ->
-    /// 1.00-1.04, G=5 0.77-0.79 -> 0.97-1.04, G=8 0.70-0.74 -> 0.79-0.85, with no change in
-    /// L2. A C model of the loop with blocks in L2 at the same speed gave 11 -> 18 GB/s, 2
+    /// one thread, paired ratio to read bandwidth against two a pass at its top (three
+    /// alternations of two builds): G=5 0.78-0.83 -> 0.91-0.94, G=8 0.73-0.78 -> 0.75-0.84,
+    /// with no change in L2. A C model of the loop with blocks in L2 at the same speed gave 11 -> 18 GB/s, 2
     /// lines a pass of 8-16 FMAs a line, whatever the alignment of the loop's code; the two
     /// side by side anywhere in the pass measured alike. No branch, so that the compiler
     /// leaves it where it is written: [`Prefetch::line`]'s branches, called between FMAs,

@@ -17,7 +17,8 @@
 //! G=4 0.48-0.52 → 0.59, G=8 0.62-0.63 → 0.63-0.68.
 //!
 //! Both loops request the next block's lines as they go (two lines per two K rows and per
-//! two V rows of 32 channels: the whole next block of a 16-bit dtype), as the AVX2 loops do;
+//! two V rows of 32 channels, one after each half of the group's FMAs, [`request`]: the whole
+//! next block of a 16-bit dtype), as the AVX2 loops do;
 //! without it, the kernel ran at 0.26-0.42 of read bandwidth on a 256 MiB working set instead
 //! of 0.6-0.97.
 //!
