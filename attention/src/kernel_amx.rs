@@ -34,6 +34,17 @@
 //! its neighbour's score where every other path drops just its own token. Hence the staging.
 //! The products take no denormal inputs or outputs (AMX treats them as zero), as
 //! `VDPBF16PS`. `DECODE_NODE_AMX=0` turns the path off; `all` gives it groups of 2 to 8.
+//!
+//! f16 blocks stay on the FMA loops, even at G=8 where those reach only 0.74-0.81 of read
+//! bandwidth. Tried and measured slower: each f16 element staged as a bf16 pair that sums
+//! to it exactly (its widened f32 cut after 8 bits, and the rest), with the query and the
+//! weights in three bf16 parts each, so the tiles gave the FMA loops' results (to 1e-5
+//! against the f64 reference). The staging alone takes 6 ops of ports 0 and 5 per 16
+//! elements, against 10 for the FMAs at G=8, but the block then waits on more than twice
+//! the tile products (each C tile's chain 24 deep at D=128, against 4). One thread, G=8
+//! D=128, Xeon VM with AMX-BF16 (no AMX-FP16): blocks in L2 13.3 GB/s against the FMA
+//! loops' 19.2, and 15.5 with one part only (timing only, wrong results); from DRAM 8.2
+//! against 13.5. AMX-FP16 (`TDPFP16PS`, Granite Rapids on) would take f16 rows as they are.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
