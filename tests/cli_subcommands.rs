@@ -562,6 +562,34 @@ fn amx_tiles_are_held_to_their_own_rate_and_taken_by_best() {
     assert!(rows("best", Some("0")).iter().all(|r| r["path"] != "amx"));
 }
 
+/// Int8 and fp8 blocks of groups of 6 or more go to the tiles too (their elements widened
+/// to bf16 exactly), held to the tiles' rate; groups of 5 stay on the FMA loops, and
+/// `DECODE_NODE_AMX=all` gives the tiles those as well.
+#[test]
+fn amx_tiles_take_8_bit_blocks_of_groups_of_6_or_more() {
+    for dtype in ["int8", "fp8"] {
+        let rows = |switch: Option<&str>| -> Vec<serde_json::Value> {
+            let v = kernels_bench_with(
+                "5,6",
+                "amx",
+                &[("DECODE_NODE_AMX", switch)],
+                &["--kv-dtype", dtype],
+            );
+            v["results"].as_array().unwrap().clone()
+        };
+        let on = rows(None);
+        // Two rows (G=5 and 6) where the CPU and OS have AMX, none elsewhere.
+        assert!(on.is_empty() || on.len() == 2, "{on:?}");
+        for r in &on {
+            assert_eq!(r["dtype"], dtype, "{r}");
+            assert_eq!(r["bf16_products"], r["group"] == 6, "{r}");
+        }
+        for r in &rows(Some("all")) {
+            assert_eq!(r["bf16_products"], true, "{r}");
+        }
+    }
+}
+
 /// `bench select --json` on a small shape (2 KV heads of 3 query heads, head dim 64, 2
 /// layers, budget 128), with `extra` flags.
 fn bench_select_json(extra: &[&str]) -> serde_json::Value {

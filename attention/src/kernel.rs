@@ -22,7 +22,8 @@ pub struct Scratch {
     acc: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
-    /// The pre-scaled query rounded to bf16 (the `avx512bf16` and `amx` paths' bf16 blocks).
+    /// The pre-scaled query rounded to bf16 (the `avx512bf16` path's bf16 blocks, the `amx`
+    /// path's bf16, int8 and fp8 blocks).
     qb: Vec<u16>,
     /// Where the `amx` path stages its tiles.
     #[cfg(target_arch = "x86_64")]
@@ -184,16 +185,20 @@ impl KernelPath {
 
     /// Whether this path, for a group of `g` query heads over blocks of `geom`, multiplies
     /// bf16 pairs (the query and the weights rounded to bf16) rather than f32 FMAs:
-    /// [`KernelPath::Avx512Bf16`] (`VDPBF16PS`) and [`KernelPath::Amx`] (tiles) on bf16
-    /// blocks of the shapes they take. Its multiply-add rate is then
+    /// [`KernelPath::Avx512Bf16`] (`VDPBF16PS`) on bf16 blocks and [`KernelPath::Amx`]
+    /// (tiles) on bf16, int8 and fp8 blocks, of the shapes they take. Its multiply-add rate is then
     /// [`crate::bf16_dot_peak`]'s or [`crate::amx_peak`]'s, not [`crate::fma_peak_on`]'s.
     pub fn multiplies_bf16(self, geom: &BlockGeometry, g: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
         return self.runs(geom)
-            && geom.dtype == crate::KvDType::Bf16
             && match self {
-                Self::Avx512Bf16 => crate::kernel_bf16::shape(g, geom.block_size, geom.head_dim),
-                Self::Amx => crate::kernel_amx::shape(g, geom.block_size, geom.head_dim),
+                Self::Avx512Bf16 => {
+                    geom.dtype == crate::KvDType::Bf16
+                        && crate::kernel_bf16::shape(g, geom.block_size, geom.head_dim)
+                }
+                Self::Amx => {
+                    crate::kernel_amx::shape(geom.dtype, g, geom.block_size, geom.head_dim)
+                }
                 _ => false,
             };
         #[cfg(not(target_arch = "x86_64"))]
@@ -315,7 +320,7 @@ pub fn attend_blocks_on<'a>(
     // The tiles, configured for the call's group on this thread and released at its end.
     #[cfg(target_arch = "x86_64")]
     let tiles = match path {
-        KernelPath::Amx if qb.is_some() => crate::kernel_amx::Tiles::configure(g, d),
+        KernelPath::Amx if qb.is_some() => crate::kernel_amx::Tiles::configure(geom.dtype, g, d),
         _ => None,
     };
     #[cfg(target_arch = "aarch64")]

@@ -1,7 +1,7 @@
 //! AMX pieces of the CPU kernel: full 32-token bf16 blocks of GQA groups of 4 to 8 heads
-//! (7 and 8 above D=64) by tile products (`TDPBF16PS`), where the CPU has AMX-BF16 (Intel
-//! Sapphire Rapids on: the Xeons beside today's GPUs) and the kernel grants the process its
-//! tile state.
+//! (7 and 8 above D=64), and int8 and fp8 blocks of groups of 6 to 8, by tile products
+//! (`TDPBF16PS`), where the CPU has AMX-BF16 (Intel Sapphire Rapids on: the Xeons beside
+//! today's GPUs) and the kernel grants the process its tile state.
 //!
 //! Why: on those Xeons only ports 0 and 5 run 512-bit vector ops, and the bf16 widening takes
 //! FMA slots, so the `avx512` loops of a group of 4 to 8 heads top out at 0.45-0.6 of the FMA
@@ -29,6 +29,22 @@
 //! - V: the V rows staged as B tiles (16 token pairs x 16 channels), multiplied by the
 //!   weights' A tile into C tiles loaded from and stored back to `acc` in place.
 //!
+//! Int8 codes and fp8 (e4m3) values are exact in bf16, so their blocks are staged as bf16
+//! rows ([`Rows`]: widened to f32 by the `avx512` loops' loads, narrowed to bf16) and take
+//! the same steps, each token's K scale on its scores before the softmax and its V scale on
+//! its weight before the rounding, in the tiles' token order. The widening (six ops of ports 0
+//! and 5 per 32 elements) is what the FMA loops pay per element too; what the tiles save is
+//! the group's FMAs. Xeon VM, GB/s of codes and scales, D=64/128: with the blocks in L2,
+//! one thread, int8 G=8 8.9/9.6 -> 11.8/13.5, G=5 13.3/14.5 alike, G=4 15.2/17.0 ->
+//! 13.5/15.2. From DRAM (`bench kernels`, two builds alternated twice), one thread: int8 G=8
+//! +9-26%, G=7 +16-19%, G=6 +10-17%, G=5 +3-7%; fp8 G=8 +13-19%, G=7 +4-15%, G=6 +2-8%, G=5
+//! -1 to +6%. Two threads: int8 G=8 +10-21%, G=6 +1-15%, G=5 -4 to +4%; fp8 G=8 +11-19%,
+//! G=5 -5 to +10%. So groups of 6 on ([`MIN8`]): at G=5 the FMA loops, which keep the
+//! query in f32, are as fast. On SmolLM2 at 2k (`bench fidelity
+//! --kv-dtypes f32,int8,fp8 --cpu-paths avx512,amx`, `DECODE_NODE_AMX=all` for its G=3) the
+//! rounding moved the KL from full f32 from 0.00046 to 0.00052 (int8) and 0.0064 to 0.0071
+//! (fp8), the 8-bit storage's own being the most of it.
+//!
 //! The tiles could read K's rows in place (tokens as the pairs) with the query's channels in
 //! every other lane of A and zeros between; but 0 x inf is NaN, so a key of -inf would spoil
 //! its neighbour's score where every other path drops just its own token. Hence the staging.
@@ -50,8 +66,11 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
+use crate::KvDType;
+use crate::avx2::{AsBf16, AsF8, AsI8};
 use crate::kernel::State;
 use crate::kernel_avx2::Prefetch;
+use crate::kernel_avx512::Elem512;
 
 /// True when this CPU has AMX-BF16 beside what the `avx512` loops and `kernel_bf16`'s
 /// rounding need, the OS gave this process the tile state, and `DECODE_NODE_AMX` does not
@@ -99,20 +118,26 @@ fn parse_switch(var: &str) -> Switch {
     }
 }
 
-/// The smallest group the path takes by default at head dim `d`: where its blocks ran at
-/// least as fast as the `avx512` loops' from DRAM (a 2-core Xeon VM, one and two threads;
+/// The smallest group the path takes by default for blocks of `dtype` at head dim `d`:
+/// where its blocks ran at least as fast as the `avx512` loops' from DRAM. Int8 and fp8:
+/// [`MIN8`]. Bf16 (a 2-core Xeon VM, one and two threads;
 /// from L2 it wins from G=4 at either head dim): 4 heads at D=64 (G=2-3 alike, G=4 0.96
 /// of read bandwidth against 0.82-0.86, G=8 0.91-0.92 against 0.73-0.75), 7 above. At D=128
 /// the tile path streams at 0.79-0.88 whatever the group (why, not found), where the FMAs
 /// reach 0.89-0.99 up to G=6; G=7 came out alike (0.79-0.81 against 0.81-0.84), G=8 ahead
 /// (0.79-0.83 against 0.73-0.74).
-fn min_group(d: usize) -> usize {
+fn min_group(dtype: KvDType, d: usize) -> usize {
     match switch() {
         Switch::All => 2,
+        _ if dtype.scaled() => MIN8,
         _ if d <= 64 => 4,
         _ => 7,
     }
 }
+
+/// [`min_group`] for int8 and fp8 blocks (figures in the module doc): from DRAM the tiles
+/// ran faster than the FMA loops from G=6, at both head dims and thread counts.
+const MIN8: usize = 6;
 
 /// CPUID leaf 7: AMX-TILE (EDX bit 24) and AMX-BF16 (bit 22).
 fn cpu_has_amx_bf16() -> bool {
@@ -151,15 +176,18 @@ fn os_grants_tiles() -> bool {
     false
 }
 
-/// Whether [`block`] takes full blocks of this shape: 32 tokens, a group of [`min_group`] to
-/// 8 heads (the `avx512` softmax's largest), head dim a multiple of 32.
-pub(crate) fn shape(g: usize, b: usize, d: usize) -> bool {
-    b == 32 && (min_group(d)..=8).contains(&g) && d.is_multiple_of(32)
+/// Whether [`block`] takes full blocks of this shape: bf16, int8 or fp8, 32 tokens, a group
+/// of [`min_group`] to 8 heads (the `avx512` softmax's largest), head dim a multiple of 32.
+pub(crate) fn shape(dtype: KvDType, g: usize, b: usize, d: usize) -> bool {
+    matches!(dtype, KvDType::Bf16 | KvDType::I8 | KvDType::F8E4M3)
+        && b == 32
+        && (min_group(dtype, d)..=8).contains(&g)
+        && d.is_multiple_of(32)
 }
 
 /// Whether [`block`] takes this block: [`shape`], and full.
-pub(crate) fn takes(g: usize, b: usize, len: usize, d: usize) -> bool {
-    shape(g, b, d) && len == b
+pub(crate) fn takes(dtype: KvDType, g: usize, b: usize, len: usize, d: usize) -> bool {
+    shape(dtype, g, b, d) && len == b
 }
 
 /// Requests of the next block's lines made before each tile step (32 channels of scores or
@@ -228,10 +256,10 @@ pub(crate) struct Tiles {
 }
 
 impl Tiles {
-    /// Configures this thread's tiles for groups of `g` heads at head dim `d`, where
-    /// [`available`] and [`shape`] allow (else `None`).
-    pub(crate) fn configure(g: usize, d: usize) -> Option<Self> {
-        if !available() || !shape(g, 32, d) {
+    /// Configures this thread's tiles for groups of `g` heads over blocks of `dtype` at head
+    /// dim `d`, where [`available`] and [`shape`] allow (else `None`).
+    pub(crate) fn configure(dtype: KvDType, g: usize, d: usize) -> Option<Self> {
+        if !available() || !shape(dtype, g, 32, d) {
             return None;
         }
         let cfg = Config::for_group(g);
@@ -253,10 +281,61 @@ impl Drop for Tiles {
     }
 }
 
-/// Folds one full 32-token bf16 block (`kt` its keys, `vs` its values) into `st` by tile
-/// products: the scores from `qb` (the pre-scaled query rounded, `[G][d]`), the `avx512`
-/// softmax, V by the weights rounded. False (nothing done) where `st` holds no tiles
-/// ([`State::amx`]) or [`shape`] does not hold for their group.
+/// A block's elements as the tiles take them: 32 at a time as 32 bf16, exactly (bf16 as
+/// stored; int8 codes, at most 8 significant bits; fp8 E4M3 values, 4 bits and an exponent
+/// bf16 spans). Int8 and fp8 blocks then take their per-token scales as the FMA loops do:
+/// K's on the scores, V's on the weights before they are rounded.
+pub(crate) trait Rows {
+    /// The blocks' type.
+    const DTYPE: KvDType;
+    /// Bytes an element.
+    const SIZE: usize;
+
+    /// 32 elements at `p` as bf16, in order.
+    ///
+    /// # Safety
+    /// `32 * SIZE` readable bytes at `p`; AVX-512F/BW/BF16.
+    unsafe fn bf16x32(p: *const u8) -> __m512i;
+}
+
+impl Rows for AsBf16 {
+    const DTYPE: KvDType = KvDType::Bf16;
+    const SIZE: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn bf16x32(p: *const u8) -> __m512i {
+        // SAFETY: the caller's promise.
+        unsafe { _mm512_loadu_si512(p.cast()) }
+    }
+}
+
+/// Widened to f32 (exactly) by the `avx512` loops' loads, then narrowed to bf16 (exactly).
+macro_rules! rows_via_f32 {
+    ($t:ty, $dtype:expr) => {
+        impl Rows for $t {
+            const DTYPE: KvDType = $dtype;
+            const SIZE: usize = 1;
+            #[inline]
+            #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+            unsafe fn bf16x32(p: *const u8) -> __m512i {
+                // SAFETY: the caller's promise: 32 bytes.
+                unsafe {
+                    let lo = <$t as Elem512>::load16x(p);
+                    let hi = <$t as Elem512>::load16x(p.add(16));
+                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+                }
+            }
+        }
+    };
+}
+rows_via_f32!(AsI8, KvDType::I8);
+rows_via_f32!(AsF8, KvDType::F8E4M3);
+
+/// Folds one full 32-token block (`kt` its keys, `vs` its values, elements of `E`; `scales`
+/// its K and V scales where `E` is int8 or fp8) into `st` by tile products: the scores from
+/// `qb` (the pre-scaled query rounded, `[G][d]`), the `avx512` softmax, V by the weights
+/// rounded. False (nothing done) where `st` holds no tiles ([`State::amx`]) or [`shape`]
+/// does not hold for their group.
 ///
 /// # Safety
 /// The CPU has what [`available`] checks; the block holds 32 tokens, all filled, so `st.s` is
@@ -264,10 +343,12 @@ impl Drop for Tiles {
 /// checks.
 ///
 /// [`State::amx`]: crate::kernel::State::amx
+#[allow(clippy::too_many_arguments)] // the block, its scales, the query and the state
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(crate) unsafe fn block(
+pub(crate) unsafe fn block<E: Rows>(
     kt: &[u8],
     vs: &[u8],
+    scales: Option<(&[u8], &[u8])>,
     d: usize,
     qb: &[u16],
     st: &mut State<'_>,
@@ -277,12 +358,13 @@ pub(crate) unsafe fn block(
         return false;
     };
     let g = tiles.g;
-    if !shape(g, 32, d) || qb.len() != g * d {
+    let short = |(k, v): (&[u8], &[u8])| k.len() < 128 || v.len() < 128;
+    if !shape(E::DTYPE, g, 32, d) || qb.len() != g * d || scales.is_some_and(short) {
         return false;
     }
     assert!(
-        kt.len() >= 32 * d * 2
-            && vs.len() >= 32 * d * 2
+        kt.len() >= 32 * d * E::SIZE
+            && vs.len() >= 32 * d * E::SIZE
             && st.s.len() >= g * 32
             && st.acc.len() >= g * d
             && st.m.len() >= g
@@ -298,31 +380,63 @@ pub(crate) unsafe fn block(
     // SAFETY: the CPU is the caller's promise, the tiles `Tiles`' (configured on this thread
     // for `g`); the lengths are checked above, the staging area fits `d`.
     unsafe {
-        stage_k(kt, d, pf, staging);
+        stage_k::<E>(kt, d, pf, staging);
         scores(qb, d, g, st.s, pf, staging);
         // Staged while the score tiles finish and their stores drain, which the softmax
         // waits for (G=8 D=128 from DRAM, one thread: 14.4-14.5 -> 15.2-15.3 GB/s).
-        stage_v(vs, d, pf, staging);
+        stage_v::<E>(vs, d, pf, staging);
+        if let Some((k, _)) = scales {
+            scale_pairs(g, st.s, k);
+        }
         crate::kernel_avx512::softmax_dyn(g, st.s, 32, st.m, st.l, st.acc, d);
+        if let Some((_, v)) = scales {
+            scale_pairs(g, st.s, v);
+        }
         crate::kernel_bf16::round_weights_dyn(g, st.s, st.bf16_weights);
         accumulate_v(d, st.bf16_weights, st.acc, pf, staging);
     }
     true
 }
 
-/// Rows `r` and `r + 1` (64 bytes each, at `p` and `p + stride`) interleaved as bf16 pairs
-/// into row `j` of staged tiles `lo` (elements 0-3, 8-11, 16-19, 24-27) and `hi` (the rest),
-/// row `r` in each pair's low half.
+/// `s[h][i] *= scale[t]` for every head, `t` the token of lane `i` in the tiles' order
+/// (tokens 0-3, 8-11, 16-19, 24-27, then the others); `scale` is 32 little-endian f32.
+///
+/// # Safety
+/// AVX-512F; `s` holds `g * 32`, `scale` 128 bytes.
+#[target_feature(enable = "avx512f")]
+unsafe fn scale_pairs(g: usize, s: &mut [f32], scale: &[u8]) {
+    assert!(s.len() >= g * 32 && scale.len() >= 128);
+    let first = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    let second = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    // SAFETY: 128 bytes of `scale` and 32 floats a head of `s` (checked above).
+    unsafe {
+        let a = _mm512_loadu_ps(scale.as_ptr().cast());
+        let b = _mm512_loadu_ps(scale.as_ptr().add(64).cast());
+        let (x, y) = (
+            _mm512_permutex2var_ps(a, first, b),
+            _mm512_permutex2var_ps(a, second, b),
+        );
+        for h in 0..g {
+            let p = s.as_mut_ptr().add(32 * h);
+            _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_loadu_ps(p), x));
+            _mm512_storeu_ps(p.add(16), _mm512_mul_ps(_mm512_loadu_ps(p.add(16)), y));
+        }
+    }
+}
+
+/// Rows `r` and `r + 1` (32 elements each, at `p` and `p + stride`) interleaved as bf16
+/// pairs into row `j` of staged tiles `lo` (elements 0-3, 8-11, 16-19, 24-27) and `hi` (the
+/// rest), row `r` in each pair's low half.
 ///
 /// # Safety
 /// Both rows readable; `lo` and `hi` each hold 16 rows of 64 bytes; `j < 16`.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn stage_pair(p: *const u8, stride: usize, lo: *mut u8, hi: *mut u8, j: usize) {
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn stage_pair<E: Rows>(p: *const u8, stride: usize, lo: *mut u8, hi: *mut u8, j: usize) {
     // SAFETY: the caller's promise.
     unsafe {
-        let r0 = _mm512_loadu_si512(p.cast());
-        let r1 = _mm512_loadu_si512(p.add(stride).cast());
+        let r0 = E::bf16x32(p);
+        let r1 = E::bf16x32(p.add(stride));
         _mm512_store_si512(lo.add(64 * j).cast(), _mm512_unpacklo_epi16(r0, r1));
         _mm512_store_si512(hi.add(64 * j).cast(), _mm512_unpackhi_epi16(r0, r1));
     }
@@ -333,17 +447,18 @@ unsafe fn stage_pair(p: *const u8, stride: usize, lo: *mut u8, hi: *mut u8, j: u
 /// others). One request of the next block's lines per row pair.
 ///
 /// # Safety
-/// AVX-512F/BW; `kt` holds `d` rows of 32 bf16, `d` a multiple of 32; `staging` fits `d`.
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn stage_k(kt: &[u8], d: usize, pf: &mut Prefetch<'_>, staging: &mut Staging) {
-    let k = kt.as_ptr();
+/// AVX-512F/BW/BF16; `kt` holds `d` rows of 32 elements of `E`, `d` a multiple of 32;
+/// `staging` fits `d`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn stage_k<E: Rows>(kt: &[u8], d: usize, pf: &mut Prefetch<'_>, staging: &mut Staging) {
+    let (k, row) = (kt.as_ptr(), 32 * E::SIZE);
     let mut next = *pf;
     for c0 in (0..d).step_by(32) {
         let (lo, hi) = (staging.tile(c0 / 16), staging.tile(c0 / 16 + 1));
         for j in 0..16 {
             next.line();
-            // SAFETY: rows c0 + 2j, c0 + 2j + 1 < d of 64 bytes lie inside `kt`.
-            unsafe { stage_pair(k.add((c0 + 2 * j) * 64), 64, lo, hi, j) };
+            // SAFETY: rows c0 + 2j, c0 + 2j + 1 < d of `row` bytes lie inside `kt`.
+            unsafe { stage_pair::<E>(k.add((c0 + 2 * j) * row), row, lo, hi, j) };
         }
     }
     *pf = next;
@@ -357,11 +472,12 @@ unsafe fn stage_k(kt: &[u8], d: usize, pf: &mut Prefetch<'_>, staging: &mut Stag
 /// request of the next block's lines per row pair and 32 channels.
 ///
 /// # Safety
-/// AVX-512F/BW; `vs` holds 32 rows of `d` bf16, `d` a multiple of 32; `staging` fits `d`.
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn stage_v(vs: &[u8], d: usize, pf: &mut Prefetch<'_>, staging: &mut Staging) {
+/// AVX-512F/BW/BF16; `vs` holds 32 rows of `d` elements of `E`, `d` a multiple of 32;
+/// `staging` fits `d`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn stage_v<E: Rows>(vs: &[u8], d: usize, pf: &mut Prefetch<'_>, staging: &mut Staging) {
     let v = vs.as_ptr();
-    let row = 2 * d; // bytes of a V row
+    let row = E::SIZE * d; // bytes of a V row
     let mut next = *pf;
     for j in 0..16 {
         let t = crate::kernel_bf16::first_token(j);
@@ -369,7 +485,7 @@ unsafe fn stage_v(vs: &[u8], d: usize, pf: &mut Prefetch<'_>, staging: &mut Stag
             next.line();
             let (lo, hi) = (staging.tile(c0 / 16), staging.tile(c0 / 16 + 1));
             // SAFETY: tokens t, t + 1 < 32 rows of `row` bytes; c0 + 32 <= d.
-            unsafe { stage_pair(v.add(t * row + 2 * c0), row, lo, hi, j) };
+            unsafe { stage_pair::<E>(v.add(t * row + E::SIZE * c0), row, lo, hi, j) };
         }
     }
     *pf = next;
@@ -481,7 +597,7 @@ unsafe fn accumulate_v(
 /// instruction, on tiles in registers): the multiply-add bound of [`block`]'s products; 0
 /// where the path cannot run.
 pub(crate) fn tile_peak(seconds: f64) -> f64 {
-    let Some(_tiles) = Tiles::configure(8, 64) else {
+    let Some(_tiles) = Tiles::configure(KvDType::Bf16, 8, 64) else {
         return 0.0;
     };
     // The peak wants full 16-row tiles: a configuration of its own, released with `_tiles`.

@@ -329,10 +329,10 @@ pub(crate) unsafe fn block(
     {
         let g = qs.len() / d;
         let (kt, vs) = bytes.split_at(b * d * 2);
-        if st.amx.is_some() && crate::kernel_amx::takes(g, b, len, d) {
+        if st.amx.is_some() && crate::kernel_amx::takes(geom.dtype, g, b, len, d) {
             // SAFETY: the CPU is the caller's promise (tiles exist only where it has AMX);
             // the lengths are checked inside, which spreads its own requests.
-            if unsafe { crate::kernel_amx::block(kt, vs, d, qb, st, pf) } {
+            if unsafe { crate::kernel_amx::block::<AsBf16>(kt, vs, None, d, qb, st, pf) } {
                 return;
             }
         }
@@ -342,6 +342,26 @@ pub(crate) unsafe fn block(
             if unsafe { crate::kernel_bf16::block(kt, vs, d, qb, st, pf) } {
                 return;
             }
+        }
+    }
+    // Int8 and fp8 blocks by tiles too, their elements widened to bf16 exactly.
+    if let Some(qb) = qb
+        && geom.dtype.scaled()
+        && st.amx.is_some()
+        && crate::kernel_amx::takes(geom.dtype, qs.len() / d, b, len, d)
+    {
+        let (kt, vs) = bytes.split_at(b * d);
+        let scales = Some(geom.scales(&bytes[..geom.head_bytes()]));
+        // SAFETY: the CPU is the caller's promise (tiles exist only where it has AMX); the
+        // lengths are checked inside.
+        let done = unsafe {
+            match geom.dtype {
+                KvDType::I8 => crate::kernel_amx::block::<AsI8>(kt, vs, scales, d, qb, st, pf),
+                _ => crate::kernel_amx::block::<AsF8>(kt, vs, scales, d, qb, st, pf),
+            }
+        };
+        if done {
+            return;
         }
     }
     st.in_channel_order();

@@ -577,8 +577,9 @@ pub struct KernelsBench {
     /// which is what a CPU with no SIMD path of ours gets, e.g. arm64), `avx2` (AVX2 only, as
     /// on a CPU without AVX-512), `avx512`, `avx512bf16` (`avx512` with bf16 blocks of groups
     /// of 5 to 8 multiplied in bf16 pairs, held to that instruction's product rate), `amx`
-    /// (`avx512` with bf16 blocks of groups of 4 to 8, 7 and 8 above head dim 64, multiplied by
-    /// AMX tiles, held to their product rate); a path this CPU lacks is skipped.
+    /// (`avx512` with bf16 blocks of groups of 4 to 8, 7 and 8 above head dim 64, and int8 and
+    /// fp8 blocks of groups of 6 to 8, multiplied by AMX tiles, held to their product rate); a
+    /// path this CPU lacks is skipped.
     #[arg(long, default_value = "best")]
     pub paths: String,
     /// With `--device cuda`: tokens per KV head each timed call attends, every block of them
