@@ -61,6 +61,23 @@
 //! D=128, Xeon VM with AMX-BF16 (no AMX-FP16): blocks in L2 13.3 GB/s against the FMA
 //! loops' 19.2, and 15.5 with one part only (timing only, wrong results); from DRAM 8.2
 //! against 13.5. AMX-FP16 (`TDPFP16PS`, Granite Rapids on) would take f16 rows as they are.
+//!
+//! Int8 blocks stay on bf16 tiles, though AMX-INT8 (`TDPBSSD`) could take the codes as
+//! stored. Tried and measured no faster from DRAM: K staged as 4 channels x 16 tokens a tile
+//! row (one `VPERMT2B` per 64 bytes), V as 4 tokens x 16 channels (two permutes per 64
+//! bytes), the query (once a call) and each block's weights times V's scales split into two
+//! int8 parts each (`s * (hi + lo / 254)`, 2^-16 of the largest), C tiles stored and added
+//! to `acc` in f32. Xeon VM, one thread, G=8 D=128, blocks in L2: 11.9 GB/s -> 14.7. A
+//! block's pieces, each run alone (ns): staging K 59, score tiles 87, staging V 80, V tiles
+//! 154 (two products per 16 channels, the weights' A tile half zeros, and their stores),
+//! their sums into `acc` 69, the weights' split 62, the softmax 58, the call's own 48. From
+//! DRAM, two builds alternated twice, G=8 D=64/128: 8.7-9.1 / 9.4-9.5 GB/s against
+//! 9.0 / 9.2-9.7, G=6 10.0-10.5 / 10.2-10.5 against 9.3-9.7; two threads G=8 16.9-17.9 /
+//! 18.2-18.3 against 17.6-19.2 / 17.8-19.3. Int8 blocks from DRAM stop at 0.5-0.6 of read
+//! bandwidth on every path, even G=1 and 2 on the FMA loops at 0.67-0.8 (in L2 those run at
+//! 21-22 GB/s): a block is 8 KiB, and its fixed costs do not overlap the next one's reads.
+//! Also seen there: LLVM turned `_mm512_permutex2var_epi8` with a constant index into 26
+//! 128-bit shuffles a row (staging K alone 160 -> 59 ns once the index was opaque to it).
 
 use std::arch::asm;
 use std::arch::x86_64::*;
