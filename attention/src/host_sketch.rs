@@ -440,11 +440,22 @@ mod avx2 {
     /// 0.23-0.25; 8k 0.116-0.141 / 0.064-0.085 -> 0.115-0.126 / 0.062-0.078. Into L1 at four
     /// blocks was slower than at two (a block is 18 lines: L1's miss buffers fill); into L2 at
     /// two, three or six blocks, or at two with the task's first, no better than this.
+    ///
+    /// Each block's row loop asks for that block a line at a time ([`Prefetch::line`], spread
+    /// over its rows), where it once asked for all its lines at its start: on the Xeon VM
+    /// (`--scorers sketch --context 32768`, two alternations, ns a token and KV head at 1 / 2
+    /// threads) G=3 D=64 4.8-5.0 / 3.5-3.6 -> 4.3-4.4 / 3.1 (8k: 4.4-4.7 -> 3.9-4.1 at one
+    /// thread), G=5 D=128 (8 KV heads) 9.8 / 5.0 -> 8.8 / 4.6; on its AVX2 loops
+    /// (`DECODE_NODE_AVX512=0`) G=5 14.4-14.7 / 7.6 -> 12.9-13.4 / 6.7-6.8, G=3 alike. Two
+    /// blocks ahead so measured 8.2 / 4.3 at G=5 but no better than four at G=3. With the
+    /// sketch in L3 (`--layers 1`) G=5 takes 6.8: its integer sums 4.1 of that, the scores'
+    /// log2-sum-exp2 1.2, the rest of a block ~1.1 (requests 0.5 of it).
     const SKETCH_AHEAD: usize = 4;
 
     use crate::avx2::{AsBf16, AsF8, AsF16, AsF32, AsI8, Elem};
     use crate::block::BlockGeometry;
     use crate::dtype::KvDType;
+    use crate::kernel_avx2::Prefetch;
     use crate::sketch::{LEVEL_MAX, NIBBLE_ZERO, nibble_bytes};
 
     pub(super) fn available() -> bool {
@@ -702,13 +713,14 @@ mod avx2 {
             let wide = bs.is_multiple_of(32) && gn <= WIDE_HEADS;
             let wide512 = bs.is_multiple_of(32) && avx512;
             for (j, &(blk, len)) in blocks.iter().enumerate() {
-                // The sketch `SKETCH_AHEAD` blocks on, asked for into L2; a task's own first
-                // blocks with its first (nothing fetched them). See `SKETCH_AHEAD`.
-                let first = if j == 0 { 0 } else { j + SKETCH_AHEAD };
-                for (next, _) in blocks.iter().take(j + SKETCH_AHEAD + 1).skip(first) {
-                    for at in (0..next.len()).step_by(64) {
-                        // SAFETY: a prefetch is a hint; the address lies in `next`.
-                        unsafe { _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().add(at).cast()) };
+                // A task's own first blocks, all at once with its first (nothing fetched
+                // them); each block's loop asks for the one `SKETCH_AHEAD` on.
+                if j == 0 {
+                    for (next, _) in blocks.iter().take(SKETCH_AHEAD) {
+                        for at in (0..next.len()).step_by(64) {
+                            // SAFETY: a prefetch is a hint; the address lies in `next`.
+                            unsafe { _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().add(at).cast()) };
+                        }
                     }
                 }
                 let acc = &mut x[j * gn * bs..(j + 1) * gn * bs];
@@ -727,6 +739,7 @@ mod avx2 {
                     sc,
                     len,
                     temps: &temps[..gn],
+                    next: blocks.get(j + SKETCH_AHEAD).map_or(&[][..], |b| b.0),
                 };
                 let top = &mut top;
                 if wide512 {
@@ -757,7 +770,7 @@ mod avx2 {
                         7 => dots_i8::<7>(&dots, acc, top),
                         _ => dots_i8::<8>(&dots, acc, top),
                     }
-                }
+                };
             }
             for (h, m) in top.iter().take(gn).enumerate() {
                 let m = _mm256_cvtss_f32(all_lanes(*m, |a, b| _mm256_max_ps(a, b)));
@@ -1018,6 +1031,9 @@ mod avx2 {
         sc: &'a [u8],
         len: usize,
         temps: &'a [f32],
+        /// The sketch [`SKETCH_AHEAD`] blocks on (empty: none), requested a line at a time
+        /// as the rows are read.
+        next: &'a [u8],
     }
 
     impl Dots<'_> {
@@ -1152,7 +1168,11 @@ mod avx2 {
     /// AVX2 (the sizes are asserted).
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn dots_i8<const G: usize>(blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+    unsafe fn dots_i8<const G: usize>(
+        blk: &Dots<'_>,
+        acc: &mut [f32],
+        top: &mut [__m256],
+    ) -> usize {
         blk.assert_fits(G, 16, acc, top);
         let Dots {
             pairs,
@@ -1166,6 +1186,9 @@ mod avx2 {
         let nibbles = _mm256_set1_epi16(0x0f0f);
         let (even_of, odd_of) = (_mm256_set1_epi32(1), _mm256_set1_epi32(1 << 16));
         let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
+        // The block `SKETCH_AHEAD` on, a line at a time over the rows (see `SKETCH_AHEAD`).
+        let mut pf = Prefetch::new(blk.next);
+        pf.spread_over(bs / 16 * nb);
         for t0 in (0..bs).step_by(16) {
             // Tokens t0 + [0 2 .. 14] and t0 + [1 3 .. 15], each head's sum from -zero.
             let mut even: [__m256i; G] = std::array::from_fn(|h| _mm256_set1_epi32(-zero[h]));
@@ -1173,6 +1196,7 @@ mod avx2 {
             for j0 in (0..nb).step_by(8) {
                 let mut sum = [_mm256_setzero_si256(); G];
                 for j in j0..(j0 + 8).min(nb) {
+                    pf.line();
                     // SAFETY: row j's columns t0 .. t0 + 16 lie in `nib` (asserted above).
                     let x = _mm256_cvtepu8_epi16(unsafe {
                         _mm_loadu_si128(np.add(j * bs + t0).cast())
@@ -1198,6 +1222,7 @@ mod avx2 {
             }
         }
         top[..G].copy_from_slice(&maxima);
+        pf.requested()
     }
 
     /// [`dots_i8`] for blocks of a multiple of 32 tokens and at most [`WIDE_HEADS`] heads: a
@@ -1211,7 +1236,11 @@ mod avx2 {
     /// AVX2 (the sizes are asserted).
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn dots_i8_wide<const G: usize>(blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+    unsafe fn dots_i8_wide<const G: usize>(
+        blk: &Dots<'_>,
+        acc: &mut [f32],
+        top: &mut [__m256],
+    ) -> usize {
         assert!(G <= WIDE_HEADS);
         blk.assert_fits(G, 32, acc, top);
         let Dots {
@@ -1226,6 +1255,9 @@ mod avx2 {
         let low = _mm256_set1_epi8(0x0f);
         let (even_of, odd_of) = (_mm256_set1_epi32(1), _mm256_set1_epi32(1 << 16));
         let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
+        // The block `SKETCH_AHEAD` on, a line at a time over the rows (see `SKETCH_AHEAD`).
+        let mut pf = Prefetch::new(blk.next);
+        pf.spread_over(bs / 32 * nb);
         for t0 in (0..bs).step_by(32) {
             // [head][half]: the even and the odd tokens of each half, each head's sum from
             // -zero.
@@ -1235,6 +1267,7 @@ mod avx2 {
             for j0 in (0..nb).step_by(8) {
                 let mut sum = [[_mm256_setzero_si256(); 2]; G];
                 for j in j0..(j0 + 8).min(nb) {
+                    pf.line();
                     // SAFETY: row j's columns t0 .. t0 + 32 lie in `nib` (asserted above).
                     let x = unsafe { _mm256_loadu_si256(np.add(j * bs + t0).cast()) };
                     // Each byte is 0xHL: L in one vector's bytes, H in the other's, then a
@@ -1269,6 +1302,7 @@ mod avx2 {
             }
         }
         top[..G].copy_from_slice(&maxima);
+        pf.requested()
     }
 
     /// `$body` with `$G` the constant head count `$g` is, 1..=8 (8 for any above).
@@ -1325,7 +1359,12 @@ mod avx2 {
     /// # Safety
     /// As [`dots_i8_vnni`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2")]
-    unsafe fn dots_i8_vnni_dyn(g: usize, blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+    unsafe fn dots_i8_vnni_dyn(
+        g: usize,
+        blk: &Dots<'_>,
+        acc: &mut [f32],
+        top: &mut [__m256],
+    ) -> usize {
         // SAFETY: forwarded.
         unsafe { with_heads!(g, G => dots_i8_vnni::<G>(blk, acc, top)) }
     }
@@ -1343,7 +1382,11 @@ mod avx2 {
     #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2")]
-    unsafe fn dots_i8_vnni<const G: usize>(blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+    unsafe fn dots_i8_vnni<const G: usize>(
+        blk: &Dots<'_>,
+        acc: &mut [f32],
+        top: &mut [__m256],
+    ) -> usize {
         blk.assert_fits(G, 32, acc, top);
         let nq = blk.nb.div_ceil(2);
         assert!(blk.quads.len() >= G * nq);
@@ -1370,10 +1413,14 @@ mod avx2 {
         };
         let order = [gather(0), gather(16)];
         let (qp, np) = (quads.as_ptr(), nib.as_ptr());
+        // The block `SKETCH_AHEAD` on, a line at a time over the rows (see `SKETCH_AHEAD`).
+        let mut pf = Prefetch::new(blk.next);
+        pf.spread_over(bs / 32 * nq);
         for t0 in (0..bs).step_by(32) {
             let mut sums: [[__m512i; 2]; G] =
                 std::array::from_fn(|h| [_mm512_set1_epi32(-zero[h]); 2]);
             for m in 0..nq {
+                pf.line();
                 // An odd last row pairs with itself: the quad's upper channels are 0.
                 let (r0, r1) = (2 * m, (2 * m + 1).min(nb - 1));
                 // SAFETY: rows r0, r1 < nb: columns t0 .. t0 + 32 lie in `nib` (asserted);
@@ -1407,6 +1454,7 @@ mod avx2 {
             }
         }
         top[..G].copy_from_slice(&maxima);
+        pf.requested()
     }
 
     /// [`dots_i8_512`] for `g` heads (1..=8).
@@ -1414,7 +1462,12 @@ mod avx2 {
     /// # Safety
     /// As [`dots_i8_512`].
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
-    unsafe fn dots_i8_512_dyn(g: usize, blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+    unsafe fn dots_i8_512_dyn(
+        g: usize,
+        blk: &Dots<'_>,
+        acc: &mut [f32],
+        top: &mut [__m256],
+    ) -> usize {
         // SAFETY: forwarded.
         unsafe { with_heads!(g, G => dots_i8_512::<G>(blk, acc, top)) }
     }
@@ -1430,7 +1483,11 @@ mod avx2 {
     /// AVX-512 F and BW (the sizes are asserted).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
-    unsafe fn dots_i8_512<const G: usize>(blk: &Dots<'_>, acc: &mut [f32], top: &mut [__m256]) {
+    unsafe fn dots_i8_512<const G: usize>(
+        blk: &Dots<'_>,
+        acc: &mut [f32],
+        top: &mut [__m256],
+    ) -> usize {
         blk.assert_fits(G, 32, acc, top);
         let Dots {
             pairs,
@@ -1449,12 +1506,16 @@ mod avx2 {
         let second_half =
             _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
         let (qp, np) = (pairs.as_ptr(), nib.as_ptr());
+        // The block `SKETCH_AHEAD` on, a line at a time over the rows (see `SKETCH_AHEAD`).
+        let mut pf = Prefetch::new(blk.next);
+        pf.spread_over(bs / 32 * nb);
         for t0 in (0..bs).step_by(32) {
             let mut even: [__m512i; G] = std::array::from_fn(|h| _mm512_set1_epi32(-zero[h]));
             let mut odd = even;
             for j0 in (0..nb).step_by(8) {
                 let mut sum = [_mm512_setzero_si512(); G];
                 for j in j0..(j0 + 8).min(nb) {
+                    pf.line();
                     // SAFETY: row j's columns t0 .. t0 + 32 lie in `nib` (asserted above).
                     let x = _mm512_cvtepu8_epi16(unsafe {
                         _mm256_loadu_si256(np.add(j * bs + t0).cast())
@@ -1482,6 +1543,7 @@ mod avx2 {
             }
         }
         top[..G].copy_from_slice(&maxima);
+        pf.requested()
     }
 
     /// `acc[h * bs + t] = bias[h] + sum_c q_h[c] * nibble_t(c)` for `G` heads and every
@@ -1612,7 +1674,7 @@ mod avx2 {
         /// The 32-token rows, and the AVX-512 ones where this CPU has them, give
         /// [`dots_i8`]'s scores and maxima bit for bit: every head count they take, blocks of
         /// 32 and 64, full and partial, an odd head_dim (a short last group of rows), and
-        /// every nibble value.
+        /// every nibble value. Each requests every line of the block after.
         #[test]
         fn wide_rows_score_as_narrow_ones_bit_for_bit() {
             if !super::super::avx2::available() {
@@ -1639,6 +1701,8 @@ mod avx2 {
                         .flat_map(|_| (0.05 + lcg(&mut seed).abs()).to_ne_bytes())
                         .collect();
                     let temps: Vec<f32> = (0..g).map(|h| 0.1 * qi.step[h]).collect();
+                    // The sketch of the block after: every line of it is requested.
+                    let next = vec![0u8; bs * (nb + 4)];
                     for len in [1, 7, 17, 31, bs] {
                         // 0: `dots_i8`; 1: `dots_i8_wide`; 2: `dots_i8_512`.
                         let run = |path: usize| {
@@ -1655,11 +1719,12 @@ mod avx2 {
                                 sc: &sc,
                                 len,
                                 temps: &temps,
+                                next: &next,
                             };
                             let (acc, top) = (&mut acc, &mut top);
                             // SAFETY: AVX2 is present, AVX-512 F and BW for path 2, and
                             // VNNI and VBMI for path 3; the loops assert the sizes.
-                            unsafe {
+                            let requested = unsafe {
                                 match (g, path) {
                                     (_, 2) => dots_i8_512_dyn(g, &dots, acc, top),
                                     (_, 3) => dots_i8_vnni_dyn(g, &dots, acc, top),
@@ -1676,7 +1741,7 @@ mod avx2 {
                                     (7, _) => dots_i8::<7>(&dots, acc, top),
                                     _ => dots_i8::<8>(&dots, acc, top),
                                 }
-                            }
+                            };
                             let mut tops = [0f32; 64];
                             for (h, t) in top.iter().enumerate() {
                                 // SAFETY: eight floats.
@@ -1687,11 +1752,13 @@ mod avx2 {
                             (
                                 bits(acc),
                                 tops[..8 * g].iter().fold(f32::MIN, |m, &x| m.max(x)),
+                                requested,
                             )
                         };
                         let narrow = run(0);
                         let case = format!("d {d} block {bs} G {g} len {len}");
                         assert!(narrow.1 > -1e3, "{case}: the scores raised the maximum");
+                        assert_eq!(narrow.2, next.len(), "{case}: the next block requested");
                         let others = [
                             (g <= WIDE_HEADS, 1, "wide"),
                             (avx512, 2, "AVX-512"),
@@ -1705,6 +1772,7 @@ mod avx2 {
                                 other.1.to_bits(),
                                 "{case}, {name}: maximum"
                             );
+                            assert_eq!(other.2, next.len(), "{case}, {name}: next block");
                         }
                     }
                 }

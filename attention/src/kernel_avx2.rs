@@ -218,6 +218,11 @@ impl<'a> Prefetch<'a> {
         self.wait = 0;
     }
 
+    /// Bytes of the next block requested so far (all of it once every line was).
+    pub(crate) fn requested(&self) -> usize {
+        self.off.min(self.next.len())
+    }
+
     /// Requests one line: the next not yet requested, or the last again once all were.
     ///
     /// For loops that place their requests themselves, one at a time between FMAs (the
