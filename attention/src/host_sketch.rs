@@ -1376,6 +1376,16 @@ mod avx2 {
     /// same integer sums (exact either way), float products and order of maxima as
     /// [`dots_i8`], so the same bits.
     ///
+    /// Its cost grows with the group (two `vpdpbusd` a head per quad). Tried and not kept:
+    /// the same lanes stored as rows of B tiles and summed by AMX-INT8 (`TDPBSUD`, the int8
+    /// query an A tile in place, two products per 64 channels for every head at once; the
+    /// same bits). Xeon VM, `bench select --scorers sketch --context 32768 --threads 1`, D=128,
+    /// ns a token and KV head, this loop against the tiles: with the sketch in L3
+    /// (`--layers 1`) G=1 3.8 / 6.1, G=3 5.3 / 6.9, G=5 7.4 / 8.2, G=8 10.6 / 9.8; from DRAM
+    /// G=3 7.4 / 9.1, G=5 9.2 / 10.2, G=8 12.1 / 11.7. The tiles cost ~2.3 a token whatever
+    /// the group (a block's staging stores, then its tile loads, products and stores in a
+    /// row), where each head costs this loop ~0.9.
+    ///
     /// # Safety
     /// AVX-512 F, BW, VNNI and VBMI (the sizes are asserted).
     // Indexed loops over constant bounds keep the sums in registers.
