@@ -136,6 +136,7 @@ pub(crate) fn f8_e4m3_value(code: u8) -> f32 {
 
 /// Encodes `src` as little-endian elements of `dtype` into `dst` (`src.len() * size` bytes).
 /// Scaled dtypes take values already divided by their scale (rounded, saturated).
+#[inline]
 pub fn encode_from_f32(dtype: KvDType, src: &[f32], dst: &mut [u8]) {
     debug_assert_eq!(dst.len(), src.len() * dtype.size());
     match dtype {
@@ -169,35 +170,68 @@ pub fn encode_from_f32(dtype: KvDType, src: &[f32], dst: &mut [u8]) {
 fn scaled_code(dtype: KvDType, x: f32) -> u8 {
     match dtype {
         KvDType::F8E4M3 => f8_code(x),
-        // `as` saturates and sends NaN to 0.
-        _ => (x.round() as i8).max(-127) as u8,
+        _ => i8_code(x),
     }
 }
 
-/// The e4m3 code nearest `x` (ties to even), saturated at ±448; 0 for NaN.
+/// The int8 code nearest `x`, ties away from zero (`f32::round`'s), saturated at ±127; 0 for
+/// NaN. Written without `round` (a libm call on x86-64's baseline, one per element, which
+/// kept the ingest of int8 KV at 0.8 GB/s) and without branches, so loops over it vectorise:
+/// the magnitude's integer part and whether the rest reaches one half, both exact below 2^24.
+/// The integer part by an unchecked conversion of a value in range: `as` (saturating, NaN to
+/// 0) compiled to a scalar conversion and two compares a lane, half of the loop's time.
+#[inline(always)]
+fn i8_code(x: f32) -> u8 {
+    let a = if x.is_nan() { 0.0 } else { x.abs().min(255.0) };
+    // SAFETY: `a` is in 0..=255, which i32 holds. (`as`, which saturates and sends NaN to 0,
+    // was taken a lane at a time.)
+    let whole = unsafe { a.to_int_unchecked::<i32>() };
+    let r = (whole + i32::from(a - whole as f32 >= 0.5)).min(127);
+    (if x.is_sign_negative() { -r } else { r }) as i8 as u8
+}
+
+/// The e4m3 code nearest `x` (ties to even), saturated at ±448; 0 for NaN: the `float8`
+/// crate's conversion (CUDA's with saturation), without its branches, so loops over it
+/// vectorise (it took the ingest of fp8 KV to 0.35 GB/s). Normal results round the f32 bits
+/// at the third mantissa bit; below 2^-6 the value is a multiple of 2^-9, rounded by adding
+/// and taking away 2^23 (exact there).
+#[inline(always)]
 fn f8_code(x: f32) -> u8 {
-    if x.is_nan() {
-        0
+    let bits = x.to_bits();
+    let sign = (bits >> 24) & 0x80;
+    let abs = bits & 0x7fff_ffff;
+    let normal = (abs.wrapping_add(0x7_ffff + ((abs >> 20) & 1)) >> 20).wrapping_sub(120 << 3);
+    let a = f32::from_bits(abs);
+    // SAFETY: at most 2^-6 * 512 = 8 (a NaN `a` gives 2^-6), which i32 holds.
+    let tiny = unsafe {
+        ((a.min(1.0 / 64.0) * 512.0 + 8_388_608.0) - 8_388_608.0).to_int_unchecked::<i32>() as u32
+    };
+    let code = if a < 1.0 / 64.0 {
+        tiny
     } else {
-        float8::F8E4M3::from_f32(x).to_bits()
-    }
+        normal.min(0x7e)
+    };
+    if x.is_nan() { 0 } else { (code | sign) as u8 }
 }
 
 /// The scale of one vector of a scaled `dtype`: max |x| / its code's max (0 for a zero
 /// vector); NaN when `x` holds a non-finite value, so that every dequantized element is NaN
 /// and the output says so, as the float dtypes' would.
+#[inline(always)]
 pub(crate) fn quant_scale(dtype: KvDType, x: &[f32]) -> f32 {
-    let mut m = 0f32;
-    for v in x {
-        if !v.is_finite() {
-            return f32::NAN;
-        }
-        m = m.max(v.abs());
+    // The largest magnitude's bits: for magnitudes (sign cleared) the integers order as the
+    // floats do, and an infinity or NaN lies above every finite one. An integer maximum
+    // vectorises where `f32::max` (NaN-aware) stayed scalar.
+    let top = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+    if top < f32::INFINITY.to_bits() {
+        f32::from_bits(top) / dtype.code_max()
+    } else {
+        f32::NAN
     }
-    m / dtype.code_max()
 }
 
 /// `x` of a scaled `dtype` quantized with `scale` into `dst` (one byte per element).
+#[inline(always)]
 pub(crate) fn quantize(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
     for (v, d) in x.iter().zip(dst) {
@@ -232,6 +266,51 @@ mod tests {
             let mut back2 = vec![0f32; v.len()];
             decode_to_f32(dt, &shifted[1..], &mut back2);
             assert_eq!(back, back2);
+        }
+    }
+
+    /// The int8 and e4m3 encoders give the codes of their definitions (`f32::round`
+    /// saturated at ±127; the `float8` crate's e4m3, saturated at ±448), NaN 0: every
+    /// exponent and sign with the mantissa bits that decide a rounding (the kept ones, the
+    /// one below, and a sticky rest or none), every half-integer to ±300 and its
+    /// neighbours, and the infinities.
+    #[test]
+    fn the_8_bit_encoders_give_their_definitions_codes() {
+        let i8_def = |x: f32| (x.round() as i8).max(-127) as u8;
+        let f8_def = |x: f32| {
+            if x.is_nan() {
+                0
+            } else {
+                float8::F8E4M3::from_f32(x).to_bits()
+            }
+        };
+        let mut xs = vec![f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 0.0, -0.0];
+        for sign in [0u32, 1 << 31] {
+            for exp in 0..=255u32 {
+                for top in 0..64u32 {
+                    for rest in [0u32, 1, 0x1_0000, 0x1_ffff] {
+                        xs.push(f32::from_bits(sign | exp << 23 | top << 17 | rest));
+                    }
+                }
+            }
+        }
+        for k in -600..=600 {
+            let x = k as f32 * 0.5;
+            xs.extend([x, x.next_up(), x.next_down()]);
+        }
+        for x in xs {
+            assert_eq!(
+                i8_code(x),
+                i8_def(x),
+                "int8 of {x:e} ({:#010x})",
+                x.to_bits()
+            );
+            assert_eq!(
+                f8_code(x),
+                f8_def(x),
+                "e4m3 of {x:e} ({:#010x})",
+                x.to_bits()
+            );
         }
     }
 

@@ -429,13 +429,10 @@ impl Ingest {
         for (t, bi, slot, n) in runs(geom.block_size, start, count) {
             let block = self.blocks[layer][bi - self.prefix.len()].bytes_mut();
             for (j, h) in heads.clone().enumerate() {
-                let digest = &mut self.digests[layer * hk + h];
-                for i in 0..n {
-                    let at = ((t + i) * hc + j) * d;
-                    let (k, v) = (&self.scratch_k[at..at + d], &self.scratch_v[at..at + d]);
-                    geom.write_token(block, h, slot + i, k, v);
-                    digest.update(bi, k);
-                }
+                let at = (t * hc + j) * d;
+                let rows = (&self.scratch_k[at..], &self.scratch_v[at..]);
+                let digest = self.digests[layer * hk + h].block_mut(bi);
+                geom.write_tokens(block, h, slot, rows, hc * d, n, digest);
             }
         }
     }
