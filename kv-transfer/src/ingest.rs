@@ -406,8 +406,9 @@ impl Ingest {
         crc.value()
     }
 
-    /// Writes a checked chunk whose pool stores another dtype than the wire's: decoded to
-    /// f32 once, then each token encoded into its slot and folded into its block's digest.
+    /// Writes a checked chunk whose pool stores another dtype than the wire's: a block's run
+    /// of tokens at a time decoded to f32 (so the rows are still in L1 when they are
+    /// encoded), then each token encoded into its slot and folded into its block's digest.
     fn write_converted(
         &mut self,
         c: &Chunk,
@@ -418,21 +419,24 @@ impl Ingest {
     ) {
         let geom = self.layout.geom;
         let (hk, d) = (geom.num_kv_heads, geom.head_dim);
-        let hc = heads.len();
-        let want = c.key.len();
-        self.scratch_k.resize(count * hc * d, 0.0);
-        self.scratch_v.resize(count * hc * d, 0.0);
-        let key = c.key.slice(0..want, &mut self.gather_k);
-        decode_to_f32(self.info.wire_dtype, key, &mut self.scratch_k);
-        let value = c.value.slice(0..want, &mut self.gather_v);
-        decode_to_f32(self.info.wire_dtype, value, &mut self.scratch_v);
+        let (hc, wire) = (heads.len(), self.info.wire_dtype);
+        let row = hc * d; // elements of a token
+        let most = geom.block_size.min(count) * row;
+        self.scratch_k.resize(most, 0.0);
+        self.scratch_v.resize(most, 0.0);
         for (t, bi, slot, n) in runs(geom.block_size, start, count) {
+            let bytes = t * row * wire.size()..(t + n) * row * wire.size();
+            let (k, v) = (
+                &mut self.scratch_k[..n * row],
+                &mut self.scratch_v[..n * row],
+            );
+            decode_to_f32(wire, c.key.slice(bytes.clone(), &mut self.gather_k), k);
+            decode_to_f32(wire, c.value.slice(bytes, &mut self.gather_v), v);
             let block = self.blocks[layer][bi - self.prefix.len()].bytes_mut();
             for (j, h) in heads.clone().enumerate() {
-                let at = (t * hc + j) * d;
-                let rows = (&self.scratch_k[at..], &self.scratch_v[at..]);
+                let rows = (&k[j * d..], &v[j * d..]);
                 let digest = self.digests[layer * hk + h].block_mut(bi);
-                geom.write_tokens(block, h, slot, rows, hc * d, n, digest);
+                geom.write_tokens(block, h, slot, rows, row, n, digest);
             }
         }
     }
