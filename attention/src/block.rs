@@ -4,7 +4,9 @@
 //! each head's data is contiguous: K transposed (`[head_dim][block_size]`, so scoring a block
 //! streams rows of `block_size` keys for one channel), then V (`[block_size][head_dim]`).
 
-use crate::dtype::{KvDType, decode_to_f32, encode_from_f32, quant_scale, quantize};
+use crate::dtype::{
+    KvDType, decode_to_f32, encode_from_f32, magnitude_bits, quant_scale, quantize, scale_of_top,
+};
 
 /// Shape of a KV block; fixed for the life of a pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,10 +136,18 @@ impl BlockGeometry {
         let d = self.head_dim;
         for i in 0..n {
             let (k, v) = (&k[i * stride..][..d], &v[i * stride..][..d]);
-            self.write_token_body(block, h, slot0 + i, k, v);
+            // The digest, and for a scaled dtype K's largest magnitude, in one pass over K.
+            let mut top = 0u32;
             for ((lo, hi), x) in min.iter_mut().zip(max.iter_mut()).zip(k) {
                 *lo = lo.min(*x);
                 *hi = hi.max(*x);
+                top = top.max(magnitude_bits(*x));
+            }
+            if self.dtype.scaled() {
+                let ks = scale_of_top(self.dtype, top);
+                self.write_scaled_token(block, h, slot0 + i, (k, ks), v);
+            } else {
+                self.write_token_body(block, h, slot0 + i, k, v);
             }
         }
     }
@@ -149,23 +159,7 @@ impl BlockGeometry {
         let (b, d) = (self.block_size, self.head_dim);
         let head = &mut block[self.head_range(h)];
         if self.dtype.scaled() {
-            let dt = self.dtype;
-            let (ks, vs) = (quant_scale(dt, k), quant_scale(dt, v));
-            let (kt, rest) = head.split_at_mut(b * d);
-            let (vq, sc) = rest.split_at_mut(b * d);
-            // K 64 channels at a time into a row of codes (one vectorised pass), then each
-            // into its channel's row.
-            let mut kq = [0u8; 64];
-            for (c0, kc) in k.chunks(64).enumerate() {
-                let codes = &mut kq[..kc.len()];
-                quantize(dt, kc, ks, codes);
-                for (i, q) in codes.iter().enumerate() {
-                    kt[(64 * c0 + i) * b + slot] = *q;
-                }
-            }
-            quantize(dt, v, vs, &mut vq[slot * d..(slot + 1) * d]);
-            sc[slot * 4..slot * 4 + 4].copy_from_slice(&ks.to_le_bytes());
-            sc[(b + slot) * 4..(b + slot) * 4 + 4].copy_from_slice(&vs.to_le_bytes());
+            self.write_scaled_token(block, h, slot, (k, quant_scale(self.dtype, k)), v);
             return;
         }
         let (kt, vs) = head.split_at_mut(b * d * es);
@@ -174,6 +168,36 @@ impl BlockGeometry {
             encode_from_f32(self.dtype, std::slice::from_ref(kc), &mut kt[at..at + es]);
         }
         encode_from_f32(self.dtype, v, &mut vs[slot * d * es..(slot + 1) * d * es]);
+    }
+
+    /// [`BlockGeometry::write_token`] of a scaled dtype, K's scale `ks` already taken.
+    #[inline(always)]
+    fn write_scaled_token(
+        &self,
+        block: &mut [u8],
+        h: usize,
+        slot: usize,
+        (k, ks): (&[f32], f32),
+        v: &[f32],
+    ) {
+        let (dt, b, d) = (self.dtype, self.block_size, self.head_dim);
+        let head = &mut block[self.head_range(h)];
+        let vs = quant_scale(dt, v);
+        let (kt, rest) = head.split_at_mut(b * d);
+        let (vq, sc) = rest.split_at_mut(b * d);
+        // K 64 channels at a time into a row of codes (one vectorised pass), then each into
+        // its channel's row.
+        let mut kq = [0u8; 64];
+        for (c0, kc) in k.chunks(64).enumerate() {
+            let codes = &mut kq[..kc.len()];
+            quantize(dt, kc, ks, codes);
+            for (i, q) in codes.iter().enumerate() {
+                kt[(64 * c0 + i) * b + slot] = *q;
+            }
+        }
+        quantize(dt, v, vs, &mut vq[slot * d..(slot + 1) * d]);
+        sc[slot * 4..slot * 4 + 4].copy_from_slice(&ks.to_le_bytes());
+        sc[(b + slot) * 4..(b + slot) * 4 + 4].copy_from_slice(&vs.to_le_bytes());
     }
 }
 

@@ -222,7 +222,18 @@ pub(crate) fn quant_scale(dtype: KvDType, x: &[f32]) -> f32 {
     // The largest magnitude's bits: for magnitudes (sign cleared) the integers order as the
     // floats do, and an infinity or NaN lies above every finite one. An integer maximum
     // vectorises where `f32::max` (NaN-aware) stayed scalar.
-    let top = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+    scale_of_top(dtype, x.iter().fold(0u32, |m, v| m.max(magnitude_bits(*v))))
+}
+
+/// `x`'s magnitude's bits, which order as the magnitudes do ([`quant_scale`]).
+#[inline(always)]
+pub(crate) fn magnitude_bits(x: f32) -> u32 {
+    x.to_bits() & 0x7fff_ffff
+}
+
+/// [`quant_scale`] of a vector whose largest [`magnitude_bits`] are `top`.
+#[inline(always)]
+pub(crate) fn scale_of_top(dtype: KvDType, top: u32) -> f32 {
     if top < f32::INFINITY.to_bits() {
         f32::from_bits(top) / dtype.code_max()
     } else {
