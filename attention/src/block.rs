@@ -74,9 +74,10 @@ impl BlockGeometry {
     /// the CPU has it: the loops over a token's elements (its scales, the codes, the digest)
     /// run 8 wide. With the 8-bit encoders' loops vectorised (`dtype::i8_code`,
     /// `dtype::f8_code`), `bench ingest --kv-dtype int8` on the Xeon VM went from 0.80 to
-    /// 2.1-2.2 GB/s for the store path alone (fp8 0.35 -> 1.9-2.0; f16 wire bytes into the
-    /// pool); of that, compiling for AVX2 took 1.25 to 1.4. Four tokens at a time (each
-    /// channel's four K codes in one store) measured no faster.
+    /// 2.25-2.3 GB/s for the store path alone (fp8 0.35 -> 2.1-2.25; f16 wire bytes into the
+    /// pool); of that, compiling for AVX2 took 1.25 to 1.4, and K's scale taken in the
+    /// digest's pass 2.2 to 2.25-2.3. Four tokens at a time (each channel's four K codes in
+    /// one store) measured no faster.
     ///
     /// [`write_token`]: BlockGeometry::write_token
     #[allow(clippy::too_many_arguments)] // the block, its head and slots, and the rows
@@ -91,7 +92,7 @@ impl BlockGeometry {
         digest: (&mut [f32], &mut [f32]),
     ) {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if crate::kernel_avx2::available() {
             // SAFETY: the CPU has AVX2 and FMA.
             unsafe { self.write_tokens_avx2(block, h, slot0, (k, v), stride, n, digest) };
             return;
