@@ -67,88 +67,187 @@ impl BlockGeometry {
         self.write_token_body(block, h, slot, k, v);
     }
 
-    /// Writes tokens `slot0..slot0 + n` of head `h` into `block` as [`write_token`] writes
-    /// each, from f32 rows (token `i`'s K and V at `i * stride` of `k` and `v`, `head_dim`
-    /// each), folding each K into `digest` (the block's minima and maxima, `head_dim` each):
-    /// the ingest's path where the pool stores another dtype than the wire's. On AVX2 where
-    /// the CPU has it: the loops over a token's elements (its scales, the codes, the digest)
-    /// run 8 wide. With the 8-bit encoders' loops vectorised (`dtype::i8_code`,
-    /// `dtype::f8_code`), `bench ingest --kv-dtype int8` on the Xeon VM went from 0.80 to
-    /// 2.25-2.3 GB/s for the store path alone (fp8 0.35 -> 2.1-2.25; f16 wire bytes into the
-    /// pool); of that, compiling for AVX2 took 1.25 to 1.4, and K's scale taken in the
-    /// digest's pass 2.2 to 2.25-2.3. Four tokens at a time (each channel's four K codes in
-    /// one store) measured no faster.
+    /// Writes the keys of tokens `slot0..slot0 + n` of head `h` into `block` as
+    /// [`write_token`] writes them, from f32 rows (token `i`'s K at `i * stride` of `k`,
+    /// `head_dim` each), folding each into `digest` (the block's minima and maxima,
+    /// `head_dim` each): with [`BlockGeometry::write_values`], the ingest's path where the
+    /// pool stores another dtype than the wire's. Compiled for AVX2 where the CPU has it (the
+    /// loops over a token's elements, its scale, codes and digest, run 8 wide). Each eight
+    /// tokens' codes are transposed into the channels' rows eight by eight in general
+    /// registers ([`transpose_8x8`]): a store of eight codes where there were eight stores
+    /// of one, each `block_size` bytes apart.
     ///
     /// [`write_token`]: BlockGeometry::write_token
-    #[allow(clippy::too_many_arguments)] // the block, its head and slots, and the rows
-    pub fn write_tokens(
+    pub fn write_keys(
         &self,
         block: &mut [u8],
-        h: usize,
-        slot0: usize,
-        (k, v): (&[f32], &[f32]),
-        stride: usize,
-        n: usize,
+        (h, slot0): (usize, usize),
+        k: &[f32],
+        (stride, n): (usize, usize),
         digest: (&mut [f32], &mut [f32]),
     ) {
         #[cfg(target_arch = "x86_64")]
         if crate::kernel_avx2::available() {
             // SAFETY: the CPU has AVX2 and FMA.
-            unsafe { self.write_tokens_avx2(block, h, slot0, (k, v), stride, n, digest) };
+            unsafe { self.write_keys_avx2(block, (h, slot0), k, (stride, n), digest) };
             return;
         }
-        self.write_tokens_body(block, h, slot0, (k, v), stride, n, digest);
+        self.write_keys_body(block, (h, slot0), k, (stride, n), digest);
     }
 
-    /// [`BlockGeometry::write_tokens`] compiled for AVX2.
+    /// [`BlockGeometry::write_keys`] compiled for AVX2.
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn write_tokens_avx2(
+    unsafe fn write_keys_avx2(
         &self,
         block: &mut [u8],
-        h: usize,
-        slot0: usize,
-        rows: (&[f32], &[f32]),
-        stride: usize,
-        n: usize,
+        at: (usize, usize),
+        k: &[f32],
+        rows: (usize, usize),
         digest: (&mut [f32], &mut [f32]),
     ) {
-        self.write_tokens_body(block, h, slot0, rows, stride, n, digest);
+        self.write_keys_body(block, at, k, rows, digest);
     }
 
-    /// [`BlockGeometry::write_tokens`]' definition, for the compiler to vectorise at each
-    /// call site's features.
-    #[allow(clippy::too_many_arguments)]
+    /// [`BlockGeometry::write_keys`]' definition, for the compiler to vectorise at each call
+    /// site's features.
     #[inline(always)]
-    fn write_tokens_body(
+    fn write_keys_body(
         &self,
         block: &mut [u8],
-        h: usize,
-        slot0: usize,
-        (k, v): (&[f32], &[f32]),
-        stride: usize,
-        n: usize,
+        (h, slot0): (usize, usize),
+        k: &[f32],
+        (stride, n): (usize, usize),
         (min, max): (&mut [f32], &mut [f32]),
     ) {
-        let d = self.head_dim;
-        for i in 0..n {
-            let (k, v) = (&k[i * stride..][..d], &v[i * stride..][..d]);
-            // The digest, and for a scaled dtype K's largest magnitude, in one pass over K.
+        let (dt, b, d) = (self.dtype, self.block_size, self.head_dim);
+        let es = dt.size();
+        let head = &mut block[self.head_range(h)];
+        let (kt, rest) = head.split_at_mut(b * d * es);
+        let row = |i: usize| &k[i * stride..][..d];
+        // The digest, and K's largest magnitude (its scale's), in one pass over K.
+        let mut fold = |k: &[f32]| {
             let mut top = 0u32;
             for ((lo, hi), x) in min.iter_mut().zip(max.iter_mut()).zip(k) {
                 *lo = lo.min(*x);
                 *hi = hi.max(*x);
                 top = top.max(magnitude_bits(*x));
             }
-            if self.dtype.scaled() {
-                let ks = scale_of_top(self.dtype, top);
-                self.write_scaled_token(block, h, slot0 + i, (k, ks), v);
+            top
+        };
+        if !dt.scaled() {
+            for i in 0..n {
+                fold(row(i));
+                for (c, x) in row(i).iter().enumerate() {
+                    let at = (c * b + slot0 + i) * es;
+                    encode_from_f32(dt, std::slice::from_ref(x), &mut kt[at..at + es]);
+                }
+            }
+            return;
+        }
+        let ksc = &mut rest[b * d..][..4 * b];
+        // Eight tokens at a time: their codes, 64 channels at a time, into a tile of eight
+        // rows, then eight channels by eight tokens into the channels' rows.
+        let mut tile = [[0u8; 64]; 8];
+        let mut i0 = 0;
+        while i0 < n {
+            let m = (n - i0).min(8);
+            let mut scale = [0f32; 8];
+            for (j, ks) in scale.iter_mut().enumerate().take(m) {
+                *ks = scale_of_top(dt, fold(row(i0 + j)));
+                let slot = slot0 + i0 + j;
+                ksc[slot * 4..slot * 4 + 4].copy_from_slice(&ks.to_le_bytes());
+            }
+            let slot = slot0 + i0;
+            for c0 in (0..d).step_by(64) {
+                let w = (d - c0).min(64);
+                for (j, codes) in tile.iter_mut().enumerate().take(m) {
+                    quantize(dt, &row(i0 + j)[c0..c0 + w], scale[j], &mut codes[..w]);
+                }
+                let whole = if m == 8 { w / 8 * 8 } else { 0 };
+                for c in (0..whole).step_by(8) {
+                    let cols = transpose_8x8(std::array::from_fn(|j| {
+                        u64::from_le_bytes(std::array::from_fn(|x| tile[j][c + x]))
+                    }));
+                    for (x, col) in cols.iter().enumerate() {
+                        let at = (c0 + c + x) * b + slot;
+                        kt[at..at + 8].copy_from_slice(&col.to_le_bytes());
+                    }
+                }
+                for c in whole..w {
+                    let at = (c0 + c) * b + slot;
+                    for (j, codes) in tile.iter().enumerate().take(m) {
+                        kt[at + j] = codes[c];
+                    }
+                }
+            }
+            i0 += m;
+        }
+    }
+
+    /// Writes the values of tokens `slot0..slot0 + n` of head `h` into `block` as
+    /// [`write_token`] writes them, from f32 rows (token `i`'s V at `i * stride` of `v`,
+    /// `head_dim` each); the other half of [`BlockGeometry::write_keys`].
+    ///
+    /// [`write_token`]: BlockGeometry::write_token
+    pub fn write_values(
+        &self,
+        block: &mut [u8],
+        (h, slot0): (usize, usize),
+        v: &[f32],
+        (stride, n): (usize, usize),
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::kernel_avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { self.write_values_avx2(block, (h, slot0), v, (stride, n)) };
+            return;
+        }
+        self.write_values_body(block, (h, slot0), v, (stride, n));
+    }
+
+    /// [`BlockGeometry::write_values`] compiled for AVX2.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn write_values_avx2(
+        &self,
+        block: &mut [u8],
+        at: (usize, usize),
+        v: &[f32],
+        rows: (usize, usize),
+    ) {
+        self.write_values_body(block, at, v, rows);
+    }
+
+    /// [`BlockGeometry::write_values`]' definition, for the compiler to vectorise at each
+    /// call site's features.
+    #[inline(always)]
+    fn write_values_body(
+        &self,
+        block: &mut [u8],
+        (h, slot0): (usize, usize),
+        v: &[f32],
+        (stride, n): (usize, usize),
+    ) {
+        let (dt, b, d) = (self.dtype, self.block_size, self.head_dim);
+        let es = dt.size();
+        let head = &mut block[self.head_range(h)];
+        let (vq, sc) = head[b * d * es..].split_at_mut(b * d * es);
+        for i in 0..n {
+            let (v, slot) = (&v[i * stride..][..d], slot0 + i);
+            let dst = &mut vq[slot * d * es..(slot + 1) * d * es];
+            if dt.scaled() {
+                let vs = quant_scale(dt, v);
+                quantize(dt, v, vs, dst);
+                sc[(b + slot) * 4..(b + slot) * 4 + 4].copy_from_slice(&vs.to_le_bytes());
             } else {
-                self.write_token_body(block, h, slot0 + i, k, v);
+                encode_from_f32(dt, v, dst);
             }
         }
     }
@@ -227,6 +326,30 @@ impl BlockGeometry {
 /// Scale `t` of a little-endian f32 scale row.
 pub(crate) fn scale_at(row: &[u8], t: usize) -> f32 {
     f32::from_le_bytes([row[4 * t], row[4 * t + 1], row[4 * t + 2], row[4 * t + 3]])
+}
+
+/// The transpose of an 8x8 matrix of bytes held as eight rows (byte `j` of row `i`, little
+/// endian, is element `(i, j)`): three rounds of swapping the off-diagonal halves of 2x2,
+/// then 4x4, then 8x8 sub-blocks, a few shifts and masks each, in general registers (no
+/// shuffles, so it compiles as well on any target).
+#[inline(always)]
+fn transpose_8x8(mut r: [u64; 8]) -> [u64; 8] {
+    for (shift, mask, pairs) in [
+        (
+            8,
+            0x00ff_00ff_00ff_00ffu64,
+            [(0, 1), (2, 3), (4, 5), (6, 7)],
+        ),
+        (16, 0x0000_ffff_0000_ffff, [(0, 2), (1, 3), (4, 6), (5, 7)]),
+        (32, 0x0000_0000_ffff_ffff, [(0, 4), (1, 5), (2, 6), (3, 7)]),
+    ] {
+        for (a, b) in pairs {
+            let t = ((r[a] >> shift) ^ r[b]) & mask;
+            r[b] ^= t;
+            r[a] ^= t << shift;
+        }
+    }
+    r
 }
 
 /// `n` token rows `stride` bytes apart, each starting at one head's vector.
@@ -678,10 +801,12 @@ mod tests {
         }
     }
 
-    /// A run of tokens written at once (the ingest's converting path, 8 wide on AVX2) lands
-    /// as each written alone, with its keys folded into the digest, for every dtype: head
-    /// dims of several 8-lane vectors and a rest, runs starting mid-block, rows apart in
-    /// their buffer, and an infinity and a NaN among the values (their vectors' scale NaN).
+    /// A run of tokens written at once (the ingest's converting path: keys then values, 8
+    /// wide on AVX2, keys transposed eight by eight) lands as each written alone, with its
+    /// keys folded into the digest, for every dtype: head dims of several 8-lane vectors and
+    /// a rest, runs of one, of eight and a rest, of two eights, starting mid-block or not,
+    /// rows apart in their buffer, and an infinity and a NaN among the values (their
+    /// vectors' scale NaN).
     #[test]
     fn a_run_of_tokens_lands_as_each_token_alone() {
         let dtypes = [
@@ -699,38 +824,45 @@ mod tests {
                     head_dim: d,
                     dtype,
                 };
-                let (slot0, n, stride) = (3, 11, 2 * d + 5);
-                let mut x = 0.37f32;
-                let mut next = || {
-                    x = (x * 7.31 + 0.113).fract();
-                    (x - 0.5) * 9.0
-                };
-                let mut k: Vec<f32> = (0..n * stride).map(|_| next()).collect();
-                let mut v: Vec<f32> = (0..n * stride).map(|_| next()).collect();
-                k[2 * stride + 5] = f32::INFINITY;
-                v[4 * stride + 1] = f32::NAN;
-                let (mut one, mut run) = (vec![0u8; g.block_bytes()], vec![0u8; g.block_bytes()]);
-                let (mut lo, mut hi) = (vec![f32::INFINITY; d], vec![f32::NEG_INFINITY; d]);
-                for i in 0..n {
-                    let (ki, vi) = (&k[i * stride..][..d], &v[i * stride..][..d]);
-                    g.write_token(&mut one, 1, slot0 + i, ki, vi);
-                    for c in 0..d {
-                        lo[c] = lo[c].min(ki[c]);
-                        hi[c] = hi[c].max(ki[c]);
+                for (slot0, n) in [(3, 11), (0, 16), (5, 1), (1, 9)] {
+                    let stride = 2 * d + 5;
+                    let mut x = 0.37f32;
+                    let mut next = || {
+                        x = (x * 7.31 + 0.113).fract();
+                        (x - 0.5) * 9.0
+                    };
+                    let mut k: Vec<f32> = (0..n * stride).map(|_| next()).collect();
+                    let mut v: Vec<f32> = (0..n * stride).map(|_| next()).collect();
+                    k[2.min(n - 1) * stride + 5] = f32::INFINITY;
+                    v[4.min(n - 1) * stride + 1] = f32::NAN;
+                    let (mut one, mut run) =
+                        (vec![0u8; g.block_bytes()], vec![0u8; g.block_bytes()]);
+                    let (mut lo, mut hi) = (vec![f32::INFINITY; d], vec![f32::NEG_INFINITY; d]);
+                    for i in 0..n {
+                        let (ki, vi) = (&k[i * stride..][..d], &v[i * stride..][..d]);
+                        g.write_token(&mut one, 1, slot0 + i, ki, vi);
+                        for c in 0..d {
+                            lo[c] = lo[c].min(ki[c]);
+                            hi[c] = hi[c].max(ki[c]);
+                        }
                     }
+                    let (mut lo2, mut hi2) = (vec![f32::INFINITY; d], vec![f32::NEG_INFINITY; d]);
+                    g.write_keys(&mut run, (1, slot0), &k, (stride, n), (&mut lo2, &mut hi2));
+                    g.write_values(&mut run, (1, slot0), &v, (stride, n));
+                    assert!(one == run, "{dtype} d={d}: the block");
+                    assert_eq!((lo, hi), (lo2, hi2), "{dtype} d={d}: the digest");
                 }
-                let (mut lo2, mut hi2) = (vec![f32::INFINITY; d], vec![f32::NEG_INFINITY; d]);
-                g.write_tokens(
-                    &mut run,
-                    1,
-                    slot0,
-                    (&k, &v),
-                    stride,
-                    n,
-                    (&mut lo2, &mut hi2),
-                );
-                assert!(one == run, "{dtype} d={d}: the block");
-                assert_eq!((lo, hi), (lo2, hi2), "{dtype} d={d}: the digest");
+            }
+        }
+    }
+
+    #[test]
+    fn bytes_transpose_eight_by_eight() {
+        let m: [[u8; 8]; 8] = std::array::from_fn(|i| std::array::from_fn(|j| (16 * i + j) as u8));
+        let t = transpose_8x8(m.map(u64::from_le_bytes)).map(u64::to_le_bytes);
+        for (i, row) in m.iter().enumerate() {
+            for (j, x) in row.iter().enumerate() {
+                assert_eq!(t[j][i], *x, "({i}, {j})");
             }
         }
     }

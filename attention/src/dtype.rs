@@ -91,22 +91,31 @@ pub fn decode_to_f32(dtype: KvDType, src: &[u8], dst: &mut [f32]) {
                 *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
         }
-        KvDType::F16 => match bytemuck::try_cast_slice::<u8, f16>(src) {
-            Ok(h) => h.convert_to_f32_slice(dst),
-            Err(_) => {
-                for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                    *d = f16::from_le_bytes([c[0], c[1]]).to_f32();
+        KvDType::F16 => {
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("f16c") {
+                // SAFETY: the CPU has F16C (and so AVX).
+                unsafe { decode_f16_f16c(src, dst) };
+                return;
+            }
+            match bytemuck::try_cast_slice::<u8, f16>(src) {
+                Ok(h) => h.convert_to_f32_slice(dst),
+                Err(_) => {
+                    for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                        *d = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                    }
                 }
             }
-        },
-        KvDType::Bf16 => match bytemuck::try_cast_slice::<u8, bf16>(src) {
-            Ok(h) => h.convert_to_f32_slice(dst),
-            Err(_) => {
-                for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                    *d = bf16::from_le_bytes([c[0], c[1]]).to_f32();
-                }
+        }
+        KvDType::Bf16 => {
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2.
+                unsafe { decode_bf16_avx2(src, dst) };
+                return;
             }
-        },
+            decode_bf16(src, dst);
+        }
         KvDType::I8 => {
             for (d, c) in dst.iter_mut().zip(src) {
                 *d = f32::from(*c as i8);
@@ -117,6 +126,91 @@ pub fn decode_to_f32(dtype: KvDType, src: &[u8], dst: &mut [f32]) {
                 *d = f8_e4m3_value(*c);
             }
         }
+    }
+}
+
+/// [`decode_to_f32`] of bf16: each element's bits the top half of an f32's, whatever the
+/// alignment; a loop the compiler vectorises at its caller's features.
+#[inline(always)]
+fn decode_bf16(src: &[u8], dst: &mut [f32]) {
+    for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+        *d = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16);
+    }
+}
+
+/// [`decode_bf16`] compiled for AVX2 (8 at a time).
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn decode_bf16_avx2(src: &[u8], dst: &mut [f32]) {
+    decode_bf16(src, dst);
+}
+
+/// [`decode_to_f32`] of f16 by F16C, 8 at a time from any alignment: wire bytes are as
+/// often odd-aligned as not, and `half`'s slice conversion takes aligned input only (its
+/// element-wise fallback asks for the CPU's features at every element).
+///
+/// # Safety
+/// The CPU has F16C and AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+#[inline]
+unsafe fn decode_f16_f16c(src: &[u8], dst: &mut [f32]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
+    let (src, dst) = (&src[..2 * dst.len()], dst);
+    let (eights, rest) = dst.as_chunks_mut::<8>();
+    let (src8, src_rest) = src.split_at(eights.len() * 16);
+    for (d, s) in eights.iter_mut().zip(src8.chunks_exact(16)) {
+        // SAFETY: `s` is 16 bytes, `d` 8 f32; both loads and stores are unaligned ones.
+        unsafe {
+            let h = _mm_loadu_si128(s.as_ptr().cast::<__m128i>());
+            _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(h));
+        }
+    }
+    for (d, c) in rest.iter_mut().zip(src_rest.chunks_exact(2)) {
+        *d = f16::from_le_bytes([c[0], c[1]]).to_f32();
+    }
+}
+
+/// Decodes rows of `d` elements of `dtype`, `stride` bytes apart in `src` (the first at its
+/// start), into consecutive rows of `dst`, as many as it holds: one head's tokens out of a
+/// wire chunk, which holds every head's. The CPU's features are asked once for all rows (a
+/// row of a small head is a few vectors).
+pub fn decode_rows(dtype: KvDType, src: &[u8], stride: usize, dst: &mut [f32], d: usize) {
+    let es = dtype.size();
+    let rows = dst.chunks_exact_mut(d.max(1)).enumerate();
+    #[cfg(target_arch = "x86_64")]
+    match dtype {
+        KvDType::F16 if is_x86_feature_detected!("f16c") => {
+            for (i, out) in rows {
+                // SAFETY: the CPU has F16C.
+                unsafe { decode_f16_f16c(&src[i * stride..][..d * es], out) };
+            }
+            return;
+        }
+        KvDType::Bf16 if is_x86_feature_detected!("avx2") => {
+            // SAFETY: the CPU has AVX2.
+            unsafe { decode_bf16_rows_avx2(src, stride, dst, d) };
+            return;
+        }
+        _ => {}
+    }
+    for (i, out) in rows {
+        decode_to_f32(dtype, &src[i * stride..][..d * es], out);
+    }
+}
+
+/// [`decode_rows`] of bf16 compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn decode_bf16_rows_avx2(src: &[u8], stride: usize, dst: &mut [f32], d: usize) {
+    for (i, out) in dst.chunks_exact_mut(d.max(1)).enumerate() {
+        decode_bf16(&src[i * stride..][..2 * d], out);
     }
 }
 
@@ -277,6 +371,52 @@ mod tests {
             let mut back2 = vec![0f32; v.len()];
             decode_to_f32(dt, &shifted[1..], &mut back2);
             assert_eq!(back, back2);
+        }
+    }
+
+    /// Strided rows from any alignment decode as the `half` crate decodes each element (the
+    /// F16C and AVX2 paths, and the definition elsewhere), with head dims of a few vectors
+    /// and a rest, and subnormal, infinite and NaN elements.
+    #[test]
+    fn strided_rows_decode_as_each_element() {
+        let specials = [
+            0x0001u16, 0x03ff, 0x7c00, 0xfc00, 0x7e00, 0x8000, 0x3c00, 0xc1a3,
+        ];
+        for dt in [KvDType::F16, KvDType::Bf16, KvDType::F32] {
+            for d in [1, 8, 13, 64] {
+                for offset in [0, 1] {
+                    let (es, rows) = (dt.size(), 5);
+                    let stride = d * es + 3;
+                    let bytes: Vec<u8> = (0..offset + rows * stride)
+                        .map(|i| {
+                            let s = specials[i / 2 % specials.len()].to_le_bytes();
+                            if i % 7 < 2 {
+                                s[i % 2]
+                            } else {
+                                (i * 37 % 251) as u8
+                            }
+                        })
+                        .collect();
+                    let src = &bytes[offset..];
+                    let mut got = vec![0f32; rows * d];
+                    decode_rows(dt, src, stride, &mut got, d);
+                    for r in 0..rows {
+                        for c in 0..d {
+                            let e = &src[r * stride + c * es..][..es];
+                            let want = match dt {
+                                KvDType::F16 => f16::from_le_bytes([e[0], e[1]]).to_f32(),
+                                KvDType::Bf16 => bf16::from_le_bytes([e[0], e[1]]).to_f32(),
+                                _ => f32::from_le_bytes([e[0], e[1], e[2], e[3]]),
+                            };
+                            let g = got[r * d + c];
+                            assert!(
+                                g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                                "{dt} d={d} offset {offset} ({r}, {c}): {g} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 

@@ -70,7 +70,7 @@ mod sparq;
 
 pub use block::{BlockGeometry, HeadBlock, Rows, WireTokens};
 pub use digest::{Digest, GroupQuery, GroupScore, HeadDigests};
-pub use dtype::{KvDType, decode_to_f32, encode_from_f32};
+pub use dtype::{KvDType, decode_rows, decode_to_f32, encode_from_f32};
 pub use kernel::{KernelPath, Scratch, attend_blocks, attend_blocks_on, force_kernel_path};
 #[cfg(target_arch = "x86_64")]
 pub use kernel_avx512::{avx512_enabled, avx512_factors};

@@ -1,6 +1,7 @@
 //! The store path of an ingest, without transport: `Ingest::chunk` writing bf16 KV into a
-//! prefaulted pool (CRC check, K transposed with the digest folded in, V rows copied), then
-//! each stage alone over the same bytes, and memcpy of them as the bound.
+//! prefaulted pool (CRC check, K transposed with the digest folded in, V rows copied), and into
+//! int8 and fp8 pools (each token converted), then each stage alone over the same bytes, and
+//! memcpy of them as the bound.
 //! `cargo bench -p kv-transfer --bench store`
 
 use attention::{BlockGeometry, KvDType, Rows};
@@ -17,16 +18,32 @@ fn store(c: &mut Criterion) {
         head_dim: 128,
         dtype: KvDType::Bf16,
     };
-    let (layers, tokens) = (4usize, 2048usize);
-    let layout = KvLayout {
-        model_id: "bench".into(),
-        num_layers: layers,
-        geom,
-        vocab_size: 1000,
-        max_context: 1 << 20,
-    };
+    let kv = prompt(&geom, DType::DtypeBf16, 4, 2048);
+    let mut g = c.benchmark_group("store");
+    for chunk_tokens in [256, 2048] {
+        bench_push(&mut g, &geom, &kv, chunk_tokens, "bf16 8x128");
+    }
+    // Pools of a scaled 8-bit dtype convert every token (`BlockGeometry::write_tokens`): a
+    // Qwen3-8B-shaped head and SmolLM2-135M's (3 KV heads of 64, f16 on the wire).
+    for dtype in [KvDType::I8, KvDType::F8E4M3] {
+        let g8 = BlockGeometry { dtype, ..geom };
+        bench_push(&mut g, &g8, &kv, 256, "bf16 8x128");
+        let small = BlockGeometry {
+            num_kv_heads: 3,
+            head_dim: 64,
+            ..g8
+        };
+        let kv = prompt(&small, DType::DtypeF16, 4, 4096);
+        bench_push(&mut g, &small, &kv, 256, "f16 3x64");
+    }
+    g.finish();
+    stages(c, &geom, &kv);
+}
+
+/// `tokens` tokens of `layers` layers of the shape of `geom` in `wire` (2 bytes an element):
+/// small values with varied bits, finite.
+fn prompt(geom: &BlockGeometry, wire: DType, layers: usize, tokens: usize) -> PromptKv {
     let row = geom.num_kv_heads * geom.head_dim * 2;
-    // Small bf16 values with varied bits (finite, no NaN).
     let data = |seed: usize| {
         Bytes::from(
             (0..tokens * row)
@@ -40,14 +57,14 @@ fn store(c: &mut Criterion) {
                 .collect::<Vec<u8>>(),
         )
     };
-    let kv = PromptKv {
+    PromptKv {
         header: KvHeader {
             request_id: "b".into(),
             model_id: "bench".into(),
             num_layers: layers as u32,
             num_kv_heads: geom.num_kv_heads as u32,
             head_dim: geom.head_dim as u32,
-            dtype: DType::DtypeBf16 as i32,
+            dtype: wire as i32,
             num_tokens: tokens as u32,
             prompt_token_ids: vec![1; tokens],
             next_token_id: 1,
@@ -57,34 +74,53 @@ fn store(c: &mut Criterion) {
         layers: (0..layers)
             .map(|l| (data(2 * l), data(2 * l + 1)))
             .collect(),
-    };
-    let bytes = (2 * layers * tokens * row) as u64;
-    let pool = HostPool::with_prefault(geom, 2 * bytes, true).expect("pool");
-    let mut g = c.benchmark_group("store");
-    g.throughput(Throughput::Bytes(bytes));
-    for chunk_tokens in [256, 2048] {
-        let msgs = push_messages(&kv, chunk_tokens);
-        let chunks: Vec<_> = msgs[1..msgs.len() - 1]
-            .iter()
-            .filter_map(|m| match &m.item {
-                Some(decode_node_proto::v1::push_kv_request::Item::Chunk(c)) => {
-                    Some(c.clone().into())
-                }
-                _ => None,
-            })
-            .collect();
-        g.bench_function(format!("bf16 8x128 chunks of {chunk_tokens} tokens"), |b| {
-            b.iter(|| {
-                let mut ing = Ingest::begin(&layout, &pool, &kv.header).expect("begin");
-                for c in &chunks {
-                    ing.chunk(c).expect("chunk");
-                }
-                ing.commit(None).expect("commit")
-            })
-        });
     }
-    g.finish();
-    stages(c, &geom, &kv);
+}
+
+/// `Ingest::chunk` of every chunk of `kv` (cut `chunk_tokens` tokens at a time) into a
+/// prefaulted pool of `geom`, in wire bytes/s.
+fn bench_push(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    geom: &BlockGeometry,
+    kv: &PromptKv,
+    chunk_tokens: usize,
+    wire: &str,
+) {
+    let layout = KvLayout {
+        model_id: "bench".into(),
+        num_layers: kv.layers.len(),
+        geom: *geom,
+        vocab_size: 1000,
+        max_context: 1 << 20,
+    };
+    let bytes: u64 = kv
+        .layers
+        .iter()
+        .map(|(k, v)| (k.len() + v.len()) as u64)
+        .sum();
+    let pool = HostPool::with_prefault(*geom, 2 * bytes, true).expect("pool");
+    g.throughput(Throughput::Bytes(bytes));
+    let msgs = push_messages(kv, chunk_tokens);
+    let chunks: Vec<_> = msgs[1..msgs.len() - 1]
+        .iter()
+        .filter_map(|m| match &m.item {
+            Some(decode_node_proto::v1::push_kv_request::Item::Chunk(c)) => Some(c.clone().into()),
+            _ => None,
+        })
+        .collect();
+    let name = format!(
+        "{wire} into {:?}, chunks of {chunk_tokens} tokens",
+        geom.dtype
+    );
+    g.bench_function(name, |b| {
+        b.iter(|| {
+            let mut ing = Ingest::begin(&layout, &pool, &kv.header).expect("begin");
+            for c in &chunks {
+                ing.chunk(c).expect("chunk");
+            }
+            ing.commit(None).expect("commit")
+        })
+    });
 }
 
 /// Each stage of the store path alone over one layer's K and V: memcpy of the same bytes

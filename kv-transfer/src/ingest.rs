@@ -8,7 +8,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use attention::{HeadDigests, KvDType, Rows, decode_to_f32};
+use attention::{HeadDigests, KvDType, Rows, decode_rows};
 use decode_node_proto::v1::{DType, KvHeader};
 
 use crate::committed::CommittedKv;
@@ -16,7 +16,7 @@ use crate::crc::Crc32c;
 use crate::pool::{Block, HostPool};
 use crate::prefix::CachedBlock;
 use crate::wire::Chunk;
-use crate::{Error, KvLayout};
+use crate::{Error, KvLayout, Payload};
 
 /// Longest request id accepted.
 pub const MAX_REQUEST_ID_LEN: usize = 256;
@@ -52,8 +52,8 @@ pub struct Ingest {
     pub bytes_received: u64,
     /// Chunks accepted.
     pub chunks_received: u32,
-    scratch_k: Vec<f32>,
-    scratch_v: Vec<f32>,
+    /// One head's run of keys or values in f32, on the way to a pool of another dtype.
+    scratch: Vec<f32>,
     /// Key and value rows that straddle two received frames, joined.
     gather_k: Vec<u8>,
     gather_v: Vec<u8>,
@@ -77,6 +77,39 @@ fn runs(
             run
         })
     })
+}
+
+/// A byte range of a payload to be asked for ahead of its use in `steps` about equal steps of
+/// whole cache lines ([`Payload::prefetch`]).
+struct Ahead<'a> {
+    payload: &'a Payload,
+    at: usize,
+    end: usize,
+    step: usize,
+}
+
+impl<'a> Ahead<'a> {
+    fn new(payload: &'a Payload, at: usize, len: usize, steps: usize) -> Self {
+        let end = (at + len).min(payload.len());
+        let step = (end.saturating_sub(at))
+            .div_ceil(steps.max(1))
+            .next_multiple_of(64);
+        Self {
+            payload,
+            at,
+            end,
+            step,
+        }
+    }
+
+    /// Asks for the next step's lines, if any are left.
+    fn step(&mut self) {
+        if self.at < self.end {
+            let to = (self.at + self.step).min(self.end);
+            self.payload.prefetch(self.at..to);
+            self.at = to;
+        }
+    }
 }
 
 fn wire_dtype(d: i32) -> Result<KvDType, Error> {
@@ -240,8 +273,7 @@ impl Ingest {
             remaining: (n - reused) * layout.num_layers * hk,
             bytes_received: 0,
             chunks_received: 0,
-            scratch_k: Vec::new(),
-            scratch_v: Vec::new(),
+            scratch: Vec::new(),
             gather_k: Vec::new(),
             gather_v: Vec::new(),
             poisoned: false,
@@ -331,21 +363,17 @@ impl Ingest {
         };
 
         // Same dtype (a wire dtype, which always folds): digests fold in while K is
-        // transposed, no f32 copy of K.
-        if self.info.wire_dtype == geom.dtype && geom.folds_digest_in_copy() {
-            let crc = self.write_fused(c, layer, heads.clone(), start, count);
-            if crc != c.crc32c {
-                // Blocks were written before the check (see `write_fused`): unusable now.
-                self.poisoned = true;
-                return Err(crc_mismatch(crc));
-            }
+        // transposed, no f32 copy of K. Otherwise each token is converted. Either way each
+        // run is checksummed just before it is written, and the blocks are written before
+        // the check.
+        let crc = if self.info.wire_dtype == geom.dtype && geom.folds_digest_in_copy() {
+            self.write_fused(c, layer, heads.clone(), start, count)
         } else {
-            let crc =
-                crate::crc::crc32c(c.key.parts().iter().chain(c.value.parts()).map(|p| &p[..]));
-            if crc != c.crc32c {
-                return Err(crc_mismatch(crc));
-            }
-            self.write_converted(c, layer, heads.clone(), start, count);
+            self.write_converted(c, layer, heads.clone(), start, count)
+        };
+        if crc != c.crc32c {
+            self.poisoned = true;
+            return Err(crc_mismatch(crc));
         }
         for h in heads {
             let cov = &mut self.covered[layer * hk + h];
@@ -406,9 +434,11 @@ impl Ingest {
         crc.value()
     }
 
-    /// Writes a checked chunk whose pool stores another dtype than the wire's: a block's run
-    /// of tokens at a time decoded to f32 (so the rows are still in L1 when they are
-    /// encoded), then each token encoded into its slot and folded into its block's digest.
+    /// Writes a chunk whose pool stores another dtype than the wire's; returns the CRC-32C
+    /// of its key and value, each run checksummed just before it is written, as
+    /// [`Ingest::write_fused`] does. Each head's rows of a run are decoded to f32 (a block's
+    /// worth of one head: they stay in L1 while they are encoded), then encoded into their
+    /// slots, the keys folded into the block's digest.
     fn write_converted(
         &mut self,
         c: &Chunk,
@@ -416,29 +446,52 @@ impl Ingest {
         heads: Range<usize>,
         start: usize,
         count: usize,
-    ) {
+    ) -> u32 {
         let geom = self.layout.geom;
-        let (hk, d) = (geom.num_kv_heads, geom.head_dim);
-        let (hc, wire) = (heads.len(), self.info.wire_dtype);
-        let row = hc * d; // elements of a token
-        let most = geom.block_size.min(count) * row;
-        self.scratch_k.resize(most, 0.0);
-        self.scratch_v.resize(most, 0.0);
-        for (t, bi, slot, n) in runs(geom.block_size, start, count) {
-            let bytes = t * row * wire.size()..(t + n) * row * wire.size();
-            let (k, v) = (
-                &mut self.scratch_k[..n * row],
-                &mut self.scratch_v[..n * row],
-            );
-            decode_to_f32(wire, c.key.slice(bytes.clone(), &mut self.gather_k), k);
-            decode_to_f32(wire, c.value.slice(bytes, &mut self.gather_v), v);
-            let block = self.blocks[layer][bi - self.prefix.len()].bytes_mut();
-            for (j, h) in heads.clone().enumerate() {
-                let rows = (&k[j * d..], &v[j * d..]);
-                let digest = self.digests[layer * hk + h].block_mut(bi);
-                geom.write_tokens(block, h, slot, rows, row, n, digest);
+        let (hk, d, bs) = (geom.num_kv_heads, geom.head_dim, geom.block_size);
+        let (wire, es) = (self.info.wire_dtype, self.info.wire_dtype.size());
+        let hc = heads.len();
+        let row = hc * d * es; // wire bytes of a token
+        self.scratch.resize(bs.min(count) * d, 0.0);
+        let mut crc = Crc32c::new();
+        let first = bs.min(count) * row;
+        for keys in [true, false] {
+            let (payload, gather) = if keys {
+                (&c.key, &mut self.gather_k)
+            } else {
+                (&c.value, &mut self.gather_v)
+            };
+            for (t, bi, slot, n) in runs(bs, start, count) {
+                let bytes = payload.slice(t * row..(t + n) * row, gather);
+                crc.update(bytes);
+                let block = self.blocks[layer][bi - self.prefix.len()].bytes_mut();
+                // The next run's bytes (after the keys' last, the values' first) are asked
+                // for a few lines at a time while this run is converted: the checksum then
+                // reads them from cache. (Asked for all at once, the requests stalled on the
+                // CPU's line-fill buffers.)
+                let mut ahead = if (t + n) * row < payload.len() {
+                    Ahead::new(payload, (t + n) * row, first, hc * n)
+                } else if keys {
+                    Ahead::new(&c.value, 0, first, hc * n)
+                } else {
+                    Ahead::new(payload, 0, 0, 1)
+                };
+                for (j, h) in heads.clone().enumerate() {
+                    let x = &mut self.scratch[..n * d];
+                    for (i, out) in x.chunks_exact_mut(d).enumerate() {
+                        decode_rows(wire, &bytes[i * row + j * d * es..], row, out, d);
+                        ahead.step();
+                    }
+                    if keys {
+                        let digest = self.digests[layer * hk + h].block_mut(bi);
+                        geom.write_keys(block, (h, slot), x, (d, n), digest);
+                    } else {
+                        geom.write_values(block, (h, slot), x, (d, n));
+                    }
+                }
             }
         }
+        crc.value()
     }
 
     /// Whether every (layer, token, head) has arrived, as `commit` requires.
@@ -498,8 +551,8 @@ impl Ingest {
 pub(crate) mod tests {
     use super::*;
     use crate::Payload;
-    use attention::encode_from_f32;
     use attention::{BlockGeometry, KvSource};
+    use attention::{decode_to_f32, encode_from_f32};
     use bytes::Bytes;
     use decode_node_proto::v1::KvChunk;
 
@@ -674,20 +727,31 @@ pub(crate) mod tests {
         }
     }
 
+    /// On both paths, the copy of a wire dtype (f32 into f32) and the conversion (f16 into
+    /// f32), a chunk is written before its CRC is checked: a mismatch ends the push.
     #[test]
     fn a_crc_mismatch_after_writing_poisons_the_push_and_frees_on_drop() {
         let pool = pool();
-        let mut h = header("p", 6);
-        h.dtype = DType::DtypeF32 as i32;
-        let mut ing = Ingest::begin(&layout(), &pool, &h).unwrap();
-        let mut bad = to_f32(chunk(0, 0, 6));
-        bad.crc32c ^= 1;
-        assert!(matches!(ing.chunk(&bad.into()), Err(Error::Invalid(m)) if m.contains("CRC")));
-        // The good data does not revive it.
-        assert!(ing.chunk(&to_f32(chunk(0, 0, 6)).into()).is_err());
-        assert!(ing.chunk(&to_f32(chunk(1, 0, 6)).into()).is_err());
-        assert!(ing.commit(None).is_err());
-        assert_eq!(pool.usage().used + pool.usage().reserved, 0);
+        let f16 = |c: KvChunk| c;
+        for (wire, conv) in [
+            (DType::DtypeF32, to_f32 as fn(_) -> _),
+            (DType::DtypeF16, f16),
+        ] {
+            let mut h = header("p", 6);
+            h.dtype = wire as i32;
+            let mut ing = Ingest::begin(&layout(), &pool, &h).unwrap();
+            let mut bad = conv(chunk(0, 0, 6));
+            bad.crc32c ^= 1;
+            assert!(
+                matches!(ing.chunk(&bad.into()), Err(Error::Invalid(m)) if m.contains("CRC")),
+                "{wire:?}"
+            );
+            // The good data does not revive it.
+            assert!(ing.chunk(&conv(chunk(0, 0, 6)).into()).is_err());
+            assert!(ing.chunk(&conv(chunk(1, 0, 6)).into()).is_err());
+            assert!(ing.commit(None).is_err());
+            assert_eq!(pool.usage().used + pool.usage().reserved, 0);
+        }
     }
 
     fn pool() -> HostPool {
@@ -835,6 +899,10 @@ pub(crate) mod tests {
         assert!(
             matches!(ing.chunk(&c.clone().into()), Err(Error::Invalid(m)) if m.contains("CRC"))
         );
+        // A CRC failure ends the push (the chunk was written before its check, on every
+        // path): the next starts again.
+        drop(ing);
+        let mut ing = Ingest::begin(&l, &pool, &header("a", 6)).unwrap();
         assert!(matches!(
             ing.chunk(&chunk(2, 0, 2).into()),
             Err(Error::Invalid(_))

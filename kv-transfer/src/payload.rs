@@ -85,6 +85,22 @@ impl Payload {
         scratch
     }
 
+    /// Asks the CPU to bring the cache lines of `range` (clamped to the payload) towards its
+    /// caches ahead of their use: a hint, which does nothing where the target has none.
+    pub fn prefetch(&self, range: Range<usize>) {
+        let end = range.end.min(self.len());
+        let mut at = range.start;
+        while at < end {
+            let i = self.ends.partition_point(|&e| e <= at);
+            let s = self.start(i);
+            let part = &self.parts[i][at - s..(end - s).min(self.parts[i].len())];
+            for line in part.chunks(64) {
+                prefetch_line(line);
+            }
+            at += part.len();
+        }
+    }
+
     /// The whole payload as one buffer: shared when it is one part, copied otherwise.
     pub fn to_bytes(&self) -> Bytes {
         match self.parts.as_slice() {
@@ -126,6 +142,20 @@ impl From<Vec<Bytes>> for Payload {
         }
         p
     }
+}
+
+/// Hints that the cache line holding `line`'s first byte will be read soon (into L2 and up).
+#[inline(always)]
+fn prefetch_line(line: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // SAFETY: a prefetch reads nothing architecturally and never faults; the address is
+        // one of `line`'s.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = line;
 }
 
 #[cfg(test)]
@@ -173,5 +203,20 @@ mod tests {
         assert!(scratch.is_empty());
         assert_eq!(p.slice(2..6, &mut scratch), b"cdef");
         assert_eq!(scratch, b"cdef");
+    }
+
+    /// A hint over any range: within one part, across parts, past the end, empty.
+    #[test]
+    fn prefetch_takes_any_range() {
+        let mut p = Payload::new();
+        for n in [3usize, 64, 1, 130] {
+            p.push(Bytes::from(vec![7u8; n]));
+        }
+        for a in 0..=p.len() + 2 {
+            for b in a..=p.len() + 70 {
+                p.prefetch(a..b);
+            }
+        }
+        Payload::new().prefetch(0..10);
     }
 }
