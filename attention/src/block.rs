@@ -92,7 +92,7 @@ impl BlockGeometry {
             unsafe { self.write_keys_avx2(block, (h, slot0), k, (stride, n), digest) };
             return;
         }
-        self.write_keys_body(block, (h, slot0), k, (stride, n), digest);
+        self.write_keys_body::<false>(block, (h, slot0), k, (stride, n), digest);
     }
 
     /// [`BlockGeometry::write_keys`] compiled for AVX2.
@@ -109,13 +109,14 @@ impl BlockGeometry {
         rows: (usize, usize),
         digest: (&mut [f32], &mut [f32]),
     ) {
-        self.write_keys_body(block, at, k, rows, digest);
+        self.write_keys_body::<true>(block, at, k, rows, digest);
     }
 
     /// [`BlockGeometry::write_keys`]' definition, for the compiler to vectorise at each call
-    /// site's features.
+    /// site's features; `AVX2` where that is a function compiled for AVX2 (which then
+    /// inlines the AVX2 quantizer, [`quantize_in`]).
     #[inline(always)]
-    fn write_keys_body(
+    fn write_keys_body<const AVX2: bool>(
         &self,
         block: &mut [u8],
         (h, slot0): (usize, usize),
@@ -128,16 +129,7 @@ impl BlockGeometry {
         let head = &mut block[self.head_range(h)];
         let (kt, rest) = head.split_at_mut(b * d * es);
         let row = |i: usize| &k[i * stride..][..d];
-        // The digest, and K's largest magnitude (its scale's), in one pass over K.
-        let mut fold = |k: &[f32]| {
-            let mut top = 0u32;
-            for ((lo, hi), x) in min.iter_mut().zip(max.iter_mut()).zip(k) {
-                *lo = lo.min(*x);
-                *hi = hi.max(*x);
-                top = top.max(magnitude_bits(*x));
-            }
-            top
-        };
+        let mut fold = |k: &[f32]| fold_token(min, max, k);
         if !dt.scaled() {
             for i in 0..n {
                 fold(row(i));
@@ -155,9 +147,20 @@ impl BlockGeometry {
         let mut i0 = 0;
         while i0 < n {
             let m = (n - i0).min(8);
+            let tops = if m == 8 {
+                fold_eight(min, max, std::array::from_fn(|j| row(i0 + j)))
+            } else {
+                std::array::from_fn(|j| {
+                    if j < m {
+                        fold_token(min, max, row(i0 + j))
+                    } else {
+                        0
+                    }
+                })
+            };
             let mut scale = [0f32; 8];
             for (j, ks) in scale.iter_mut().enumerate().take(m) {
-                *ks = scale_of_top(dt, fold(row(i0 + j)));
+                *ks = scale_of_top(dt, tops[j]);
                 let slot = slot0 + i0 + j;
                 ksc[slot * 4..slot * 4 + 4].copy_from_slice(&ks.to_le_bytes());
             }
@@ -165,7 +168,7 @@ impl BlockGeometry {
             for c0 in (0..d).step_by(64) {
                 let w = (d - c0).min(64);
                 for (j, codes) in tile.iter_mut().enumerate().take(m) {
-                    quantize(dt, &row(i0 + j)[c0..c0 + w], scale[j], &mut codes[..w]);
+                    quantize_in::<AVX2>(dt, &row(i0 + j)[c0..c0 + w], scale[j], &mut codes[..w]);
                 }
                 let whole = if m == 8 { w / 8 * 8 } else { 0 };
                 for c in (0..whole).step_by(8) {
@@ -206,7 +209,7 @@ impl BlockGeometry {
             unsafe { self.write_values_avx2(block, (h, slot0), v, (stride, n)) };
             return;
         }
-        self.write_values_body(block, (h, slot0), v, (stride, n));
+        self.write_values_body::<false>(block, (h, slot0), v, (stride, n));
     }
 
     /// [`BlockGeometry::write_values`] compiled for AVX2.
@@ -222,13 +225,13 @@ impl BlockGeometry {
         v: &[f32],
         rows: (usize, usize),
     ) {
-        self.write_values_body(block, at, v, rows);
+        self.write_values_body::<true>(block, at, v, rows);
     }
 
     /// [`BlockGeometry::write_values`]' definition, for the compiler to vectorise at each
-    /// call site's features.
+    /// call site's features; `AVX2` as [`BlockGeometry::write_keys_body`]'s.
     #[inline(always)]
-    fn write_values_body(
+    fn write_values_body<const AVX2: bool>(
         &self,
         block: &mut [u8],
         (h, slot0): (usize, usize),
@@ -244,7 +247,7 @@ impl BlockGeometry {
             let dst = &mut vq[slot * d * es..(slot + 1) * d * es];
             if dt.scaled() {
                 let vs = quant_scale(dt, v);
-                quantize(dt, v, vs, dst);
+                quantize_in::<AVX2>(dt, v, vs, dst);
                 sc[(b + slot) * 4..(b + slot) * 4 + 4].copy_from_slice(&vs.to_le_bytes());
             } else {
                 encode_from_f32(dt, v, dst);
@@ -326,6 +329,62 @@ impl BlockGeometry {
 /// Scale `t` of a little-endian f32 scale row.
 pub(crate) fn scale_at(row: &[u8], t: usize) -> f32 {
     f32::from_le_bytes([row[4 * t], row[4 * t + 1], row[4 * t + 2], row[4 * t + 3]])
+}
+
+/// [`quantize`] in a body of [`BlockGeometry::write_keys`] or `write_values`: inlined, AVX2
+/// code where `AVX2` (the body is compiled into an AVX2 function, which only a CPU with AVX2
+/// runs), else behind `quantize`'s own dispatch.
+#[inline(always)]
+fn quantize_in<const AVX2: bool>(dt: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        // SAFETY: only the bodies compiled into `write_keys_avx2` and `write_values_avx2`
+        // pass `AVX2`, and those run where the CPU has AVX2.
+        unsafe { crate::dtype::quantize_avx2(dt, x, scale, dst) };
+        return;
+    }
+    quantize(dt, x, scale, dst);
+}
+
+/// Folds one token's key `k` into a block's digest (`min`, `max`), returning its largest
+/// [`magnitude_bits`] (its scale's) from the same pass. A NaN key leaves the digest as it
+/// was (the comparisons are false), as `f32::min` would; written as comparisons, which
+/// compile to one instruction a vector where `f32::min` took three.
+#[inline(always)]
+fn fold_token(min: &mut [f32], max: &mut [f32], k: &[f32]) -> u32 {
+    let mut top = 0u32;
+    for ((lo, hi), x) in min.iter_mut().zip(max.iter_mut()).zip(k) {
+        *lo = if *x < *lo { *x } else { *lo };
+        *hi = if *x > *hi { *x } else { *hi };
+        top = top.max(magnitude_bits(*x));
+    }
+    top
+}
+
+/// [`fold_token`] of eight tokens' keys at once: each eight channels' minima and maxima
+/// are loaded and stored once for the eight tokens, not once a token.
+#[inline(always)]
+fn fold_eight(min: &mut [f32], max: &mut [f32], rows: [&[f32]; 8]) -> [u32; 8] {
+    let mut tops = [[0u32; 8]; 8];
+    let (lo8, lo_rest) = min.as_chunks_mut::<8>();
+    let (hi8, hi_rest) = max.as_chunks_mut::<8>();
+    let whole = 8 * lo8.len();
+    for (ci, (lo, hi)) in lo8.iter_mut().zip(hi8.iter_mut()).enumerate() {
+        let (mut l, mut h) = (*lo, *hi);
+        for (row, top) in rows.iter().zip(tops.iter_mut()) {
+            let x = &row[8 * ci..8 * ci + 8];
+            for e in 0..8 {
+                l[e] = if x[e] < l[e] { x[e] } else { l[e] };
+                h[e] = if x[e] > h[e] { x[e] } else { h[e] };
+                top[e] = top[e].max(magnitude_bits(x[e]));
+            }
+        }
+        (*lo, *hi) = (l, h);
+    }
+    for (row, top) in rows.iter().zip(tops.iter_mut()) {
+        top[0] = top[0].max(fold_token(lo_rest, hi_rest, &row[whole..]));
+    }
+    tops.map(|t| t.into_iter().fold(0, u32::max))
 }
 
 /// The transpose of an 8x8 matrix of bytes held as eight rows (byte `j` of row `i`, little

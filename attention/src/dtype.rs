@@ -338,10 +338,126 @@ pub(crate) fn scale_of_top(dtype: KvDType, top: u32) -> f32 {
 /// `x` of a scaled `dtype` quantized with `scale` into `dst` (one byte per element).
 #[inline(always)]
 pub(crate) fn quantize(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if dtype == KvDType::I8 && is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        unsafe { quantize_i8_on_avx2(x, scale, dst) };
+        return;
+    }
+    quantize_scalar(dtype, x, scale, dst);
+}
+
+/// [`quantize`]'s definition, a loop the compiler vectorises at its caller's features.
+#[inline(always)]
+fn quantize_scalar(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
     for (v, d) in x.iter().zip(dst) {
         *d = scaled_code(dtype, v * inv);
     }
+}
+
+/// [`quantize`] for a caller compiled for AVX2, into which it is inlined: int8 by
+/// [`quantize_i8_avx2`] without a call (a small head's rows are a few vectors, and a call a
+/// row cost as much as its codes), fp8 by the definition.
+///
+/// # Safety
+/// The CPU has AVX2, and the caller is compiled for it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn quantize_avx2(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
+    if dtype != KvDType::I8 {
+        return quantize_scalar(dtype, x, scale, dst);
+    }
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    // SAFETY: as this function's.
+    let done = unsafe { quantize_i8_avx2(x, inv, dst) };
+    for (v, d) in x[done..].iter().zip(&mut dst[done..]) {
+        *d = i8_code(v * inv);
+    }
+}
+
+/// [`quantize_avx2`] of int8 behind a call, for callers not compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_i8_on_avx2(x: &[f32], scale: f32, dst: &mut [u8]) {
+    // SAFETY: the CPU has AVX2, and this function is compiled for it.
+    unsafe { quantize_avx2(KvDType::I8, x, scale, dst) }
+}
+
+/// Eight int8 codes of `v * inv` as [`i8_code`] gives them, in the dwords of a vector: the
+/// integer part, plus one where the rest reaches a half, by float operations that need no
+/// conversion back and forth.
+///
+/// # Safety
+/// The CPU has AVX2, and the caller is compiled for it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn i8_codes_avx2(
+    v: std::arch::x86_64::__m256,
+    inv: std::arch::x86_64::__m256,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: as this function's.
+    unsafe {
+        let sign = _mm256_set1_ps(-0.0);
+        let v = _mm256_mul_ps(v, inv);
+        let a = _mm256_andnot_ps(sign, v);
+        let whole = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(a);
+        let up = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_sub_ps(a, whole), _mm256_set1_ps(0.5));
+        let r = _mm256_add_ps(whole, _mm256_and_ps(up, _mm256_set1_ps(1.0)));
+        // `a`'s NaN lanes (a NaN `x`, or an infinity times a zero `inv`) give 0, as
+        // `i8_code` does; an infinity 127.
+        let r = _mm256_min_ps(r, _mm256_set1_ps(127.0));
+        let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(v, v));
+        _mm256_cvtps_epi32(_mm256_or_ps(r, _mm256_and_ps(v, sign)))
+    }
+}
+
+/// [`quantize`] into int8 by AVX2, 32 codes a store (then 8); returns how many it wrote (a
+/// multiple of 8: the rest is the caller's). The four vectors' codes are packed by two
+/// saturating packs and one lane permute, where the compiler's loop packed each eight by
+/// four shuffles.
+///
+/// # Safety
+/// The CPU has AVX2, and the caller is compiled for it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn quantize_i8_avx2(x: &[f32], inv: f32, dst: &mut [u8]) -> usize {
+    use std::arch::x86_64::*;
+    let n = x.len().min(dst.len()) / 32 * 32;
+    let m = x.len().min(dst.len()) / 8 * 8;
+    // SAFETY: the CPU has AVX2; every load and store is an unaligned one within `x[..m]`
+    // and `dst[..m]` (32 or 8 f32 from `src`, as many bytes at `out`).
+    unsafe {
+        let inv = _mm256_set1_ps(inv);
+        // Each pack works within 128-bit lanes: the bytes come out in the order of dwords 0
+        // 4 1 5 2 6 3 7, which the permute undoes.
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (src, out) in x[..n].chunks_exact(32).zip(dst[..n].chunks_exact_mut(32)) {
+            let p = src.as_ptr();
+            let (c0, c1, c2, c3) = (
+                i8_codes_avx2(_mm256_loadu_ps(p), inv),
+                i8_codes_avx2(_mm256_loadu_ps(p.add(8)), inv),
+                i8_codes_avx2(_mm256_loadu_ps(p.add(16)), inv),
+                i8_codes_avx2(_mm256_loadu_ps(p.add(24)), inv),
+            );
+            let b = _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+            let b = _mm256_permutevar8x32_epi32(b, order);
+            _mm256_storeu_si256(out.as_mut_ptr().cast(), b);
+        }
+        // Then eight at a time (a small head's whole row): the same packs of one vector,
+        // whose codes land in dwords 0 and 4.
+        for (src, out) in x[n..m].chunks_exact(8).zip(dst[n..m].chunks_exact_mut(8)) {
+            let c = i8_codes_avx2(_mm256_loadu_ps(src.as_ptr()), inv);
+            let b = _mm256_packs_epi16(_mm256_packs_epi32(c, c), _mm256_setzero_si256());
+            let b = _mm256_permutevar8x32_epi32(b, order);
+            _mm_storel_epi64(out.as_mut_ptr().cast(), _mm256_castsi256_si128(b));
+        }
+    }
+    m
 }
 
 #[cfg(test)]
@@ -371,6 +487,52 @@ mod tests {
             let mut back2 = vec![0f32; v.len()];
             decode_to_f32(dt, &shifted[1..], &mut back2);
             assert_eq!(back, back2);
+        }
+    }
+
+    /// Quantizing a vector (32 at a time on AVX2) gives each element's code by
+    /// [`scaled_code`]: lengths about the vector width, exact halves and their neighbours,
+    /// its own scale, a zero, a NaN and a scale too small (codes saturate), infinities and
+    /// NaN among the elements.
+    #[test]
+    fn quantizing_gives_each_elements_code() {
+        let mut s = 0x2545_f491u32;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s % 2001) as f32 / 8.0 - 125.0
+        };
+        for dtype in [KvDType::I8, KvDType::F8E4M3] {
+            for len in [0usize, 1, 31, 32, 33, 64, 100, 257] {
+                let mut x: Vec<f32> = (0..len).map(|_| next()).collect();
+                for (i, v) in x.iter_mut().enumerate().step_by(3) {
+                    // k + 1/2 exactly, and the floats either side of it.
+                    let h = (i % 256) as f32 - 127.5;
+                    *v = [
+                        h,
+                        f32::from_bits(h.to_bits() - 1),
+                        f32::from_bits(h.to_bits() + 1),
+                    ][i % 3];
+                }
+                let own = quant_scale(dtype, &x);
+                let mut scales = vec![1.0, own, 0.0, f32::NAN, own / 64.0, 1e-30];
+                if len > 40 {
+                    x[37] = f32::INFINITY;
+                    x[38] = f32::NEG_INFINITY;
+                    x[39] = f32::NAN;
+                    scales.push(quant_scale(dtype, &x));
+                }
+                for scale in scales {
+                    let mut got = vec![0xaau8; len];
+                    quantize(dtype, &x, scale, &mut got);
+                    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                    for (i, (v, g)) in x.iter().zip(&got).enumerate() {
+                        let want = scaled_code(dtype, v * inv);
+                        assert_eq!(*g, want, "{dtype} len {len} scale {scale} [{i}] = {v}");
+                    }
+                }
+            }
         }
     }
 

@@ -35,20 +35,29 @@ fn store(c: &mut Criterion) {
         };
         let kv = prompt(&small, DType::DtypeF16, 4, 4096);
         bench_push(&mut g, &small, &kv, 256, "f16 3x64");
+        // The embedded `tiny` model's (`bench ingest`'s default): 2 KV heads of 16, f32.
+        let tiny = BlockGeometry {
+            num_kv_heads: 2,
+            head_dim: 16,
+            ..g8
+        };
+        let kv = prompt(&tiny, DType::DtypeF32, 4, 8192);
+        bench_push(&mut g, &tiny, &kv, 256, "f32 2x16");
     }
     g.finish();
     stages(c, &geom, &kv);
 }
 
-/// `tokens` tokens of `layers` layers of the shape of `geom` in `wire` (2 bytes an element):
-/// small values with varied bits, finite.
+/// `tokens` tokens of `layers` layers of the shape of `geom` in `wire` (f32, or 2 bytes an
+/// element): small values with varied bits, finite.
 fn prompt(geom: &BlockGeometry, wire: DType, layers: usize, tokens: usize) -> PromptKv {
-    let row = geom.num_kv_heads * geom.head_dim * 2;
+    let es = if wire == DType::DtypeF32 { 4 } else { 2 };
+    let row = geom.num_kv_heads * geom.head_dim * es;
     let data = |seed: usize| {
         Bytes::from(
             (0..tokens * row)
                 .map(|i| {
-                    if i % 2 == 1 {
+                    if i % es == es - 1 {
                         0x3f
                     } else {
                         ((i * 31 + seed) % 251) as u8

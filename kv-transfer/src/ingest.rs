@@ -470,18 +470,16 @@ impl Ingest {
                 // reads them from cache. (Asked for all at once, the requests stalled on the
                 // CPU's line-fill buffers.)
                 let mut ahead = if (t + n) * row < payload.len() {
-                    Ahead::new(payload, (t + n) * row, first, hc * n)
+                    Ahead::new(payload, (t + n) * row, first, hc)
                 } else if keys {
-                    Ahead::new(&c.value, 0, first, hc * n)
+                    Ahead::new(&c.value, 0, first, hc)
                 } else {
                     Ahead::new(payload, 0, 0, 1)
                 };
                 for (j, h) in heads.clone().enumerate() {
                     let x = &mut self.scratch[..n * d];
-                    for (i, out) in x.chunks_exact_mut(d).enumerate() {
-                        decode_rows(wire, &bytes[i * row + j * d * es..], row, out, d);
-                        ahead.step();
-                    }
+                    decode_rows(wire, &bytes[j * d * es..], row, x, d);
+                    ahead.step();
                     if keys {
                         let digest = self.digests[layer * hk + h].block_mut(bi);
                         geom.write_keys(block, (h, slot), x, (d, n), digest);
