@@ -466,20 +466,24 @@ impl Ingest {
                 crc.update(bytes);
                 let block = self.blocks[layer][bi - self.prefix.len()].bytes_mut();
                 // The next run's bytes (after the keys' last, the values' first) are asked
-                // for a few lines at a time while this run is converted: the checksum then
-                // reads them from cache. (Asked for all at once, the requests stalled on the
-                // CPU's line-fill buffers.)
-                let mut ahead = if (t + n) * row < payload.len() {
-                    Ahead::new(payload, (t + n) * row, first, hc)
-                } else if keys {
-                    Ahead::new(&c.value, 0, first, hc)
+                // for a few lines at a time while this run is converted (up to 16 with each
+                // group of a head's rows): the checksum then reads them from cache. (Asked
+                // for a head's share at once, 128 lines at 8 heads of 128, the requests
+                // stalled on the CPU's line-fill buffers.)
+                let (next, at) = if (t + n) * row < payload.len() {
+                    (payload, (t + n) * row)
                 } else {
-                    Ahead::new(payload, 0, 0, 1)
+                    (&c.value, if keys { 0 } else { c.value.len() })
                 };
+                let groups = first.div_ceil(64 * 16 * hc).clamp(1, n);
+                let mut ahead = Ahead::new(next, at, first, hc * groups);
                 for (j, h) in heads.clone().enumerate() {
                     let x = &mut self.scratch[..n * d];
-                    decode_rows(wire, &bytes[j * d * es..], row, x, d);
-                    ahead.step();
+                    for (i, rows) in x.chunks_mut(n.div_ceil(groups) * d).enumerate() {
+                        let from = i * n.div_ceil(groups) * row + j * d * es;
+                        decode_rows(wire, &bytes[from..], row, rows, d);
+                        ahead.step();
+                    }
                     if keys {
                         let digest = self.digests[layer * hk + h].block_mut(bi);
                         geom.write_keys(block, (h, slot), x, (d, n), digest);
