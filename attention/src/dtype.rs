@@ -339,9 +339,9 @@ pub(crate) fn scale_of_top(dtype: KvDType, top: u32) -> f32 {
 #[inline(always)]
 pub(crate) fn quantize(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
-    if dtype == KvDType::I8 && is_x86_feature_detected!("avx2") {
+    if is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2.
-        unsafe { quantize_i8_on_avx2(x, scale, dst) };
+        unsafe { quantize_on_avx2(dtype, x, scale, dst) };
         return;
     }
     quantize_scalar(dtype, x, scale, dst);
@@ -356,35 +356,38 @@ fn quantize_scalar(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
     }
 }
 
-/// [`quantize`] for a caller compiled for AVX2, into which it is inlined: int8 by
-/// [`quantize_i8_avx2`] without a call (a small head's rows are a few vectors, and a call a
-/// row cost as much as its codes), fp8 by the definition.
+/// [`quantize`] for a caller compiled for AVX2, into which it is inlined
+/// ([`quantize_8bit_avx2`]: a small head's rows are a few vectors, and a call a row cost as
+/// much as its codes).
 ///
 /// # Safety
 /// The CPU has AVX2, and the caller is compiled for it.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) unsafe fn quantize_avx2(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
-    if dtype != KvDType::I8 {
-        return quantize_scalar(dtype, x, scale, dst);
-    }
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
     // SAFETY: as this function's.
-    let done = unsafe { quantize_i8_avx2(x, inv, dst) };
+    let done = unsafe {
+        match dtype {
+            KvDType::I8 => quantize_8bit_avx2::<false>(x, inv, dst),
+            KvDType::F8E4M3 => quantize_8bit_avx2::<true>(x, inv, dst),
+            _ => 0,
+        }
+    };
     for (v, d) in x[done..].iter().zip(&mut dst[done..]) {
-        *d = i8_code(v * inv);
+        *d = scaled_code(dtype, v * inv);
     }
 }
 
-/// [`quantize_avx2`] of int8 behind a call, for callers not compiled for AVX2.
+/// [`quantize_avx2`] behind a call, for callers not compiled for AVX2.
 ///
 /// # Safety
 /// The CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_i8_on_avx2(x: &[f32], scale: f32, dst: &mut [u8]) {
+unsafe fn quantize_on_avx2(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
     // SAFETY: the CPU has AVX2, and this function is compiled for it.
-    unsafe { quantize_avx2(KvDType::I8, x, scale, dst) }
+    unsafe { quantize_avx2(dtype, x, scale, dst) }
 }
 
 /// Eight int8 codes of `v * inv` as [`i8_code`] gives them, in the dwords of a vector: the
@@ -416,16 +419,50 @@ unsafe fn i8_codes_avx2(
     }
 }
 
-/// [`quantize`] into int8 by AVX2, 32 codes a store (then 8); returns how many it wrote (a
-/// multiple of 8: the rest is the caller's). The four vectors' codes are packed by two
-/// saturating packs and one lane permute, where the compiler's loop packed each eight by
-/// four shuffles.
+/// Eight e4m3 codes of `v * inv` as [`f8_code`] gives them, in the dwords of a vector: its
+/// operations a lane at a time (the float ones unfused, as there).
 ///
 /// # Safety
 /// The CPU has AVX2, and the caller is compiled for it.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn quantize_i8_avx2(x: &[f32], inv: f32, dst: &mut [u8]) -> usize {
+unsafe fn f8_codes_avx2(
+    v: std::arch::x86_64::__m256,
+    inv: std::arch::x86_64::__m256,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: as this function's.
+    unsafe {
+        let x = _mm256_mul_ps(v, inv);
+        let bits = _mm256_castps_si256(x);
+        let one = |c: i32| _mm256_set1_epi32(c);
+        let sign = _mm256_and_si256(_mm256_srli_epi32::<24>(bits), one(0x80));
+        let abs = _mm256_and_si256(bits, one(0x7fff_ffff));
+        let odd = _mm256_and_si256(_mm256_srli_epi32::<20>(abs), one(1));
+        let up = _mm256_add_epi32(abs, _mm256_add_epi32(one(0x7_ffff), odd));
+        let normal = _mm256_sub_epi32(_mm256_srli_epi32::<20>(up), one(120 << 3));
+        let normal = _mm256_min_epu32(normal, one(0x7e));
+        let a = _mm256_castsi256_ps(abs);
+        let lim = _mm256_set1_ps(1.0 / 64.0);
+        let big = _mm256_set1_ps(8_388_608.0);
+        let scaled = _mm256_mul_ps(_mm256_min_ps(a, lim), _mm256_set1_ps(512.0));
+        let tiny = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(scaled, big), big));
+        let is_tiny = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(a, lim));
+        let code = _mm256_or_si256(_mm256_blendv_epi8(normal, tiny, is_tiny), sign);
+        _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(x, x)))
+    }
+}
+
+/// [`quantize`] into int8 (or e4m3, `FP8`) by AVX2, 32 codes a store (then 8); returns how
+/// many it wrote (a multiple of 8: the rest is the caller's). The four vectors' codes are
+/// packed by two saturating packs (signed to the int8 codes, unsigned to the e4m3 bytes) and
+/// one lane permute, where the compiler's loop packed each eight by four shuffles.
+///
+/// # Safety
+/// The CPU has AVX2, and the caller is compiled for it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn quantize_8bit_avx2<const FP8: bool>(x: &[f32], inv: f32, dst: &mut [u8]) -> usize {
     use std::arch::x86_64::*;
     let n = x.len().min(dst.len()) / 32 * 32;
     let m = x.len().min(dst.len()) / 8 * 8;
@@ -433,26 +470,41 @@ unsafe fn quantize_i8_avx2(x: &[f32], inv: f32, dst: &mut [u8]) -> usize {
     // and `dst[..m]` (32 or 8 f32 from `src`, as many bytes at `out`).
     unsafe {
         let inv = _mm256_set1_ps(inv);
+        let codes = |p: *const f32| {
+            let v = _mm256_loadu_ps(p);
+            if FP8 {
+                f8_codes_avx2(v, inv)
+            } else {
+                i8_codes_avx2(v, inv)
+            }
+        };
+        let bytes = |a: __m256i, b: __m256i| {
+            if FP8 {
+                _mm256_packus_epi16(a, b)
+            } else {
+                _mm256_packs_epi16(a, b)
+            }
+        };
         // Each pack works within 128-bit lanes: the bytes come out in the order of dwords 0
         // 4 1 5 2 6 3 7, which the permute undoes.
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for (src, out) in x[..n].chunks_exact(32).zip(dst[..n].chunks_exact_mut(32)) {
             let p = src.as_ptr();
             let (c0, c1, c2, c3) = (
-                i8_codes_avx2(_mm256_loadu_ps(p), inv),
-                i8_codes_avx2(_mm256_loadu_ps(p.add(8)), inv),
-                i8_codes_avx2(_mm256_loadu_ps(p.add(16)), inv),
-                i8_codes_avx2(_mm256_loadu_ps(p.add(24)), inv),
+                codes(p),
+                codes(p.add(8)),
+                codes(p.add(16)),
+                codes(p.add(24)),
             );
-            let b = _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+            let b = bytes(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
             let b = _mm256_permutevar8x32_epi32(b, order);
             _mm256_storeu_si256(out.as_mut_ptr().cast(), b);
         }
         // Then eight at a time (a small head's whole row): the same packs of one vector,
         // whose codes land in dwords 0 and 4.
         for (src, out) in x[n..m].chunks_exact(8).zip(dst[n..m].chunks_exact_mut(8)) {
-            let c = i8_codes_avx2(_mm256_loadu_ps(src.as_ptr()), inv);
-            let b = _mm256_packs_epi16(_mm256_packs_epi32(c, c), _mm256_setzero_si256());
+            let c = codes(src.as_ptr());
+            let b = bytes(_mm256_packs_epi32(c, c), _mm256_setzero_si256());
             let b = _mm256_permutevar8x32_epi32(b, order);
             _mm_storel_epi64(out.as_mut_ptr().cast(), _mm256_castsi256_si128(b));
         }
@@ -491,9 +543,10 @@ mod tests {
     }
 
     /// Quantizing a vector (32 at a time on AVX2) gives each element's code by
-    /// [`scaled_code`]: lengths about the vector width, exact halves and their neighbours,
-    /// its own scale, a zero, a NaN and a scale too small (codes saturate), infinities and
-    /// NaN among the elements.
+    /// [`scaled_code`]: lengths about the vector width, exact halves and their neighbours
+    /// (and, unscaled, e4m3's ties), its own scale, a zero, a NaN, a scale too small (codes
+    /// saturate) and one so large that e4m3's codes are subnormal, infinities and NaN among
+    /// the elements.
     #[test]
     fn quantizing_gives_each_elements_code() {
         let mut s = 0x2545_f491u32;
@@ -516,7 +569,8 @@ mod tests {
                     ][i % 3];
                 }
                 let own = quant_scale(dtype, &x);
-                let mut scales = vec![1.0, own, 0.0, f32::NAN, own / 64.0, 1e-30];
+                // 1e4: values below e4m3's normal range.
+                let mut scales = vec![1.0, own, 0.0, f32::NAN, own / 64.0, 1e-30, 1e4];
                 if len > 40 {
                     x[37] = f32::INFINITY;
                     x[38] = f32::NEG_INFINITY;
