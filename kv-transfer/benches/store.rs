@@ -23,7 +23,7 @@ fn store(c: &mut Criterion) {
     for chunk_tokens in [256, 2048] {
         bench_push(&mut g, &geom, &kv, chunk_tokens, "bf16 8x128");
     }
-    // Pools of a scaled 8-bit dtype convert every token (`BlockGeometry::write_tokens`): a
+    // Pools of a scaled 8-bit dtype convert every token (`BlockGeometry::write_keys`, `write_values`): a
     // Qwen3-8B-shaped head and SmolLM2-135M's (3 KV heads of 64, f16 on the wire).
     for dtype in [KvDType::I8, KvDType::F8E4M3] {
         let g8 = BlockGeometry { dtype, ..geom };
