@@ -779,23 +779,23 @@ fn bench_decode_batch_reports_its_speedup_over_one_request() {
     assert!(r["rounds"][0]["alone_tokens_per_s"].is_null(), "{r}");
 }
 
-/// `bench ingest` reports the loopback rate, the store path alone and each of its stages.
+/// `bench ingest` reports the loopback rate, the store path alone and each of its stages,
+/// into a pool of the wire's dtype (copied) and into an int8 one (converted).
 #[test]
 fn bench_ingest_reports_the_store_path_stage_by_stage() {
-    let v = run_json(&["bench", "ingest", "--json", "--gib", "0.01"]);
-    for key in ["gb_per_s", "store_gb_per_s", "memcpy_gb_per_s"] {
-        assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    for pool in [&[][..], &["--kv-dtype", "int8"][..]] {
+        let v = run_json(&[&["bench", "ingest", "--json", "--gib", "0.01"][..], pool].concat());
+        for key in ["gb_per_s", "store_gb_per_s", "memcpy_gb_per_s"] {
+            assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+        }
+        let stages = &v["stages_gb_per_s"];
+        for key in ["crc32c", "value_rows", "key_transpose_digests"] {
+            assert!(stages[key].as_f64().unwrap() > 0.0, "{pool:?} {key}: {v}");
+        }
+        let ratio = v["store_ratio"].as_f64().unwrap();
+        let (store, memcpy) = (&v["store_gb_per_s"], &v["memcpy_gb_per_s"]);
+        assert!((ratio - store.as_f64().unwrap() / memcpy.as_f64().unwrap()).abs() < 1e-9);
     }
-    let stages = &v["stages_gb_per_s"];
-    for key in ["crc32c", "value_rows", "key_transpose_digests"] {
-        assert!(stages[key].as_f64().unwrap() > 0.0, "{key}: {v}");
-    }
-    let ratio = v["store_ratio"].as_f64().unwrap();
-    assert!(
-        (ratio - v["store_gb_per_s"].as_f64().unwrap() / v["memcpy_gb_per_s"].as_f64().unwrap())
-            .abs()
-            < 1e-9
-    );
 }
 
 /// `bench capacity`: `full` holds every request's whole KV on the device, the sparse modes

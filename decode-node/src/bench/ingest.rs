@@ -33,14 +33,16 @@ fn store_rate(layout: &kv_transfer::KvLayout, kv: &PromptKv, rounds: u64) -> any
     Ok((rounds * bytes) as f64 / t.elapsed().as_secs_f64())
 }
 
-/// Each stage of the store path alone, in bytes/s of the bytes it handles, over the same push
-/// written `rounds` times into blocks of the pool's layout (fresh memory, as a pool's): the
-/// CRC-32C of K and V, the V rows' copy, and the K transpose with the digests folded in (pools
-/// of a wire dtype; an 8-bit pool converts every token, which this does not time).
+/// Each stage of the store path alone, in bytes/s of the wire bytes it handles, over the
+/// same push written `rounds` times into blocks of the pool's layout (fresh memory, as a
+/// pool's): the CRC-32C of K and V; the V rows' copy, or where the pool stores another dtype
+/// their conversion (each head's run decoded to f32, then `BlockGeometry::write_values`);
+/// and the K transpose with the digests folded in, or likewise its conversion
+/// (`write_keys`).
 struct StageRates {
     crc: f64,
     values: f64,
-    keys_digests: Option<f64>,
+    keys_digests: f64,
 }
 
 /// One head's tokens of one block: `n` tokens of head `h` in block `bi`, K and V from the
@@ -54,19 +56,22 @@ struct HeadRun<'a> {
     v: &'a [u8],
 }
 
-fn stage_rates(
-    geom: attention::BlockGeometry,
-    kv: &PromptKv,
-    rounds: u64,
-) -> anyhow::Result<StageRates> {
-    use attention::Rows;
-    let (hk, d, es, bs) = (
+fn stage_rates(geom: BlockGeometry, kv: &PromptKv, rounds: u64) -> anyhow::Result<StageRates> {
+    use attention::{Rows, decode_rows};
+    let wire = match pb::DType::try_from(kv.header.dtype) {
+        Ok(pb::DType::DtypeF16) => KvDType::F16,
+        Ok(pb::DType::DtypeBf16) => KvDType::Bf16,
+        _ => KvDType::F32,
+    };
+    // A pool of the wire's dtype copies; any other converts every token.
+    let copies = geom.dtype == wire && geom.folds_digest_in_copy();
+    let (hk, d, ws, bs) = (
         geom.num_kv_heads,
         geom.head_dim,
-        geom.dtype.size(),
+        wire.size(),
         geom.block_size,
     );
-    let row = hk * d * es;
+    let row = hk * d * ws; // wire bytes of a token
     let half: u64 = kv.layers.iter().map(|(k, _)| k.len() as u64).sum();
     let timed = |f: &mut dyn FnMut()| {
         let t = Instant::now();
@@ -85,13 +90,14 @@ fn stage_rates(
     let nb = tokens.div_ceil(bs);
     // Written (not zeroed, which the allocator may leave unmapped) so no page fault is timed.
     let mut blocks = vec![vec![1u8; nb * geom.block_bytes()]; kv.layers.len()];
+    let mut scratch = vec![0f32; bs * d];
     // Calls `f` for every (layer, block, head) with the block's bytes.
     let mut each = |f: &mut dyn FnMut(&mut [u8], HeadRun<'_>)| {
         for ((k, v), layer) in kv.layers.iter().zip(blocks.iter_mut()) {
             for (bi, block) in layer.chunks_exact_mut(geom.block_bytes()).enumerate() {
                 let n = (tokens - bi * bs).min(bs);
                 for h in 0..hk {
-                    let at = bi * bs * row + h * d * es;
+                    let at = bi * bs * row + h * d * ws;
                     let (k, v) = (&k[at..], &v[at..]);
                     f(block, HeadRun { h, n, bi, k, v });
                 }
@@ -100,32 +106,42 @@ fn stage_rates(
     };
     let values = timed(&mut || {
         each(&mut |block, r| {
-            let rows = Rows {
-                bytes: r.v,
-                stride: row,
-                n: r.n,
-            };
-            geom.copy_value_rows(block, r.h, 0, rows);
+            let x = &mut scratch[..r.n * d];
+            if copies {
+                let rows = Rows {
+                    bytes: r.v,
+                    stride: row,
+                    n: r.n,
+                };
+                geom.copy_value_rows(block, r.h, 0, rows);
+            } else {
+                decode_rows(wire, r.v, row, x, d);
+                geom.write_values(block, (r.h, 0), x, (d, r.n));
+            }
         })
     });
-    let keys_digests = geom.folds_digest_in_copy().then(|| {
-        let mut digests = vec![attention::HeadDigests::new(nb, d); hk];
-        timed(&mut || {
-            each(&mut |block, r| {
+    let mut digests = vec![attention::HeadDigests::new(nb, d); hk];
+    let keys_digests = timed(&mut || {
+        each(&mut |block, r| {
+            let (x, digest) = (&mut scratch[..r.n * d], digests[r.h].block_mut(r.bi));
+            if copies {
                 let rows = Rows {
                     bytes: r.k,
                     stride: row,
                     n: r.n,
                 };
-                geom.copy_keys_digest(block, r.h, 0, rows, digests[r.h].block_mut(r.bi));
-            })
+                geom.copy_keys_digest(block, r.h, 0, rows, digest);
+            } else {
+                decode_rows(wire, r.k, row, x, d);
+                geom.write_keys(block, (r.h, 0), x, (d, r.n), digest);
+            }
         })
     });
     let bytes = (rounds * half) as f64;
     Ok(StageRates {
         crc: 2.0 * bytes / crc,
         values: bytes / values,
-        keys_digests: keys_digests.map(|s| bytes / s),
+        keys_digests: bytes / keys_digests,
     })
 }
 
@@ -218,15 +234,15 @@ pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Val
             rate / memcpy
         );
         eprintln!(
-            "ingest stages alone: crc32c {:.2} GB/s, V rows {:.2} GB/s, K transpose + digests {}; store {:.2} GB/s = {:.3} of memcpy",
+            "ingest stages alone: crc32c {:.2} GB/s, V rows {:.2} GB/s, K transpose + digests {:.2} GB/s{}; store {:.2} GB/s = {:.3} of memcpy",
             gb(stages.crc),
             gb(stages.values),
-            stages
-                .keys_digests
-                .map_or("(converted: not timed)".into(), |r| format!(
-                    "{:.2} GB/s",
-                    gb(r)
-                )),
+            gb(stages.keys_digests),
+            if layout.geom.folds_digest_in_copy() {
+                ""
+            } else {
+                " (each converted)"
+            },
             gb(store),
             store / memcpy
         );
@@ -237,7 +253,7 @@ pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Val
         "store_gb_per_s": store / 1e9, "store_ratio": store / memcpy, "streams": streams,
         "stages_gb_per_s": {
             "crc32c": gb(stages.crc), "value_rows": gb(stages.values),
-            "key_transpose_digests": stages.keys_digests.map(gb),
+            "key_transpose_digests": gb(stages.keys_digests),
         },
         "push_bytes": push_bytes, "tokens_per_push": tokens,
     }))
