@@ -79,8 +79,10 @@ impl BlockGeometry {
     /// by eight in general registers (`transpose_8x8`: a store of eight codes where there
     /// were eight stores of one, each `block_size` bytes apart). With the ingest's run-wise
     /// structure (`kv_transfer::Ingest`), the store path of `cargo bench -p kv-transfer
-    /// --bench store` on the Xeon VM went for int8 from 1.40 to 2.2-2.5 GiB/s at 8 KV heads
-    /// of 128 (bf16 on the wire), 1.57 to 2.35-2.45 at SmolLM2's 3 of 64 (f16).
+    /// --bench store` on the Xeon VM went for int8 from 1.35 to 2.2-2.6 GiB/s at 8 KV heads
+    /// of 128 (bf16 on the wire), 1.4-1.5 to 2.2-2.4 at SmolLM2's 3 of 64 (f16), and that of
+    /// `bench ingest --kv-dtype int8` on SmolLM2-135M from 1.3 to 2.1-2.2 GB/s (fp8 1.15-1.2
+    /// to 1.9).
     ///
     /// [`write_token`]: BlockGeometry::write_token
     pub fn write_keys(
