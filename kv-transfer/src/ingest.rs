@@ -479,7 +479,7 @@ impl Ingest {
                 let mut ahead = Ahead::new(next, at, first, hc * groups);
                 for (j, h) in heads.clone().enumerate() {
                     let x = &mut self.scratch[..n * d];
-                    for (i, rows) in x.chunks_mut(n.div_ceil(groups) * d).enumerate() {
+                    for (i, rows) in x.chunks_mut((n.div_ceil(groups) * d).max(1)).enumerate() {
                         let from = i * n.div_ceil(groups) * row + j * d * es;
                         decode_rows(wire, &bytes[from..], row, rows, d);
                         ahead.step();
