@@ -136,10 +136,9 @@ impl BlockGeometry {
         let head = &mut block[self.head_range(h)];
         let (kt, rest) = head.split_at_mut(b * d * es);
         let row = |i: usize| &k[i * stride..][..d];
-        let mut fold = |k: &[f32]| fold_token(min, max, k);
         if !dt.scaled() {
             for i in 0..n {
-                fold(row(i));
+                fold_token(min, max, row(i));
                 for (c, x) in row(i).iter().enumerate() {
                     let at = (c * b + slot0 + i) * es;
                     encode_from_f32(dt, std::slice::from_ref(x), &mut kt[at..at + es]);
@@ -269,7 +268,23 @@ impl BlockGeometry {
         let (b, d) = (self.block_size, self.head_dim);
         let head = &mut block[self.head_range(h)];
         if self.dtype.scaled() {
-            self.write_scaled_token(block, h, slot, (k, quant_scale(self.dtype, k)), v);
+            let dt = self.dtype;
+            let (ks, vs) = (quant_scale(dt, k), quant_scale(dt, v));
+            let (kt, rest) = head.split_at_mut(b * d);
+            let (vq, sc) = rest.split_at_mut(b * d);
+            // K 64 channels at a time into a row of codes (one vectorised pass), then each
+            // into its channel's row.
+            let mut kq = [0u8; 64];
+            for (c0, kc) in k.chunks(64).enumerate() {
+                let codes = &mut kq[..kc.len()];
+                quantize(dt, kc, ks, codes);
+                for (i, q) in codes.iter().enumerate() {
+                    kt[(64 * c0 + i) * b + slot] = *q;
+                }
+            }
+            quantize(dt, v, vs, &mut vq[slot * d..(slot + 1) * d]);
+            sc[slot * 4..slot * 4 + 4].copy_from_slice(&ks.to_le_bytes());
+            sc[(b + slot) * 4..(b + slot) * 4 + 4].copy_from_slice(&vs.to_le_bytes());
             return;
         }
         let (kt, vs) = head.split_at_mut(b * d * es);
@@ -278,36 +293,6 @@ impl BlockGeometry {
             encode_from_f32(self.dtype, std::slice::from_ref(kc), &mut kt[at..at + es]);
         }
         encode_from_f32(self.dtype, v, &mut vs[slot * d * es..(slot + 1) * d * es]);
-    }
-
-    /// [`BlockGeometry::write_token`] of a scaled dtype, K's scale `ks` already taken.
-    #[inline(always)]
-    fn write_scaled_token(
-        &self,
-        block: &mut [u8],
-        h: usize,
-        slot: usize,
-        (k, ks): (&[f32], f32),
-        v: &[f32],
-    ) {
-        let (dt, b, d) = (self.dtype, self.block_size, self.head_dim);
-        let head = &mut block[self.head_range(h)];
-        let vs = quant_scale(dt, v);
-        let (kt, rest) = head.split_at_mut(b * d);
-        let (vq, sc) = rest.split_at_mut(b * d);
-        // K 64 channels at a time into a row of codes (one vectorised pass), then each into
-        // its channel's row.
-        let mut kq = [0u8; 64];
-        for (c0, kc) in k.chunks(64).enumerate() {
-            let codes = &mut kq[..kc.len()];
-            quantize(dt, kc, ks, codes);
-            for (i, q) in codes.iter().enumerate() {
-                kt[(64 * c0 + i) * b + slot] = *q;
-            }
-        }
-        quantize(dt, v, vs, &mut vq[slot * d..(slot + 1) * d]);
-        sc[slot * 4..slot * 4 + 4].copy_from_slice(&ks.to_le_bytes());
-        sc[(b + slot) * 4..(b + slot) * 4 + 4].copy_from_slice(&vs.to_le_bytes());
     }
 }
 

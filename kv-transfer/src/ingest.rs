@@ -476,11 +476,12 @@ impl Ingest {
                     (&c.value, if keys { 0 } else { c.value.len() })
                 };
                 let groups = first.div_ceil(64 * 16 * hc).clamp(1, n);
+                let per = n.div_ceil(groups); // rows of a group
                 let mut ahead = Ahead::new(next, at, first, hc * groups);
                 for (j, h) in heads.clone().enumerate() {
                     let x = &mut self.scratch[..n * d];
-                    for (i, rows) in x.chunks_mut((n.div_ceil(groups) * d).max(1)).enumerate() {
-                        let from = i * n.div_ceil(groups) * row + j * d * es;
+                    for (i, rows) in x.chunks_mut((per * d).max(1)).enumerate() {
+                        let from = i * per * row + j * d * es;
                         decode_rows(wire, &bytes[from..], row, rows, d);
                         ahead.step();
                     }
