@@ -400,9 +400,13 @@ unsafe fn quantize_on_avx2(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]
     unsafe { quantize_avx2(dtype, x, scale, dst) }
 }
 
-/// Eight int8 codes of `v * inv` as [`i8_code`] gives them, in the dwords of a vector: the
-/// integer part, plus one where the rest reaches a half, by float operations that need no
-/// conversion back and forth.
+/// Eight int8 codes of `v * inv` as [`i8_code`] gives them, in the dwords of a vector,
+/// except that a NaN's is `i32::MIN` (the packs saturate it to -128, which no other element
+/// gives, and [`quantize_8bit_avx2`] clears those bytes 32 at a time): the magnitude, at most
+/// 127, plus the largest float below one half, truncated, then given the element's sign.
+/// Adding that constant and truncating rounds ties away from zero, as `i8_code` does, for
+/// every f32 (checked over all 2^32 of them); six operations where the integer part and a
+/// compare of the rest with one half took twelve.
 ///
 /// # Safety
 /// The CPU has AVX2, and the caller is compiled for it.
@@ -415,17 +419,16 @@ unsafe fn i8_codes_avx2(
     use std::arch::x86_64::*;
     // SAFETY: as this function's.
     unsafe {
-        let sign = _mm256_set1_ps(-0.0);
         let v = _mm256_mul_ps(v, inv);
-        let a = _mm256_andnot_ps(sign, v);
-        let whole = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(a);
-        let up = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_sub_ps(a, whole), _mm256_set1_ps(0.5));
-        let r = _mm256_add_ps(whole, _mm256_and_ps(up, _mm256_set1_ps(1.0)));
-        // `a`'s NaN lanes (a NaN `x`, or an infinity times a zero `inv`) give 0, as
-        // `i8_code` does; an infinity 127.
-        let r = _mm256_min_ps(r, _mm256_set1_ps(127.0));
-        let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(v, v));
-        _mm256_cvtps_epi32(_mm256_or_ps(r, _mm256_and_ps(v, sign)))
+        let a = _mm256_andnot_ps(_mm256_set1_ps(-0.0), v);
+        // `min(127, a)` keeps a NaN `a` (the second operand), which truncates to `i32::MIN`;
+        // an infinity becomes 127.
+        let a = _mm256_min_ps(_mm256_set1_ps(127.0), a);
+        let half_down = _mm256_set1_ps(f32::from_bits(0x3eff_ffff));
+        let r = _mm256_cvttps_epi32(_mm256_add_ps(a, half_down));
+        // Negated where `v`'s sign bit is set (as an i32 it is negative); a zero `v` gives 0,
+        // as its code is.
+        _mm256_sign_epi32(r, _mm256_castps_si256(v))
     }
 }
 
@@ -492,7 +495,9 @@ unsafe fn quantize_8bit_avx2<const FP8: bool>(x: &[f32], inv: f32, dst: &mut [u8
             if FP8 {
                 _mm256_packus_epi16(a, b)
             } else {
-                _mm256_packs_epi16(a, b)
+                // A NaN's code: 0 where `i8_codes_avx2` left -128.
+                let b = _mm256_packs_epi16(a, b);
+                _mm256_andnot_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi8(i8::MIN)), b)
             }
         };
         // Each pack works within 128-bit lanes: the bytes come out in the order of dwords 0
@@ -566,17 +571,26 @@ mod tests {
             s ^= s << 5;
             (s % 2001) as f32 / 8.0 - 125.0
         };
+        // k + 1/2 exactly for k in -128..128, and the floats either side of it.
+        let halves: Vec<f32> = (-128..128)
+            .map(|k| k as f32 + 0.5)
+            .flat_map(|h| {
+                [
+                    h,
+                    f32::from_bits(h.to_bits() - 1),
+                    f32::from_bits(h.to_bits() + 1),
+                ]
+            })
+            .collect();
         for dtype in [KvDType::I8, KvDType::F8E4M3] {
-            for len in [0usize, 1, 31, 32, 33, 64, 100, 257] {
+            for len in [0usize, 1, 31, 32, 33, 64, 100, 257, halves.len()] {
                 let mut x: Vec<f32> = (0..len).map(|_| next()).collect();
-                for (i, v) in x.iter_mut().enumerate().step_by(3) {
-                    // k + 1/2 exactly, and the floats either side of it.
-                    let h = (i % 256) as f32 - 127.5;
-                    *v = [
-                        h,
-                        f32::from_bits(h.to_bits() - 1),
-                        f32::from_bits(h.to_bits() + 1),
-                    ][i % 3];
+                if len == halves.len() {
+                    x.copy_from_slice(&halves);
+                } else {
+                    for (i, v) in x.iter_mut().step_by(3).enumerate() {
+                        *v = halves[(7 * i) % halves.len()];
+                    }
                 }
                 let own = quant_scale(dtype, &x);
                 // 1e4: values below e4m3's normal range.
