@@ -387,10 +387,16 @@ fn fold_eight(min: &mut [f32], max: &mut [f32], rows: [&[f32]; 8]) -> [u32; 8] {
         }
         (*lo, *hi) = (l, h);
     }
-    for (row, top) in rows.iter().zip(tops.iter_mut()) {
-        top[0] = top[0].max(fold_token(lo_rest, hi_rest, &row[whole..]));
+    let mut tops = tops.map(|t| t.into_iter().fold(0, u32::max));
+    // Folded into the reduced maxima, not into the lanes: a scalar store into a vector
+    // about to be loaded whole stalls the load (its store cannot be forwarded), which cost
+    // a tenth of `write_keys` at SmolLM2's shape even with no channels left.
+    if !lo_rest.is_empty() {
+        for (row, top) in rows.iter().zip(tops.iter_mut()) {
+            *top = (*top).max(fold_token(lo_rest, hi_rest, &row[whole..]));
+        }
     }
-    tops.map(|t| t.into_iter().fold(0, u32::max))
+    tops
 }
 
 /// The transpose of an 8x8 matrix of bytes held as eight rows (byte `j` of row `i`, little
