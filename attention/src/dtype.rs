@@ -596,6 +596,28 @@ mod tests {
         }
     }
 
+    /// [`quantize`] of every f32 (scale 1) gives [`scaled_code`]'s code, int8 and e4m3: the
+    /// AVX2 quantizers' roundings are exact by argument, and this checks the argument.
+    /// About a minute in release: `cargo test -p attention --release -- --ignored
+    /// every_f32`.
+    #[test]
+    #[ignore]
+    fn every_f32_quantizes_to_its_code() {
+        let mut x = vec![0f32; 1 << 20];
+        let mut got = vec![0u8; x.len()];
+        for dtype in [KvDType::I8, KvDType::F8E4M3] {
+            for hi in 0..(1u32 << 12) {
+                for (i, v) in x.iter_mut().enumerate() {
+                    *v = f32::from_bits(hi << 20 | i as u32);
+                }
+                quantize(dtype, &x, 1.0, &mut got);
+                for (v, g) in x.iter().zip(&got) {
+                    assert_eq!(*g, scaled_code(dtype, *v), "{dtype} {:#x}", v.to_bits());
+                }
+            }
+        }
+    }
+
     /// Quantizing a vector (32 at a time on AVX2) gives each element's code by
     /// [`scaled_code`]: lengths about the vector width, exact halves and their neighbours
     /// (and, unscaled, e4m3's ties), its own scale, a zero, a NaN, a scale too small (codes
