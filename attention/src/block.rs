@@ -5,7 +5,8 @@
 //! streams rows of `block_size` keys for one channel), then V (`[block_size][head_dim]`).
 
 use crate::dtype::{
-    KvDType, decode_to_f32, encode_from_f32, magnitude_bits, quant_scale, quantize, scale_of_top,
+    KvDType, decode_to_f32, encode_from_f32, magnitude_bits, magnitude_top, quant_scale, quantize,
+    quantize_by, scales_of_tops,
 };
 
 /// Shape of a KV block; fixed for the life of a pool.
@@ -164,9 +165,8 @@ impl BlockGeometry {
                     }
                 })
             };
-            let mut scale = [0f32; 8];
-            for (j, ks) in scale.iter_mut().enumerate().take(m) {
-                *ks = scale_of_top(dt, tops[j]);
+            let (scale, inv) = scales_of_tops::<AVX2>(dt, tops);
+            for (j, ks) in scale.iter().enumerate().take(m) {
                 let slot = slot0 + i0 + j;
                 ksc[slot * 4..slot * 4 + 4].copy_from_slice(&ks.to_le_bytes());
             }
@@ -174,7 +174,7 @@ impl BlockGeometry {
             for c0 in (0..d).step_by(64) {
                 let w = (d - c0).min(64);
                 for (j, codes) in tile.iter_mut().enumerate().take(m) {
-                    quantize_in::<AVX2>(dt, &row(i0 + j)[c0..c0 + w], scale[j], &mut codes[..w]);
+                    quantize_in::<AVX2>(dt, &row(i0 + j)[c0..c0 + w], inv[j], &mut codes[..w]);
                 }
                 let whole = if m == 8 { w / 8 * 8 } else { 0 };
                 // Sixteen channels at a time by byte unpacks where the body is compiled
@@ -262,15 +262,23 @@ impl BlockGeometry {
         let es = dt.size();
         let head = &mut block[self.head_range(h)];
         let (vq, sc) = head[b * d * es..].split_at_mut(b * d * es);
-        for i in 0..n {
-            let (v, slot) = (&v[i * stride..][..d], slot0 + i);
-            let dst = &mut vq[slot * d * es..(slot + 1) * d * es];
-            if dt.scaled() {
-                let vs = quant_scale(dt, v);
-                quantize_in::<AVX2>(dt, v, vs, dst);
-                sc[(b + slot) * 4..(b + slot) * 4 + 4].copy_from_slice(&vs.to_le_bytes());
-            } else {
-                encode_from_f32(dt, v, dst);
+        let row = |i: usize| &v[i * stride..][..d];
+        if !dt.scaled() {
+            for i in 0..n {
+                let slot = slot0 + i;
+                encode_from_f32(dt, row(i), &mut vq[slot * d * es..(slot + 1) * d * es]);
+            }
+            return;
+        }
+        // Eight rows' scales at a time (`scales_of_tops`), then their codes.
+        for i0 in (0..n).step_by(8) {
+            let m = (n - i0).min(8);
+            let tops = std::array::from_fn(|j| if j < m { magnitude_top(row(i0 + j)) } else { 0 });
+            let (scale, inv) = scales_of_tops::<AVX2>(dt, tops);
+            for j in 0..m {
+                let slot = slot0 + i0 + j;
+                quantize_in::<AVX2>(dt, row(i0 + j), inv[j], &mut vq[slot * d..(slot + 1) * d]);
+                sc[(b + slot) * 4..(b + slot) * 4 + 4].copy_from_slice(&scale[j].to_le_bytes());
             }
         }
     }
@@ -337,19 +345,20 @@ pub(crate) fn scale_at(row: &[u8], t: usize) -> f32 {
     f32::from_le_bytes([row[4 * t], row[4 * t + 1], row[4 * t + 2], row[4 * t + 3]])
 }
 
-/// [`quantize`] in a body of [`BlockGeometry::write_keys`] or `write_values`: inlined, AVX2
-/// code where `AVX2` (the body is compiled into an AVX2 function, which only a CPU with AVX2
-/// runs), else behind `quantize`'s own dispatch.
+/// [`quantize`] by the factor `inv` ([`scales_of_tops`]'s) in a body of
+/// [`BlockGeometry::write_keys`] or `write_values`: inlined, AVX2 code where `AVX2` (the body
+/// is compiled into an AVX2 function, which only a CPU with AVX2 runs), else the loop the
+/// compiler vectorises for the body.
 #[inline(always)]
-fn quantize_in<const AVX2: bool>(dt: KvDType, x: &[f32], scale: f32, dst: &mut [u8]) {
+fn quantize_in<const AVX2: bool>(dt: KvDType, x: &[f32], inv: f32, dst: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
     if AVX2 {
         // SAFETY: only the bodies compiled into `write_keys_avx2` and `write_values_avx2`
         // pass `AVX2`, and those run where the CPU has AVX2.
-        unsafe { crate::dtype::quantize_avx2(dt, x, scale, dst) };
+        unsafe { crate::dtype::quantize_by_avx2(dt, x, inv, dst) };
         return;
     }
-    quantize(dt, x, scale, dst);
+    quantize_by(dt, x, inv, dst);
 }
 
 /// Folds one token's key `k` into a block's digest (`min`, `max`), returning its largest
