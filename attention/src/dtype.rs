@@ -194,10 +194,8 @@ pub fn decode_rows(dtype: KvDType, src: &[u8], stride: usize, dst: &mut [f32], d
     #[cfg(target_arch = "x86_64")]
     match dtype {
         KvDType::F16 if is_x86_feature_detected!("f16c") => {
-            for (i, out) in rows {
-                // SAFETY: the CPU has F16C.
-                unsafe { decode_f16_f16c(&src[i * stride..][..d * es], out) };
-            }
+            // SAFETY: the CPU has F16C.
+            unsafe { decode_f16_rows_f16c(src, stride, dst, d) };
             return;
         }
         KvDType::Bf16 if is_x86_feature_detected!("avx2") => {
@@ -221,6 +219,20 @@ pub fn decode_rows(dtype: KvDType, src: &[u8], stride: usize, dst: &mut [f32], d
 unsafe fn decode_bf16_rows_avx2(src: &[u8], stride: usize, dst: &mut [f32], d: usize) {
     for (i, out) in dst.chunks_exact_mut(d.max(1)).enumerate() {
         decode_bf16(&src[i * stride..][..2 * d], out);
+    }
+}
+
+/// [`decode_rows`] of f16 compiled for F16C: the rows' conversions inlined into one loop, not
+/// a call a row (1-3% of the store path into int8 pools at SmolLM2's 3 heads of 64).
+///
+/// # Safety
+/// The CPU has F16C and AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn decode_f16_rows_f16c(src: &[u8], stride: usize, dst: &mut [f32], d: usize) {
+    for (i, out) in dst.chunks_exact_mut(d.max(1)).enumerate() {
+        // SAFETY: as this function's.
+        unsafe { decode_f16_f16c(&src[i * stride..][..2 * d], out) };
     }
 }
 
