@@ -74,16 +74,17 @@ impl BlockGeometry {
     /// `head_dim` each): with [`BlockGeometry::write_values`], the ingest's path where the
     /// pool stores another dtype than the wire's. Compiled for AVX2 where the CPU has it (the
     /// loops over a token's elements run 8 wide, and int8 and e4m3 codes come from
-    /// `dtype::quantize_avx2`, inlined). Eight tokens at a time: their keys are folded into
-    /// the digest together (`fold_eight`: each channel's minimum and maximum loaded and
-    /// stored once for the eight), and their codes transposed into the channels' rows eight
-    /// by eight in general registers (`transpose_8x8`: a store of eight codes where there
-    /// were eight stores of one, each `block_size` bytes apart). With the ingest's run-wise
-    /// structure (`kv_transfer::Ingest`), the store path of `cargo bench -p kv-transfer
-    /// --bench store` on the Xeon VM went for int8 from 1.35 to 2.2-2.6 GiB/s at 8 KV heads
-    /// of 128 (bf16 on the wire), 1.4-1.5 to 2.2-2.4 at SmolLM2's 3 of 64 (f16), and that of
-    /// `bench ingest --kv-dtype int8` on SmolLM2-135M from 1.3 to 2.1-2.2 GB/s (fp8 1.15-1.2
-    /// to 1.9).
+    /// `dtype::quantize_by_avx2`, inlined). Eight tokens at a time: their keys are folded
+    /// into the digest together (`fold_eight`: each channel's minimum and maximum loaded and
+    /// stored once for the eight), their scales taken in two vector divisions
+    /// (`scales_of_tops`), and their codes transposed into the channels' rows sixteen
+    /// channels at a time by byte unpacks (`transpose_8x16_sse2`; `transpose_8x8` in general
+    /// registers elsewhere): a store of eight codes where there were eight stores of one,
+    /// each `block_size` bytes apart. With the ingest's run-wise structure
+    /// (`kv_transfer::Ingest`), `bench ingest --kv-dtype int8` on SmolLM2-135M stores 3.5-3.65
+    /// GB/s on the Xeon VM, 0.27-0.28 of memcpy (fp8 2.85-3.3); `cargo bench -p kv-transfer
+    /// --bench store` 5.1-5.4 GiB/s at 8 KV heads of 128 (bf16 on the wire) and 4.6-4.7 at
+    /// SmolLM2's 3 of 64 (f16).
     ///
     /// [`write_token`]: BlockGeometry::write_token
     pub fn write_keys(
