@@ -676,8 +676,8 @@ mod tests {
 
     /// [`quantize`] of every f32 (scale 1) gives [`scaled_code`]'s code, int8 and e4m3: the
     /// AVX2 quantizers' roundings are exact by argument, and this checks the argument.
-    /// About a minute in release: `cargo test -p attention --release -- --ignored
-    /// every_f32`.
+    /// Half a minute, so left out of `cargo test` and run by `.ci/run` on its own: `cargo
+    /// test -p attention --lib -- --ignored every_f32`.
     #[test]
     #[ignore]
     fn every_f32_quantizes_to_its_code() {
