@@ -482,10 +482,10 @@ unsafe fn quantize_on_avx2(dtype: KvDType, x: &[f32], scale: f32, dst: &mut [u8]
 /// them, in the dwords of a vector, except that a NaN's is `i32::MIN` (the packs saturate it
 /// to -128, which no other element gives, and [`quantize_8bit_avx2`] clears those bytes 32 at
 /// a time): the magnitude, at most 127, plus the largest float below one half, truncated,
-/// then given the element's sign.
-/// Adding that constant and truncating rounds ties away from zero, as `i8_code` does, for
-/// every f32 (checked over all 2^32 of them); six operations where the integer part and a
-/// compare of the rest with one half took twelve.
+/// then given the element's sign. Adding that constant and truncating rounds ties away from
+/// zero, as `i8_code` does, for every f32 (`every_f32_quantizes_to_its_code` checks all
+/// 2^32); six operations where the integer part and a compare of the rest with one half
+/// took twelve.
 ///
 /// # Safety
 /// The CPU has AVX2, and the caller is compiled for it.
@@ -518,7 +518,7 @@ unsafe fn i8_codes_avx2(v: std::arch::x86_64::__m256) -> std::arch::x86_64::__m2
 /// rounds it to its code's value, ties to even; the sum's bits less `m`'s count the steps
 /// above `m`'s exponent's first code, which `m`'s own bits give. Ten operations (the signs
 /// are packed 32 at a time) where the two cases and the sign took fifteen; checked against
-/// `f8_code` over all 2^32 f32 (the store path into fp8 pools went from 2.9-3.3 to 3.4-3.8
+/// `f8_code` over all 2^32 f32 by `every_f32_quantizes_to_its_code` (the store path into fp8 pools went from 2.9-3.3 to 3.4-3.8
 /// GiB/s in `cargo bench -p kv-transfer --bench store`).
 ///
 /// # Safety
