@@ -184,6 +184,7 @@ pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Val
         ..Default::default()
     };
     let streams = u64::from(args.streams.max(1));
+    let cpu = CpuTimes::now();
     let t = Instant::now();
     let mut tasks = Vec::new();
     for s in 0..streams {
@@ -209,6 +210,7 @@ pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Val
         t.await??;
     }
     let secs = t.elapsed().as_secs_f64();
+    let cpu = CpuTimes::now().since(cpu);
     let rate = (rounds * push_bytes) as f64 / secs;
     // The served node's layout, from the model it loaded (not loaded again: a 16 GB model
     // took longer to load than the whole push).
@@ -246,6 +248,13 @@ pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Val
             gb(store),
             store / memcpy
         );
+        eprintln!(
+            "ingest push CPU (the client and the node, both in this process): {:.2}s user + {:.2}s system over {secs:.2}s = {:.2} of {} CPUs busy",
+            cpu.user,
+            cpu.system,
+            (cpu.user + cpu.system) / secs,
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+        );
     }
     Ok(json!({
         "bench": "ingest", "bytes": rounds * push_bytes, "seconds": secs, "gb_per_s": rate / 1e9,
@@ -256,5 +265,6 @@ pub(super) async fn ingest(args: &IngestBench) -> anyhow::Result<serde_json::Val
             "key_transpose_digests": gb(stages.keys_digests),
         },
         "push_bytes": push_bytes, "tokens_per_push": tokens,
+        "push_cpu_seconds": { "user": cpu.user, "system": cpu.system },
     }))
 }

@@ -314,6 +314,43 @@ fn prefetch_at(c: &[f32], i: usize) {
     let _ = (c, i);
 }
 
+/// CPU seconds this process has used so far, in user space and in the kernel (`getrusage`,
+/// to the microsecond): with the clock, whether a phase was bound by the CPUs.
+#[derive(Debug, Clone, Copy)]
+struct CpuTimes {
+    user: f64,
+    system: f64,
+}
+
+impl CpuTimes {
+    fn now() -> Self {
+        // SAFETY: `getrusage` fills the zeroed struct it is given and reads nothing else.
+        let ru = unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            if libc::getrusage(libc::RUSAGE_SELF, &mut ru) != 0 {
+                return Self {
+                    user: 0.0,
+                    system: 0.0,
+                };
+            }
+            ru
+        };
+        let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+        Self {
+            user: secs(ru.ru_utime),
+            system: secs(ru.ru_stime),
+        }
+    }
+
+    /// What was used since `earlier`.
+    fn since(self, earlier: Self) -> Self {
+        Self {
+            user: self.user - earlier.user,
+            system: self.system - earlier.system,
+        }
+    }
+}
+
 /// Bytes/s of single-thread memcpy (best of a few passes).
 fn memcpy_bandwidth(bytes: usize, seconds: f64) -> anyhow::Result<f64> {
     let mut src = HugeBuf::zeroed(bytes)?;
