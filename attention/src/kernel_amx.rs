@@ -51,9 +51,10 @@
 //! The products take no denormal inputs or outputs (AMX treats them as zero), as
 //! `VDPBF16PS`. `DECODE_NODE_AMX=0` turns the path off; `all` gives it groups of 2 to 8.
 //!
-//! f16 blocks stay on the FMA loops, even at G=8 where those reach only 0.74-0.81 of read
-//! bandwidth. Tried and measured slower: each f16 element staged as a bf16 pair that sums
-//! to it exactly (its widened f32 cut after 8 bits, and the rest), with the query and the
+//! f16 blocks stay on the FMA loops, even at G=8 where those reached only 0.74-0.81 of read
+//! bandwidth (0.78-0.84 once a group of 8 prefetched into L1: `kernel_avx512::request`).
+//! Tried and measured slower: each f16 element staged as a bf16 pair that sums to it
+//! exactly (its widened f32 cut after 8 bits, and the rest), with the query and the
 //! weights in three bf16 parts each, so the tiles gave the FMA loops' results (to 1e-5
 //! against the f64 reference). The staging alone takes 6 ops of ports 0 and 5 per 16
 //! elements, against 10 for the FMAs at G=8, but the block then waits on more than twice

@@ -238,15 +238,30 @@ impl<'a> Prefetch<'a> {
     /// slice's, which the CPU drops as cheaply as a cached line (0.7 cycles a request).
     #[inline]
     pub(crate) fn one(&mut self) {
+        let p = self.next_line();
+        // SAFETY: a prefetch is a hint and never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) };
+    }
+
+    /// [`Prefetch::one`] into L1 as well (the AVX-512 loops of a group of 8).
+    #[inline]
+    pub(crate) fn one_l1(&mut self) {
+        let p = self.next_line();
+        // SAFETY: as `one`'s.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) };
+    }
+
+    /// The line [`Prefetch::one`] asks for, the cursor moved past it.
+    #[inline(always)]
+    fn next_line(&mut self) -> *const u8 {
         #[cfg(test)]
         {
             self.made += 1;
         }
         let last = self.next.len().saturating_sub(64);
         let p = self.next.as_ptr().wrapping_add(self.off.min(last));
-        // SAFETY: a prefetch is a hint and never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) };
         self.off += 64;
+        p
     }
 
     /// Requests the lines this call owes, if any are left.

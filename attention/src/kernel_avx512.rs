@@ -460,7 +460,7 @@ unsafe fn scores<E: Elem512, const G: usize, F: Factor>(
         for g in 0..G {
             // Half the group's FMAs between this pass's two requests (see `request`).
             if g == G / 2 {
-                request::<E>(&mut next);
+                request::<E, G>(&mut next);
             }
             // SAFETY: g < G, c + 1 < d: inside `qs` (the contract).
             unsafe {
@@ -468,7 +468,7 @@ unsafe fn scores<E: Elem512, const G: usize, F: Factor>(
                 sets.fold::<F>(g, (qa, [k0, k1]), (qa.add(1), [k2, k3]));
             }
         }
-        request::<E>(&mut next);
+        request::<E, G>(&mut next);
     }
     let acc = sets.sums();
     *pf = next;
@@ -530,7 +530,7 @@ unsafe fn accumulate_v<E: Elem512, const G: usize, F: Factor>(
             let (at, bt) = if E::SPLIT { (j, 16 + j) } else { (t, t + 1) };
             for g in 0..G {
                 if g == G / 2 {
-                    request::<E>(&mut next);
+                    request::<E, G>(&mut next);
                 }
                 // SAFETY: g < G, at, bt < 32 <= b: inside `p` (the contract).
                 unsafe {
@@ -541,7 +541,7 @@ unsafe fn accumulate_v<E: Elem512, const G: usize, F: Factor>(
                     )
                 };
             }
-            request::<E>(&mut next);
+            request::<E, G>(&mut next);
         }
         let r = sets.sums();
         for g in 0..G {
@@ -564,11 +564,25 @@ unsafe fn accumulate_v<E: Elem512, const G: usize, F: Factor>(
 /// [`accumulate_v`], which make two a pass, after each half of the group's FMAs: one line
 /// (two for f32, whose blocks have twice the lines; int8 and fp8 ask for the last line
 /// again over their second half). [`Prefetch::one`] says why one at a time.
+///
+/// A group of 8 asks for them into L1 ([`Prefetch::one_l1`]), the others into L2. On the
+/// Intel Xeon VM (AVX-512 FP16, AMX; f16 KV from DRAM, one thread, `bench kernels`, two
+/// builds alternated three times), L1 gave G=8 D=128 0.83-0.85 of read bandwidth against
+/// 0.78-0.79 (D=64 0.78-0.81 both ways), but G=4 and 5 0.92-0.99 against 0.96-1.04 and G=6
+/// and 7 0.83-0.90 against 0.84-0.93: a group of 8 takes longest over a block, so its lines
+/// wait in L1 least.
 #[inline(always)]
-fn request<E: Elem512>(next: &mut Prefetch<'_>) {
-    next.one();
+fn request<E: Elem512, const G: usize>(next: &mut Prefetch<'_>) {
+    let one = |next: &mut Prefetch<'_>| {
+        if G >= 8 {
+            next.one_l1();
+        } else {
+            next.one();
+        }
+    };
+    one(next);
     if E::SIZE > 2 {
-        next.one();
+        one(next);
     }
 }
 
